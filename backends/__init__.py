@@ -1,0 +1,1 @@
+"""Replica handles and launchers."""

@@ -1,0 +1,18 @@
+"""A handle on one replica the router can send traffic to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policies import ReplicaState
+
+
+@dataclass(slots=True)
+class ReplicaHandle:
+    name: str
+    base_url: str
+    state: ReplicaState = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Unknown until the first probe passes: no traffic to a replica not known to be up.
+        self.state = ReplicaState(replica_id=self.name, healthy=False)

@@ -1,0 +1,1 @@
+"""Health: active probes, and (later) passive outlier detection and circuit breakers."""

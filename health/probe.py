@@ -1,0 +1,101 @@
+"""Active health probes: GET each replica's health path on an interval.
+
+A replica is taken out of rotation on a failed probe and put back on a passing one. When a
+replica first passes (or comes back), its /v1/models is read so the router knows which
+models it can route there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import httpx
+
+from policies import ReplicaState
+
+log = logging.getLogger(__name__)
+
+
+class Probeable(Protocol):
+    @property
+    def base_url(self) -> str: ...
+
+    @property
+    def state(self) -> ReplicaState: ...
+
+
+class ActiveProber:
+    def __init__(
+        self,
+        replicas: Callable[[], Sequence[Probeable]],
+        *,
+        path: str = "/health",
+        interval_s: float = 5.0,
+        timeout_s: float = 2.0,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._replicas = replicas
+        self._path = path
+        self._interval_s = interval_s
+        self._on_change = on_change
+        self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
+        self._task: asyncio.Task[None] | None = None
+
+    async def probe_all(self) -> None:
+        """One round over every replica, concurrently."""
+        replicas = list(self._replicas())
+        results = await asyncio.gather(*(self._probe(r) for r in replicas))
+        if any(results):
+            self._on_change()
+
+    async def _probe(self, replica: Probeable) -> bool:
+        """Probe one replica; True when what the router knows about it changed."""
+        state = replica.state
+        healthy = await self._get_ok(replica.base_url + self._path)
+        changed = healthy != state.healthy
+        if healthy and (changed or state.models is None):
+            models = await self._fetch_models(replica.base_url)
+            if models is not None and models != state.models:
+                state.models = models
+                changed = True
+        if healthy != state.healthy:
+            log.info(
+                "replica %s is now %s", state.replica_id, "healthy" if healthy else "unhealthy"
+            )
+            state.healthy = healthy
+        return changed
+
+    async def _get_ok(self, url: str) -> bool:
+        try:
+            response = await self._client.get(url)
+        except (httpx.HTTPError, OSError):
+            return False
+        return response.status_code == 200
+
+    async def _fetch_models(self, base_url: str) -> frozenset[str] | None:
+        try:
+            response = await self._client.get(base_url + "/v1/models")
+            data = response.json()["data"]
+            return frozenset(str(m["id"]) for m in data)
+        except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvroute-health-probes")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.probe_all()
+            except Exception:  # a bug in one round must not end probing for good
+                log.exception("health probe round failed")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._client.aclose()

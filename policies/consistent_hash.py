@@ -1,0 +1,56 @@
+"""Consistent hashing on a session key, with bounded loads.
+
+Requests that share a key (a session header or the body's ``user``) go to the same replica,
+so its prefix cache stays warm, unless that replica already holds more than (1 + eps) times
+the average in-flight count; then the key spills to the next replica on the ring. Requests
+without a key have no affinity to keep and go to the least-loaded replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .hash_ring import HashRing, bounded_walk, hash_key
+from .least_loaded import LeastLoaded
+from .types import NO_HEALTHY_REPLICA, Decision, FleetView, Policy, RouteRequest
+
+
+class ConsistentHash(Policy):
+    name = "consistent_hash"
+
+    def __init__(self, eps: float = 0.25, vnodes: int = 160) -> None:
+        if eps < 0:
+            raise ValueError("eps must be >= 0")
+        self.eps = eps
+        self.vnodes = vnodes
+        self._ring = HashRing([], vnodes)
+        self._members: set[str] = set()
+        self._membership_version: int | None = None
+        self._no_key = LeastLoaded()
+
+    def decide(self, request: RouteRequest, fleet: FleetView) -> Decision:
+        if request.routing_key is None:
+            fallback = self._no_key.decide(request, fleet)
+            return Decision(fallback.ranked, "no_key_least_loaded") if fallback.ranked else fallback
+        self._sync_ring(fleet)
+        healthy = {r.replica_id: r for r in fleet.eligible(request.model)}
+        if not healthy:
+            return NO_HEALTHY_REPLICA
+        ranked, home_full = bounded_walk(
+            self._ring, hash_key(request.routing_key), healthy, self.eps
+        )
+        return Decision(tuple(ranked), "hash_spill" if home_full else "hash_home")
+
+    def _sync_ring(self, fleet: FleetView) -> None:
+        if fleet.membership_version == self._membership_version:
+            return
+        members = {r.replica_id for r in fleet.replicas}
+        for gone in self._members - members:
+            self._ring.remove(gone)
+        for new in members - self._members:
+            self._ring.add(new)
+        self._members = members
+        self._membership_version = fleet.membership_version
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "eps": self.eps, "vnodes": self.vnodes}

@@ -1,0 +1,95 @@
+"""The vocabulary shared by every policy, the live router and the simulator.
+
+Everything here is plain data: no I/O, no asyncio, no wall clock. The router (or the
+simulator) owns the ``ReplicaState`` objects, updates them as requests start and finish,
+and hands policies a ``FleetView`` to decide on. Policies only read it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """What the router knows about one replica at this instant."""
+
+    replica_id: str
+    healthy: bool = True
+    # Models the replica serves; None until known (then it is eligible for any model).
+    models: frozenset[str] | None = None
+    # The router's own accounting, updated at every dispatch and completion.
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    # What the replica itself last reported (None until a fresh report exists).
+    reported_waiting: int | None = None
+    reported_kv_usage: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy may know about a request."""
+
+    prompt_tokens: int
+    max_tokens: int
+    model: str | None = None
+    routing_key: str | None = None
+    block_hashes: tuple[int, ...] = ()
+
+    @property
+    def token_cost(self) -> int:
+        """Work this request adds to a replica, in tokens (prompt plus expected output)."""
+        return self.prompt_tokens + self.max_tokens
+
+
+@dataclass(slots=True)
+class FleetView:
+    """A consistent view of the fleet for one decision.
+
+    ``membership_version`` changes whenever replicas join or leave, so policies that keep
+    derived structures (a hash ring) know when to rebuild them without comparing lists.
+    """
+
+    replicas: Sequence[ReplicaState]
+    membership_version: int = 0
+    now: float = 0.0
+
+    def eligible(self, model: str | None) -> list[ReplicaState]:
+        """Healthy replicas that serve ``model`` (or whose models are not known yet)."""
+        return [
+            r
+            for r in self.replicas
+            if r.healthy and (model is None or r.models is None or model in r.models)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Replicas to try, best first, and why the first one was chosen."""
+
+    ranked: tuple[str, ...]
+    reason: str
+
+    @property
+    def chosen(self) -> str:
+        return self.ranked[0]
+
+
+NO_HEALTHY_REPLICA = Decision(ranked=(), reason="no_healthy_replica")
+
+
+class Policy(ABC):
+    """A routing policy: pure, synchronous, deterministic for a seed."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def decide(self, request: RouteRequest, fleet: FleetView) -> Decision:
+        """Rank the healthy replicas for ``request``; empty ranking if none is healthy."""
+
+    def describe(self) -> dict[str, Any]:
+        """Parameters, for logs and the admin API."""
+        return {"name": self.name}

@@ -1,0 +1,1 @@
+"""The async router: API, forwarding, metrics and the command line."""

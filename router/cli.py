@@ -1,0 +1,139 @@
+"""The ``kvroute`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import msgspec
+
+from policies import DEFAULT_POLICY, POLICIES
+
+from .config import Config, ConfigError, ReplicaConfig, config_from_dict, load_config
+
+EXIT_CONFIG_ERROR = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        result: int = args.func(args)
+    except ConfigError as exc:
+        print(f"kvroute: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:
+        return 130
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute",
+        description="Cache-aware router and load balancer for fleets of vLLM replicas.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="Log verbosity (default: warning; the request path never logs per request).",
+    )
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    _add_serve(sub)
+    _add_check_config(sub)
+    from .bench.cli import add_bench
+
+    add_bench(sub)
+    return parser
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="Run the router (OpenAI-compatible API) in front of vLLM replicas.",
+        description=(
+            "Run the router. Give a YAML config with --config, or replicas with --replica; "
+            "flags override the config file."
+        ),
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML config file (see configs/).")
+    p.add_argument(
+        "--replica",
+        action="append",
+        metavar="URL",
+        help="Base URL of a replica, e.g. http://127.0.0.1:8001 (repeat for more). "
+        "Replaces the config's replicas.",
+    )
+    p.add_argument(
+        "--policy",
+        choices=sorted(POLICIES),
+        help=f"Routing policy (default: the config's, else {DEFAULT_POLICY}).",
+    )
+    p.add_argument("--host", help="Listen address (default 127.0.0.1).")
+    p.add_argument("--port", type=int, help="Listen port (default 8000).")
+    p.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME",
+        help="A model name clients may request (repeat for more). Default: the models "
+        "the replicas report on /v1/models.",
+    )
+    p.set_defaults(func=_cmd_serve)
+
+
+def _add_check_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "check-config",
+        help="Validate a config file and exit (0 valid, 2 invalid).",
+        description="Validate a YAML config file: unknown keys, wrong types, bad URLs and "
+        "policy parameters are reported with the key path and the reason.",
+    )
+    p.add_argument("file", metavar="FILE")
+    p.set_defaults(func=_cmd_check_config)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    config = load_config(args.config) if args.config else Config()
+    overrides = msgspec.to_builtins(config)
+    if args.replica:
+        overrides["replicas"] = [msgspec.to_builtins(ReplicaConfig(url=u)) for u in args.replica]
+    if args.policy:
+        overrides["policy"] = {"name": args.policy, "params": {}}
+        if config.policy.name == args.policy:
+            overrides["policy"]["params"] = config.policy.params
+    if args.host:
+        overrides["listen"]["host"] = args.host
+    if args.port is not None:
+        overrides["listen"]["port"] = args.port
+    if args.model:
+        overrides["models"] = args.model
+    config = config_from_dict(overrides)
+    if not config.replicas:
+        raise ConfigError("no replicas: give --replica URL or a 'replicas' list in the config")
+    return config
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .runner import run
+
+    run(config_from_args(args))
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    config = load_config(args.file)
+    print(
+        f"{args.file}: OK ({len(config.replicas)} replicas, policy {config.policy.name}, "
+        f"listen {config.listen.host}:{config.listen.port})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The router's configuration: YAML on disk, validated into typed structs on load.
+
+Every problem is reported as one ``ConfigError`` naming the key path and the reason, so
+``kvroute check-config`` and ``kvroute serve`` can print it and exit 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+import yaml
+
+from policies import DEFAULT_POLICY, PolicyConfigError, build_policy
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message names the key and the reason."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ListenConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+class ReplicaConfig(_Section):
+    url: str
+    # A stable name for metrics and headers; defaults to host:port of the URL.
+    name: str | None = None
+
+
+class PolicyConfig(_Section):
+    name: str = DEFAULT_POLICY
+    params: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class TimeoutsConfig(_Section):
+    connect_s: float = 5.0
+    # Longest wait for the first byte of a replica's response (covers queueing and prefill).
+    first_byte_s: float = 600.0
+    # Longest silence between two chunks of a replica's response.
+    idle_s: float = 600.0
+
+
+class LimitsConfig(_Section):
+    max_body_bytes: int = 8 * 1024 * 1024
+    # 0 means no limit.
+    max_concurrent_requests: int = 0
+
+
+class HealthConfig(_Section):
+    path: str = "/health"
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+
+
+class MetricsConfig(_Section):
+    enabled: bool = True
+
+
+class Config(_Section):
+    listen: ListenConfig = msgspec.field(default_factory=ListenConfig)
+    # Model names clients may ask for; empty means: whatever the replicas report.
+    models: list[str] = msgspec.field(default_factory=list)
+    replicas: list[ReplicaConfig] = msgspec.field(default_factory=list)
+    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    # Add X-Kvroute-Replica and X-Kvroute-Reason to every routed response.
+    decision_headers: bool = True
+
+
+def load_config(path: str | Path) -> Config:
+    """Read, parse and validate a YAML config file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    try:
+        return config_from_dict(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def config_from_dict(raw: Any) -> Config:
+    try:
+        config = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_describe_validation_error(str(exc))) from None
+    validate(config)
+    return config
+
+
+def _describe_validation_error(message: str) -> str:
+    """msgspec says 'Expected `int`, got `str` - at `$.listen.port`'; say it as 'listen.port: ...'."""
+    reason, _, where = message.partition(" - at ")
+    reason = reason.replace("`", "'")
+    reason = reason[0].lower() + reason[1:] if reason else reason
+    key = where.strip("`").removeprefix("$").lstrip(".")
+    return f"{key}: {reason}" if key else f"top level: {reason}"
+
+
+def validate(config: Config) -> None:
+    """Checks that types alone cannot express."""
+    _check_port("listen.port", config.listen.port)
+    names: set[str] = set()
+    for i, replica in enumerate(config.replicas):
+        key = f"replicas[{i}]"
+        check_replica_url(replica.url, f"{key}.url")
+        name = replica.name or replica_name_from_url(replica.url)
+        if name in names:
+            raise ConfigError(f"{key}.name: duplicate replica name {name!r}")
+        names.add(name)
+    for i, model in enumerate(config.models):
+        if not model:
+            raise ConfigError(f"models[{i}]: must not be empty")
+    for section, fields in (
+        ("timeouts", ("connect_s", "first_byte_s", "idle_s")),
+        ("health", ("interval_s", "timeout_s")),
+    ):
+        for field in fields:
+            value = getattr(getattr(config, section), field)
+            if value <= 0:
+                raise ConfigError(f"{section}.{field}: must be > 0, got {value}")
+    if config.limits.max_body_bytes <= 0:
+        raise ConfigError(f"limits.max_body_bytes: must be > 0, got {config.limits.max_body_bytes}")
+    if config.limits.max_concurrent_requests < 0:
+        raise ConfigError("limits.max_concurrent_requests: must be >= 0 (0 means no limit)")
+    if not config.health.path.startswith("/"):
+        raise ConfigError(f"health.path: must start with '/', got {config.health.path!r}")
+    try:
+        build_policy(config.policy.name, config.policy.params)
+    except PolicyConfigError as exc:
+        key = "policy.name" if "unknown policy" in str(exc) else "policy.params"
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def _check_port(key: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{key}: must be a port number 0-65535, got {port}")
+
+
+def check_replica_url(url: str, key: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{key}: {url!r} is not an http(s) URL with a host")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise ConfigError(f"{key}: {url!r} has an invalid port") from None
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"{key}: {url!r} must be a base URL like http://host:port")
+
+
+def replica_name_from_url(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+def replica_base_url(url: str) -> str:
+    return url.rstrip("/")

@@ -1,0 +1,93 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+_JSON = "application/json"
+
+
+class ApiError(Exception):
+    """An error to return to the client as-is."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status, body=self.body(), content_type=_JSON, headers=self.headers
+        )
+
+
+def error_body(message: str, error_type: str, param: str | None, code: str | None) -> bytes:
+    return msgspec.json.encode(
+        {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    )
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def model_not_found(model: str, available: list[str]) -> ApiError:
+    return ApiError(
+        404,
+        f"The model {model!r} does not exist. Available: {', '.join(available) or 'none'}.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(
+        413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large"
+    )
+
+
+def no_healthy_replica(retry_after_s: int) -> ApiError:
+    return ApiError(
+        503,
+        "No healthy replica can serve this request right now.",
+        error_type="service_unavailable_error",
+        code="no_healthy_replica",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def upstream_unavailable(retry_after_s: int) -> ApiError:
+    return ApiError(
+        502,
+        "Every replica tried failed before answering.",
+        error_type="upstream_error",
+        code="upstream_unavailable",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def too_many_requests(limit: int) -> ApiError:
+    return ApiError(
+        429,
+        f"The router is at its limit of {limit} concurrent requests.",
+        error_type="rate_limit_error",
+        code="too_many_requests",
+        headers={"Retry-After": "1"},
+    )

@@ -1,0 +1,55 @@
+"""Run the router until SIGINT/SIGTERM, on uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import uvloop
+from aiohttp import web
+
+from .config import Config
+from .server import Router
+
+log = logging.getLogger(__name__)
+
+# How long in-flight requests may take to finish once shutdown starts.
+SHUTDOWN_GRACE_S = 30.0
+
+
+async def serve_forever(config: Config, ready: asyncio.Event | None = None) -> None:
+    router = Router(config)
+    runner = web.AppRunner(
+        router.build_app(),
+        handler_cancellation=True,  # a client that disconnects cancels its handler at once
+        access_log=None,  # no logging on the hot path
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.listen.host, config.listen.port, backlog=2048)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    healthy = sum(1 for r in router.fleet.replicas if r.healthy)
+    print(
+        f"kvroute listening on http://{config.listen.host}:{config.listen.port} "
+        f"(policy {router.policy.name}, {healthy}/{len(router.replicas)} replicas healthy)",
+        file=sys.stderr,
+        flush=True,
+    )
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        print("kvroute shutting down", file=sys.stderr, flush=True)
+        await runner.cleanup()
+
+
+def run(config: Config) -> None:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve_forever(config))

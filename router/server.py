@@ -1,0 +1,227 @@
+"""The router: an aiohttp application that validates, decides and forwards."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from backends.handle import ReplicaHandle
+from health.probe import ActiveProber
+from policies import FleetView, Policy, RouteRequest, build_policy
+
+from . import errors
+from .config import Config, replica_base_url, replica_name_from_url
+from .metrics import RouterMetrics
+from .openai_request import ParsedRequest, parse_chat, parse_completion
+from .proxy import UpstreamUnavailable, relay, upstream_request_headers
+
+log = logging.getLogger(__name__)
+
+# Replicas tried for one request before giving up, when each fails before its first byte.
+MAX_ATTEMPTS = 3
+SESSION_HEADER = "X-Session-ID"
+
+
+class Router:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.replicas: dict[str, ReplicaHandle] = {}
+        for replica in config.replicas:
+            name = replica.name or replica_name_from_url(replica.url)
+            self.replicas[name] = ReplicaHandle(name, replica_base_url(replica.url))
+        self.fleet = FleetView([h.state for h in self.replicas.values()], membership_version=1)
+        self.policy: Policy = build_policy(config.policy.name, config.policy.params)
+        self.metrics = RouterMetrics(lambda: self.fleet.replicas)
+        self.prober = ActiveProber(
+            lambda: list(self.replicas.values()),
+            path=config.health.path,
+            interval_s=config.health.interval_s,
+            timeout_s=config.health.timeout_s,
+            on_change=self._refresh_models,
+        )
+        self.models: list[str] = list(config.models)
+        self._started_at = int(time.time())
+        self._retry_after_s = max(1, math.ceil(config.health.interval_s))
+        self._active_requests = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.timeouts.connect_s, sock_read=config.timeouts.idle_s
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.limits.max_body_bytes)
+        app.router.add_post("/v1/completions", self._make_handler(parse_completion))
+        app.router.add_post("/v1/chat/completions", self._make_handler(parse_chat))
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/ready", self.handle_ready)
+        if self.config.metrics.enabled:
+            app.router.add_get("/metrics", self.handle_metrics)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            timeout=self._timeout,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        await self.prober.probe_all()
+        self.prober.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        await self.prober.close()
+        if self._session is not None:
+            await self._session.close()
+
+    def _refresh_models(self) -> None:
+        if self.config.models:
+            return
+        known: set[str] = set()
+        for state in self.fleet.replicas:
+            known.update(state.models or ())
+        self.models = sorted(known)
+
+    # -- the data path -----------------------------------------------------------------
+
+    def _make_handler(
+        self, parse: Callable[[bytes], ParsedRequest]
+    ) -> Callable[[web.Request], asyncio.Future[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            try:
+                return await self._route(request, parse)
+            except errors.ApiError as exc:
+                self.metrics.rejected.labels(str(exc.status), exc.code or exc.error_type).inc()
+                return exc.response()
+
+        return handler  # type: ignore[return-value]
+
+    async def _route(
+        self, request: web.Request, parse: Callable[[bytes], ParsedRequest]
+    ) -> web.StreamResponse:
+        limit = self.config.limits.max_concurrent_requests
+        if limit and self._active_requests >= limit:
+            raise errors.too_many_requests(limit)
+        max_body = self.config.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > max_body:
+            raise errors.body_too_large(max_body)
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise errors.body_too_large(max_body) from None
+        parsed = parse(body)
+        if self.models and parsed.model not in self.models:
+            raise errors.model_not_found(parsed.model, self.models)
+
+        routing_key = request.headers.get(SESSION_HEADER) or parsed.user
+        route_request = RouteRequest(
+            parsed.prompt_tokens, parsed.max_tokens, parsed.model, routing_key
+        )
+        decision = self.policy.decide(route_request, self.fleet)
+        if not decision.ranked:
+            raise errors.no_healthy_replica(self._retry_after_s)
+
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        headers = upstream_request_headers(request.headers, request_id)
+        self._active_requests += 1
+        try:
+            for attempt, replica_id in enumerate(decision.ranked[:MAX_ATTEMPTS]):
+                reason = decision.reason if attempt == 0 else "retry"
+                response = await self._forward(
+                    request, body, headers, request_id, replica_id, reason, route_request
+                )
+                if response is not None:
+                    return response
+        finally:
+            self._active_requests -= 1
+        raise errors.upstream_unavailable(self._retry_after_s)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        body: bytes,
+        headers: aiohttp.typedefs.LooseHeaders,
+        request_id: str,
+        replica_id: str,
+        reason: str,
+        route_request: RouteRequest,
+    ) -> web.StreamResponse | None:
+        """Relay to one replica; None when it failed before the first byte."""
+        handle = self.replicas[replica_id]
+        state = handle.state
+        cost = route_request.token_cost
+        state.in_flight += 1
+        state.in_flight_tokens += cost
+        extra = {"X-Request-Id": request_id}
+        if self.config.decision_headers:
+            extra["X-Kvroute-Replica"] = replica_id
+            extra["X-Kvroute-Reason"] = reason
+        started = time.perf_counter()
+        assert self._session is not None
+        try:
+            relayed = await relay(
+                self._session,
+                request,
+                handle.base_url + request.path,
+                body,
+                headers,  # type: ignore[arg-type]
+                extra,
+                self.config.timeouts.first_byte_s,
+            )
+        except UpstreamUnavailable as exc:
+            self.metrics.upstream_errors.labels(replica_id, exc.kind).inc()
+            if exc.kind == "connect":
+                # Out of rotation until a probe passes again.
+                state.healthy = False
+            log.warning("replica %s failed before first byte: %s", replica_id, exc)
+            return None
+        finally:
+            state.in_flight -= 1
+            state.in_flight_tokens -= cost
+        if relayed.broken_stream:
+            self.metrics.upstream_errors.labels(replica_id, "broken_stream").inc()
+        self.metrics.observe_request(
+            replica_id, relayed.status, reason, relayed.ttfb_s, time.perf_counter() - started
+        )
+        return relayed.response
+
+    # -- router endpoints --------------------------------------------------------------
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        data = [
+            {"id": model, "object": "model", "created": self._started_at, "owned_by": "kvroute"}
+            for model in self.models
+        ]
+        return _json({"object": "list", "data": data})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        healthy = sum(1 for r in self.fleet.replicas if r.healthy)
+        body = {"ready": healthy > 0, "healthy_replicas": healthy, "replicas": len(self.replicas)}
+        return _json(body, status=200 if healthy else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.metrics.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(obj), status=status, content_type="application/json"
+    )

@@ -1,0 +1,1 @@
+"""The engine model, the replica emulator and the discrete-event fleet simulator."""
