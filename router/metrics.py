@@ -1,94 +1,135 @@
 """Prometheus metrics, all named kvroute_*.
 
-Each router has its own registry (tests run several routers in one process). Per-replica
-gauges are read from the live ``ReplicaState`` at scrape time instead of being updated on
-every request, so the hot path only pays for counters and histograms, and label children
-are cached so it never rebuilds label tuples.
+The hot path only bumps plain Python numbers (no locks, no label lookups in
+prometheus_client); a collector turns them into Prometheus families at scrape time. This
+is safe because the router runs on one event loop thread. Per-replica gauges are read from
+the live ``ReplicaState`` at scrape time.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from policies import ReplicaState
 
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
 
 
+@dataclass(slots=True)
+class _Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, count in zip((*LATENCY_BUCKETS, float("inf")), self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+        return out
+
+
 class RouterMetrics:
     def __init__(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "kvroute_requests",
-            "Requests answered, by replica, HTTP status and routing reason.",
-            ["replica", "status", "reason"],
-            registry=self.registry,
-        )
-        self.rejected = Counter(
-            "kvroute_rejected_requests",
-            "Requests answered by the router itself without reaching a replica, by status and code.",
-            ["status", "code"],
-            registry=self.registry,
-        )
-        self.time_to_first_byte = Histogram(
-            "kvroute_time_to_first_byte_seconds",
-            "From dispatch to the first byte of the replica's response body.",
-            ["replica"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.duration = Histogram(
-            "kvroute_request_duration_seconds",
-            "From dispatch to the last byte relayed to the client.",
-            ["replica"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.upstream_errors = Counter(
-            "kvroute_upstream_errors",
-            "Failures talking to a replica, by kind (connect, timeout, broken_stream).",
-            ["replica", "kind"],
-            registry=self.registry,
-        )
-        self.registry.register(_ReplicaGauges(replicas))
-        self._request_children: dict[tuple[str, int, str], Counter] = {}
-        self._ttfb_children: dict[str, Histogram] = {}
-        self._duration_children: dict[str, Histogram] = {}
+        self._replicas = replicas
+        # (replica, status, reason) -> count
+        self.requests: dict[tuple[str, int, str], int] = {}
+        # (status, code) -> count
+        self.rejected: dict[tuple[int, str], int] = {}
+        # (replica, kind) -> count
+        self.upstream_errors: dict[tuple[str, str], int] = {}
+        self.time_to_first_byte: dict[str, _Histogram] = {}
+        self.duration: dict[str, _Histogram] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
 
     def observe_request(
-        self, replica: str, status: int, reason: str, ttfb_s: float | None, duration_s: float
+        self, replica: str, status: int, reason: str, ttfb_s: float, duration_s: float
     ) -> None:
         key = (replica, status, reason)
-        child = self._request_children.get(key)
-        if child is None:
-            child = self._request_children[key] = self.requests.labels(replica, str(status), reason)
-        child.inc()
-        if ttfb_s is not None:
-            ttfb = self._ttfb_children.get(replica)
-            if ttfb is None:
-                ttfb = self._ttfb_children[replica] = self.time_to_first_byte.labels(replica)
-            ttfb.observe(ttfb_s)
-        duration = self._duration_children.get(replica)
-        if duration is None:
-            duration = self._duration_children[replica] = self.duration.labels(replica)
-        duration.observe(duration_s)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        ttfb = self.time_to_first_byte.get(replica)
+        if ttfb is None:
+            ttfb = self.time_to_first_byte[replica] = _Histogram()
+            self.duration[replica] = _Histogram()
+        ttfb.observe(ttfb_s)
+        self.duration[replica].observe(duration_s)
+
+    def observe_rejected(self, status: int, code: str) -> None:
+        key = (status, code)
+        self.rejected[key] = self.rejected.get(key, 0) + 1
+
+    def observe_upstream_error(self, replica: str, kind: str) -> None:
+        key = (replica, kind)
+        self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
+
+    def replicas(self) -> Iterable[ReplicaState]:
+        return self._replicas()
 
 
-class _ReplicaGauges(Collector):
-    def __init__(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
-        self._replicas = replicas
+class _Collector(Collector):
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._m = metrics
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+        m = self._m
+        requests = CounterMetricFamily(
+            "kvroute_requests",
+            "Requests answered by a replica, by replica, HTTP status and routing reason.",
+            labels=["replica", "status", "reason"],
+        )
+        for (replica, status, reason), count in m.requests.items():
+            requests.add_metric([replica, str(status), reason], count)
+        yield requests
+
+        rejected = CounterMetricFamily(
+            "kvroute_rejected_requests",
+            "Requests answered by the router itself without reaching a replica, by status and code.",
+            labels=["status", "code"],
+        )
+        for (status, code), count in m.rejected.items():
+            rejected.add_metric([str(status), code], count)
+        yield rejected
+
+        errors = CounterMetricFamily(
+            "kvroute_upstream_errors",
+            "Failures talking to a replica, by kind (connect, timeout, protocol, broken_stream).",
+            labels=["replica", "kind"],
+        )
+        for (replica, kind), count in m.upstream_errors.items():
+            errors.add_metric([replica, kind], count)
+        yield errors
+
+        for name, doc, histograms in (
+            (
+                "kvroute_time_to_first_byte_seconds",
+                "From dispatch to the first byte of the replica's response body.",
+                m.time_to_first_byte,
+            ),
+            (
+                "kvroute_request_duration_seconds",
+                "From dispatch to the last byte relayed to the client.",
+                m.duration,
+            ),
+        ):
+            family = HistogramMetricFamily(name, doc, labels=["replica"])
+            for replica, histogram in histograms.items():
+                family.add_metric([replica], histogram.buckets(), histogram.total)
+            yield family
+
         in_flight = GaugeMetricFamily(
-            "kvroute_in_flight_requests",
-            "Requests the router has in flight per replica.",
-            labels=["replica"],
+            "kvroute_in_flight_requests", "Requests the router has in flight per replica.", labels=["replica"]
         )
         in_flight_tokens = GaugeMetricFamily(
             "kvroute_in_flight_tokens",
@@ -98,13 +139,10 @@ class _ReplicaGauges(Collector):
         healthy = GaugeMetricFamily(
             "kvroute_replica_healthy", "1 when the replica is taking traffic.", labels=["replica"]
         )
-        for replica in self._replicas():
+        for replica in m.replicas():
             in_flight.add_metric([replica.replica_id], replica.in_flight)
             in_flight_tokens.add_metric([replica.replica_id], replica.in_flight_tokens)
             healthy.add_metric([replica.replica_id], 1.0 if replica.healthy else 0.0)
         yield in_flight
         yield in_flight_tokens
         yield healthy
-
-    def describe(self) -> Iterable[GaugeMetricFamily]:
-        return []

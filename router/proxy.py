@@ -1,4 +1,4 @@
-"""Forward one request to one replica and relay its answer.
+"""Forward one request to one replica and relay its answer to the client.
 
 Bodies go out as received and come back as received: non-streamed answers are read whole
 (they are small JSON), streamed ones are relayed chunk by chunk as they arrive. Nothing is
@@ -7,34 +7,15 @@ re-serialised on the way through.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-# Headers that describe one hop, not the message; never forwarded in either direction.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
+from .upstream_client import HOP_BY_HOP, UpstreamClient, UpstreamError, UpstreamResponse
 
-SSE_ERROR_TEMPLATE = (
+_SSE_ERROR = (
     'data: {{"error": {{"message": "{message}", "type": "upstream_error", '
     '"param": null, "code": "stream_broken"}}}}\n\ndata: [DONE]\n\n'
 )
@@ -54,95 +35,98 @@ class Relayed:
 
     response: web.StreamResponse
     status: int
-    ttfb_s: float | None
+    ttfb_s: float
     broken_stream: bool = False
     client_gone: bool = False
 
 
-def upstream_request_headers(headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in headers.items():
-        if key.lower() not in HOP_BY_HOP:
-            out.add(key, value)
-    out["X-Request-Id"] = request_id
-    return out
-
-
-def client_response_headers(
-    upstream: aiohttp.ClientResponse, extra: Mapping[str, str]
-) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in upstream.headers.items():
-        if key.lower() not in HOP_BY_HOP:
-            out.add(key, value)
-    out.update(extra)
-    return out
+def _response_headers(upstream: UpstreamResponse, extra: CIMultiDict[str]) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in upstream.headers:
+        if name.lower() not in HOP_BY_HOP:
+            headers.add(name.decode("latin-1"), value.decode("latin-1"))
+    headers.update(extra)
+    return headers
 
 
 async def relay(
-    session: aiohttp.ClientSession,
-    client_request: web.Request,
-    url: str,
+    client: UpstreamClient,
+    request: web.Request,
+    base_url: str,
     body: bytes,
-    headers: CIMultiDict[str],
-    extra_response_headers: Mapping[str, str],
+    extra_upstream_headers: bytes,
+    extra_response_headers: CIMultiDict[str],
     first_byte_timeout_s: float,
+    idle_timeout_s: float,
 ) -> Relayed:
-    """Send ``body`` to ``url`` and relay the answer to ``client_request``.
+    """Send ``body`` to the replica and relay the answer to ``request``'s client.
 
     Raises ``UpstreamUnavailable`` only while nothing has been sent to the client yet.
     """
     started = time.perf_counter()
     try:
-        async with asyncio.timeout(first_byte_timeout_s):
-            upstream = await session.post(url, data=body, headers=headers)
-            streaming = upstream.content_type == "text/event-stream"
-            first_chunk = await upstream.content.readany() if streaming else b""
-    except TimeoutError:
-        raise UpstreamUnavailable(
-            "timeout", f"no first byte within {first_byte_timeout_s}s"
-        ) from None
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamUnavailable("connect", str(exc)) from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamUnavailable("protocol", str(exc) or type(exc).__name__) from None
+        upstream = await client.post(
+            base_url,
+            request.raw_path.encode(),
+            request.raw_headers,
+            extra_upstream_headers,
+            body,
+            first_byte_timeout_s,
+        )
+    except UpstreamError as exc:
+        raise UpstreamUnavailable(exc.kind, str(exc)) from None
+    content_type = upstream.header(b"content-type") or b""
+    streaming = content_type.startswith(b"text/event-stream")
+    first = b""
+    if streaming:
+        # The first chunk must also arrive within the first-byte timeout.
+        remaining_s = max(first_byte_timeout_s - (time.perf_counter() - started), 0.001)
+        try:
+            first = await upstream.read_chunk(remaining_s)
+        except UpstreamError as exc:
+            upstream.close()
+            raise UpstreamUnavailable(exc.kind, str(exc)) from None
 
-    complete = False
     try:
-        response_headers = client_response_headers(upstream, extra_response_headers)
+        headers = _response_headers(upstream, extra_response_headers)
         if not streaming:
             try:
-                data = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise UpstreamUnavailable("protocol", str(exc) or type(exc).__name__) from None
-            complete = True
-            ttfb = time.perf_counter() - started
-            return Relayed(
-                web.Response(body=data, status=upstream.status, headers=response_headers),
-                upstream.status,
-                ttfb,
-            )
-        ttfb = time.perf_counter() - started
-        response = web.StreamResponse(status=upstream.status, headers=response_headers)
-        await response.prepare(client_request)
-        chunk = first_chunk
-        try:
-            while chunk:
-                await response.write(chunk)
-                chunk = await upstream.content.readany()
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
-            # Too late to pick another replica: end the stream well-formed, never silently cut.
-            message = (str(exc) or type(exc).__name__).replace('"', "'")
-            await response.write(SSE_ERROR_TEMPLATE.format(message=message).encode())
-            await response.write_eof()
-            return Relayed(response, upstream.status, ttfb, broken_stream=True)
-        except ConnectionResetError:
-            # The client went away; the finally below closes the upstream connection.
-            return Relayed(response, upstream.status, ttfb, client_gone=True)
-        complete = True
-        await response.write_eof()
-        return Relayed(response, upstream.status, ttfb)
+                data = await upstream.read(idle_timeout_s)
+            except UpstreamError as exc:
+                raise UpstreamUnavailable(exc.kind, str(exc)) from None
+            response = web.Response(body=data, status=upstream.status, headers=headers)
+            return Relayed(response, upstream.status, time.perf_counter() - started)
+        ttfb_s = time.perf_counter() - started
+        stream = web.StreamResponse(status=upstream.status, headers=headers)
+        await stream.prepare(request)
+        return await _relay_stream(upstream, stream, first, ttfb_s, idle_timeout_s)
     finally:
-        if not complete:
-            # Closing the connection is how the replica learns the client has gone.
-            upstream.close()
+        # Closing an unfinished response is how the replica learns the client has gone.
+        upstream.close()
+
+
+async def _relay_stream(
+    upstream: UpstreamResponse,
+    stream: web.StreamResponse,
+    chunk: bytes,
+    ttfb_s: float,
+    idle_timeout_s: float,
+) -> Relayed:
+    status = upstream.status
+    try:
+        while chunk:
+            await stream.write(chunk)
+            chunk = await upstream.read_chunk(idle_timeout_s)
+        await stream.write_eof()
+    except UpstreamError as exc:
+        # Too late to pick another replica: end the stream well-formed, never silently cut.
+        message = str(exc).replace('"', "'")
+        try:
+            await stream.write(_SSE_ERROR.format(message=message).encode())
+            await stream.write_eof()
+        except ConnectionResetError:
+            return Relayed(stream, status, ttfb_s, broken_stream=True, client_gone=True)
+        return Relayed(stream, status, ttfb_s, broken_stream=True)
+    except ConnectionResetError:
+        return Relayed(stream, status, ttfb_s, client_gone=True)
+    return Relayed(stream, status, ttfb_s)

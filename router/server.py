@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import os
 import time
-import uuid
 from collections.abc import Callable
 
-import aiohttp
 import msgspec
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.handle import ReplicaHandle
@@ -22,7 +23,8 @@ from . import errors
 from .config import Config, replica_base_url, replica_name_from_url
 from .metrics import RouterMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion
-from .proxy import UpstreamUnavailable, relay, upstream_request_headers
+from .proxy import UpstreamUnavailable, relay
+from .upstream_client import UpstreamClient
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +54,10 @@ class Router:
         self._started_at = int(time.time())
         self._retry_after_s = max(1, math.ceil(config.health.interval_s))
         self._active_requests = 0
-        self._session: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.timeouts.connect_s, sock_read=config.timeouts.idle_s
-        )
+        self._client: UpstreamClient | None = None
+        # Request ids: a random per-process prefix and a counter (uuid4 costs more per request).
+        self._request_id_prefix = os.urandom(6).hex()
+        self._request_counter = itertools.count(1)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -73,19 +75,17 @@ class Router:
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-            timeout=self._timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
+        self._client = UpstreamClient(self.config.timeouts.connect_s)
         await self.prober.probe_all()
         self.prober.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await self.prober.close()
-        if self._session is not None:
-            await self._session.close()
+        if self._client is not None:
+            self._client.close()
+
+    def _new_request_id(self) -> str:
+        return f"kvr-{self._request_id_prefix}-{next(self._request_counter):x}"
 
     def _refresh_models(self) -> None:
         if self.config.models:
@@ -104,7 +104,7 @@ class Router:
             try:
                 return await self._route(request, parse)
             except errors.ApiError as exc:
-                self.metrics.rejected.labels(str(exc.status), exc.code or exc.error_type).inc()
+                self.metrics.observe_rejected(exc.status, exc.code or exc.error_type)
                 return exc.response()
 
         return handler  # type: ignore[return-value]
@@ -134,14 +134,13 @@ class Router:
         if not decision.ranked:
             raise errors.no_healthy_replica(self._retry_after_s)
 
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        headers = upstream_request_headers(request.headers, request_id)
+        request_id = request.headers.get("X-Request-Id") or self._new_request_id()
         self._active_requests += 1
         try:
             for attempt, replica_id in enumerate(decision.ranked[:MAX_ATTEMPTS]):
                 reason = decision.reason if attempt == 0 else "retry"
                 response = await self._forward(
-                    request, body, headers, request_id, replica_id, reason, route_request
+                    request, body, request_id, replica_id, reason, route_request
                 )
                 if response is not None:
                     return response
@@ -153,7 +152,6 @@ class Router:
         self,
         request: web.Request,
         body: bytes,
-        headers: aiohttp.typedefs.LooseHeaders,
         request_id: str,
         replica_id: str,
         reason: str,
@@ -165,24 +163,25 @@ class Router:
         cost = route_request.token_cost
         state.in_flight += 1
         state.in_flight_tokens += cost
-        extra = {"X-Request-Id": request_id}
+        extra: CIMultiDict[str] = CIMultiDict({"X-Request-Id": request_id})
         if self.config.decision_headers:
             extra["X-Kvroute-Replica"] = replica_id
             extra["X-Kvroute-Reason"] = reason
         started = time.perf_counter()
-        assert self._session is not None
+        assert self._client is not None
         try:
             relayed = await relay(
-                self._session,
+                self._client,
                 request,
-                handle.base_url + request.path,
+                handle.base_url,
                 body,
-                headers,  # type: ignore[arg-type]
+                b"X-Request-Id: " + request_id.encode() + b"\r\n",
                 extra,
                 self.config.timeouts.first_byte_s,
+                self.config.timeouts.idle_s,
             )
         except UpstreamUnavailable as exc:
-            self.metrics.upstream_errors.labels(replica_id, exc.kind).inc()
+            self.metrics.observe_upstream_error(replica_id, exc.kind)
             if exc.kind == "connect":
                 # Out of rotation until a probe passes again.
                 state.healthy = False
@@ -192,7 +191,7 @@ class Router:
             state.in_flight -= 1
             state.in_flight_tokens -= cost
         if relayed.broken_stream:
-            self.metrics.upstream_errors.labels(replica_id, "broken_stream").inc()
+            self.metrics.observe_upstream_error(replica_id, "broken_stream")
         self.metrics.observe_request(
             replica_id, relayed.status, reason, relayed.ttfb_s, time.perf_counter() - started
         )
