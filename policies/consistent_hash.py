@@ -8,6 +8,7 @@ without a key have no affinity to keep and go to the least-loaded replica.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .hash_ring import HashRing, bounded_walk, hash_key
@@ -19,8 +20,8 @@ class ConsistentHash(Policy):
     name = "consistent_hash"
 
     def __init__(self, eps: float = 0.25, vnodes: int = 160) -> None:
-        if eps < 0:
-            raise ValueError("eps must be >= 0")
+        if not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"eps must be a finite number >= 0, got {eps}")
         self.eps = eps
         self.vnodes = vnodes
         self._ring = HashRing([], vnodes)

@@ -6,6 +6,7 @@ Every problem is reported as one ``ConfigError`` naming the key path and the rea
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -90,13 +91,21 @@ def load_config(path: str | Path) -> Config:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_describe_yaml_error(exc)}") from None
     if raw is None:
         raw = {}
     try:
         return config_from_dict(raw)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def _describe_yaml_error(exc: yaml.YAMLError) -> str:
+    """One line: what is wrong and where (PyYAML's own text spans several lines)."""
+    problem = getattr(exc, "problem", None) or "cannot parse"
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
 
 
 def config_from_dict(raw: Any) -> Config:
@@ -111,6 +120,10 @@ def config_from_dict(raw: Any) -> Config:
 def _describe_validation_error(message: str) -> str:
     """msgspec says 'Expected `int`, got `str` - at `$.listen.port`'; say it as 'listen.port: ...'."""
     reason, _, where = message.partition(" - at ")
+    if where.startswith("`key` in "):
+        # A mapping key of the wrong type, e.g. '1: 2' where names are expected.
+        key = where.removeprefix("`key` in ").strip("`").removeprefix("$").lstrip(".")
+        return f"{key or 'top level'}: keys must be strings"
     reason = reason.replace("`", "'")
     reason = reason[0].lower() + reason[1:] if reason else reason
     key = where.strip("`").removeprefix("$").lstrip(".")
@@ -124,6 +137,10 @@ def validate(config: Config) -> None:
     for i, replica in enumerate(config.replicas):
         key = f"replicas[{i}]"
         check_replica_url(replica.url, f"{key}.url")
+        if replica.name is not None and not replica.name.strip():
+            raise ConfigError(
+                f"{key}.name: must not be empty (leave it out to name the replica by its URL)"
+            )
         name = replica.name or replica_name_from_url(replica.url)
         if name in names:
             raise ConfigError(f"{key}.name: duplicate replica name {name!r}")
@@ -137,8 +154,8 @@ def validate(config: Config) -> None:
     ):
         for field in fields:
             value = getattr(getattr(config, section), field)
-            if value <= 0:
-                raise ConfigError(f"{section}.{field}: must be > 0, got {value}")
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{section}.{field}: must be a finite number > 0, got {value}")
     if config.limits.max_body_bytes <= 0:
         raise ConfigError(f"limits.max_body_bytes: must be > 0, got {config.limits.max_body_bytes}")
     if config.limits.max_concurrent_requests < 0:
@@ -158,13 +175,15 @@ def _check_port(key: str, port: int) -> None:
 
 
 def check_replica_url(url: str, key: str) -> None:
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {url!r} is not a valid URL ({exc})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{key}: {url!r} is not an http(s) URL with a host")
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError:
-        raise ConfigError(f"{key}: {url!r} has an invalid port") from None
+    if port == 0:
+        raise ConfigError(f"{key}: {url!r} has port 0, which no replica can listen on")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ConfigError(f"{key}: {url!r} must be a base URL like http://host:port")
 

@@ -129,7 +129,9 @@ class _Collector(Collector):
             yield family
 
         in_flight = GaugeMetricFamily(
-            "kvroute_in_flight_requests", "Requests the router has in flight per replica.", labels=["replica"]
+            "kvroute_in_flight_requests",
+            "Requests the router has in flight per replica.",
+            labels=["replica"],
         )
         in_flight_tokens = GaugeMetricFamily(
             "kvroute_in_flight_tokens",

@@ -17,7 +17,6 @@ already holds) to replicas it knows, so the client can stay small:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ssl
 from collections import deque
 from collections.abc import Iterable
@@ -158,6 +157,12 @@ def _expire(waiter: asyncio.Future[None], timeout_s: float) -> None:
         waiter.set_exception(UpstreamTimeout(f"no response within {timeout_s:g}s"))
 
 
+def _close_delimited(response: UpstreamResponse) -> bool:
+    return (
+        response.header(b"content-length") is None and response.header(b"transfer-encoding") is None
+    )
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, pool: _Pool) -> None:
         self.pool = pool
@@ -183,10 +188,14 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.response is not None and not self.response.complete:
-            with contextlib.suppress(httptools.HttpParserError):
-                self.parser.feed_eof()  # completes a response delimited by connection close
-        if self.response is not None and not self.response.complete:
+        response = self.response
+        if response is None or response.complete:
+            return
+        if response.status and _close_delimited(response):
+            # No length and not chunked: the body ends when the connection does.
+            self.response = None
+            response._finish()
+        else:
             self._lost(UpstreamError("replica closed the connection mid-response"))
 
     # -- httptools callbacks -----------------------------------------------------------
@@ -256,7 +265,9 @@ class _Pool:
         self.loop = asyncio.get_running_loop()
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
+        self.ssl: ssl.SSLContext | None = (
+            ssl.create_default_context() if parts.scheme == "https" else None
+        )
         default_port = (parts.scheme == "https" and self.port == 443) or self.port == 80
         self.host_header = (self.host if default_port else f"{self.host}:{self.port}").encode()
         self.connect_timeout_s = connect_timeout_s
@@ -276,9 +287,13 @@ class _Pool:
                     lambda: _Connection(self), self.host, self.port, ssl=self.ssl
                 )
         except TimeoutError:
-            raise UpstreamConnectError(f"connect timed out after {self.connect_timeout_s}s") from None
+            raise UpstreamConnectError(
+                f"connect timed out after {self.connect_timeout_s}s"
+            ) from None
         except OSError as exc:
-            raise UpstreamConnectError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
+            raise UpstreamConnectError(
+                f"cannot connect to {self.host}:{self.port}: {exc}"
+            ) from None
         return conn
 
     def release(self, conn: _Connection) -> None:

@@ -3,9 +3,139 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="Benchmarks (results go to BENCHMARKS.md).")
     bench_sub = p.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
-    del bench_sub
+    _add_overhead(bench_sub)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _target_list(text: str) -> tuple[str, ...]:
+    from .overhead import TARGETS
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown target(s) {', '.join(unknown) or '(none given)'}; "
+            f"choose from: {', '.join(TARGETS)}"
+        )
+    return names
+
+
+def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .overhead import DEFAULT_TARGETS, TARGETS
+
+    p = sub.add_parser(
+        "overhead",
+        help="The router's own overhead vs direct access and peer routers (one run).",
+        description=(
+            "Start N instant-answer stub upstreams, then measure, one after another with the "
+            "same load: direct access to the first stub, kvroute (round_robin and its default "
+            "policy), vllm-router (round_robin, cache_aware) and smg (cache_aware). Prints "
+            "requests/s, p50/p99 latency, errors and the ratios to direct; appends the table "
+            "and the command that reproduces it to BENCHMARKS.md. Compare ratios within a run: "
+            "absolute numbers depend on the machine and whatever else runs on it. Peers come "
+            "from `pip install -e '.[bench]'`; a missing one is skipped."
+        ),
+    )
+    p.add_argument(
+        "--concurrency", type=_positive_int, default=32, help="Open connections (default 32)."
+    )
+    p.add_argument(
+        "--duration",
+        type=_positive_int,
+        default=10,
+        help="Measured seconds per target, after warmup (default 10).",
+    )
+    p.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=2,
+        help="Unmeasured seconds of the same load before each target's measurement (default 2).",
+    )
+    p.add_argument(
+        "--upstreams", type=_positive_int, default=2, help="Stub upstreams to start (default 2)."
+    )
+    p.add_argument(
+        "--targets",
+        type=_target_list,
+        default=tuple(DEFAULT_TARGETS),
+        help=f"Comma list of targets to run, in order (default {','.join(DEFAULT_TARGETS)}; "
+        f"all: {','.join(TARGETS)}).",
+    )
+    p.add_argument("--stream", action="store_true", help="Send streaming requests (SSE).")
+    p.add_argument(
+        "--loadgen",
+        choices=["auto", "wrk", "builtin"],
+        default="auto",
+        help="Load generator: wrk if installed (auto, the default), wrk, or the built-in "
+        "asyncio client.",
+    )
+    p.add_argument("--threads", type=_positive_int, default=2, help="wrk threads (default 2).")
+    p.add_argument(
+        "--model", default="stub-model", help="Model name the stubs serve and requests ask for."
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=60.0,
+        help="Seconds each process may take to become ready (default 60).",
+    )
+    p.add_argument(
+        "--peer-bin-dir",
+        metavar="DIR",
+        help="Where vllm-router and smg are installed (searched before this Python's bin "
+        "directory and PATH).",
+    )
+    p.add_argument(
+        "--output-md",
+        metavar="PATH",
+        default="BENCHMARKS.md",
+        help="Markdown file to append the results to (default BENCHMARKS.md here).",
+    )
+    p.add_argument("--no-record", action="store_true", help="Print only; write no file.")
+    p.set_defaults(func=_cmd_overhead)
+
+
+def _cmd_overhead(args: argparse.Namespace) -> int:
+    from .loadgen import LoadError
+    from .overhead import Options, run_overhead
+    from .processes import StartError
+
+    options = Options(
+        concurrency=args.concurrency,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        upstreams=args.upstreams,
+        targets=args.targets,
+        stream=args.stream,
+        model=args.model,
+        loadgen=args.loadgen,
+        threads=args.threads,
+        startup_timeout_s=args.startup_timeout,
+        peer_bin_dir=args.peer_bin_dir,
+        output_md=args.output_md,
+        record=not args.no_record,
+    )
+    try:
+        return run_overhead(options, sys.argv[1:])
+    except (LoadError, StartError) as exc:
+        print(f"kvroute bench overhead: {exc}", file=sys.stderr)
+        return 2

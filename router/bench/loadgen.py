@@ -1,0 +1,197 @@
+"""Load generators for benchmarks: wrk when installed, else a built-in asyncio client.
+
+Both run a fixed number of connections for a fixed time, each connection sending the next
+request as soon as the last one is answered (closed loop), and both return a ``LoadResult``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+
+HEADERS = {"Content-Type": "application/json"}
+
+
+class LoadError(RuntimeError):
+    """The load generator could not run or its output could not be read."""
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    requests: int
+    duration_s: float
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    non_2xx: int = 0  # wrk counts statuses >= 400 here ("Non-2xx or 3xx responses")
+    socket_errors: int = 0  # connect, read, write and timeout errors
+
+    @property
+    def errors(self) -> int:
+        return self.non_2xx + self.socket_errors
+
+
+@dataclass(frozen=True)
+class Load:
+    url: str
+    body: bytes
+    concurrency: int
+    duration_s: int
+    threads: int = 2
+
+
+# ---------------------------------------------------------------------------- wrk
+
+
+def find_wrk() -> str | None:
+    return shutil.which("wrk")
+
+
+def wrk_version(wrk: str) -> str:
+    """``wrk -v`` prints e.g. "wrk debian/4.1.0-3+b2 [epoll] ..." (and exits 1)."""
+    try:
+        out = subprocess.run([wrk, "-v"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return "wrk"
+    first = (out.stdout or out.stderr).splitlines()
+    return " ".join(first[0].split()[:2]) if first else "wrk"
+
+
+def wrk_script(body: bytes) -> str:
+    """A Lua script that makes every wrk request ``POST`` the given JSON body."""
+    text = body.decode()
+    level = 0
+    while f"]{'=' * level}]" in text:
+        level += 1
+    eq = "=" * level
+    return (
+        'wrk.method = "POST"\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = [{eq}[{text}]{eq}]\n"
+    )
+
+
+_UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3, "h": 3600e3}
+_RE_PERCENTILE = re.compile(r"^\s*([\d.]+)%\s+([\d.]+)(us|ms|s|m|h)\s*$", re.M)
+_RE_REQUESTS = re.compile(r"^\s*(\d+) requests in ([\d.]+)(us|ms|s|m|h)", re.M)
+_RE_RPS = re.compile(r"^Requests/sec:\s+([\d.]+)", re.M)
+_RE_NON_2XX = re.compile(r"Non-2xx or 3xx responses:\s+(\d+)")
+_RE_SOCKET = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)")
+
+
+def to_ms(value: str, unit: str) -> float:
+    return float(value) * _UNITS_MS[unit]
+
+
+def parse_wrk(output: str) -> LoadResult:
+    """Read requests/s, p50/p99, non-2xx and socket errors from ``wrk --latency`` output."""
+    rps = _RE_RPS.search(output)
+    total = _RE_REQUESTS.search(output)
+    if rps is None or total is None:
+        raise LoadError(f"cannot read wrk output:\n{output.strip()}")
+    percentiles = {float(p): to_ms(v, u) for p, v, u in _RE_PERCENTILE.findall(output)}
+    if 50.0 not in percentiles or 99.0 not in percentiles:
+        raise LoadError(f"no latency distribution in wrk output (run it with --latency):\n{output}")
+    non_2xx = _RE_NON_2XX.search(output)
+    socket_errors = _RE_SOCKET.search(output)
+    return LoadResult(
+        requests=int(total.group(1)),
+        duration_s=to_ms(total.group(2), total.group(3)) / 1e3,
+        requests_per_s=float(rps.group(1)),
+        p50_ms=percentiles[50.0],
+        p99_ms=percentiles[99.0],
+        non_2xx=int(non_2xx.group(1)) if non_2xx else 0,
+        socket_errors=sum(int(g) for g in socket_errors.groups()) if socket_errors else 0,
+    )
+
+
+def run_wrk(wrk: str, load: Load) -> LoadResult:
+    threads = max(1, min(load.threads, load.concurrency))
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", prefix="kvroute-bench-") as script:
+        script.write(wrk_script(load.body))
+        script.flush()
+        argv = [
+            wrk,
+            f"-t{threads}",
+            f"-c{load.concurrency}",
+            f"-d{load.duration_s}s",
+            "--latency",
+            "-s",
+            script.name,
+            load.url,
+        ]
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=load.duration_s + 60)
+        except subprocess.TimeoutExpired as exc:
+            raise LoadError(f"wrk did not finish: {exc}") from exc
+    if out.returncode != 0:
+        raise LoadError(f"wrk exited with {out.returncode}: {(out.stdout + out.stderr).strip()}")
+    return parse_wrk(out.stdout)
+
+
+# ---------------------------------------------------------------------- built-in
+
+
+def percentile(sorted_values: list[float], pct: float) -> float:
+    """Nearest-rank percentile of an ascending list (0.0 when it is empty)."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, math.ceil(pct / 100.0 * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+async def _builtin(load: Load) -> LoadResult:
+    import aiohttp  # imported here so that `kvroute --help` stays quick
+
+    latencies_ms: list[float] = []
+    counts = {"non_2xx": 0, "socket": 0}
+    connector = aiohttp.TCPConnector(limit=load.concurrency)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        deadline = time.monotonic() + load.duration_s
+
+        async def connection() -> None:
+            while time.monotonic() < deadline:
+                sent = time.perf_counter()
+                try:
+                    async with session.post(load.url, data=load.body, headers=HEADERS) as resp:
+                        await resp.read()
+                        if resp.status >= 400:
+                            counts["non_2xx"] += 1
+                except (aiohttp.ClientError, TimeoutError):
+                    counts["socket"] += 1
+                    continue
+                latencies_ms.append((time.perf_counter() - sent) * 1e3)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(connection() for _ in range(load.concurrency)))
+        elapsed = time.perf_counter() - started
+    latencies_ms.sort()
+    done = len(latencies_ms)
+    return LoadResult(
+        requests=done,
+        duration_s=elapsed,
+        requests_per_s=done / elapsed if elapsed > 0 else 0.0,
+        p50_ms=percentile(latencies_ms, 50),
+        p99_ms=percentile(latencies_ms, 99),
+        non_2xx=counts["non_2xx"],
+        socket_errors=counts["socket"],
+    )
+
+
+def run_builtin(load: Load) -> LoadResult:
+    """Closed-loop load from one Python process (aiohttp on uvloop)."""
+    import uvloop
+
+    return uvloop.run(_builtin(load))
+
+
+def run_load(wrk: str | None, load: Load) -> LoadResult:
+    """Run ``load`` with wrk when a path is given, else with the built-in generator."""
+    return run_wrk(wrk, load) if wrk else run_builtin(load)

@@ -1,0 +1,570 @@
+"""``kvroute bench overhead``: the router's own cost, next to direct access and peer routers.
+
+One run starts N instant-answer stub upstreams, then measures each target one after another
+with the same closed-loop load: the first stub directly, kvroute (round_robin and its default
+policy), vllm-router (round_robin, cache_aware) and smg (cache_aware). The stubs cost almost
+nothing, so what a router adds over ``direct`` is its own overhead. The machine running this is
+often small and shared, so read the ratios within one run, not the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from policies import DEFAULT_POLICY
+
+from . import processes
+from .loadgen import Load, LoadError, LoadResult, find_wrk, run_load, wrk_version
+
+HOST = "127.0.0.1"
+INSTALL_HINT = "install with: pip install -e '.[bench]'"
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # what --targets takes
+    router: str  # "direct", "kvroute", "vllm-router" or "smg"
+    policy: str | None  # None: the router's default
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("direct", "direct", None),
+        Target("kvroute-rr", "kvroute", "round_robin"),
+        Target("kvroute", "kvroute", None),
+        Target("vllm-router-rr", "vllm-router", "round_robin"),
+        Target("vllm-router-ca", "vllm-router", "cache_aware"),
+        Target("smg-ca", "smg", "cache_aware"),
+        Target("smg-rr", "smg", "round_robin"),  # not run by default; ask with --targets
+    )
+}
+DEFAULT_TARGETS = [
+    "direct",
+    "kvroute-rr",
+    "kvroute",
+    "vllm-router-rr",
+    "vllm-router-ca",
+    "smg-ca",
+]
+# The distributions whose versions the report shows, by router.
+DISTRIBUTIONS = {"kvroute": "kvroute", "vllm-router": "vllm-router", "smg": "smg"}
+
+
+@dataclass(frozen=True)
+class Options:
+    concurrency: int = 32
+    duration_s: int = 10
+    warmup_s: int = 2
+    upstreams: int = 2
+    targets: tuple[str, ...] = tuple(DEFAULT_TARGETS)
+    stream: bool = False
+    model: str = "stub-model"
+    loadgen: str = "auto"  # "auto" (wrk if installed), "wrk" or "builtin"
+    threads: int = 2
+    startup_timeout_s: float = 60.0
+    peer_bin_dir: str | None = None
+    output_md: str = "BENCHMARKS.md"
+    record: bool = True
+
+
+@dataclass
+class Row:
+    target: Target
+    result: LoadResult | None = None
+    error: str | None = None  # why it has no result (skipped or failed)
+    startup_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        if self.target.router == "direct":
+            return "-"
+        return self.target.policy or f"{DEFAULT_POLICY} (default)"
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: list[str]
+    ready_path: str
+
+
+# ------------------------------------------------------------------ executables
+
+
+def find_executable(name: str, peer_bin_dir: str | None) -> str | None:
+    """``name`` in --peer-bin-dir, else next to this Python (same venv), else on PATH."""
+    dirs = [Path(peer_bin_dir)] if peer_bin_dir else []
+    dirs.append(Path(sys.executable).parent)
+    for d in dirs:
+        candidate = d / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which(name)
+
+
+def kvroute_argv() -> list[str]:
+    exe = find_executable("kvroute", None)
+    return [exe] if exe else [sys.executable, "-m", "router.cli"]
+
+
+def package_version(dist: str, executable: str | None = None) -> str | None:
+    """The installed version of ``dist``: in this environment, else in the venv of ``executable``."""
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version(dist)
+    if executable is None:
+        return None
+    venv = Path(executable).parent.parent
+    for site in sorted(venv.glob("lib/python*/site-packages")):
+        for found in importlib.metadata.distributions(name=dist, path=[str(site)]):
+            return str(found.version)
+    return None
+
+
+# ---------------------------------------------------------------- command lines
+
+
+def launch_for(
+    target: Target, upstreams: list[str], port: int, metrics_port: int, exe: str
+) -> Launch:
+    """The command line that starts ``target`` in front of ``upstreams``, and its ready path."""
+    if target.router == "kvroute":
+        argv = [*kvroute_argv(), "serve"]
+        for url in upstreams:
+            argv += ["--replica", url]
+        if target.policy:
+            argv += ["--policy", target.policy]
+        argv += ["--host", HOST, "--port", str(port)]
+        return Launch(argv, "/ready")
+    common = [
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--worker-urls",
+        *upstreams,
+        "--policy",
+        target.policy or "cache_aware",
+        "--prometheus-port",
+        str(metrics_port),
+        "--worker-startup-check-interval",
+        "1",
+    ]
+    if target.router == "vllm-router":
+        return Launch([exe, *common, "--log-level", "error"], "/health")
+    if target.router == "smg":
+        return Launch(
+            [
+                exe,
+                "launch",
+                *common,
+                "--log-level",
+                "warn",
+                "--disable-tokenizer-autoload",
+                "--shutdown-grace-period-secs",
+                "0",
+                "--prometheus-host",
+                HOST,
+            ],
+            "/readiness",
+        )
+    raise ValueError(f"no launch command for {target.router}")
+
+
+def stub_argv(port: int, model: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "router.bench.stub_upstream",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--model",
+        model,
+    ]
+
+
+def request_body(model: str, stream: bool) -> bytes:
+    body: dict[str, object] = {"model": model, "prompt": "Say ok, eight times.", "max_tokens": 8}
+    if stream:
+        body["stream"] = True
+    return json.dumps(body).encode()
+
+
+# ---------------------------------------------------------------------- running
+
+
+def smoke_check(url: str, body: bytes) -> str | None:
+    """Send one request; None when it is answered 2xx, else what went wrong."""
+    req = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            resp.read()
+            return None
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read()[:200].decode('utf-8', 'replace')}"
+    except OSError as exc:
+        return str(exc)
+
+
+def measure(base_url: str, options: Options, wrk: str | None, row: Row) -> None:
+    """Warm up, then run the measured load against ``base_url``; fill ``row``."""
+    url = base_url + "/v1/completions"
+    body = request_body(options.model, options.stream)
+    problem = smoke_check(url, body)
+    if problem:
+        row.notes.append(f"first request failed ({problem})")
+    load = Load(url, body, options.concurrency, options.duration_s, options.threads)
+    if options.warmup_s > 0:
+        run_load(wrk, Load(url, body, options.concurrency, options.warmup_s, options.threads))
+    row.result = run_load(wrk, load)
+
+
+@contextlib.contextmanager
+def running_target(
+    target: Target, upstreams: list[str], options: Options, log_dir: Path, row: Row
+) -> Iterator[str]:
+    """Start the target (nothing for ``direct``), yield its base URL, stop it afterwards."""
+    if target.router == "direct":
+        yield upstreams[0]
+        return
+    exe = "" if target.router == "kvroute" else executable_for(target, options)
+    port, metrics_port = processes.free_ports(2)
+    launch = launch_for(target, upstreams, port, metrics_port, exe)
+    base = f"http://{HOST}:{port}"
+    started = time.monotonic()
+    with processes.managed(
+        target.name, launch.argv, log_dir, base + launch.ready_path, options.startup_timeout_s
+    ):
+        row.startup_s = time.monotonic() - started
+        yield base
+
+
+def executable_for(target: Target, options: Options) -> str:
+    exe = find_executable(target.router, options.peer_bin_dir)
+    if exe is None:
+        raise FileNotFoundError(target.router)
+    return exe
+
+
+def skip_reason(target: Target, options: Options) -> str | None:
+    if target.router in ("direct", "kvroute"):
+        return None
+    if find_executable(target.router, options.peer_bin_dir) is None:
+        where = f"in {options.peer_bin_dir}, " if options.peer_bin_dir else ""
+        return (
+            f"{target.router} not found ({where}next to {sys.executable} or on PATH); "
+            f"{INSTALL_HINT}"
+        )
+    return None
+
+
+def run_target(
+    target: Target, upstreams: list[str], options: Options, wrk: str | None, log_dir: Path
+) -> Row:
+    row = Row(target)
+    reason = skip_reason(target, options)
+    if reason:
+        row.error = f"skipped: {reason}"
+        return row
+    try:
+        with running_target(target, upstreams, options, log_dir, row) as base_url:
+            measure(base_url, options, wrk, row)
+    except (processes.StartError, LoadError, OSError) as exc:
+        row.error = f"failed: {exc}"
+    return row
+
+
+@contextlib.contextmanager
+def running_upstreams(options: Options, log_dir: Path) -> Iterator[list[str]]:
+    """Start the stub upstreams, wait until each answers /health, yield their URLs."""
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for i, port in enumerate(processes.free_ports(options.upstreams)):
+            url = f"http://{HOST}:{port}"
+            stack.enter_context(
+                processes.managed(
+                    f"stub-{i}",
+                    stub_argv(port, options.model),
+                    log_dir,
+                    url + "/health",
+                    options.startup_timeout_s,
+                )
+            )
+            urls.append(url)
+        yield urls
+
+
+# ---------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class Context:
+    date: str
+    command: str
+    machine: str
+    versions: str
+    load: str
+
+
+def reproduce_command(argv: Sequence[str]) -> str:
+    """``kvroute bench overhead ...`` with the arguments this run was given."""
+    args = list(argv)
+    if "overhead" in args:
+        args = args[args.index("overhead") + 1 :]
+    return shlex.join(["kvroute", "bench", "overhead", *args])
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine_line() -> str:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{cpus} CPUs (nproc), {cpu_model()}, load average before run {load}"
+
+
+def versions_line(options: Options, wrk: str | None) -> str:
+    parts = [f"kvroute {package_version('kvroute') or '?'}"]
+    for router in ("vllm-router", "smg"):
+        exe = find_executable(router, options.peer_bin_dir)
+        version = package_version(DISTRIBUTIONS[router], exe)
+        parts.append(f"{router} {version or 'not installed'}")
+    parts.append(f"Python {platform.python_version()}")
+    parts.append(wrk_version(wrk) if wrk else "built-in load generator (aiohttp)")
+    return ", ".join(parts)
+
+
+def load_line(options: Options, wrk: str | None) -> str:
+    gen = f"wrk, {min(options.threads, options.concurrency)} threads" if wrk else "built-in"
+    kind = "streaming" if options.stream else "non-streaming"
+    return (
+        f"{gen}, {options.concurrency} connections, {options.duration_s} s per target after "
+        f"{options.warmup_s} s warmup; {kind} POST /v1/completions (max_tokens 8); "
+        f"{options.upstreams} stub upstreams"
+    )
+
+
+def ratio(value: float | None, base: float | None) -> str:
+    if value is None or not base:
+        return "-"
+    return f"{value / base:.2f}x"
+
+
+def errors_cell(result: LoadResult) -> str:
+    if not result.errors:
+        return "0"
+    return f"{result.errors} ({result.non_2xx} http, {result.socket_errors} socket)"
+
+
+def direct_result(rows: list[Row]) -> LoadResult | None:
+    for row in rows:
+        if row.target.router == "direct" and row.result is not None:
+            return row.result
+    return None
+
+
+def format_table(rows: list[Row]) -> str:
+    """A Markdown table: one row per target, with ratios to ``direct``."""
+    base = direct_result(rows)
+    lines = [
+        "| target | policy | req/s | p50 ms | p99 ms | errors | req/s vs direct | p99 vs direct |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for row in rows:
+        r = row.result
+        if r is None:
+            status = (row.error or "failed").split(":", 1)[0]
+            lines.append(
+                f"| {row.target.name} | {row.label} | - | - | - | {status} (see notes) | - | - |"
+            )
+            continue
+        lines.append(
+            f"| {row.target.name} | {row.label} | {r.requests_per_s:.0f} | {r.p50_ms:.2f} "
+            f"| {r.p99_ms:.2f} | {errors_cell(r)} "
+            f"| {ratio(r.requests_per_s, base.requests_per_s if base else None)} "
+            f"| {ratio(r.p99_ms, base.p99_ms if base else None)} |"
+        )
+    return "\n".join(lines)
+
+
+def smg_ratio_line(rows: list[Row]) -> str:
+    """kvroute's throughput (default policy and round_robin) over smg cache_aware's."""
+    by_name = {row.target.name: row.result for row in rows}
+    smg = by_name.get("smg-ca")
+    if smg is None or not smg.requests_per_s:
+        return "kvroute/smg throughput ratio: n/a (smg cache_aware not measured)"
+    parts = []
+    for name, label in (("kvroute", f"{DEFAULT_POLICY} (default)"), ("kvroute-rr", "round_robin")):
+        result = by_name.get(name)
+        if result is not None:
+            parts.append(f"kvroute {label} {result.requests_per_s / smg.requests_per_s:.2f}x")
+    if not parts:
+        return "kvroute/smg throughput ratio: n/a (kvroute not measured)"
+    return "kvroute/smg throughput ratio (vs smg cache_aware): " + ", ".join(parts)
+
+
+def run_notes(rows: list[Row], options: Options, wrk: str | None) -> list[str]:
+    stubs = f"{options.upstreams} stub{'s' if options.upstreams != 1 else ''}"
+    notes = [f"direct loads only the first stub; the routers spread the load over {stubs}."]
+    names = {row.target.name for row in rows if row.result is not None}
+    if "vllm-router-ca" in names:
+        notes.append(
+            "vllm-router cache_aware tokenizes every request on every worker "
+            "(POST /v1/completions/render, then /tokenize); the stub answers 404 to both, so it "
+            "routes without tokens and still pays those failed calls. Real vLLM answers them."
+        )
+    if not wrk:
+        notes.append(
+            "built-in Python load generator: its own CPU use caps the numbers; compare ratios."
+        )
+    for row in rows:
+        r = row.result
+        if r is not None and r.errors:
+            notes.append(
+                f"{row.target.name}: {r.errors} of {r.requests + r.socket_errors} requests "
+                "failed; its numbers are not comparable."
+            )
+        notes.extend(f"{row.target.name}: {note}" for note in row.notes)
+        if row.error:
+            notes.append(f"{row.target.name}: " + one_line(row.error))
+    return notes
+
+
+def one_line(text: str, limit: int = 600) -> str:
+    """``text`` on one line (log tails included), cut to ``limit`` characters."""
+    flat = " | ".join(line.strip() for line in text.splitlines() if line.strip())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def report(context: Context, rows: list[Row], notes: list[str]) -> str:
+    return "\n".join(
+        [
+            f"date: {context.date}",
+            f"command: {context.command}",
+            f"machine: {context.machine}",
+            f"versions: {context.versions}",
+            f"load: {context.load}",
+            "",
+            format_table(rows),
+            "",
+            smg_ratio_line(rows),
+            *(f"note: {n}" for n in notes),
+        ]
+    )
+
+
+MD_HEADER = (
+    "# Benchmarks\n\n"
+    "Results appended by `kvroute bench ...`, newest last. Each section gives the command that "
+    "reproduces it. The machines are often small and shared: compare ratios within a section, "
+    "not absolute numbers across sections.\n"
+)
+
+
+def markdown_section(context: Context, rows: list[Row], notes: list[str]) -> str:
+    lines = [
+        f"## Router overhead, {context.date}",
+        "",
+        "```",
+        context.command,
+        "```",
+        "",
+        f"- machine: {context.machine}",
+        f"- versions: {context.versions}",
+        f"- load: {context.load}",
+        "",
+        format_table(rows),
+        "",
+        smg_ratio_line(rows),
+        "",
+        *(f"- {n}" for n in notes),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def record(path: Path, section: str) -> None:
+    """Append ``section`` to the Markdown file, creating it with a header if missing."""
+    prefix = "" if path.exists() and path.stat().st_size else MD_HEADER
+    with path.open("a", encoding="utf-8") as f:
+        f.write(prefix + "\n" + section)
+
+
+# ------------------------------------------------------------------------- main
+
+
+def choose_loadgen(options: Options) -> str | None:
+    """The wrk path to use, or None for the built-in generator."""
+    if options.loadgen == "builtin":
+        return None
+    wrk = find_wrk()
+    if wrk is None and options.loadgen == "wrk":
+        raise LoadError("wrk not found on PATH (Debian/Ubuntu: apt-get install wrk)")
+    return wrk
+
+
+def run_overhead(options: Options, argv: Sequence[str]) -> int:
+    wrk = choose_loadgen(options)
+    targets = [TARGETS[name] for name in options.targets]
+    rows: list[Row] = []
+    context = Context(
+        date=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        command=reproduce_command(argv),
+        machine=machine_line(),
+        versions=versions_line(options, wrk),
+        load=load_line(options, wrk),
+    )
+    print(f"command: {context.command}\nload: {context.load}", flush=True)
+    with (
+        processes.sigterm_as_exit(),
+        processes.log_directory() as log_dir,
+        running_upstreams(options, log_dir) as upstreams,
+    ):
+        try:
+            for i, target in enumerate(targets, 1):
+                print(f"[{i}/{len(targets)}] {target.name} ...", end=" ", flush=True)
+                row = run_target(target, upstreams, options, wrk, log_dir)
+                rows.append(row)
+                print(progress(row), flush=True)
+        except (KeyboardInterrupt, SystemExit):
+            print("\ninterrupted: stopping the processes it started", file=sys.stderr, flush=True)
+            raise
+    notes = run_notes(rows, options, wrk)
+    print()
+    print(report(context, rows, notes))
+    if options.record:
+        path = Path(options.output_md)
+        record(path, markdown_section(context, rows, notes))
+        print(f"\nappended to {path}")
+    measured = [row for row in rows if row.result is not None]
+    return 0 if measured else 1
+
+
+def progress(row: Row) -> str:
+    if row.result is None:
+        return one_line(row.error or "no result", 300)
+    r = row.result
+    up = f", ready in {row.startup_s:.1f} s" if row.startup_s is not None else ""
+    return f"{r.requests_per_s:.0f} req/s, p99 {r.p99_ms:.2f} ms, {r.errors} errors{up}"

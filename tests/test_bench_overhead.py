@@ -1,0 +1,236 @@
+"""``kvroute bench overhead``: the pure helpers (wrk output, tables, command lines) and the
+process helper's clean-up. Nothing here measures or asserts timings."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from router.bench import overhead, processes
+from router.bench.loadgen import LoadError, LoadResult, parse_wrk, percentile, wrk_script
+from router.bench.overhead import TARGETS, Row
+from router.cli import build_parser
+
+WRK_OK = """\
+Running 2s test @ http://127.0.0.1:9301/v1/completions
+  2 threads and 32 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency   840.29us  765.90us  12.15ms   90.25%
+    Req/Sec    21.75k     9.48k   38.77k    65.00%
+  Latency Distribution
+     50%  653.00us
+     75%    0.96ms
+     90%    1.57ms
+     99%    4.24ms
+  86613 requests in 2.01s, 24.86MB read
+Requests/sec:  43150.10
+Transfer/sec:     12.39MB
+"""
+
+WRK_ERRORS = """\
+Running 1s test @ http://127.0.0.1:9301/v1/nothere
+  1 threads and 4 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency   188.63us  280.19us   4.14ms   96.46%
+    Req/Sec    26.22k     3.72k   32.01k    60.00%
+  Latency Distribution
+     50%  144.00us
+     75%  189.00us
+     90%  238.00us
+     99%    1.73s
+  26010 requests in 1.00m, 2.48MB read
+  Socket errors: connect 1, read 2, write 3, timeout 4
+  Non-2xx or 3xx responses: 26010
+Requests/sec:  26003.76
+Transfer/sec:      2.48MB
+"""
+
+
+def test_parse_wrk_reads_throughput_and_percentiles() -> None:
+    r = parse_wrk(WRK_OK)
+    assert r.requests == 86613
+    assert r.duration_s == pytest.approx(2.01)
+    assert r.requests_per_s == pytest.approx(43150.10)
+    assert r.p50_ms == pytest.approx(0.653)
+    assert r.p99_ms == pytest.approx(4.24)
+    assert r.errors == 0
+
+
+def test_parse_wrk_reads_errors_and_units() -> None:
+    r = parse_wrk(WRK_ERRORS)
+    assert r.non_2xx == 26010
+    assert r.socket_errors == 10
+    assert r.errors == 26020
+    assert r.p99_ms == pytest.approx(1730.0)
+    assert r.duration_s == pytest.approx(60.0)
+
+
+def test_parse_wrk_rejects_other_output() -> None:
+    with pytest.raises(LoadError):
+        parse_wrk("unable to connect to 127.0.0.1:9301 Connection refused")
+    without_latency = "\n".join(
+        line for line in WRK_OK.splitlines() if "%" not in line or "Latency " in line
+    )
+    with pytest.raises(LoadError, match="--latency"):
+        parse_wrk(without_latency)
+
+
+def test_wrk_script_posts_the_body_verbatim() -> None:
+    script = wrk_script(b'{"prompt": "a]]b"}')
+    assert 'wrk.method = "POST"' in script
+    assert 'wrk.headers["Content-Type"] = "application/json"' in script
+    assert 'wrk.body = [=[{"prompt": "a]]b"}]=]' in script
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) == 0.0
+
+
+def _row(name: str, rps: float, p99: float, non_2xx: int = 0) -> Row:
+    result = LoadResult(
+        requests=int(rps), duration_s=1.0, requests_per_s=rps, p50_ms=p99 / 2, p99_ms=p99,
+        non_2xx=non_2xx,
+    )  # fmt: skip
+    return Row(TARGETS[name], result=result)
+
+
+def test_table_has_ratios_to_direct() -> None:
+    rows = [
+        _row("direct", 10000, 2.0),
+        _row("kvroute", 2500, 8.0),
+        Row(TARGETS["smg-ca"], error="skipped: smg not found"),
+    ]
+    table = overhead.format_table(rows).splitlines()
+    assert table[0].startswith("| target | policy | req/s | p50 ms | p99 ms | errors |")
+    assert table[2] == "| direct | - | 10000 | 1.00 | 2.00 | 0 | 1.00x | 1.00x |"
+    assert "| kvroute | consistent_hash (default) | 2500 |" in table[3]
+    assert table[3].endswith("| 0.25x | 4.00x |")
+    assert table[4] == "| smg-ca | cache_aware | - | - | - | skipped (see notes) | - | - |"
+
+
+def test_table_without_direct_has_no_ratios() -> None:
+    table = overhead.format_table([_row("kvroute-rr", 100, 1.0, non_2xx=3)])
+    assert table.splitlines()[2].endswith("| 3 (3 http, 0 socket) | - | - |")
+
+
+def test_smg_ratio_line() -> None:
+    rows = [_row("kvroute", 3000, 1.0), _row("kvroute-rr", 4000, 1.0), _row("smg-ca", 2000, 1.0)]
+    line = overhead.smg_ratio_line(rows)
+    assert line.startswith("kvroute/smg throughput ratio")
+    assert "consistent_hash (default) 1.50x" in line
+    assert "round_robin 2.00x" in line
+    assert "n/a" in overhead.smg_ratio_line(rows[:2])
+
+
+def test_reproduce_command_keeps_the_arguments() -> None:
+    argv = ["--log-level", "info", "bench", "overhead", "--targets", "direct,smg-ca", "--x", "a b"]
+    assert (
+        overhead.reproduce_command(argv)
+        == "kvroute bench overhead --targets direct,smg-ca --x 'a b'"
+    )
+
+
+def test_launch_commands() -> None:
+    ups = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    kv = overhead.launch_for(TARGETS["kvroute"], ups, 8000, 9000, "")
+    assert kv.ready_path == "/ready"
+    assert "--policy" not in kv.argv
+    assert kv.argv[kv.argv.index("serve") :][:5] == [
+        "serve",
+        "--replica",
+        ups[0],
+        "--replica",
+        ups[1],
+    ]
+    rr = overhead.launch_for(TARGETS["kvroute-rr"], ups, 8000, 9000, "")
+    assert rr.argv[rr.argv.index("--policy") + 1] == "round_robin"
+
+    vr = overhead.launch_for(TARGETS["vllm-router-ca"], ups, 8000, 9000, "/bin/vllm-router")
+    assert vr.ready_path == "/health"
+    assert vr.argv[0] == "/bin/vllm-router"
+    for flag, value in (
+        ("--policy", "cache_aware"),
+        ("--prometheus-port", "9000"),
+        ("--worker-startup-check-interval", "1"),
+        ("--log-level", "error"),
+    ):
+        assert vr.argv[vr.argv.index(flag) + 1] == value
+
+    smg = overhead.launch_for(TARGETS["smg-ca"], ups, 8000, 9000, "/bin/smg")
+    assert smg.argv[:2] == ["/bin/smg", "launch"]
+    assert smg.ready_path == "/readiness"
+    assert "--disable-tokenizer-autoload" in smg.argv
+    assert smg.argv[smg.argv.index("--shutdown-grace-period-secs") + 1] == "0"
+    assert smg.argv[smg.argv.index("--prometheus-host") + 1] == "127.0.0.1"
+
+
+def test_record_writes_the_header_once(tmp_path: Path) -> None:
+    path = tmp_path / "BENCHMARKS.md"
+    overhead.record(path, "## one\n")
+    overhead.record(path, "## two\n")
+    text = path.read_text()
+    assert text.count("# Benchmarks") == 1
+    assert text.index("## one") < text.index("## two")
+
+
+def test_targets_option() -> None:
+    args = build_parser().parse_args(["bench", "overhead", "--targets", "direct,smg-ca"])
+    assert args.targets == ("direct", "smg-ca")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "overhead", "--targets", "direct,nope"])
+
+
+def test_missing_peer_is_skipped_with_a_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(overhead, "find_executable", lambda name, peer_bin_dir: None)
+    options = overhead.Options(peer_bin_dir=str(tmp_path))
+    reason = overhead.skip_reason(TARGETS["smg-ca"], options)
+    assert reason is not None and "pip install -e '.[bench]'" in reason
+    assert overhead.skip_reason(TARGETS["direct"], options) is None
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (not ours to reap: init will)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _read_pid(path: Path, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = path.read_text().strip() if path.exists() else ""
+        if text:
+            return int(text)
+        time.sleep(0.01)
+    raise AssertionError(f"no pid in {path} after {timeout_s} s")
+
+
+def test_managed_kills_the_whole_group(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    script = f"sleep 60 & echo $! > {pid_file}; wait"
+    with processes.managed("sh", ["sh", "-c", script], tmp_path, grace_s=2) as child:
+        grandchild = _read_pid(pid_file)
+        assert child.popen.poll() is None
+        assert _running(grandchild)
+    assert child.popen.poll() is not None
+    assert not _running(grandchild)
+
+
+def test_wait_ready_reports_an_early_exit(tmp_path: Path) -> None:
+    with (
+        pytest.raises(processes.StartError, match="boom"),
+        processes.managed(
+            "bad", ["sh", "-c", "echo boom; exit 3"], tmp_path, "http://127.0.0.1:9/", 10
+        ),
+    ):
+        pass

@@ -1,0 +1,304 @@
+"""Loading the router's YAML config: what a valid file gives, and what each mistake says.
+
+Every error must be a ``ConfigError`` whose message starts with the file, names the key path
+and says why, so ``kvroute check-config`` can print it as one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.config import Config, ConfigError, ListenConfig, load_config
+
+FULL_CONFIG = """\
+# A complete router config: every section, non-default values.
+listen:
+  host: 0.0.0.0
+  port: 9000
+models: [llama-3-8b, qwen-2.5-7b]
+replicas:
+  - url: http://10.0.0.1:8001
+    name: gpu-a
+  - url: https://vllm-b.internal:8443/
+  - url: http://[::1]:8003
+policy:
+  name: consistent_hash
+  params:
+    eps: 0.5
+    vnodes: 64
+timeouts:
+  connect_s: 2
+  first_byte_s: 120.5
+  idle_s: 30
+limits:
+  max_body_bytes: 1048576
+  max_concurrent_requests: 256
+health:
+  path: /healthz
+  interval_s: 1.5
+  timeout_s: 0.5
+metrics:
+  enabled: false
+decision_headers: false
+"""
+
+
+def write(tmp_path: Path, text: str | bytes, name: str = "kvroute.yaml") -> Path:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def load_error(tmp_path: Path, text: str | bytes) -> str:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: "), message
+    assert "\n" not in message, message
+    return message
+
+
+def test_full_config_loads_every_value(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, FULL_CONFIG))
+    assert (config.listen.host, config.listen.port) == ("0.0.0.0", 9000)
+    assert config.models == ["llama-3-8b", "qwen-2.5-7b"]
+    assert [(r.url, r.name) for r in config.replicas] == [
+        ("http://10.0.0.1:8001", "gpu-a"),
+        ("https://vllm-b.internal:8443/", None),
+        ("http://[::1]:8003", None),
+    ]
+    assert config.policy.name == "consistent_hash"
+    assert config.policy.params == {"eps": 0.5, "vnodes": 64}
+    assert (config.timeouts.connect_s, config.timeouts.first_byte_s, config.timeouts.idle_s) == (
+        2.0,
+        120.5,
+        30.0,
+    )
+    assert config.limits.max_body_bytes == 1048576
+    assert config.limits.max_concurrent_requests == 256
+    assert (config.health.path, config.health.interval_s, config.health.timeout_s) == (
+        "/healthz",
+        1.5,
+        0.5,
+    )
+    assert config.metrics.enabled is False
+    assert config.decision_headers is False
+
+
+def test_load_accepts_str_path(tmp_path: Path) -> None:
+    assert load_config(str(write(tmp_path, "listen: {port: 1234}\n"))).listen.port == 1234
+
+
+@pytest.mark.parametrize(
+    "text", ["", "\n\n", "# only a comment\n", "---\n"], ids=["empty", "blank", "comment", "doc"]
+)
+def test_empty_file_means_defaults(tmp_path: Path, text: str) -> None:
+    config = load_config(write(tmp_path, text))
+    assert config == Config()
+    assert (config.listen.host, config.listen.port) == ("127.0.0.1", 8000)
+    assert config.replicas == []
+    assert config.policy.name == "consistent_hash"
+    assert config.policy.params == {}
+
+
+def test_partial_config_keeps_other_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "listen:\n  port: 8080\ntimeouts:\n  idle_s: 5\n"))
+    assert config.listen == ListenConfig(host="127.0.0.1", port=8080)
+    assert config.timeouts.idle_s == 5.0
+    assert config.timeouts.connect_s == Config().timeouts.connect_s
+    assert config.health == Config().health
+
+
+def test_utf8_bom_is_accepted(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "\ufeffmodels: [modèle]\n"))
+    assert config.models == ["modèle"]
+
+
+BAD_CONFIGS = [
+    # unknown keys
+    ("unknown_top", "replica:\n  - url: http://a:1\n", ["top level", "unknown field 'replica'"]),
+    ("unknown_nested", "listen:\n  prot: 8000\n", ["listen", "unknown field 'prot'"]),
+    (
+        "unknown_in_list_item",
+        "replicas:\n  - url: http://a:1\n  - url: http://b:1\n    nmae: b\n",
+        ["replicas[1]", "unknown field 'nmae'"],
+    ),
+    ("unknown_policy_key", "policy:\n  nme: random\n", ["policy", "unknown field 'nme'"]),
+    # wrong types
+    ("port_str", 'listen:\n  port: "x"\n', ["listen.port", "expected 'int', got 'str'"]),
+    ("port_float", "listen:\n  port: 80.5\n", ["listen.port", "expected 'int'"]),
+    ("port_bool", "listen:\n  port: true\n", ["listen.port", "expected 'int', got 'bool'"]),
+    ("host_int", "listen:\n  host: 12\n", ["listen.host", "expected 'str', got 'int'"]),
+    ("timeout_str", "timeouts:\n  connect_s: fast\n", ["timeouts.connect_s", "expected 'float'"]),
+    ("enabled_str", "metrics:\n  enabled: maybe\n", ["metrics.enabled", "expected 'bool'"]),
+    ("replicas_str", "replicas: http://a:1\n", ["replicas", "expected 'array', got 'str'"]),
+    ("replica_str", "replicas:\n  - http://a:1\n", ["replicas[0]", "expected 'object'"]),
+    ("models_int", "models: [llama, 3]\n", ["models[1]", "expected 'str', got 'int'"]),
+    ("params_list", "policy:\n  params: [1]\n", ["policy.params", "expected 'object'"]),
+    ("top_list", "- a\n- b\n", ["top level", "expected 'object', got 'array'"]),
+    ("top_scalar", "hello\n", ["top level", "expected 'object', got 'str'"]),
+    # replicas
+    ("missing_url", "replicas:\n  - name: a\n", ["replicas[0]", "missing required field 'url'"]),
+    (
+        "no_scheme",
+        "replicas:\n  - url: localhost:8000\n",
+        ["replicas[0].url", "'localhost:8000'", "not an http(s) URL"],
+    ),
+    (
+        "no_scheme_ip",
+        "replicas:\n  - url: 10.0.0.1:8000\n",
+        ["replicas[0].url", "'10.0.0.1:8000'", "not an http(s) URL"],
+    ),
+    (
+        "ftp",
+        "replicas:\n  - url: http://a:1\n  - url: ftp://b:21\n",
+        ["replicas[1].url", "'ftp://b:21'", "not an http(s) URL"],
+    ),
+    ("no_host", "replicas:\n  - url: 'http://:8000'\n", ["replicas[0].url", "with a host"]),
+    (
+        "with_path",
+        "replicas:\n  - url: http://a:8000/v1\n",
+        ["replicas[0].url", "'http://a:8000/v1'", "base URL"],
+    ),
+    ("with_query", "replicas:\n  - url: http://a:8000?x=1\n", ["replicas[0].url", "base URL"]),
+    ("bad_port", "replicas:\n  - url: http://a:99999\n", ["replicas[0].url", "Port out of range"]),
+    (
+        "duplicate_names",
+        "replicas:\n  - url: http://a:1\n    name: gpu\n  - url: http://b:1\n    name: gpu\n",
+        ["replicas[1].name", "duplicate replica name 'gpu'"],
+    ),
+    (
+        "duplicate_derived_names",
+        "replicas:\n  - url: http://a\n  - url: http://a:80/\n",
+        ["replicas[1].name", "duplicate replica name 'a:80'"],
+    ),
+    # numbers out of range
+    ("port_range", "listen:\n  port: 70000\n", ["listen.port", "0-65535", "70000"]),
+    ("port_negative", "listen:\n  port: -1\n", ["listen.port", "0-65535"]),
+    (
+        "connect_negative",
+        "timeouts:\n  connect_s: -1\n",
+        ["timeouts.connect_s", "must be a finite number > 0"],
+    ),
+    ("first_byte_zero", "timeouts:\n  first_byte_s: 0\n", ["timeouts.first_byte_s", "> 0"]),
+    (
+        "idle_negative",
+        "timeouts:\n  idle_s: -0.5\n",
+        ["timeouts.idle_s", "must be a finite number > 0"],
+    ),
+    (
+        "interval_zero",
+        "health:\n  interval_s: 0\n",
+        ["health.interval_s", "must be a finite number > 0"],
+    ),
+    (
+        "probe_negative",
+        "health:\n  timeout_s: -2\n",
+        ["health.timeout_s", "must be a finite number > 0"],
+    ),
+    ("body_zero", "limits:\n  max_body_bytes: 0\n", ["limits.max_body_bytes", "must be > 0"]),
+    (
+        "concurrency_negative",
+        "limits:\n  max_concurrent_requests: -1\n",
+        ["limits.max_concurrent_requests", ">= 0"],
+    ),
+    ("health_path", "health:\n  path: healthz\n", ["health.path", "must start with '/'"]),
+    ("empty_model", "models: [llama, '']\n", ["models[1]", "must not be empty"]),
+    # policy
+    (
+        "policy_unknown",
+        "policy:\n  name: fastest\n",
+        ["policy.name", "unknown policy 'fastest'", "round_robin"],
+    ),
+    (
+        "policy_unknown_param",
+        "policy:\n  name: consistent_hash\n  params:\n    epsilon: 0.1\n",
+        ["policy.params", "'epsilon'"],
+    ),
+    (
+        "policy_param_type",
+        "policy:\n  name: consistent_hash\n  params:\n    eps: lots\n",
+        ["policy.params", "'eps'", "must be a number"],
+    ),
+    (
+        "policy_param_range",
+        "policy:\n  name: consistent_hash\n  params:\n    eps: -1\n",
+        ["policy.params", "eps must be a finite number >= 0"],
+    ),
+    (
+        "policy_param_default_name",  # no name: params are checked against the default policy
+        "policy:\n  params:\n    seed: 1\n",
+        ["policy.params", "'seed'"],
+    ),
+    (
+        "policy_no_params",
+        "policy:\n  name: round_robin\n  params:\n    seed: 1\n",
+        ["policy.params", "'seed'", "accepted: none"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"), [(t, f) for _, t, f in BAD_CONFIGS], ids=[i for i, _, _ in BAD_CONFIGS]
+)
+def test_bad_config_names_key_and_reason(tmp_path: Path, text: str, fragments: list[str]) -> None:
+    message = load_error(tmp_path, text)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_key_path_comes_first(tmp_path: Path) -> None:
+    path = write(tmp_path, 'listen:\n  port: "x"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: listen.port: expected 'int', got 'str'"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope" / "kvroute.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: cannot read: No such file or directory"
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path}: cannot read")
+
+
+def test_invalid_yaml_says_so_with_position(tmp_path: Path) -> None:
+    path = write(tmp_path, "listen:\n  port: 8000\n  host: [unclosed\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: not valid YAML")
+    assert "line " in message
+
+
+def test_invalid_yaml_message_is_one_line(tmp_path: Path) -> None:
+    load_error(tmp_path, "listen: {port: 8000\n")
+
+
+def test_non_utf8_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "listen:\n  host: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: not UTF-8 text"
+
+
+def test_malformed_ipv6_url_is_a_config_error(tmp_path: Path) -> None:
+    message = load_error(tmp_path, "replicas:\n  - url: 'http://[::1'\n")
+    assert "replicas[0].url" in message
+
+
+def test_non_string_key_names_its_section(tmp_path: Path) -> None:
+    message = load_error(tmp_path, "listen:\n  1: 2\n")
+    assert f"{tmp_path / 'kvroute.yaml'}: listen" in message
+    assert "`" not in message
