@@ -11,6 +11,8 @@ from policies import ReplicaState
 class ReplicaHandle:
     name: str
     base_url: str
+    # Position in the fleet; indexes shared per-replica tables such as the load board.
+    index: int
     state: ReplicaState = field(init=False)
 
     def __post_init__(self) -> None:

@@ -78,6 +78,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--host", help="Listen address (default 127.0.0.1).")
     p.add_argument("--port", type=int, help="Listen port (default 8000).")
     p.add_argument(
+        "--workers",
+        type=int,
+        help="Router processes sharing the port, for more than one core's worth of traffic "
+        "(default 1). Workers share in-flight load and metrics.",
+    )
+    p.add_argument(
         "--model",
         action="append",
         metavar="NAME",
@@ -111,6 +117,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides["listen"]["host"] = args.host
     if args.port is not None:
         overrides["listen"]["port"] = args.port
+    if args.workers is not None:
+        overrides["listen"]["workers"] = args.workers
     if args.model:
         overrides["models"] = args.model
     config = config_from_dict(overrides)
@@ -120,9 +128,15 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .runner import run
+    config = config_from_args(args)
+    if config.listen.workers > 1:
+        from .workers import run_workers
 
-    run(config_from_args(args))
+        run_workers(config)
+    else:
+        from .runner import run
+
+        run(config)
     return 0
 
 

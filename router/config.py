@@ -28,6 +28,8 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ListenConfig(_Section):
     host: str = "127.0.0.1"
     port: int = 8000
+    # Router processes sharing the port (one event loop per core); they share load and metrics.
+    workers: int = 1
 
 
 class ReplicaConfig(_Section):
@@ -133,6 +135,8 @@ def _describe_validation_error(message: str) -> str:
 def validate(config: Config) -> None:
     """Checks that types alone cannot express."""
     _check_port("listen.port", config.listen.port)
+    if not 1 <= config.listen.workers <= 64:
+        raise ConfigError(f"listen.workers: must be 1-64, got {config.listen.workers}")
     names: set[str] = set()
     for i, replica in enumerate(config.replicas):
         key = f"replicas[{i}]"

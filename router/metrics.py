@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -40,9 +41,18 @@ class _Histogram:
         return out
 
 
+Snapshot = dict[str, Any]
+
+
 class RouterMetrics:
-    def __init__(self, replicas: Callable[[], Iterable[ReplicaState]]) -> None:
+    def __init__(
+        self,
+        replicas: Callable[[], Iterable[ReplicaState]],
+        peers: Callable[[], list[Snapshot]] = list,
+    ) -> None:
         self._replicas = replicas
+        # Other worker processes' snapshots, merged in at scrape time.
+        self._peers = peers
         # (replica, status, reason) -> count
         self.requests: dict[tuple[str, int, str], int] = {}
         # (status, code) -> count
@@ -77,6 +87,45 @@ class RouterMetrics:
     def replicas(self) -> Iterable[ReplicaState]:
         return self._replicas()
 
+    def snapshot(self) -> Snapshot:
+        """Counters and histograms as plain data, for the other workers to merge."""
+        return {
+            "requests": [[*k, v] for k, v in self.requests.items()],
+            "rejected": [[*k, v] for k, v in self.rejected.items()],
+            "upstream_errors": [[*k, v] for k, v in self.upstream_errors.items()],
+            "ttfb": {r: [h.counts, h.total] for r, h in self.time_to_first_byte.items()},
+            "duration": {r: [h.counts, h.total] for r, h in self.duration.items()},
+        }
+
+    def merged(self) -> Snapshot:
+        """This worker's snapshot plus every peer's: what /metrics reports."""
+        requests = dict(self.requests)
+        rejected = dict(self.rejected)
+        upstream_errors = dict(self.upstream_errors)
+        ttfb = {r: _Histogram(list(h.counts), h.total) for r, h in self.time_to_first_byte.items()}
+        duration = {r: _Histogram(list(h.counts), h.total) for r, h in self.duration.items()}
+        for peer in self._peers():
+            for target, rows in (
+                (requests, peer["requests"]),
+                (rejected, peer["rejected"]),
+                (upstream_errors, peer["upstream_errors"]),
+            ):
+                for *key, count in rows:
+                    k = tuple(key)
+                    target[k] = target.get(k, 0) + count
+            for target_h, histograms in ((ttfb, peer["ttfb"]), (duration, peer["duration"])):
+                for replica, (counts, total) in histograms.items():
+                    h = target_h.setdefault(replica, _Histogram())
+                    h.counts = [a + b for a, b in zip(h.counts, counts, strict=True)]
+                    h.total += total
+        return {
+            "requests": requests,
+            "rejected": rejected,
+            "upstream_errors": upstream_errors,
+            "ttfb": ttfb,
+            "duration": duration,
+        }
+
 
 class _Collector(Collector):
     def __init__(self, metrics: RouterMetrics) -> None:
@@ -84,12 +133,13 @@ class _Collector(Collector):
 
     def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         m = self._m
+        merged = m.merged()
         requests = CounterMetricFamily(
             "kvroute_requests",
             "Requests answered by a replica, by replica, HTTP status and routing reason.",
             labels=["replica", "status", "reason"],
         )
-        for (replica, status, reason), count in m.requests.items():
+        for (replica, status, reason), count in merged["requests"].items():
             requests.add_metric([replica, str(status), reason], count)
         yield requests
 
@@ -98,7 +148,7 @@ class _Collector(Collector):
             "Requests answered by the router itself without reaching a replica, by status and code.",
             labels=["status", "code"],
         )
-        for (status, code), count in m.rejected.items():
+        for (status, code), count in merged["rejected"].items():
             rejected.add_metric([str(status), code], count)
         yield rejected
 
@@ -107,7 +157,7 @@ class _Collector(Collector):
             "Failures talking to a replica, by kind (connect, timeout, protocol, broken_stream).",
             labels=["replica", "kind"],
         )
-        for (replica, kind), count in m.upstream_errors.items():
+        for (replica, kind), count in merged["upstream_errors"].items():
             errors.add_metric([replica, kind], count)
         yield errors
 
@@ -115,12 +165,12 @@ class _Collector(Collector):
             (
                 "kvroute_time_to_first_byte_seconds",
                 "From dispatch to the first byte of the replica's response body.",
-                m.time_to_first_byte,
+                merged["ttfb"],
             ),
             (
                 "kvroute_request_duration_seconds",
                 "From dispatch to the last byte relayed to the client.",
-                m.duration,
+                merged["duration"],
             ),
         ):
             family = HistogramMetricFamily(name, doc, labels=["replica"])

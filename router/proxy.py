@@ -40,13 +40,17 @@ class Relayed:
     client_gone: bool = False
 
 
-def _response_headers(upstream: UpstreamResponse, extra: CIMultiDict[str]) -> CIMultiDict[str]:
-    headers: CIMultiDict[str] = CIMultiDict()
-    for name, value in upstream.headers:
-        if name.lower() not in HOP_BY_HOP:
-            headers.add(name.decode("latin-1"), value.decode("latin-1"))
-    headers.update(extra)
-    return headers
+# The router's own X-Request-Id replaces the replica's.
+_NOT_RELAYED = HOP_BY_HOP | {b"x-request-id"}
+
+
+def _response_headers(upstream: UpstreamResponse, extra: list[tuple[str, str]]) -> CIMultiDict[str]:
+    pairs = [
+        (name.decode("latin-1"), value.decode("latin-1"))
+        for name, value in upstream.headers
+        if name.lower() not in _NOT_RELAYED
+    ]
+    return CIMultiDict(pairs + extra)
 
 
 async def relay(
@@ -55,7 +59,7 @@ async def relay(
     base_url: str,
     body: bytes,
     extra_upstream_headers: bytes,
-    extra_response_headers: CIMultiDict[str],
+    extra_response_headers: list[tuple[str, str]],
     first_byte_timeout_s: float,
     idle_timeout_s: float,
 ) -> Relayed:

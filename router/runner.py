@@ -12,6 +12,7 @@ from aiohttp import web
 
 from .config import Config
 from .server import Router
+from .workers import WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +20,8 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 30.0
 
 
-async def serve_forever(config: Config, ready: asyncio.Event | None = None) -> None:
-    router = Router(config)
+async def serve_forever(config: Config, context: WorkerContext | None = None) -> None:
+    router = Router(config, context)
     runner = web.AppRunner(
         router.build_app(),
         handler_cancellation=True,  # a client that disconnects cancels its handler at once
@@ -28,28 +29,33 @@ async def serve_forever(config: Config, ready: asyncio.Event | None = None) -> N
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.listen.host, config.listen.port, backlog=2048)
+    site = web.TCPSite(
+        runner,
+        config.listen.host,
+        config.listen.port,
+        backlog=2048,
+        reuse_port=context is not None,  # workers share the port
+    )
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     healthy = sum(1 for r in router.fleet.replicas if r.healthy)
+    worker = f" worker {context.index}" if context is not None else ""
     print(
-        f"kvroute listening on http://{config.listen.host}:{config.listen.port} "
+        f"kvroute{worker} listening on http://{config.listen.host}:{config.listen.port} "
         f"(policy {router.policy.name}, {healthy}/{len(router.replicas)} replicas healthy)",
         file=sys.stderr,
         flush=True,
     )
-    if ready is not None:
-        ready.set()
     try:
         await stop.wait()
     finally:
-        print("kvroute shutting down", file=sys.stderr, flush=True)
+        print(f"kvroute{worker} shutting down", file=sys.stderr, flush=True)
         await runner.cleanup()
 
 
-def run(config: Config) -> None:
+def run(config: Config, context: WorkerContext | None = None) -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve_forever(config))
+        runner.run(serve_forever(config, context))

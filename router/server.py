@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
-from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.handle import ReplicaHandle
@@ -25,6 +24,7 @@ from .metrics import RouterMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion
 from .proxy import UpstreamUnavailable, relay
 from .upstream_client import UpstreamClient
+from .workers import MetricsExchange, WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +34,21 @@ SESSION_HEADER = "X-Session-ID"
 
 
 class Router:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, worker: WorkerContext | None = None) -> None:
         self.config = config
         self.replicas: dict[str, ReplicaHandle] = {}
-        for replica in config.replicas:
+        for index, replica in enumerate(config.replicas):
             name = replica.name or replica_name_from_url(replica.url)
-            self.replicas[name] = ReplicaHandle(name, replica_base_url(replica.url))
+            self.replicas[name] = ReplicaHandle(name, replica_base_url(replica.url), index)
         self.fleet = FleetView([h.state for h in self.replicas.values()], membership_version=1)
         self.policy: Policy = build_policy(config.policy.name, config.policy.params)
-        self.metrics = RouterMetrics(lambda: self.fleet.replicas)
+        # With several worker processes: shared load, and each other's counters in /metrics.
+        self._board = worker.board if worker is not None else None
+        self._worker_index = worker.index if worker is not None else 0
+        self._exchange = MetricsExchange(worker) if worker is not None else None
+        self.metrics = RouterMetrics(
+            lambda: self.fleet.replicas, self._exchange.peers if self._exchange else list
+        )
         self.prober = ActiveProber(
             lambda: list(self.replicas.values()),
             path=config.health.path,
@@ -51,6 +57,7 @@ class Router:
             on_change=self._refresh_models,
         )
         self.models: list[str] = list(config.models)
+        self._model_set = frozenset(self.models)
         self._started_at = int(time.time())
         self._retry_after_s = max(1, math.ceil(config.health.interval_s))
         self._active_requests = 0
@@ -78,9 +85,13 @@ class Router:
         self._client = UpstreamClient(self.config.timeouts.connect_s)
         await self.prober.probe_all()
         self.prober.start()
+        if self._exchange is not None:
+            self._exchange.start(self.metrics)
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await self.prober.close()
+        if self._exchange is not None:
+            await self._exchange.close(self.metrics)
         if self._client is not None:
             self._client.close()
 
@@ -94,6 +105,7 @@ class Router:
         for state in self.fleet.replicas:
             known.update(state.models or ())
         self.models = sorted(known)
+        self._model_set = frozenset(known)
 
     # -- the data path -----------------------------------------------------------------
 
@@ -123,13 +135,15 @@ class Router:
         except web.HTTPRequestEntityTooLarge:
             raise errors.body_too_large(max_body) from None
         parsed = parse(body)
-        if self.models and parsed.model not in self.models:
+        if self._model_set and parsed.model not in self._model_set:
             raise errors.model_not_found(parsed.model, self.models)
 
         routing_key = request.headers.get(SESSION_HEADER) or parsed.user
         route_request = RouteRequest(
             parsed.prompt_tokens, parsed.max_tokens, parsed.model, routing_key
         )
+        if self._board is not None:
+            self._board.totals_into(self.fleet.replicas)
         decision = self.policy.decide(route_request, self.fleet)
         if not decision.ranked:
             raise errors.no_healthy_replica(self._retry_after_s)
@@ -163,10 +177,12 @@ class Router:
         cost = route_request.token_cost
         state.in_flight += 1
         state.in_flight_tokens += cost
-        extra: CIMultiDict[str] = CIMultiDict({"X-Request-Id": request_id})
+        board = self._board
+        if board is not None:
+            board.add(self._worker_index, handle.index, 1, cost)
+        extra = [("X-Request-Id", request_id)]
         if self.config.decision_headers:
-            extra["X-Kvroute-Replica"] = replica_id
-            extra["X-Kvroute-Reason"] = reason
+            extra += (("X-Kvroute-Replica", replica_id), ("X-Kvroute-Reason", reason))
         started = time.perf_counter()
         assert self._client is not None
         try:
@@ -190,6 +206,8 @@ class Router:
         finally:
             state.in_flight -= 1
             state.in_flight_tokens -= cost
+            if board is not None:
+                board.add(self._worker_index, handle.index, -1, -cost)
         if relayed.broken_stream:
             self.metrics.observe_upstream_error(replica_id, "broken_stream")
         self.metrics.observe_request(
@@ -215,6 +233,8 @@ class Router:
         return _json(body, status=200 if healthy else 503)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
+        if self._board is not None:
+            self._board.totals_into(self.fleet.replicas)
         response = web.Response(body=generate_latest(self.metrics.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response

@@ -304,6 +304,21 @@ class _Pool:
             self.idle.pop().abort()
 
 
+async def _exchange(conn: _Connection, data: bytes, timeout_s: float) -> UpstreamResponse:
+    headers_ready: asyncio.Future[None] = conn.loop.create_future()
+    response = UpstreamResponse(conn, headers_ready)
+    conn.send(data, response)
+    timer = conn.loop.call_later(timeout_s, _expire, headers_ready, timeout_s)
+    try:
+        await headers_ready
+    except BaseException:
+        response.close()
+        raise
+    finally:
+        timer.cancel()
+    return response
+
+
 class UpstreamClient:
     """Sends requests to replicas over pooled connections."""
 
@@ -343,29 +358,14 @@ class UpstreamClient:
         conn = await pool.acquire()
         reused = conn.used
         try:
-            return await self._exchange(conn, data, timeout_s)
+            return await _exchange(conn, data, timeout_s)
         except UpstreamTimeout:
             raise
         except UpstreamError:
             if not reused:
                 raise
         # The replica closed an idle keep-alive connection as we reused it: one fresh try.
-        return await self._exchange(await pool.connect(), data, timeout_s)
-
-    @staticmethod
-    async def _exchange(conn: _Connection, data: bytes, timeout_s: float) -> UpstreamResponse:
-        headers_ready: asyncio.Future[None] = conn.loop.create_future()
-        response = UpstreamResponse(conn, headers_ready)
-        conn.send(data, response)
-        timer = conn.loop.call_later(timeout_s, _expire, headers_ready, timeout_s)
-        try:
-            await headers_ready
-        except BaseException:
-            response.close()
-            raise
-        finally:
-            timer.cancel()
-        return response
+        return await _exchange(await pool.connect(), data, timeout_s)
 
     def close(self) -> None:
         for pool in self._pools.values():

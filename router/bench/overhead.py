@@ -39,6 +39,7 @@ class Target:
     name: str  # what --targets takes
     router: str  # "direct", "kvroute", "vllm-router" or "smg"
     policy: str | None  # None: the router's default
+    workers: int = 1  # kvroute only: router processes sharing the port
 
 
 TARGETS: dict[str, Target] = {
@@ -47,6 +48,8 @@ TARGETS: dict[str, Target] = {
         Target("direct", "direct", None),
         Target("kvroute-rr", "kvroute", "round_robin"),
         Target("kvroute", "kvroute", None),
+        Target("kvroute-rr-w2", "kvroute", "round_robin", workers=2),
+        Target("kvroute-w2", "kvroute", None, workers=2),
         Target("vllm-router-rr", "vllm-router", "round_robin"),
         Target("vllm-router-ca", "vllm-router", "cache_aware"),
         Target("smg-ca", "smg", "cache_aware"),
@@ -57,6 +60,8 @@ DEFAULT_TARGETS = [
     "direct",
     "kvroute-rr",
     "kvroute",
+    "kvroute-rr-w2",
+    "kvroute-w2",
     "vllm-router-rr",
     "vllm-router-ca",
     "smg-ca",
@@ -94,7 +99,8 @@ class Row:
     def label(self) -> str:
         if self.target.router == "direct":
             return "-"
-        return self.target.policy or f"{DEFAULT_POLICY} (default)"
+        policy = self.target.policy or f"{DEFAULT_POLICY} (default)"
+        return f"{policy}, {self.target.workers} workers" if self.target.workers > 1 else policy
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,8 @@ def launch_for(
             argv += ["--replica", url]
         if target.policy:
             argv += ["--policy", target.policy]
+        if target.workers > 1:
+            argv += ["--workers", str(target.workers)]
         argv += ["--host", HOST, "--port", str(port)]
         return Launch(argv, "/ready")
     common = [
@@ -417,7 +425,12 @@ def smg_ratio_line(rows: list[Row]) -> str:
     if smg is None or not smg.requests_per_s:
         return "kvroute/smg throughput ratio: n/a (smg cache_aware not measured)"
     parts = []
-    for name, label in (("kvroute", f"{DEFAULT_POLICY} (default)"), ("kvroute-rr", "round_robin")):
+    for name, label in (
+        ("kvroute", f"{DEFAULT_POLICY} (default)"),
+        ("kvroute-rr", "round_robin"),
+        ("kvroute-w2", f"{DEFAULT_POLICY} (default), 2 workers"),
+        ("kvroute-rr-w2", "round_robin, 2 workers"),
+    ):
         result = by_name.get(name)
         if result is not None:
             parts.append(f"kvroute {label} {result.requests_per_s / smg.requests_per_s:.2f}x")
