@@ -302,3 +302,9 @@ def test_non_string_key_names_its_section(tmp_path: Path) -> None:
     message = load_error(tmp_path, "listen:\n  1: 2\n")
     assert f"{tmp_path / 'kvroute.yaml'}: listen" in message
     assert "`" not in message
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).parent.parent.glob("configs/*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path: Path) -> None:
+    config = load_config(path)
+    assert config.replicas, f"{path.name} declares no replicas"
