@@ -129,6 +129,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    from .runner import check_can_listen
+
+    problem = check_can_listen(config.listen.host, config.listen.port)
+    if problem:
+        print(f"kvroute: {problem}", file=sys.stderr)
+        return 1
     if config.listen.workers > 1:
         from .workers import run_workers
 

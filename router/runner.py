@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 
 import uvloop
@@ -54,6 +55,22 @@ async def serve_forever(config: Config, context: WorkerContext | None = None) ->
     finally:
         print(f"kvroute{worker} shutting down", file=sys.stderr, flush=True)
         await runner.cleanup()
+
+
+def check_can_listen(host: str, port: int) -> str | None:
+    """Why the router could not listen on host:port, or None. Checked before any worker starts."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 def run(config: Config, context: WorkerContext | None = None) -> None:

@@ -304,7 +304,9 @@ def test_non_string_key_names_its_section(tmp_path: Path) -> None:
     assert "`" not in message
 
 
-@pytest.mark.parametrize("path", sorted(Path(__file__).parent.parent.glob("configs/*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(Path(__file__).parent.parent.glob("configs/*.yaml")), ids=lambda p: p.name
+)
 def test_shipped_configs_are_valid(path: Path) -> None:
     config = load_config(path)
     assert config.replicas, f"{path.name} declares no replicas"

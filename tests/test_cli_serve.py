@@ -1,0 +1,80 @@
+"""`kvroute serve` as a user runs it: starts, serves, stops cleanly, and fails clearly."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+
+import aiohttp
+
+from .conftest import StartReplica
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_on_a_busy_port_says_so_without_a_traceback() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "serve",
+                "--replica",
+                "http://127.0.0.1:9",
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+async def test_serve_answers_then_stops_on_sigterm(start_replica: StartReplica) -> None:
+    a = await start_replica("a")
+    port = _free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.cli", "serve", "--replica", a.url, "--port", str(port),
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while True:
+                try:
+                    async with http.get(url + "/ready") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                assert loop.time() < deadline, "router did not become ready"
+                await asyncio.sleep(0.05)
+            async with http.post(
+                url + "/v1/completions", json={"model": "tiny", "prompt": "x"}
+            ) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["choices"][0]["text"] == "hello from a"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            await process.wait()
+    stderr = (await process.stderr.read()).decode()  # type: ignore[union-attr]
+    assert process.returncode == 0, stderr
+    assert "listening on" in stderr and "shutting down" in stderr
+    assert "Traceback" not in stderr
