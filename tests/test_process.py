@@ -1,0 +1,115 @@
+"""Replica processes: ready with a deadline, restarted with backoff, stopped with their group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backends.launcher import free_ports
+from backends.process import LaunchError, ManagedProcess, ProcessState
+
+# A stand-in replica: answers /health with 200 and starts a grandchild (sleep) in its group.
+SERVER = r"""
+import http.server, subprocess, sys
+subprocess.Popen(["sleep", "300"])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    members.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return members
+
+
+def _wait(predicate: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _process(tmp_path: Path, argv: list[str], port: int, **kwargs: object) -> ManagedProcess:
+    return ManagedProcess(
+        "stand-in", argv, log_path=tmp_path / "stand-in.log", health_url=f"http://127.0.0.1:{port}/health",
+        backoff_s=0.1, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_ready_then_restarted_after_a_crash_then_stopped_with_its_group(tmp_path: Path) -> None:
+    (port,) = free_ports(1)
+    process = _process(tmp_path, [sys.executable, "-c", SERVER, str(port)], port)
+    process.start()
+    process.wait_ready(20)
+    assert process.state is ProcessState.READY
+    first_pid = process.pid
+    assert first_pid is not None
+    process.watch(ready_timeout_s=20)
+    process.kill()  # the replica dies abruptly
+    _wait(lambda: process.pid != first_pid and process.state is ProcessState.READY, 20, "a restart")
+    assert process.restarts == 1
+    assert not _group_members(first_pid), "the dead replica's children were left behind"
+    pgid = process.pid
+    assert pgid is not None and len(_group_members(pgid)) >= 2  # the server and its sleep
+    process.stop(grace_s=5)
+    assert process.state is ProcessState.STOPPED
+    assert not _group_members(pgid), "stop() left processes of the group running"
+
+
+def test_exit_before_ready_is_a_launch_error_with_the_log(tmp_path: Path) -> None:
+    (port,) = free_ports(1)
+    process = _process(
+        tmp_path, [sys.executable, "-c", "import sys; print('boom: bad flag'); sys.exit(3)"], port
+    )
+    process.start()
+    with pytest.raises(LaunchError, match="exited with code 3") as info:
+        process.wait_ready(20)
+    assert "boom: bad flag" in str(info.value)
+
+
+def test_not_ready_in_time_is_a_launch_error(tmp_path: Path) -> None:
+    (port,) = free_ports(1)
+    process = _process(tmp_path, [sys.executable, "-c", "import time; time.sleep(60)"], port)
+    process.start()
+    with pytest.raises(LaunchError, match="not ready after"):
+        process.wait_ready(0.5)
+    process.stop(grace_s=2)
+
+
+def test_replica_dies_with_the_launcher_even_on_sigkill(tmp_path: Path) -> None:
+    (port,) = free_ports(1)
+    launcher = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from backends.process import ManagedProcess\n"
+        f"p = ManagedProcess('x', [sys.executable, '-c', {SERVER!r}, '{port}'], log_path=Path({str(tmp_path / 'x.log')!r}),"
+        f" health_url='http://127.0.0.1:{port}/health')\n"
+        "p.start(); p.wait_ready(20); print(p.pid, flush=True); time.sleep(300)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    assert os.path.exists(f"/proc/{child}")
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    _wait(
+        lambda: not _group_members(child), 10, "the replica to exit after its launcher was killed"
+    )
