@@ -4,8 +4,8 @@ starts outlives kvroute.
 The reaper leads the replica's process group and is told (PR_SET_PDEATHSIG, set by the
 launcher) when kvroute dies, even by SIGKILL. On that, or on a SIGTERM from kvroute, it
 passes SIGTERM to the whole group (vLLM runs an API server plus engine-core workers), waits
-up to GRACE_S, then SIGKILLs the group. When the replica exits by itself, the reaper exits
-with its code, so kvroute sees a crash as usual.
+up to GRACE_S, then SIGKILLs the group. When the replica exits by itself, the reaper
+reports its exit code in the log and clears whatever the replica left in the group.
 """
 
 from __future__ import annotations
@@ -24,18 +24,31 @@ def main(argv: list[str]) -> int:
     grace_s = float(argv[0])
     child = subprocess.Popen(argv[2:])
     group = os.getpgrp()
+    deadline: float | None = None
 
     def stop(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group signal below reaches us too
-        os.killpg(group, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.killpg(group, signal.SIGKILL)  # whatever is left, the reaper included
+        # Only note the request here: the main loop does the waiting.
+        nonlocal deadline
+        if deadline is None:
+            deadline = time.monotonic() + grace_s
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group signal reaches us too
+            os.killpg(group, signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    return child.wait()
+    while True:
+        try:
+            code = child.wait(timeout=0.1)
+            break
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"reaper: replica still running {grace_s:g}s after SIGTERM; killing", file=sys.stderr)
+                break
+    if deadline is None:
+        print(f"reaper: replica exited with code {code}", file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    os.killpg(group, signal.SIGKILL)  # whatever is left in the group, the reaper included
+    return 0  # not reached
 
 
 if __name__ == "__main__":

@@ -47,8 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_serve(sub)
     _add_check_config(sub)
-    from .bench.cli import add_bench
+    from backends.tiny_model import add_make_tiny_model_command
+    from simulator.replica.cli import add_replica_command
 
+    from .bench.cli import add_bench
+    from .demo import add_demo_command
+
+    add_demo_command(sub)
+    add_replica_command(sub)
+    add_make_tiny_model_command(sub)
     add_bench(sub)
     return parser
 
@@ -69,6 +76,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="URL",
         help="Base URL of a replica, e.g. http://127.0.0.1:8001 (repeat for more). "
         "Replaces the config's replicas.",
+    )
+    p.add_argument(
+        "--kv-events",
+        action="append",
+        metavar="URL=EVENTS[,REPLAY]",
+        help="A replica's ZMQ KV-event endpoint and optional replay endpoint, e.g. "
+        "http://127.0.0.1:8001=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558 (repeat per replica).",
     )
     p.add_argument(
         "--policy",
@@ -109,6 +123,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
     overrides = msgspec.to_builtins(config)
     if args.replica:
         overrides["replicas"] = [msgspec.to_builtins(ReplicaConfig(url=u)) for u in args.replica]
+    if args.kv_events:
+        by_url = {r["url"].rstrip("/"): r for r in overrides["replicas"]}
+        for spec in args.kv_events:
+            url, events, replay = _parse_kv_events(spec)
+            if url not in by_url:
+                raise ConfigError(f"--kv-events {spec}: {url} is not one of the replicas")
+            by_url[url]["kv_events"] = events
+            by_url[url]["kv_replay"] = replay
     if args.policy:
         overrides["policy"] = {"name": args.policy, "params": {}}
         if config.policy.name == args.policy:
@@ -122,9 +144,19 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.model:
         overrides["models"] = args.model
     config = config_from_dict(overrides)
-    if not config.replicas:
-        raise ConfigError("no replicas: give --replica URL or a 'replicas' list in the config")
+    if not config.replicas and config.launch is None:
+        raise ConfigError(
+            "no replicas: give --replica URL, or 'replicas' or 'launch' in the config"
+        )
     return config
+
+
+def _parse_kv_events(spec: str) -> tuple[str, str, str | None]:
+    url, sep, endpoints = spec.partition("=")
+    events, _, replay = endpoints.partition(",")
+    if not sep or not url or not events:
+        raise ConfigError(f"--kv-events {spec!r}: expected URL=EVENTS_ENDPOINT[,REPLAY_ENDPOINT]")
+    return url.rstrip("/"), events, replay or None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -135,14 +167,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"kvroute: {problem}", file=sys.stderr)
         return 1
-    if config.listen.workers > 1:
-        from .workers import run_workers
+    from backends.process import LaunchError
 
-        run_workers(config)
-    else:
-        from .runner import run
+    from .launching import start_launched_replicas
 
-        run(config)
+    try:
+        config, fleet = start_launched_replicas(config)
+    except LaunchError as exc:
+        print(f"kvroute: {exc}", file=sys.stderr)
+        return 1
+    try:
+        if config.listen.workers > 1:
+            from .workers import run_workers
+
+            run_workers(config)
+        else:
+            from .runner import run
+
+            run(config)
+    finally:
+        if fleet is not None:
+            fleet.stop()  # after the router has drained its in-flight requests
     return 0
 
 

@@ -36,6 +36,32 @@ class ReplicaConfig(_Section):
     url: str
     # A stable name for metrics and headers; defaults to host:port of the URL.
     name: str | None = None
+    # The replica's ZMQ KV-event publisher and replay endpoints (vLLM --kv-events-config).
+    kv_events: str | None = None
+    kv_replay: str | None = None
+
+
+class LaunchConfig(_Section):
+    """Replicas kvroute starts and manages itself."""
+
+    engine: str = "emulated"  # emulated | vllm
+    count: int = 2
+    model: str = "tiny"  # the served model name clients ask for
+    # vllm: the model directory (default: the tiny test model, built on first use).
+    model_path: str | None = None
+    # emulated: HF tokenizer files to tokenize with (default: the built-in tokenizer).
+    tokenizer: str | None = None
+    block_size: int = 32
+    num_gpu_blocks: int = 1024  # KV capacity per replica, in blocks
+    max_num_seqs: int = 64
+    preset: str = "llama-3.1-8b-h100"  # emulated: latency model
+    time_scale: float = 1.0  # emulated: >1 runs slower than the modelled hardware
+    kv_events: bool = True
+    host: str = "127.0.0.1"
+    log_dir: str = "kvroute-logs"
+    startup_timeout_s: float = 300.0
+    max_restarts: int = 5
+    extra_args: list[str] = msgspec.field(default_factory=list)
 
 
 class PolicyConfig(_Section):
@@ -72,6 +98,8 @@ class Config(_Section):
     # Model names clients may ask for; empty means: whatever the replicas report.
     models: list[str] = msgspec.field(default_factory=list)
     replicas: list[ReplicaConfig] = msgspec.field(default_factory=list)
+    # Replicas to start and manage (in addition to any listed under replicas).
+    launch: LaunchConfig | None = None
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
@@ -149,6 +177,8 @@ def validate(config: Config) -> None:
         if name in names:
             raise ConfigError(f"{key}.name: duplicate replica name {name!r}")
         names.add(name)
+    if config.launch is not None:
+        _validate_launch(config.launch)
     for i, model in enumerate(config.models):
         if not model:
             raise ConfigError(f"models[{i}]: must not be empty")
@@ -171,6 +201,29 @@ def validate(config: Config) -> None:
     except PolicyConfigError as exc:
         key = "policy.name" if "unknown policy" in str(exc) else "policy.params"
         raise ConfigError(f"{key}: {exc}") from None
+
+
+ENGINES = ("emulated", "vllm")
+
+
+def _validate_launch(launch: LaunchConfig) -> None:
+    if launch.engine not in ENGINES:
+        raise ConfigError(
+            f"launch.engine: must be one of {', '.join(ENGINES)}, got {launch.engine!r}"
+        )
+    for key in ("count", "block_size", "num_gpu_blocks", "max_num_seqs"):
+        if getattr(launch, key) < 1:
+            raise ConfigError(f"launch.{key}: must be >= 1, got {getattr(launch, key)}")
+    if launch.engine == "vllm" and launch.block_size % 32:
+        raise ConfigError(
+            f"launch.block_size: vLLM on CPU needs a multiple of 32, got {launch.block_size}"
+        )
+    for key in ("time_scale", "startup_timeout_s"):
+        value = getattr(launch, key)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"launch.{key}: must be a finite number > 0, got {value}")
+    if not launch.model:
+        raise ConfigError("launch.model: must not be empty")
 
 
 def _check_port(key: str, port: int) -> None:

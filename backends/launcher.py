@@ -1,0 +1,189 @@
+"""Start the replicas a config declares under ``launch:``, and stop them again.
+
+Launching happens before the router serves (and, with several workers, in the supervisor
+before it forks), so the router itself only ever sees a list of replica URLs with their
+KV-event endpoints: launched replicas become static ones once they run.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .process import LaunchError, ManagedProcess
+
+DEFAULT_TINY_MODEL_DIR = Path.home() / ".cache" / "kvroute" / "tiny-model"
+KV_TOPIC = "kv-events"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What a launcher needs to know; mirrors the config's ``launch`` section."""
+
+    engine: str
+    count: int
+    model: str
+    model_path: str | None
+    tokenizer: str | None
+    block_size: int
+    num_gpu_blocks: int
+    max_num_seqs: int
+    preset: str
+    time_scale: float
+    kv_events: bool
+    host: str
+    log_dir: str
+    startup_timeout_s: float
+    max_restarts: int
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass
+class LaunchedReplica:
+    name: str
+    url: str
+    kv_events: str | None
+    kv_replay: str | None
+    process: ManagedProcess
+
+
+def free_ports(count: int, host: str = "") -> list[int]:
+    """Ports the OS says are free now (held open together so they are distinct)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def emulated_command(spec: LaunchSpec, port: int, events_port: int, replay_port: int) -> list[str]:
+    argv = [
+        sys.executable, "-m", "router.cli", "replica",
+        "--host", spec.host,
+        "--port", str(port),
+        "--served-model-name", spec.model,
+        "--block-size", str(spec.block_size),
+        "--num-gpu-blocks-override", str(spec.num_gpu_blocks),
+        "--max-num-seqs", str(spec.max_num_seqs),
+        "--preset", spec.preset,
+        "--time-scale", str(spec.time_scale),
+    ]  # fmt: skip
+    if spec.tokenizer:
+        argv += ["--tokenizer", spec.tokenizer]
+    if spec.kv_events:
+        argv += ["--kv-events-config", kv_events_config_json(spec.host, events_port, replay_port)]
+    return argv + list(spec.extra_args)
+
+
+def kv_events_config_json(host: str, events_port: int, replay_port: int) -> str:
+    # vLLM binds an endpoint only when it has a wildcard host ("tcp://*:P"); with a concrete
+    # host it connects out instead. The replica binds; the router connects to host:P.
+    del host
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": KV_TOPIC,
+        }
+    )
+
+
+def vllm_command(
+    spec: LaunchSpec, port: int, events_port: int, replay_port: int
+) -> tuple[list[str], dict[str, str]]:
+    from .vllm_args import vllm_server_command
+
+    model_dir = Path(spec.model_path) if spec.model_path else ensure_tiny_model()
+    return vllm_server_command(
+        model_dir=model_dir,
+        port=port,
+        served_model_name=spec.model,
+        block_size=spec.block_size,
+        num_gpu_blocks=spec.num_gpu_blocks,
+        max_num_seqs=spec.max_num_seqs,
+        kv_events_endpoint=f"tcp://*:{events_port}" if spec.kv_events else None,
+        kv_replay_endpoint=f"tcp://*:{replay_port}" if spec.kv_events else None,
+        topic=KV_TOPIC,
+        host=spec.host,
+        extra_args=spec.extra_args,
+    )
+
+
+def ensure_tiny_model() -> Path:
+    from .tiny_model import make_tiny_model
+
+    return make_tiny_model(DEFAULT_TINY_MODEL_DIR)
+
+
+class LaunchedFleet:
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.replicas: list[LaunchedReplica] = []
+        ports = free_ports(3 * spec.count)
+        for i in range(spec.count):
+            port, events_port, replay_port = ports[3 * i : 3 * i + 3]
+            name = f"{spec.engine}-{i}"
+            env: dict[str, str] = {}
+            if spec.engine == "vllm":
+                argv, env = vllm_command(spec, port, events_port, replay_port)
+            else:
+                argv = emulated_command(spec, port, events_port, replay_port)
+            url = f"http://{spec.host}:{port}"
+            process = ManagedProcess(
+                name,
+                argv,
+                env=env,
+                log_path=Path(spec.log_dir) / f"{name}.log",
+                health_url=url + "/health",
+                max_restarts=spec.max_restarts,
+            )
+            self.replicas.append(
+                LaunchedReplica(
+                    name,
+                    url,
+                    f"tcp://{spec.host}:{events_port}" if spec.kv_events else None,
+                    f"tcp://{spec.host}:{replay_port}" if spec.kv_events else None,
+                    process,
+                )
+            )
+
+    def start(self) -> None:
+        """Start every replica, wait until all are ready (in parallel), then watch them."""
+        for replica in self.replicas:
+            replica.process.start()
+        errors: list[LaunchError] = []
+
+        def wait(replica: LaunchedReplica) -> None:
+            try:
+                replica.process.wait_ready(self.spec.startup_timeout_s)
+            except LaunchError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=wait, args=(r,)) for r in self.replicas]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            self.stop()
+            raise errors[0]
+        for replica in self.replicas:
+            replica.process.watch(self.spec.startup_timeout_s)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        threads = [threading.Thread(target=r.process.stop, args=(grace_s,)) for r in self.replicas]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()

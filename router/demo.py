@@ -1,0 +1,299 @@
+"""``kvroute demo``: launch a fleet, replay a multi-tenant chat workload through round
+robin and through the best policy available, and show side by side what routing changed."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from backends.launcher import LaunchedFleet, LaunchSpec
+from backends.process import LaunchError
+from simulator.workload import Conversation, multi_tenant_chat
+
+from .config import config_from_dict
+from .server import Router
+
+DEFAULT_POLICIES = "round_robin,consistent_hash"
+
+
+def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="Launch replicas and compare routing policies on a multi-tenant chat workload.",
+        description=(
+            "Start a fleet (emulated replicas by default, or real vLLM with --engine vllm), then "
+            "replay the same multi-tenant chat workload (long shared system prompts, multi-turn "
+            "conversations, several in flight) through each policy, resetting the replicas' "
+            "prefix caches in between, and print requests, errors, the replicas' own prefix-cache "
+            "hit rate (from their /metrics), TTFT p50/p99 and load max/mean."
+        ),
+    )
+    p.add_argument("--engine", choices=["emulated", "vllm"], default="emulated")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument(
+        "--policies", default=DEFAULT_POLICIES, help=f"Comma list (default {DEFAULT_POLICIES})."
+    )
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--conversations", type=int, default=4, help="Conversations per tenant.")
+    p.add_argument("--turns", type=int, default=4, help="User turns per conversation.")
+    p.add_argument("--concurrency", type=int, default=8, help="Conversations in flight at once.")
+    p.add_argument("--max-tokens", type=int, default=24, help="Tokens generated per reply.")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument(
+        "--kv-blocks", type=int, default=None,
+        help="KV capacity per replica in blocks (default: small enough that eviction matters).",
+    )  # fmt: skip
+    p.add_argument(
+        "--preset", default="llama-3.1-8b-h100", help="Emulated replicas' latency model."
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="Emulated replicas run this many times slower.",
+    )
+    p.add_argument("--log-dir", default="kvroute-logs")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run_demo_command)
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    requests: int = 0
+    errors: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    per_replica: dict[str, int] = field(default_factory=dict)
+    hit_rate: float = 0.0
+    wall_s: float = 0.0
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    from policies import POLICIES
+
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        print(
+            f"kvroute demo: unknown policy {unknown[0]!r}; choose from {', '.join(sorted(POLICIES))}",
+            file=sys.stderr,
+        )
+        return 2
+    conversations = multi_tenant_chat(args.tenants, args.conversations, args.turns, seed=args.seed)
+    # Room for about half the tenants' system prompts per replica: eviction matters.
+    prompt_blocks = len(conversations[0].system_prompt) // 4 // args.block_size + 1
+    kv_blocks = args.kv_blocks or max(64, prompt_blocks * max(2, args.tenants // 2) + 64)
+    spec = LaunchSpec(
+        engine=args.engine,
+        count=args.replicas,
+        model="tiny",
+        model_path=None,
+        tokenizer=None,
+        block_size=args.block_size,
+        num_gpu_blocks=kv_blocks,
+        max_num_seqs=64,
+        preset=args.preset,
+        time_scale=args.time_scale,
+        kv_events=True,
+        host="127.0.0.1",
+        log_dir=args.log_dir,
+        startup_timeout_s=300.0,
+        max_restarts=2,
+    )
+    print(
+        f"kvroute demo: starting {args.replicas} {args.engine} replicas "
+        f"({kv_blocks} KV blocks of {args.block_size} tokens each; logs in {args.log_dir}/)",
+        file=sys.stderr,
+        flush=True,
+    )
+    fleet = LaunchedFleet(spec)
+    try:
+        fleet.start()
+    except LaunchError as exc:
+        print(f"kvroute demo: {exc}", file=sys.stderr)
+        return 1
+    try:
+        results = asyncio.run(_run_all(fleet, policies, conversations, args))
+    finally:
+        fleet.stop()
+    print(render_table(results, args, kv_blocks))
+    return 1 if any(r.errors for r in results) else 0
+
+
+async def _run_all(
+    fleet: LaunchedFleet,
+    policies: list[str],
+    conversations: list[Conversation],
+    args: argparse.Namespace,
+) -> list[PolicyResult]:
+    urls = [r.url for r in fleet.replicas]
+    results = []
+    async with aiohttp.ClientSession() as http:
+        for policy in policies:
+            for url in urls:
+                async with http.post(url + "/reset_prefix_cache") as resp:
+                    await resp.read()
+            before = await _cache_counters(http, urls)
+            result = await _run_policy(http, fleet, policy, conversations, args)
+            after = await _cache_counters(http, urls)
+            queries = sum(after[u][0] - before[u][0] for u in urls)
+            hits = sum(after[u][1] - before[u][1] for u in urls)
+            result.hit_rate = hits / queries if queries else 0.0
+            results.append(result)
+    return results
+
+
+async def _run_policy(
+    http: aiohttp.ClientSession,
+    fleet: LaunchedFleet,
+    policy: str,
+    conversations: list[Conversation],
+    args: argparse.Namespace,
+) -> PolicyResult:
+    config = config_from_dict(
+        {
+            "listen": {"port": 0},
+            "replicas": [{"url": r.url, "name": r.name} for r in fleet.replicas],
+            "policy": {"name": policy},
+            "health": {"interval_s": 1.0},
+        }
+    )
+    router = Router(config)
+    runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    result = PolicyResult(policy)
+    total = len(conversations) * args.turns
+    semaphore = asyncio.Semaphore(args.concurrency)
+    started = time.monotonic()
+
+    async def converse(conversation: Conversation) -> None:
+        async with semaphore:
+            messages: list[dict[str, Any]] = [
+                {"role": "system", "content": conversation.system_prompt}
+            ]
+            for turn in conversation.user_turns:
+                messages.append({"role": "user", "content": turn})
+                reply = await _one_request(
+                    http, url, messages, conversation.tenant, args.max_tokens, result
+                )
+                messages.append({"role": "assistant", "content": reply})
+                if sys.stderr.isatty():
+                    progress = f"\r  {policy:<16} {result.requests}/{total} requests"
+                    print(progress, end="", file=sys.stderr, flush=True)
+
+    try:
+        await asyncio.gather(*(converse(c) for c in conversations))
+    finally:
+        result.wall_s = time.monotonic() - started
+        end = "\n" if sys.stderr.isatty() else ""
+        summary = f"{end}  {policy:<16} {result.requests}/{total} requests in {result.wall_s:.1f}s"
+        print(summary, file=sys.stderr)
+        await runner.cleanup()
+    return result
+
+
+async def _one_request(
+    http: aiohttp.ClientSession,
+    url: str,
+    messages: list[dict[str, Any]],
+    tenant: int,
+    max_tokens: int,
+    result: PolicyResult,
+) -> str:
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "user": f"tenant-{tenant}",
+    }
+    sent = time.monotonic()
+    first: float | None = None
+    pieces: list[str] = []
+    try:
+        async with http.post(url, json=body) as resp:
+            replica = resp.headers.get("X-Kvroute-Replica", "?")
+            if resp.status != 200:
+                await resp.read()
+                raise RuntimeError(f"status {resp.status}")
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                if first is None:
+                    first = time.monotonic()
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", []):
+                    pieces.append(choice.get("delta", {}).get("content") or "")
+    except (aiohttp.ClientError, RuntimeError):
+        result.errors += 1
+        result.requests += 1
+        return ""
+    result.requests += 1
+    result.per_replica[replica] = result.per_replica.get(replica, 0) + 1
+    if first is not None:
+        result.ttfts.append(first - sent)
+    return "".join(pieces)
+
+
+async def _cache_counters(
+    http: aiohttp.ClientSession, urls: list[str]
+) -> dict[str, tuple[float, float]]:
+    """(prefix_cache_queries, prefix_cache_hits) per replica, from its own /metrics."""
+    counters = {}
+    for url in urls:
+        async with http.get(url + "/metrics") as resp:
+            text = await resp.text()
+        queries = hits = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:prefix_cache_queries_total":
+                    queries += sample.value
+                elif sample.name == "vllm:prefix_cache_hits_total":
+                    hits += sample.value
+        counters[url] = (queries, hits)
+    return counters
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def render_table(results: list[PolicyResult], args: argparse.Namespace, kv_blocks: int) -> str:
+    lines = [
+        "",
+        f"{args.replicas} {args.engine} replicas, {args.tenants} tenants x {args.conversations} "
+        f"conversations x {args.turns} turns, {args.concurrency} in flight, {kv_blocks} KV blocks/replica",
+        "",
+        f"{'policy':<18}{'requests':>9}{'errors':>8}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'load max/mean':>15}{'wall':>8}",
+    ]
+    for r in results:
+        counts = [r.per_replica.get(name, 0) for name in sorted(r.per_replica)] or [0]
+        mean = statistics.mean(counts) if counts else 0
+        balance = max(counts) / mean if mean else float("nan")
+        lines.append(
+            f"{r.policy:<18}{r.requests:>9}{r.errors:>8}{r.hit_rate:>10.1%}"
+            f"{_percentile(r.ttfts, 0.5) * 1000:>9.0f}ms{_percentile(r.ttfts, 0.99) * 1000:>9.0f}ms"
+            f"{balance:>15.2f}{r.wall_s:>7.1f}s"
+        )
+    lines.append("")
+    lines.append(
+        "hit rate: the replicas' own prefix-cache hits / queries (tokens), from their /metrics."
+    )
+    return "\n".join(lines)

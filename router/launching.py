@@ -1,0 +1,48 @@
+"""Turn a config's ``launch:`` section into running replicas the router routes to."""
+
+from __future__ import annotations
+
+import sys
+
+import msgspec
+
+from backends.launcher import LaunchedFleet, LaunchSpec
+
+from .config import Config, ReplicaConfig
+
+
+def launch_spec(config: Config) -> LaunchSpec:
+    assert config.launch is not None
+    fields = msgspec.structs.asdict(config.launch)
+    fields["extra_args"] = tuple(fields["extra_args"])
+    return LaunchSpec(**fields)
+
+
+def start_launched_replicas(config: Config) -> tuple[Config, LaunchedFleet | None]:
+    """Start what ``launch`` declares; return the config with them as plain replicas."""
+    if config.launch is None:
+        return config, None
+    spec = launch_spec(config)
+    print(
+        f"kvroute: starting {spec.count} {spec.engine} replicas (logs in {spec.log_dir}/)",
+        file=sys.stderr,
+        flush=True,
+    )
+    fleet = LaunchedFleet(spec)
+    fleet.start()
+    launched = [
+        ReplicaConfig(
+            url=r.url,
+            name=r.name,
+            kv_events=_connectable(r.kv_events),
+            kv_replay=_connectable(r.kv_replay),
+        )
+        for r in fleet.replicas
+    ]
+    return msgspec.structs.replace(
+        config, replicas=[*config.replicas, *launched], launch=None
+    ), fleet
+
+
+def _connectable(endpoint: str | None) -> str | None:
+    return endpoint.replace("*", "127.0.0.1") if endpoint else None

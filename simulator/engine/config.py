@@ -1,0 +1,35 @@
+"""Engine configuration: the knobs of ``vllm serve`` that shape scheduling and caching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .latency import DEFAULT_PRESET, PRESETS, LatencyModel
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity, batching limits and the hardware/model latency of one replica."""
+
+    block_size: int = 16
+    num_blocks: int = 2048  # KV capacity in blocks (vLLM's --num-gpu-blocks-override)
+    max_num_seqs: int = 256  # running batch limit
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    latency: LatencyModel = PRESETS[DEFAULT_PRESET]
+    vocab_size: int = 32000  # generated token ids lie in [0, vocab_size)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "block_size",
+            "num_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "vocab_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")

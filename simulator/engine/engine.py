@@ -1,0 +1,177 @@
+"""The engine model: one vLLM replica's scheduling and KV cache, stepped in virtual time.
+
+``Engine.step(now)`` runs one scheduler iteration: schedule, "execute" (advance computed tokens,
+sample deterministic tokens) and report the step's modelled duration, per-request outputs and
+the KV events it caused. Nothing here reads a clock, sleeps or does I/O: the emulated replica
+steps it in real time, the fleet simulator in simulated time.
+"""
+
+from __future__ import annotations
+
+from .config import EngineConfig
+from .hashing import extend_block_hashes, token_bytes
+from .kv_cache_manager import KVCacheManager
+from .outputs import EngineStats, RequestOutput, StepOutput
+from .request import EngineRequest, Sequence, Status, generated_token, new_sequence
+from .scheduler import Scheduler
+
+
+class Engine:
+    """One replica's engine core: add and abort requests, step, read stats."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._kv = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self._scheduler = Scheduler(self._kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self._requests: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self.last_step_time = 0.0
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request. ValueError, with the reason, for one the engine could never serve."""
+        cfg = self.config
+        rid = request.request_id
+        prompt = request.prompt_token_ids
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r}: a request with this id is already in the engine")
+        if not prompt:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise ValueError(
+                f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens!r}"
+            )
+        total = len(prompt) + request.max_tokens
+        if total > cfg.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt ({len(prompt)} tokens) + max_tokens "
+                f"({request.max_tokens}) = {total} exceeds max_model_len {cfg.max_model_len}"
+            )
+        # The last sampled token is never fed back, so the KV holds total - 1 tokens at most.
+        blocks_needed = -(-(total - 1) // cfg.block_size)
+        if blocks_needed > cfg.num_blocks:
+            raise ValueError(
+                f"request {rid!r}: needs {blocks_needed} KV blocks but the cache has "
+                f"{cfg.num_blocks}"
+            )
+        try:
+            token_bytes(prompt)
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"request {rid!r}: prompt token ids must be int64 integers") from exc
+
+        seq = new_sequence(request, cfg.seed, cfg.block_size, cfg.enable_prefix_caching)
+        self._requests[rid] = seq
+        self._scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its blocks are freed (and stay cached). Unknown ids are ignored.
+
+        The next ``step`` reports it with ``finish_reason="abort"``.
+        """
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return
+        self._scheduler.remove(seq)
+        self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether ``step`` has work: queued or running requests, or aborts not yet reported."""
+        return bool(self._requests or self._aborted)
+
+    def step(self, now: float) -> StepOutput:
+        """One scheduler iteration at virtual time ``now``.
+
+        ``now`` is only recorded (``last_step_time``): a step's cost depends on its batch alone.
+        A step with nothing to compute takes 0 s and still delivers pending abort outputs and
+        events (such as the AllBlocksCleared of a reset made while idle).
+        """
+        self.last_step_time = now
+        cfg = self.config
+        outputs: list[RequestOutput] = []
+        if self._aborted:
+            for seq in self._aborted:
+                outputs.append(
+                    RequestOutput(
+                        seq.request_id,
+                        [],
+                        True,
+                        "abort",
+                        seq.num_prompt_tokens,
+                        max(seq.num_cached_tokens, 0),
+                    )
+                )
+            self._aborted = []
+
+        scheduled = self._scheduler.schedule()
+        if not scheduled:
+            return StepOutput(0.0, outputs, self._kv.pool.take_events())
+
+        # One pass: the batch's shape for the latency model, then "execution" of each request.
+        bs = cfg.block_size
+        caching = cfg.enable_prefix_caching
+        vocab = cfg.vocab_size
+        num_tokens = attention_context = kv_read = generated = 0
+        any_finished = False
+        for seq, n in scheduled:
+            computed = seq.num_computed_tokens  # already includes this step's n tokens
+            num_tokens += n
+            attention_context += n * (computed - n) + n * (n + 1) // 2
+            kv_read += computed
+            token_ids = seq.token_ids
+            if computed < len(token_ids):
+                continue  # a prefill chunk: no token yet
+            position = len(token_ids) - seq.num_prompt_tokens
+            token = generated_token(seq.token_seed, position, vocab)
+            token_ids.append(token)
+            generated += 1
+            if position == 0:
+                self._prompt_tokens += seq.num_prompt_tokens
+            finished = position + 1 >= seq.max_tokens
+            if finished:
+                seq.status = Status.FINISHED
+                self._kv.free(seq)
+                del self._requests[seq.request_id]
+                any_finished = True
+            elif caching and len(token_ids) % bs == 0:
+                extend_block_hashes(
+                    seq.block_hashes, token_ids, bs, seq.extra_first, seq.extra_rest
+                )
+            outputs.append(
+                RequestOutput(
+                    seq.request_id,
+                    [token],
+                    finished,
+                    "length" if finished else None,
+                    seq.num_prompt_tokens,
+                    seq.num_cached_tokens,
+                )
+            )
+        self._generation_tokens += generated
+        if any_finished:
+            self._scheduler.drop_finished()
+        duration = cfg.latency.step_time(num_tokens, attention_context, kv_read)
+        return StepOutput(duration, outputs, self._kv.pool.take_events())
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache, like vLLM: refused (False) while a request holds any block.
+
+        On success the next ``step`` carries an AllBlocksCleared event.
+        """
+        return self._kv.pool.reset_prefix_cache()
+
+    @property
+    def stats(self) -> EngineStats:
+        kv = self._kv
+        return EngineStats(
+            num_running=len(self._scheduler.running),
+            num_waiting=len(self._scheduler.waiting),
+            kv_cache_usage=kv.pool.usage(),
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self._scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )

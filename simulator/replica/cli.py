@@ -1,0 +1,151 @@
+"""``kvroute replica``: serve the engine model in real time, as a vLLM replica would."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from typing import Any
+
+import uvloop
+from aiohttp import web
+
+from simulator.engine import PRESETS, EngineConfig, latency_preset
+from simulator.tokenizer import load_tokenizer
+
+from .faults import Faults, FaultSpec
+from .server import EmulatedReplica, ReplicaOptions
+
+
+def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "replica",
+        help="Run an emulated vLLM replica (engine model in real time).",
+        description=(
+            "Serve the engine model (paged KV cache with prefix caching, continuous batching, a "
+            "roofline latency model) in real time behind vLLM's HTTP API, /metrics and ZMQ KV "
+            "events. Flag names follow vLLM's where they mean the same."
+        ),
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default="tiny", help="The model name clients send.")
+    p.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
+    p.add_argument(
+        "--num-gpu-blocks-override", type=int, default=2048, help="KV capacity in blocks."
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="Largest running batch.")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="Per-step token budget."
+    )
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument(
+        "--kv-events-config",
+        metavar="JSON",
+        help='As vLLM: {"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}',
+    )
+    p.add_argument(
+        "--event-layout",
+        choices=["map", "array"],
+        default="map",
+        help="KV event encoding: map (vLLM >= 0.24, default) or array (vLLM <= 0.23).",
+    )
+    p.add_argument(
+        "--preset", default="llama-3.1-8b-h100", choices=sorted(PRESETS), help="Latency model."
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="Multiply every modelled step time (>1: slower).",
+    )
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="HF tokenizer files (default: built-in tokenizer)."
+    )
+    p.add_argument("--seed", type=int, default=0)
+    faults = p.add_argument_group("fault injection (also at run time: POST /admin/faults)")
+    faults.add_argument(
+        "--error-rate", type=float, default=0.0, help="Fraction of requests answered 500."
+    )
+    faults.add_argument(
+        "--stall-s", type=float, default=0.0, help="Accept but answer nothing for S seconds."
+    )
+    faults.add_argument(
+        "--slowdown", type=float, default=1.0, help="Every step takes this many times longer."
+    )
+    faults.add_argument(
+        "--drop-after-chunks", type=int, default=0, help="Close streams after N chunks."
+    )
+    faults.add_argument(
+        "--exit-after-s", type=float, default=-1.0, help="Exit with code 1 after S seconds."
+    )
+    p.set_defaults(func=run_replica_command)
+
+
+def _kv_config(text: str | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"kvroute replica: --kv-events-config is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise SystemExit("kvroute replica: --kv-events-config must be a JSON object")
+    return config
+
+
+def run_replica_command(args: argparse.Namespace) -> int:
+    try:
+        faults = Faults()
+        faults.update(
+            FaultSpec(
+                error_rate=args.error_rate,
+                stall_s=args.stall_s,
+                slowdown=args.slowdown,
+                drop_after_chunks=args.drop_after_chunks,
+                exit_after_s=args.exit_after_s,
+            )
+        )
+        tokenizer = load_tokenizer(args.tokenizer)
+        engine = EngineConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_gpu_blocks_override,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            latency=latency_preset(args.preset),
+            vocab_size=tokenizer.vocab_size,
+            seed=args.seed,
+        )
+    except (ValueError, RuntimeError) as exc:
+        print(f"kvroute replica: {exc}", file=sys.stderr)
+        return 2
+    options = ReplicaOptions(
+        served_model_name=args.served_model_name,
+        engine=engine,
+        time_scale=args.time_scale,
+        kv_events=_kv_config(args.kv_events_config),
+        event_layout=args.event_layout,
+        model_path=args.tokenizer or "kvroute-emulated",
+    )
+    replica = EmulatedReplica(options, tokenizer, faults)
+    uvloop.run(_serve(replica, args.host, args.port))
+    return 0
+
+
+async def _serve(replica: EmulatedReplica, host: str, port: int) -> None:
+    runner = web.AppRunner(replica.build_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    print(f"emulated replica listening on http://{host}:{port}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,467 @@
+"""The emulated replica's HTTP surface: vLLM's OpenAI server, as far as a router can tell.
+
+Completions and chat (streamed and not, vLLM's chunk shapes, usage and
+``stream_options.include_usage``), /v1/models, /health, /metrics (vLLM's names), /tokenize,
+/detokenize, /reset_prefix_cache, /kv_event_sources, /load, /version, and /admin/faults for
+drills. A client that disconnects aborts its request in the engine, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from simulator.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from simulator.tokenizer import Tokenizer
+
+from .faults import Faults, FaultSpec
+from .kv_publisher import KVEventPublisher
+from .metrics import ReplicaMetrics
+from .runner import EngineRunner
+
+VERSION = "0.32.0+kvroute-emulated"
+DEFAULT_CHAT_MAX_TOKENS = 256
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    served_model_name: str
+    engine: EngineConfig
+    time_scale: float = 1.0
+    kv_events: dict[str, Any] | None = None  # vLLM's --kv-events-config
+    event_layout: str = "map"
+    model_path: str = "kvroute-emulated"
+
+
+class BadRequest(Exception):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        error_type: str = "BadRequestError",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.error_type, self.param = status, error_type, param
+
+
+def _error(message: str, status: int, error_type: str, param: str | None = None) -> web.Response:
+    # vLLM >= 0.11's ErrorResponse shape.
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+class EmulatedReplica:
+    def __init__(
+        self, options: ReplicaOptions, tokenizer: Tokenizer, faults: Faults | None = None
+    ) -> None:
+        self.options = options
+        self.tokenizer = tokenizer
+        self.faults = faults or Faults()
+        self.engine = Engine(options.engine)
+        self.metrics = ReplicaMetrics(
+            options.served_model_name, options.engine, lambda: self.engine.stats
+        )
+        self.publisher: KVEventPublisher | None = None
+        kv = options.kv_events or {}
+        if kv.get("enable_kv_cache_events") and kv.get("publisher", "zmq") == "zmq":
+            self.publisher = KVEventPublisher(
+                kv.get("endpoint", "tcp://*:5557"),
+                kv.get("replay_endpoint"),
+                topic=kv.get("topic", ""),
+                layout=options.event_layout,
+                buffer_steps=int(kv.get("buffer_steps", 10_000)),
+            )
+        self.runner = EngineRunner(
+            self.engine,
+            options.time_scale,
+            self.publisher.publish if self.publisher else lambda events: None,
+            slowdown=lambda: self.faults.spec.slowdown,
+        )
+        self._ids = itertools.count()
+        self._created = int(time.time())
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_get("/kv_event_sources", self.kv_event_sources)
+        app.router.add_get("/load", self.load)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/admin/faults", self.get_faults)
+        app.router.add_post("/admin/faults", self.set_faults)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app: web.Application) -> None:
+        self.runner.start()
+        if self.publisher is not None:
+            self.publisher.start()
+        self._schedule_exit()
+
+    async def _cleanup(self, app: web.Application) -> None:
+        await self.runner.close()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    def _schedule_exit(self) -> None:
+        if self.faults.spec.exit_after_s >= 0:
+            asyncio.get_running_loop().call_later(self.faults.spec.exit_after_s, os._exit, 1)
+
+    # -- generation --------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        stall = self.faults.stall_remaining()
+        if stall:
+            await asyncio.sleep(stall)
+        if self.faults.should_error():
+            return _error("Injected fault: internal server error.", 500, "InternalServerError")
+        try:
+            body = await _json_body(request)
+            prompt_ids, max_tokens = self._prepare(body, chat)
+        except BadRequest as exc:
+            return _error(str(exc), exc.status, exc.error_type, exc.param)
+        prefix = "chatcmpl" if chat else "cmpl"
+        request_id = f"{prefix}-{request.headers.get('X-Request-Id') or os.urandom(8).hex()}-{next(self._ids)}"
+        arrival = time.monotonic()
+        try:
+            queue = self.runner.submit(EngineRequest(request_id, prompt_ids, max_tokens, arrival))
+        except ValueError as exc:
+            return _error(str(exc), 400, "BadRequestError")
+        stream = bool(body.get("stream"))
+        options = body.get("stream_options") or {}
+        include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
+        try:
+            if stream:
+                return await self._stream(
+                    request, body, chat, request_id, queue, arrival, include_usage
+                )
+            return await self._complete(body, chat, request_id, queue, arrival)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.runner.abort(request_id)
+            raise
+
+    def _prepare(self, body: dict[str, Any], chat: bool) -> tuple[list[int], int]:
+        model = body.get("model")
+        if model is not None and model != self.options.served_model_name:
+            raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise BadRequest("messages must be a non-empty list", param="messages")
+            continue_final = bool(body.get("continue_final_message", False))
+            add_generation = bool(body.get("add_generation_prompt", not continue_final))
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation
+            )
+            if continue_final:
+                text = text.rstrip("\n")  # leave the final (assistant) message open
+            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            default_max = DEFAULT_CHAT_MAX_TOKENS
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                prompt_ids = self.tokenizer.encode(prompt)
+            elif (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            ):
+                prompt_ids = list(prompt)
+            else:
+                raise BadRequest("prompt must be a string or a list of token ids", param="prompt")
+            default_max = DEFAULT_COMPLETION_MAX_TOKENS
+            max_tokens = body.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = min(
+                default_max, max(1, self.options.engine.max_model_len - len(prompt_ids))
+            )
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise BadRequest("max_tokens must be a positive integer", param="max_tokens")
+        if not prompt_ids:
+            raise BadRequest("The prompt is empty.", param="prompt")
+        limit = self.options.engine.max_model_len
+        if len(prompt_ids) + max_tokens > limit:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{len(prompt_ids)} input tokens and asks for {max_tokens} output tokens.",
+                param="max_tokens",
+            )
+        return prompt_ids, max_tokens
+
+    async def _complete(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        request_id: str,
+        queue: asyncio.Queue[RequestOutput],
+        arrival: float,
+    ) -> web.Response:
+        token_ids: list[int] = []
+        first: RequestOutput | None = None
+        last: RequestOutput | None = None
+        while last is None or not last.finished:
+            last = await queue.get()
+            if first is None and last.new_token_ids:
+                first = last
+                self.metrics.ttft.observe(time.monotonic() - arrival)
+            token_ids += last.new_token_ids
+        self._finished(last, arrival)
+        text = self.tokenizer.decode(token_ids)
+        usage = _usage(last, len(token_ids))
+        created = int(time.time())
+        model = self.options.served_model_name
+        if chat:
+            message = {
+                "role": "assistant",
+                "content": text,
+                "reasoning_content": None,
+                "tool_calls": [],
+            }
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": last.finish_reason,
+                "stop_reason": None,
+            }
+            obj = {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                "usage": usage,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": last.finish_reason,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+            obj = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                "usage": usage,
+            }
+        return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
+
+    async def _stream(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        chat: bool,
+        request_id: str,
+        queue: asyncio.Queue[RequestOutput],
+        arrival: float,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        created = int(time.time())
+        model = self.options.served_model_name
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        drop_after = self.faults.spec.drop_after_chunks
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            obj = {
+                "id": request_id,
+                "object": kind,
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
+            return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+        chunks = 0
+        generated = 0
+        last_time = None
+        while True:
+            output = await queue.get()
+            now = time.monotonic()
+            if output.new_token_ids:
+                if last_time is None:
+                    self.metrics.ttft.observe(now - arrival)
+                else:
+                    self.metrics.itl.observe(now - last_time)
+                last_time = now
+            if chat and chunks == 0:
+                # Like vLLM, the role chunk goes out with the first result from the engine.
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+                await response.write(chunk({**role, "logprobs": None, "finish_reason": None}))
+                chunks += 1
+            generated += len(output.new_token_ids)
+            text = self.tokenizer.decode(output.new_token_ids)
+            finish = output.finish_reason if output.finished else None
+            if chat:
+                choice = {
+                    "index": 0,
+                    "delta": {"content": text},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            else:
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            if finish:
+                choice["stop_reason"] = None
+            await response.write(chunk(choice))
+            chunks += 1
+            if drop_after and chunks >= drop_after and not output.finished:
+                self.runner.abort(request_id)
+                assert request.transport is not None
+                request.transport.close()  # injected fault: the connection breaks mid-stream
+                return response
+            if output.finished:
+                break
+        self._finished(output, arrival)
+        if include_usage:
+            obj = {
+                "id": request_id,
+                "object": kind,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": _usage(output, generated),
+            }
+            await response.write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _finished(self, output: RequestOutput, arrival: float) -> None:
+        self.metrics.e2e.observe(time.monotonic() - arrival)
+        self.metrics.finished(output.finish_reason or "length")
+
+    # -- the rest of vLLM's surface ----------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.options.served_model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "vllm",
+            "root": self.options.model_path,
+            "parent": None,
+            "max_model_len": self.options.engine.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.metrics.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+        except BadRequest as exc:
+            return _error(str(exc), 400, "BadRequestError")
+        if "messages" in body:
+            text = self.tokenizer.apply_chat_template(
+                body["messages"],
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            )
+            special = False
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+            special = bool(body.get("add_special_tokens", True))
+        else:
+            return _error("give 'prompt' (a string) or 'messages'", 400, "BadRequestError")
+        tokens = self.tokenizer.encode(text, add_special_tokens=special)
+        return web.json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": self.options.engine.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+        except BadRequest as exc:
+            return _error(str(exc), 400, "BadRequestError")
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return _error("tokens must be a list of integers", 400, "BadRequestError")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        ok = self.runner.reset_prefix_cache()
+        return web.json_response({"success": ok}, status=200 if ok else 409)
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        return web.json_response({"0": self.options.kv_events or {}})
+
+    async def load(self, request: web.Request) -> web.Response:
+        stats = self.engine.stats
+        return web.json_response({"server_load": stats.num_running + stats.num_waiting})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(self.faults.as_dict())
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        try:
+            spec = msgspec.json.decode(await request.read(), type=FaultSpec)
+            self.faults.update(spec)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            return _error(f"bad fault spec: {exc}", 400, "BadRequestError")
+        self._schedule_exit()
+        return web.json_response(self.faults.as_dict())
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(await request.read())
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"Invalid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    return body
+
+
+def _usage(output: RequestOutput, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": output.num_prompt_tokens,
+        "total_tokens": output.num_prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
+    }

@@ -1,0 +1,142 @@
+"""Launched emulated replicas: started, routed to, restarted, and stopped, as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from backends.launcher import LaunchedFleet, LaunchSpec, free_ports
+from backends.process import ProcessState
+
+
+def _spec(tmp_path: Path, count: int = 2) -> LaunchSpec:
+    return LaunchSpec(
+        engine="emulated", count=count, model="tiny", model_path=None, tokenizer=None, block_size=16,
+        num_gpu_blocks=128, max_num_seqs=8, preset="tiny-cpu", time_scale=1.0, kv_events=True,
+        host="127.0.0.1", log_dir=str(tmp_path / "logs"), startup_timeout_s=60, max_restarts=3,
+    )  # fmt: skip
+
+
+def _wait(predicate: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_fleet_starts_restarts_a_killed_replica_and_stops(tmp_path: Path) -> None:
+    fleet = LaunchedFleet(_spec(tmp_path))
+    fleet.start()
+    try:
+        for replica in fleet.replicas:
+            models = httpx.get(replica.url + "/v1/models").json()
+            assert [m["id"] for m in models["data"]] == ["tiny"]
+            assert replica.kv_events and replica.kv_replay
+            assert (tmp_path / "logs" / f"{replica.name}.log").exists()
+        victim = fleet.replicas[0].process
+        old_pid = victim.pid
+        victim.kill()
+        _wait(
+            lambda: victim.pid != old_pid and victim.state is ProcessState.READY, 30, "the restart"
+        )
+        assert httpx.get(fleet.replicas[0].url + "/health").status_code == 200
+    finally:
+        pids = [r.process.pid for r in fleet.replicas]
+        fleet.stop(grace_s=5)
+    for pid in pids:
+        assert not _alive(pid), f"replica process {pid} outlived stop()"
+
+
+def test_serve_launches_its_replicas_routes_and_cleans_up(tmp_path: Path) -> None:
+    (port,) = free_ports(1)
+    config = tmp_path / "kvroute.yaml"
+    config.write_text(
+        f"listen: {{port: {port}}}\n"
+        "launch:\n  engine: emulated\n  count: 2\n  block_size: 16\n  num_gpu_blocks: 128\n"
+        f"  preset: tiny-cpu\n  log_dir: {tmp_path / 'logs'}\n"
+    )
+    router = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait(lambda: _ready(port) or router.poll() is not None, 60, "the router")
+        assert router.poll() is None
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        seen = set()
+        for _ in range(4):
+            raw = client.completions.with_raw_response.create(
+                model="tiny", prompt="Hello", max_tokens=3
+            )
+            assert raw.parse().usage.completion_tokens == 3  # type: ignore[union-attr]
+            seen.add(raw.headers["x-kvroute-replica"])
+        assert seen <= {"emulated-0", "emulated-1"} and seen
+        replica_pids = _children_of(router.pid)
+        assert len(replica_pids) == 2  # the two reapers
+    finally:
+        router.send_signal(signal.SIGTERM)
+        _, stderr = router.communicate(timeout=30)
+    assert router.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    _wait(
+        lambda: not any(os.path.exists(f"/proc/{p}") for p in replica_pids), 10, "replicas to stop"
+    )
+
+
+def _alive(pid: int | None) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _children_of(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        children.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return children
+
+
+@pytest.mark.slow
+def test_demo_compares_policies_side_by_side(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "router.cli", "demo", "--replicas", "2", "--tenants", "2",
+            "--conversations", "2", "--turns", "2", "--max-tokens", "4", "--log-dir", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    rows = {
+        line.split()[0]: line.split()
+        for line in lines
+        if line.startswith(("round_robin", "consistent_hash"))
+    }
+    assert set(rows) == {"round_robin", "consistent_hash"}
+    for row in rows.values():
+        requests, errors, hit_rate = int(row[1]), int(row[2]), row[3]
+        assert requests == 8 and errors == 0
+        assert hit_rate.endswith("%") and float(hit_rate[:-1]) > 0  # turns reuse their history

