@@ -67,7 +67,9 @@ def vllm_server_command(
     if not model:
         raise ValueError("model_dir must not be empty")
     if not served_model_name or any(c.isspace() for c in served_model_name):
-        raise ValueError(f"served_model_name must be a non-empty name without spaces, got {served_model_name!r}")
+        raise ValueError(
+            f"served_model_name must be a non-empty name without spaces, got {served_model_name!r}"
+        )
     if not host:
         raise ValueError("host must not be empty")
     _check_int("port", port, 1, 65535)

@@ -31,7 +31,7 @@ def make_engine(**overrides: object) -> Engine:
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 1, **kw: str | None) -> EngineRequest:
-    return EngineRequest(rid, prompt, max_tokens, 0.0, **kw)  # type: ignore[arg-type]
+    return EngineRequest(rid, prompt, max_tokens, 0.0, **kw)
 
 
 def run(engine: Engine, max_steps: int = 10_000) -> list[StepOutput]:

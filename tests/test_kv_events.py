@@ -236,7 +236,8 @@ def test_decoder_reads_every_version() -> None:
     assert event == BlockStored([5], 4, [1, 2], 2, None, "GPU", None, [None], 0, "full_attention")
     # Arrays longer than this decoder knows (0.22's sliding window, ...) are fine too.
     longer = ["BlockStored", [5], None, [1, 2], 2, None, "GPU", None, None, 0, "x", 128, "y"]
-    assert decode_event_batch(enc([0.0, [longer], 1]))[1][0].kv_cache_spec_kind == "x"
+    [event] = decode_event_batch(enc([0.0, [longer], 1]))[1]
+    assert isinstance(event, BlockStored) and event.kv_cache_spec_kind == "x"
 
 
 def test_decoder_details() -> None:
@@ -435,7 +436,7 @@ def test_map_layout_is_byte_identical_to_vllm() -> None:
         ],
         data_parallel_rank=0,
     )
-    mine = [
+    mine: list[KVEvent] = [
         stored(extra_keys=[None, None], kv_cache_spec_kind="full_attention"),
         BlockRemoved([H1], "GPU", 0),
         AllBlocksCleared(),

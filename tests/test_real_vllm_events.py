@@ -117,7 +117,19 @@ def events(replica: RealVllm, zmq_context: zmq.Context[Any]) -> Iterator[EventLo
 def unique_text(words: int, seed: int) -> str:
     """Text that no other test sends, so no test sees another's cached blocks."""
     rng = random.Random(seed)
-    vocab = "the cache token block router request replica server prompt answer stream".split()
+    vocab = [
+        "the",
+        "cache",
+        "token",
+        "block",
+        "router",
+        "request",
+        "replica",
+        "server",
+        "prompt",
+        "answer",
+        "stream",
+    ]
     return f"case {seed}: " + " ".join(rng.choice(vocab) for _ in range(words))
 
 

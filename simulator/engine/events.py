@@ -297,7 +297,9 @@ _ANY_DECODER = msgspec.msgpack.Decoder()
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 
 
-def decode_event_batch(payload: bytes) -> tuple[float, list[KVEvent], int | None]:
+def decode_event_batch(
+    payload: bytes | bytearray | memoryview,
+) -> tuple[float, list[KVEvent], int | None]:
     """Decode a KV event batch from any vLLM 0.10-0.33 (either layout) or from this package.
 
     Returns ``(ts, events, data_parallel_rank)``; the rank is ``None`` when the batch has only
