@@ -73,7 +73,7 @@ def vllm_server_command(
     if not host:
         raise ValueError("host must not be empty")
     _check_int("port", port, 1, 65535)
-    _check_int("block_size", block_size, CPU_BLOCK_SIZE_MULTIPLE)
+    _check_int("block_size", block_size, 1)
     if block_size % CPU_BLOCK_SIZE_MULTIPLE:
         raise ValueError(
             f"block_size must be a multiple of {CPU_BLOCK_SIZE_MULTIPLE} on CPU "

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backends.launcher import LaunchedFleet, LaunchSpec
 from backends.process import LaunchError
+from simulator.tokenizer import HFTokenizer, SimpleTokenizer, Tokenizer
 from simulator.workload import Conversation, multi_tenant_chat
 
 from .config import config_from_dict
@@ -46,6 +47,10 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--conversations", type=int, default=4, help="Conversations per tenant.")
     p.add_argument("--turns", type=int, default=4, help="User turns per conversation.")
+    p.add_argument(
+        "--system-words", type=int, default=None,
+        help="Words per tenant system prompt (default 1200 emulated, 300 vllm: the tiny model's context is 4096).",
+    )  # fmt: skip
     p.add_argument("--concurrency", type=int, default=8, help="Conversations in flight at once.")
     p.add_argument("--max-tokens", type=int, default=24, help="Tokens generated per reply.")
     p.add_argument("--block-size", type=int, default=32)
@@ -89,9 +94,17 @@ def run_demo_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    conversations = multi_tenant_chat(args.tenants, args.conversations, args.turns, seed=args.seed)
-    # Room for about half the tenants' system prompts per replica: eviction matters.
-    prompt_blocks = len(conversations[0].system_prompt) // 4 // args.block_size + 1
+    system_words = args.system_words or (1200 if args.engine == "emulated" else 300)
+    conversations = multi_tenant_chat(
+        args.tenants,
+        args.conversations,
+        args.turns,
+        system_prompt_words=system_words,
+        seed=args.seed,
+    )
+    # Room for about half the tenants' system prompts per replica, so eviction matters.
+    prompt_tokens = len(_demo_tokenizer(args.engine).encode(conversations[0].system_prompt))
+    prompt_blocks = prompt_tokens // args.block_size + 1
     kv_blocks = args.kv_blocks or max(64, prompt_blocks * max(2, args.tenants // 2) + 64)
     spec = LaunchSpec(
         engine=args.engine,
@@ -266,6 +279,15 @@ async def _cache_counters(
                     hits += sample.value
         counters[url] = (queries, hits)
     return counters
+
+
+def _demo_tokenizer(engine: str) -> Tokenizer:
+    """The tokenizer the replicas will use, to size their KV caches to the workload."""
+    if engine == "vllm":
+        from backends.launcher import ensure_tiny_model
+
+        return HFTokenizer(str(ensure_tiny_model()))
+    return SimpleTokenizer()
 
 
 def _percentile(values: list[float], q: float) -> float:

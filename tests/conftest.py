@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +15,16 @@ from router.config import config_from_dict
 from router.server import Router
 
 from .fake_replica import FakeReplica
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With KVROUTE_REQUIRE_VLLM=1 (the README's test command, so CI), tests that need real
+    vLLM must run: fail at once instead of letting them skip."""
+    if os.environ.get("KVROUTE_REQUIRE_VLLM") == "1" and importlib.util.find_spec("vllm") is None:
+        pytest.exit(
+            "KVROUTE_REQUIRE_VLLM=1 but vLLM is not installed: pip install -e '.[vllm]'",
+            returncode=3,
+        )
 
 
 @dataclass

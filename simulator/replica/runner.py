@@ -49,11 +49,8 @@ class EngineRunner:
             self._wake.set()
 
     def reset_prefix_cache(self) -> bool:
-        ok = self.engine.reset_prefix_cache()
-        # The reset's AllBlocksCleared is published with the next batch; flush it now if idle.
-        if ok and not self.engine.has_unfinished_requests():
-            self._publish(self.engine.step(0.0).events)
-        return ok
+        # Like vLLM, the AllBlocksCleared event goes out with the next engine step's batch.
+        return self.engine.reset_prefix_cache()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
