@@ -10,13 +10,9 @@ import sys
 
 import aiohttp
 
+from backends.launcher import free_ports
+
 from .conftest import StartReplica
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_serve_on_a_busy_port_says_so_without_a_traceback() -> None:
@@ -46,7 +42,7 @@ def test_serve_on_a_busy_port_says_so_without_a_traceback() -> None:
 
 async def test_serve_answers_then_stops_on_sigterm(start_replica: StartReplica) -> None:
     a = await start_replica("a")
-    port = _free_port()
+    port = free_ports(1)[0]
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "router.cli", "serve", "--replica", a.url, "--port", str(port),
         stderr=asyncio.subprocess.PIPE,

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +15,8 @@ import pytest
 from backends.launcher import LaunchedFleet, LaunchSpec, free_ports
 from backends.process import ProcessState
 
+from .helpers import alive, children_of, wait_until_sync
+
 
 def _spec(tmp_path: Path, count: int = 2) -> LaunchSpec:
     return LaunchSpec(
@@ -23,13 +24,6 @@ def _spec(tmp_path: Path, count: int = 2) -> LaunchSpec:
         num_gpu_blocks=128, max_num_seqs=8, preset="tiny-cpu", time_scale=1.0, kv_events=True,
         host="127.0.0.1", log_dir=str(tmp_path / "logs"), startup_timeout_s=60, max_restarts=3,
     )  # fmt: skip
-
-
-def _wait(predicate: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_fleet_starts_restarts_a_killed_replica_and_stops(tmp_path: Path) -> None:
@@ -44,7 +38,7 @@ def test_fleet_starts_restarts_a_killed_replica_and_stops(tmp_path: Path) -> Non
         victim = fleet.replicas[0].process
         old_pid = victim.pid
         victim.kill()
-        _wait(
+        wait_until_sync(
             lambda: victim.pid != old_pid and victim.state is ProcessState.READY, 30, "the restart"
         )
         assert httpx.get(fleet.replicas[0].url + "/health").status_code == 200
@@ -52,7 +46,7 @@ def test_fleet_starts_restarts_a_killed_replica_and_stops(tmp_path: Path) -> Non
         pids = [r.process.pid for r in fleet.replicas]
         fleet.stop(grace_s=5)
     for pid in pids:
-        assert not _alive(pid), f"replica process {pid} outlived stop()"
+        assert not alive(pid), f"replica process {pid} outlived stop()"
 
 
 def test_serve_launches_its_replicas_routes_and_cleans_up(tmp_path: Path) -> None:
@@ -68,7 +62,7 @@ def test_serve_launches_its_replicas_routes_and_cleans_up(tmp_path: Path) -> Non
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        _wait(lambda: _ready(port) or router.poll() is not None, 60, "the router")
+        wait_until_sync(lambda: _ready(port) or router.poll() is not None, 60, "the router")
         assert router.poll() is None
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         seen = set()
@@ -79,24 +73,16 @@ def test_serve_launches_its_replicas_routes_and_cleans_up(tmp_path: Path) -> Non
             assert raw.parse().usage.completion_tokens == 3  # type: ignore[union-attr]
             seen.add(raw.headers["x-kvroute-replica"])
         assert seen <= {"emulated-0", "emulated-1"} and seen
-        replica_pids = _children_of(router.pid)
+        replica_pids = children_of(router.pid)
         assert len(replica_pids) == 2  # the two reapers
     finally:
         router.send_signal(signal.SIGTERM)
         _, stderr = router.communicate(timeout=30)
     assert router.returncode == 0, stderr
     assert "Traceback" not in stderr
-    _wait(
+    wait_until_sync(
         lambda: not any(os.path.exists(f"/proc/{p}") for p in replica_pids), 10, "replicas to stop"
     )
-
-
-def _alive(pid: int | None) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _ready(port: int) -> bool:
@@ -104,19 +90,6 @@ def _ready(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _children_of(pid: int) -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        children.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    return children
 
 
 @pytest.mark.slow

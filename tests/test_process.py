@@ -6,13 +6,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from backends.launcher import free_ports
 from backends.process import LaunchError, ManagedProcess, ProcessState
+
+from .helpers import group_members, wait_until_sync
 
 # A stand-in replica: answers /health with 200 and starts a grandchild (sleep) in its group.
 SERVER = r"""
@@ -24,27 +25,6 @@ class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a): pass
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
-
-
-def _group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    members.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    return members
-
-
-def _wait(predicate: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _process(tmp_path: Path, argv: list[str], port: int, **kwargs: object) -> ManagedProcess:
@@ -64,14 +44,16 @@ def test_ready_then_restarted_after_a_crash_then_stopped_with_its_group(tmp_path
     assert first_pid is not None
     process.watch(ready_timeout_s=20)
     process.kill()  # the replica dies abruptly
-    _wait(lambda: process.pid != first_pid and process.state is ProcessState.READY, 20, "a restart")
+    wait_until_sync(
+        lambda: process.pid != first_pid and process.state is ProcessState.READY, 20, "a restart"
+    )
     assert process.restarts == 1
-    assert not _group_members(first_pid), "the dead replica's children were left behind"
+    assert not group_members(first_pid), "the dead replica's children were left behind"
     pgid = process.pid
-    assert pgid is not None and len(_group_members(pgid)) >= 2  # the server and its sleep
+    assert pgid is not None and len(group_members(pgid)) >= 2  # the server and its sleep
     process.stop(grace_s=5)
     assert process.state is ProcessState.STOPPED
-    assert not _group_members(pgid), "stop() left processes of the group running"
+    assert not group_members(pgid), "stop() left processes of the group running"
 
 
 def test_exit_before_ready_is_a_launch_error_with_the_log(tmp_path: Path) -> None:
@@ -110,6 +92,6 @@ def test_replica_dies_with_the_launcher_even_on_sigkill(tmp_path: Path) -> None:
     assert os.path.exists(f"/proc/{child}")
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    _wait(
-        lambda: not _group_members(child), 10, "the replica to exit after its launcher was killed"
+    wait_until_sync(
+        lambda: not group_members(child), 10, "the replica to exit after its launcher was killed"
     )
