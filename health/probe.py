@@ -35,12 +35,17 @@ class ActiveProber:
         path: str = "/health",
         interval_s: float = 5.0,
         timeout_s: float = 2.0,
+        unhealthy_after: int = 3,
         on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self._replicas = replicas
         self._path = path
         self._interval_s = interval_s
         self._on_change = on_change
+        # A busy replica can miss one probe: it leaves rotation only after this many misses in a
+        # row (a replica never seen healthy joins on its first passing probe).
+        self._unhealthy_after = unhealthy_after
+        self._misses: dict[str, int] = {}
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._task: asyncio.Task[None] | None = None
 
@@ -54,7 +59,10 @@ class ActiveProber:
     async def _probe(self, replica: Probeable) -> bool:
         """Probe one replica; True when what the router knows about it changed."""
         state = replica.state
-        healthy = await self._get_ok(replica.base_url + self._path)
+        passed = await self._get_ok(replica.base_url + self._path)
+        misses = 0 if passed else self._misses.get(state.replica_id, 0) + 1
+        self._misses[state.replica_id] = misses
+        healthy = passed or (state.healthy and misses < self._unhealthy_after)
         changed = healthy != state.healthy
         if healthy and (changed or state.models is None):
             models = await self._fetch_models(replica.base_url)

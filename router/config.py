@@ -86,7 +86,9 @@ class LimitsConfig(_Section):
 class HealthConfig(_Section):
     path: str = "/health"
     interval_s: float = 5.0
-    timeout_s: float = 2.0
+    timeout_s: float = 5.0
+    # Consecutive failed probes before a replica leaves rotation (a busy replica can miss one).
+    unhealthy_after: int = 3
 
 
 class MetricsConfig(_Section):
@@ -194,6 +196,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"limits.max_body_bytes: must be > 0, got {config.limits.max_body_bytes}")
     if config.limits.max_concurrent_requests < 0:
         raise ConfigError("limits.max_concurrent_requests: must be >= 0 (0 means no limit)")
+    if config.health.unhealthy_after < 1:
+        raise ConfigError(
+            f"health.unhealthy_after: must be >= 1, got {config.health.unhealthy_after}"
+        )
     if not config.health.path.startswith("/"):
         raise ConfigError(f"health.path: must start with '/', got {config.health.path!r}")
     try:

@@ -40,16 +40,23 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         ),
     )
     p.add_argument("--engine", choices=["emulated", "vllm"], default="emulated")
-    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=None, help="Default 4 emulated, 2 vllm.")
     p.add_argument(
         "--policies", default=DEFAULT_POLICIES, help=f"Comma list (default {DEFAULT_POLICIES})."
     )
-    p.add_argument("--tenants", type=int, default=8)
-    p.add_argument("--conversations", type=int, default=4, help="Conversations per tenant.")
-    p.add_argument("--turns", type=int, default=4, help="User turns per conversation.")
+    p.add_argument("--tenants", type=int, default=None, help="Default 8 emulated, 4 vllm.")
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=None,
+        help="Conversations per tenant (default 4, vllm 2).",
+    )
+    p.add_argument(
+        "--turns", type=int, default=None, help="User turns per conversation (default 4, vllm 3)."
+    )
     p.add_argument(
         "--system-words", type=int, default=None,
-        help="Words per tenant system prompt (default 1200 emulated, 300 vllm: the tiny model's context is 4096).",
+        help="Words per tenant system prompt (default 1200 emulated, 200 vllm: the tiny model's context is 4096).",
     )  # fmt: skip
     p.add_argument("--concurrency", type=int, default=8, help="Conversations in flight at once.")
     p.add_argument("--max-tokens", type=int, default=24, help="Tokens generated per reply.")
@@ -78,12 +85,23 @@ class PolicyResult:
     requests: int = 0
     errors: int = 0
     ttfts: list[float] = field(default_factory=list)
+    error_kinds: dict[str, int] = field(default_factory=dict)
     per_replica: dict[str, int] = field(default_factory=dict)
     hit_rate: float = 0.0
     wall_s: float = 0.0
 
 
+# Real vLLM on a few CPU cores is far slower than the emulated replicas: a smaller default workload.
+_DEFAULTS = {
+    "emulated": {"replicas": 4, "tenants": 8, "conversations": 4, "turns": 4, "system_words": 1200},
+    "vllm": {"replicas": 2, "tenants": 4, "conversations": 2, "turns": 3, "system_words": 200},
+}
+
+
 def run_demo_command(args: argparse.Namespace) -> int:
+    for key, value in _DEFAULTS[args.engine].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     from policies import POLICIES
 
@@ -94,12 +112,11 @@ def run_demo_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    system_words = args.system_words or (1200 if args.engine == "emulated" else 300)
     conversations = multi_tenant_chat(
         args.tenants,
         args.conversations,
         args.turns,
-        system_prompt_words=system_words,
+        system_prompt_words=args.system_words,
         seed=args.seed,
     )
     # Room for about half the tenants' system prompts per replica, so eviction matters.
@@ -241,8 +258,8 @@ async def _one_request(
         async with http.post(url, json=body) as resp:
             replica = resp.headers.get("X-Kvroute-Replica", "?")
             if resp.status != 200:
-                await resp.read()
-                raise RuntimeError(f"status {resp.status}")
+                detail = (await resp.text())[:200]
+                raise RuntimeError(f"HTTP {resp.status}: {detail}")
             async for line in resp.content:
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
@@ -251,7 +268,9 @@ async def _one_request(
                 chunk = json.loads(line[6:])
                 for choice in chunk.get("choices", []):
                     pieces.append(choice.get("delta", {}).get("content") or "")
-    except (aiohttp.ClientError, RuntimeError):
+    except (aiohttp.ClientError, RuntimeError) as exc:
+        kind = str(exc) or type(exc).__name__
+        result.error_kinds[kind] = result.error_kinds.get(kind, 0) + 1
         result.errors += 1
         result.requests += 1
         return ""

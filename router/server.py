@@ -54,6 +54,7 @@ class Router:
             path=config.health.path,
             interval_s=config.health.interval_s,
             timeout_s=config.health.timeout_s,
+            unhealthy_after=config.health.unhealthy_after,
             on_change=self._refresh_models,
         )
         self.models: list[str] = list(config.models)

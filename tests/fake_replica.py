@@ -39,6 +39,7 @@ class FakeReplica:
     client_gone: asyncio.Event = field(default_factory=asyncio.Event)
     first_chunk_sent: asyncio.Event = field(default_factory=asyncio.Event)
     healthy: bool = True
+    health_checks: int = 0
     running: int = 0
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -63,6 +64,7 @@ class FakeReplica:
             self._runner = None
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
         return web.json_response({}, status=200 if self.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -411,3 +411,16 @@ async def test_replica_coming_back_is_probed_healthy(
         async with http.get(r.url + "/ready") as resp:
             assert resp.status == 200
             assert (await resp.json())["healthy_replicas"] == 1
+
+
+async def test_a_replica_leaves_rotation_only_after_consecutive_failed_probes(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a = await start_replica("a")
+    r = await start_router([a], health={"unhealthy_after": 3})
+    state = r.router.fleet.replicas[0]
+    assert state.healthy
+    a.healthy = False
+    failing_since = a.health_checks
+    await wait_until(lambda: not state.healthy, what="the replica to leave rotation")
+    assert a.health_checks - failing_since >= 3
