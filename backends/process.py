@@ -96,7 +96,9 @@ class ManagedProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        log_file.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.argv)}\n".encode())
+        log_file.write(
+            f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.argv)}\n".encode()
+        )
         log_file.flush()
         self._set_state(ProcessState.STARTING)
         self.popen = subprocess.Popen(
@@ -150,7 +152,12 @@ class ManagedProcess:
                 return
             self._kill_group(signal.SIGKILL)  # children it may have left behind
             if self.restarts >= self.max_restarts:
-                log.error("replica %s exited (%s) and has used its %d restarts", self.name, code, self.max_restarts)
+                log.error(
+                    "replica %s exited (%s) and has used its %d restarts",
+                    self.name,
+                    code,
+                    self.max_restarts,
+                )
                 self._set_state(ProcessState.FAILED)
                 return
             log.warning("replica %s exited with %s; restarting in %.1fs", self.name, code, backoff)

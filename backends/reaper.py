@@ -42,7 +42,10 @@ def main(argv: list[str]) -> int:
             break
         except subprocess.TimeoutExpired:
             if deadline is not None and time.monotonic() > deadline:
-                print(f"reaper: replica still running {grace_s:g}s after SIGTERM; killing", file=sys.stderr)
+                print(
+                    f"reaper: replica still running {grace_s:g}s after SIGTERM; killing",
+                    file=sys.stderr,
+                )
                 break
     if deadline is None:
         print(f"reaper: replica exited with code {code}", file=sys.stderr, flush=True)

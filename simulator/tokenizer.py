@@ -29,7 +29,9 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> str: ...
 
 
 class SimpleTokenizer:
@@ -64,7 +66,9 @@ class SimpleTokenizer:
         n = len(_SYLLABLES)
         return " " + _SYLLABLES[token_id % n] + _SYLLABLES[(token_id // n) % n]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> str:
         parts = []
         for message in messages:
             content = message.get("content")
@@ -97,7 +101,9 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> str:
         return str(
             self._tok.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
