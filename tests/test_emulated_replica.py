@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
+import httpx
 import msgspec
 import openai
 import pytest
@@ -263,3 +267,52 @@ async def test_fault_injection(replica: Running, faults: dict[str, object], chec
         async with http.get(replica.url + "/admin/faults") as resp:
             current = await resp.json()
         assert all(current[key] == value for key, value in faults.items())
+
+
+async def test_stall_fault_accepts_but_answers_nothing(replica: Running) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(replica.url + "/admin/faults", json={"stall_s": 30}) as resp:
+            assert resp.status == 200
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+        with pytest.raises(TimeoutError):
+            async with (
+                asyncio.timeout(0.5),
+                http.post(replica.url + "/v1/completions", json=body) as resp,
+            ):
+                await resp.read()
+        async with http.post(replica.url + "/admin/faults", json={}) as resp:  # faults off again
+            assert resp.status == 200
+        async with http.post(replica.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+
+
+def test_exit_fault_ends_the_replica_process() -> None:
+    (port,) = free_ports(1)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "replica",
+            "--port",
+            str(port),
+            "--preset",
+            "tiny-cpu",
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and process.poll() is None, "replica did not start"
+            time.sleep(0.05)
+        httpx.post(f"http://127.0.0.1:{port}/admin/faults", json={"exit_after_s": 0})
+        assert process.wait(timeout=10) == 1
+    finally:
+        process.kill()
+        process.wait()
