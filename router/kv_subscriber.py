@@ -1,0 +1,435 @@
+"""KV-event subscribers: one per replica event source, feeding the prefix index.
+
+A source is one vLLM ``ZmqEventPublisher`` (a replica, or one data-parallel rank of it): a PUB
+endpoint with live frames ``[topic, seq (8 bytes big-endian, from 0), payload]`` and optionally
+a ROUTER replay endpoint (``reference/vllm-interface.md`` 1.6). The subscriber reads live frames
+with a SUB socket and asks for replays with a DEALER (a REQ socket only ever gets the first
+reply), decodes payloads with :func:`simulator.engine.decode_event_batch` and applies events to
+an :class:`EventSink` in sequence order:
+
+* seq == last + 1: applied.
+* seq > last + 1 (a gap: the PUB dropped or we missed frames): replay from last + 1, apply the
+  replayed batches in order, then carry on with live frames. Live frames that arrive during the
+  replay wait in the SUB socket's queue; those already replayed are dropped as duplicates. With
+  no replay endpoint, a replay that starts after last + 1 (the ring buffer moved on) or one that
+  times out, the gap cannot be repaired: the replica's entries are dropped (resync) and the
+  stream continues from the current seq.
+* seq <= the last live seq (the live stream went backwards: the publisher restarted, vLLM
+  counts from 0 again): the replica's entries are dropped and the stream starts over.
+* The first frame (seq may be > 0 when the router started after the replica): replay from 0
+  when a replay endpoint exists (vLLM keeps 10,000 batches), so the index learns what the
+  replica already holds; otherwise start at that seq.
+
+Bad frames and payloads are counted in :attr:`SubscriberStats.malformed` and skipped; nothing
+but cancellation ends the task.
+
+Limits: a publisher restart is seen only when the seq goes backwards; a restarted publisher
+whose seq has already passed ours (a long disconnection) looks like a gap. Data-parallel ranks
+are separate sources of one replica, so a resync of one rank clears the whole replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from simulator.engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    MalformedEventBatch,
+    decode_event_batch,
+)
+
+log = logging.getLogger(__name__)
+
+END_SEQ = b"\xff" * 8
+"""The replay end marker's seq frame (``(-1).to_bytes(8, "big", signed=True)``)."""
+
+
+class EventSink(Protocol):
+    """What the subscriber feeds: the prefix index implements it."""
+
+    def apply_stored(
+        self,
+        replica: str,
+        engine_hashes: Sequence[int | bytes],
+        parent_engine_hash: int | bytes | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        medium: str | None = "GPU",
+        extra_key: str | None = None,
+    ) -> int: ...
+
+    def apply_removed(
+        self, replica: str, engine_hashes: Sequence[int | bytes], medium: str | None = "GPU"
+    ) -> int: ...
+
+    def clear_replica(self, replica: str) -> None: ...
+
+
+@dataclass
+class SubscriberStats:
+    batches: int = 0  # batches applied (live and replayed)
+    events: int = 0  # events applied
+    gaps: int = 0  # forward seq jumps seen on the live stream
+    replayed_batches: int = 0  # batches applied from a replay
+    resyncs: int = 0  # times the replica's entries were dropped (gap not repaired, restart)
+    malformed: int = 0  # bad frames or payloads skipped
+    last_seq: int | None = None  # last seq applied
+    connected: bool = False  # the SUB socket has a live connection
+    replay_timeouts: int = 0
+    sink_errors: int = 0  # exceptions raised by the sink (logged, skipped)
+
+
+_COUNTERS = tuple(
+    f.name for f in fields(SubscriberStats) if f.name not in ("last_seq", "connected")
+)
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's rule: a wildcard host (or ipc/inproc) binds, anything else connects."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _split(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """``[topic, seq, payload]`` (vLLM >= 0.26) or ``[seq, payload]`` -> (seq, payload)."""
+    if len(frames) == 3:
+        _, seq, payload = frames
+    elif len(frames) == 2:
+        seq, payload = frames
+    else:
+        return None
+    if len(seq) != 8:
+        return None
+    return int.from_bytes(seq, "big"), payload
+
+
+class KVEventSubscriber:
+    """Follows one event source and keeps ``sink`` in step with it (see the module doc)."""
+
+    def __init__(
+        self,
+        replica: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        sink: EventSink,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        replay_timeout_s: float = 2.0,
+    ) -> None:
+        self.replica = replica
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint or None
+        self.sink = sink
+        self.replay_timeout_s = replay_timeout_s
+        self.stats = SubscriberStats()
+        self._own_context = context is None
+        self._context = context if context is not None else zmq.asyncio.Context()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last: int | None = None  # last seq applied (or skipped as malformed)
+        self._live_last: int | None = None  # last seq seen on the live stream
+        self._closed = False
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the sockets and start following the source (needs a running event loop)."""
+        if self._tasks or self._closed:
+            raise RuntimeError("subscriber already started or closed")
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.set_hwm(100_000)  # vLLM's PUB hwm; frames wait here while a replay runs
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._monitor = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        )
+        if _binds(self.endpoint):
+            sub.bind(self.endpoint)
+        else:
+            sub.connect(self.endpoint)
+        self._sub = sub
+        name = f"kv-subscriber {self.replica} {self.endpoint}"
+        self._tasks = [
+            asyncio.create_task(self._run(), name=name),
+            asyncio.create_task(self._watch_connection(), name=name + " monitor"),
+        ]
+
+    async def close(self) -> None:
+        """Stop the tasks and close the sockets (and the context, when this created it)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+            self._sub.close(linger=0)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+        self._close_dealer()
+        self.stats.connected = False
+        if self._own_context:
+            self._context.term()
+
+    # --- the live stream ------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        assert self._sub is not None
+        while True:
+            try:
+                frames = await self._sub.recv_multipart()
+            except zmq.ContextTerminated:
+                return
+            except zmq.ZMQError as exc:  # transient socket trouble: log, back off, go on
+                log.warning("%s: receiving KV events failed: %s", self.replica, exc)
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                await self._on_live(frames)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one frame end the subscriber
+                self.stats.malformed += 1
+                log.exception("%s: failed to handle a KV event frame", self.replica)
+
+    async def _on_live(self, frames: list[bytes]) -> None:
+        split = _split(frames)
+        if split is None:
+            self.stats.malformed += 1
+            log.warning("%s: skipping a KV event message of %d frames", self.replica, len(frames))
+            return
+        seq, payload = split
+        if self._live_last is not None and seq <= self._live_last:
+            log.warning(
+                "%s: KV event seq went back from %d to %d: publisher restarted, resyncing",
+                self.replica,
+                self._live_last,
+                seq,
+            )
+            self._resync()
+            self._last = None
+        self._live_last = seq
+        if self._last is None:
+            await self._begin(seq, payload)
+        elif seq <= self._last:
+            pass  # already applied from a replay
+        elif seq == self._last + 1:
+            self._apply(seq, payload)
+        else:
+            self.stats.gaps += 1
+            await self._repair(seq, payload)
+
+    async def _begin(self, seq: int, payload: bytes) -> None:
+        """First frame from this publisher: learn its history from the replay buffer if any."""
+        if seq > 0 and self.replay_endpoint is not None:
+            batches = await self._replay(0)
+            if batches:
+                self._apply_replayed(batches)
+        if self._last is None or seq == self._last + 1:
+            self._apply(seq, payload)
+        elif seq > self._last + 1:  # the replay ended before this frame (should not happen)
+            self._resync()
+            self._apply(seq, payload)
+
+    async def _repair(self, seq: int, payload: bytes) -> None:
+        assert self._last is not None
+        want = self._last + 1
+        log.info("%s: KV event gap: expected seq %d, got %d", self.replica, want, seq)
+        batches = await self._replay(want) if self.replay_endpoint is not None else None
+        if batches and batches[0][0] <= want:
+            self._apply_replayed(batches)
+        if seq <= self._last:
+            return  # the replay covered this frame
+        if seq != self._last + 1:
+            log.warning(
+                "%s: KV event gap %d..%d not repaired, resyncing", self.replica, want, seq - 1
+            )
+            self._resync()
+        self._apply(seq, payload)
+
+    def _resync(self) -> None:
+        self.stats.resyncs += 1
+        self._call_sink(self.sink.clear_replica, self.replica)
+        self._last = None
+
+    # --- replay ---------------------------------------------------------------------------------
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The publisher's buffered batches from ``start`` on, or None if it did not answer."""
+        assert self.replay_endpoint is not None
+        if self._dealer is None:
+            self._dealer = self._context.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.connect(self.replay_endpoint)
+        dealer = self._dealer
+        batches: list[tuple[int, bytes]] = []
+        try:
+            await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                if not frames or frames[0] != b"":
+                    self.stats.malformed += 1
+                    continue
+                if len(frames) >= 3 and frames[-2] == END_SEQ:
+                    return batches
+                split = _split(frames[1:])
+                if split is None:
+                    self.stats.malformed += 1
+                    continue
+                batches.append(split)
+        except TimeoutError:
+            self.stats.replay_timeouts += 1
+            log.warning(
+                "%s: KV event replay from %d timed out after %d batches",
+                self.replica,
+                start,
+                len(batches),
+            )
+        except zmq.ZMQError as exc:
+            log.warning("%s: KV event replay from %d failed: %s", self.replica, start, exc)
+        # Late replies to this request must not be read as the next one's: a fresh socket.
+        self._close_dealer()
+        return None
+
+    def _apply_replayed(self, batches: list[tuple[int, bytes]]) -> None:
+        """Apply replayed batches that follow ``last`` without a hole; skip older ones."""
+        for seq, payload in batches:
+            if self._last is not None and seq <= self._last:
+                continue
+            if self._last is not None and seq != self._last + 1:
+                return
+            self._apply(seq, payload)
+            self.stats.replayed_batches += 1
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
+
+    # --- applying -------------------------------------------------------------------------------
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self._last = seq
+        self.stats.last_seq = seq
+        try:
+            _, events, _ = decode_event_batch(payload)
+        except MalformedEventBatch as exc:
+            self.stats.malformed += 1
+            log.warning("%s: skipping malformed KV event batch %d: %s", self.replica, seq, exc)
+            return
+        self.stats.batches += 1
+        for event in events:
+            self.stats.events += 1
+            if isinstance(event, BlockStored):
+                self._call_sink(
+                    self.sink.apply_stored,
+                    self.replica,
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    event.block_size,
+                    event.medium,
+                    event.lora_name,
+                )
+            elif isinstance(event, BlockRemoved):
+                self._call_sink(
+                    self.sink.apply_removed, self.replica, event.block_hashes, event.medium
+                )
+            elif isinstance(event, AllBlocksCleared):
+                self._call_sink(self.sink.clear_replica, self.replica)
+
+    def _call_sink(self, method: object, *args: object) -> None:
+        try:
+            method(*args)  # type: ignore[operator]
+        except Exception:
+            self.stats.sink_errors += 1
+            log.exception("%s: the KV event sink failed", self.replica)
+
+    # --- connection state -----------------------------------------------------------------------
+
+    async def _watch_connection(self) -> None:
+        assert self._monitor is not None
+        while True:
+            try:
+                frames = await self._monitor.recv_multipart()
+                event = parse_monitor_message(frames)["event"]
+            except zmq.ContextTerminated:
+                return
+            except (zmq.ZMQError, ValueError, KeyError) as exc:
+                log.debug("%s: monitor: %s", self.replica, exc)
+                await asyncio.sleep(0.1)
+                continue
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self.stats.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.stats.connected = False
+
+
+class KVEventSubscribers:
+    """The subscribers of a fleet, sharing one ZMQ context."""
+
+    def __init__(self, sink: EventSink, *, replay_timeout_s: float = 2.0) -> None:
+        self.sink = sink
+        self.replay_timeout_s = replay_timeout_s
+        self._context = zmq.asyncio.Context()
+        self.subscribers: list[KVEventSubscriber] = []
+        self._started = False
+
+    def add(
+        self, replica: str, endpoint: str, replay_endpoint: str | None = None
+    ) -> KVEventSubscriber:
+        """Follow one more source (started at once if the others are running)."""
+        subscriber = KVEventSubscriber(
+            replica,
+            endpoint,
+            replay_endpoint,
+            self.sink,
+            context=self._context,
+            replay_timeout_s=self.replay_timeout_s,
+        )
+        self.subscribers.append(subscriber)
+        if self._started:
+            subscriber.start()
+        return subscriber
+
+    async def remove(self, subscriber: KVEventSubscriber) -> None:
+        self.subscribers.remove(subscriber)
+        await subscriber.close()
+
+    def start_all(self) -> None:
+        self._started = True
+        for subscriber in self.subscribers:
+            if not subscriber._tasks:
+                subscriber.start()
+
+    async def close_all(self) -> None:
+        self._started = False
+        await asyncio.gather(*(s.close() for s in self.subscribers))
+        self._context.term()
+
+    def stats_by_source(self) -> dict[tuple[str, str], SubscriberStats]:
+        """Each source's stats, keyed by (replica, endpoint)."""
+        return {(s.replica, s.endpoint): s.stats for s in self.subscribers}
+
+    def totals(self) -> SubscriberStats:
+        """Counters summed over all sources; ``connected`` is True when every one is."""
+        total = SubscriberStats(connected=all(s.stats.connected for s in self.subscribers))
+        for subscriber in self.subscribers:
+            for name in _COUNTERS:
+                setattr(total, name, getattr(total, name) + getattr(subscriber.stats, name))
+        return total
