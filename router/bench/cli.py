@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .index_bench import add_index_bench
+
 
 def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="Benchmarks (results go to BENCHMARKS.md).")
     bench_sub = p.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
     _add_overhead(bench_sub)
+    add_index_bench(bench_sub)
 
 
 def _positive_int(text: str) -> int:

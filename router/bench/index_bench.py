@@ -1,0 +1,404 @@
+"""``kvroute bench index``: the prefix index's ingest rate, lookup latency and memory.
+
+A synthetic fleet: every replica's cache is a set of chains (prompts) of ``--chain-blocks``
+blocks, stored as BlockStored events of ``--event-blocks`` blocks each (each event chains to the
+previous one's last engine hash, as vLLM's do). A ``--shared`` fraction of each replica's chains
+comes from a pool of hot prompts held by ``--copies`` replicas on average (each copy stored to a
+random depth), the rest are unique to the replica: the unique part is the memory worst case, the
+hot part makes lookups match many replicas at once. Lookups are 128-block prompts drawn from the
+hot pool with a random divergence point, plus a few predicted entries, timed one by one.
+
+Memory is the RSS delta of this process (VmRSS, after ``gc.collect()``) from an empty index to
+the full one, divided by (block, replica) entries; it includes allocator slack and dict
+over-allocation, so it is what a router process really pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import os
+import platform
+import random
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..block_hashing import block_hashes
+from ..prefix_index import PrefixIndex
+
+MD_HEADER = (
+    "# Benchmarks\n\n"
+    "Results appended by `kvroute bench ...`, newest last. Each section gives the command that "
+    "reproduces it. The machines are often small and shared: compare ratios within a section, "
+    "not absolute numbers across sections.\n"
+)
+
+TARGET_BYTES_PER_ENTRY = 2**30 / 5_000_000
+TARGET_P99_US = 50.0
+TARGET_INGEST = 500_000.0
+
+
+@dataclass
+class Options:
+    entries: int = 5_000_000
+    replicas: int = 200
+    block_size: int = 16
+    chain_blocks: int = 128
+    event_blocks: int = 16
+    shared: float = 0.5
+    copies: int = 20
+    lookups: int = 2000
+    predictions: int = 500
+    seed: int = 0
+    output_md: str = "BENCHMARKS.md"
+    record: bool = True
+
+
+@dataclass
+class Result:
+    entries: int
+    blocks: int
+    replicas: int
+    ingest_blocks: int
+    ingest_s: float
+    build_s: float
+    rss_delta: int
+    lookup_us: list[float]
+    hash_us: list[float]
+    matched_replicas: float
+
+    @property
+    def ingest_rate(self) -> float:
+        return self.ingest_blocks / self.ingest_s if self.ingest_s else 0.0
+
+    @property
+    def bytes_per_entry(self) -> float:
+        return self.rss_delta / self.entries if self.entries else 0.0
+
+
+def rss_bytes() -> int:
+    """Current resident set size (VmRSS) of this process."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource  # fallback: peak, not current (macOS reports bytes, Linux KiB)
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def chain_tokens(doc: int, blocks: int, block_size: int) -> list[int]:
+    """Distinct, cheap token ids for document ``doc`` (equal docs give equal tokens)."""
+    start = (doc * 7919 * blocks * block_size) % (2**32 - blocks * block_size)
+    return list(range(start, start + blocks * block_size))
+
+
+def run_index_bench(options: Options) -> Result:
+    o = options
+    rng = random.Random(o.seed)
+    getrandbits = rng.getrandbits
+    per_replica = max(1, o.entries // o.replicas)
+    chains_per_replica = max(1, -(-per_replica // o.chain_blocks))
+    hot_docs = max(1, round(chains_per_replica * o.replicas * o.shared / max(1, o.copies)))
+    names = [f"replica-{i:03d}" for i in range(o.replicas)]
+    bs, eb = o.block_size, o.event_blocks
+
+    gc.collect()
+    idx = PrefixIndex()
+    rss0 = rss_bytes()
+    build_start = time.perf_counter()
+    ingest_s = 0.0
+    ingested = 0
+    unique_doc = hot_docs  # unique documents are numbered after the hot ones
+    perf = time.perf_counter
+    for r, name in enumerate(names):
+        stored = 0
+        # Hot prompts without replacement: a replica does not cache the same prompt twice.
+        hot = rng.sample(range(hot_docs), min(hot_docs, round(chains_per_replica * o.shared)))
+        while stored < per_replica:
+            if hot and rng.random() < o.shared:
+                doc = hot.pop()
+                depth = eb * rng.randint(max(1, o.chain_blocks // (2 * eb)), o.chain_blocks // eb)
+            else:
+                doc = unique_doc
+                unique_doc += 1
+                depth = o.chain_blocks
+            depth = max(1, min(depth, per_replica - stored))
+            tokens = chain_tokens(doc, depth, bs)
+            engine = [getrandbits(64) for _ in range(depth)]
+            events = [
+                (engine[i : i + eb], engine[i - 1] if i else None, tokens[i * bs : (i + eb) * bs])
+                for i in range(0, depth, eb)
+            ]
+            apply = idx.apply_stored
+            added = 0
+            t0 = perf()
+            for hashes, parent, toks in events:
+                added += apply(name, hashes, parent, toks, bs)
+            ingest_s += perf() - t0
+            ingested += depth
+            stored += depth
+        if r % 20 == 19:
+            print(f"  {r + 1}/{o.replicas} replicas, {idx.entries:,} entries", file=sys.stderr)
+    build_s = time.perf_counter() - build_start
+    gc.collect()
+    rss_delta = rss_bytes() - rss0
+
+    # Lookups: hot prompts with a random divergence point, some predicted on random replicas.
+    prompts: list[list[int]] = []
+    for _ in range(min(o.lookups, 2000)):
+        doc = rng.randrange(hot_docs)
+        tokens = chain_tokens(doc, o.chain_blocks, bs)
+        cut = rng.randint(o.chain_blocks // 2, o.chain_blocks)
+        tokens[cut * bs :] = [getrandbits(31) for _ in range((o.chain_blocks - cut) * bs)]
+        prompts.append(tokens)
+    hash_us: list[float] = []
+    queries: list[list[int]] = []
+    for tokens in prompts:
+        t0 = perf()
+        hashes = block_hashes(tokens, bs)
+        hash_us.append((perf() - t0) * 1e6)
+        queries.append(hashes)
+    for i in range(min(o.predictions, len(queries))):
+        idx.predict(names[rng.randrange(o.replicas)], queries[i], now=0.0, ttl_s=1e9)
+    lookup_us: list[float] = []
+    matched = 0
+    match = idx.match
+    for i in range(o.lookups):
+        q = queries[i % len(queries)]
+        t0 = perf()
+        m = match(q, 1.0)
+        lookup_us.append((perf() - t0) * 1e6)
+        matched += len(m)
+    return Result(
+        entries=idx.entries,
+        blocks=idx.blocks,
+        replicas=o.replicas,
+        ingest_blocks=ingested,
+        ingest_s=ingest_s,
+        build_s=build_s,
+        rss_delta=rss_delta,
+        lookup_us=lookup_us,
+        hash_us=hash_us,
+        matched_replicas=matched / max(1, o.lookups),
+    )
+
+
+def format_table(res: Result, o: Options) -> str:
+    def ok(good: bool) -> str:
+        return "yes" if good else "NO"
+
+    p50, p99 = percentile(res.lookup_us, 50), percentile(res.lookup_us, 99)
+    rows = [
+        ("(block, replica) entries", f"{res.entries:,}", "5,000,000", ""),
+        ("distinct blocks / replicas", f"{res.blocks:,} / {res.replicas}", "- / 200", ""),
+        (
+            "ingest, blocks/s (incl. router hashing)",
+            f"{res.ingest_rate:,.0f}",
+            f">= {TARGET_INGEST:,.0f}",
+            ok(res.ingest_rate >= TARGET_INGEST),
+        ),
+        (
+            f"lookup p50 / p99 / max, us ({o.chain_blocks}-block prompt)",
+            f"{p50:.1f} / {p99:.1f} / {max(res.lookup_us, default=0):.1f}",
+            f"p99 <= {TARGET_P99_US:.0f}",
+            ok(p99 <= TARGET_P99_US),
+        ),
+        ("replicas matched per lookup (mean)", f"{res.matched_replicas:.1f}", "", ""),
+        (
+            f"hashing p50 / p99, us ({o.chain_blocks}-block prompt)",
+            f"{percentile(res.hash_us, 50):.1f} / {percentile(res.hash_us, 99):.1f}",
+            "",
+            "",
+        ),
+        (
+            "memory, bytes per entry (RSS delta)",
+            f"{res.bytes_per_entry:.0f} ({res.rss_delta / 2**20:,.0f} MiB)",
+            f"<= {TARGET_BYTES_PER_ENTRY:.0f} (1 GiB / 5M)",
+            ok(res.bytes_per_entry <= TARGET_BYTES_PER_ENTRY),
+        ),
+        ("build time, s", f"{res.build_s:.1f}", "", ""),
+    ]
+    lines = ["| metric | value | target | met |", "|---|--:|--:|:-:|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+def reproduce_command(argv: Sequence[str]) -> str:
+    args = list(argv)
+    if "index" in args:
+        args = args[args.index("index") + 1 :]
+    return shlex.join(["kvroute", "bench", "index", *args])
+
+
+def markdown_section(command: str, date: str, res: Result, o: Options) -> str:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines = [
+        f"## Prefix index, {date}",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"- machine: {cpus} CPUs (nproc), {platform.machine()}, load average before run {load}; "
+        f"Python {platform.python_version()}",
+        f"- workload: {o.replicas} replicas, {o.entries:,} target entries, chains of "
+        f"{o.chain_blocks} blocks of {o.block_size} tokens in BlockStored events of "
+        f"{o.event_blocks} blocks; {o.shared:.0%} of chains from a hot pool held by ~{o.copies} "
+        f"replicas each (random depth), the rest unique; {o.lookups} timed lookups of hot "
+        f"prompts with a random divergence point, {o.predictions} of them also predicted",
+        "- memory is the process RSS delta (VmRSS after gc.collect()) from empty to full index",
+        "",
+        format_table(res, o),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def record(path: Path, section: str) -> None:
+    prefix = "" if path.exists() and path.stat().st_size else MD_HEADER
+    with path.open("a", encoding="utf-8") as f:
+        f.write(prefix + "\n" + section)
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
+
+
+def add_index_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``kvroute bench index`` on the ``bench`` subparsers."""
+    d = Options()
+    p = sub.add_parser(
+        "index",
+        help="Prefix index: ingest rate, lookup p50/p99 and memory per entry (in process).",
+        description=(
+            "Fill a PrefixIndex with synthetic BlockStored events for N replicas up to a number "
+            "of (block, replica) entries, then time lookups of 128-block prompts. Prints ingest "
+            "blocks/s (router hashing included), lookup p50/p99, hashing time and memory per "
+            "entry (process RSS delta), with the command that reproduces it, and appends the "
+            "table to BENCHMARKS.md. The full size (5M entries, 200 replicas) needs ~1.5 GiB "
+            "and a minute or so; --entries 200000 runs in seconds."
+        ),
+    )
+    p.add_argument(
+        "--entries",
+        type=_positive_int,
+        default=d.entries,
+        help=f"(block, replica) entries to index (default {d.entries:,}).",
+    )
+    p.add_argument(
+        "--replicas", type=_positive_int, default=d.replicas, help="Replicas (default 200)."
+    )
+    p.add_argument(
+        "--block-size", type=_positive_int, default=d.block_size, help="Tokens per block (16)."
+    )
+    p.add_argument(
+        "--chain-blocks",
+        type=_positive_int,
+        default=d.chain_blocks,
+        help="Blocks per prompt, stored and looked up (default 128).",
+    )
+    p.add_argument(
+        "--event-blocks",
+        type=_positive_int,
+        default=d.event_blocks,
+        help="Blocks per BlockStored event (default 16).",
+    )
+    p.add_argument(
+        "--shared",
+        type=_fraction,
+        default=d.shared,
+        help="Fraction of each replica's chains taken from the hot pool (default 0.5).",
+    )
+    p.add_argument(
+        "--copies",
+        type=_positive_int,
+        default=d.copies,
+        help="Mean replicas holding each hot prompt (default 20).",
+    )
+    p.add_argument(
+        "--lookups", type=_positive_int, default=d.lookups, help="Timed lookups (default 2000)."
+    )
+    p.add_argument(
+        "--predictions",
+        type=_non_negative_int,
+        default=d.predictions,
+        help="Lookup prompts also predicted on a random replica (default 500).",
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="Random seed (default 0).")
+    p.add_argument(
+        "--output-md",
+        default=d.output_md,
+        metavar="PATH",
+        help="Markdown file the result is appended to (default ./BENCHMARKS.md).",
+    )
+    p.add_argument(
+        "--no-record", action="store_true", help="Print only; do not append to --output-md."
+    )
+    p.set_defaults(func=_cmd_index)
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    options = Options(
+        entries=args.entries,
+        replicas=args.replicas,
+        block_size=args.block_size,
+        chain_blocks=args.chain_blocks,
+        event_blocks=args.event_blocks,
+        shared=args.shared,
+        copies=args.copies,
+        lookups=args.lookups,
+        predictions=args.predictions,
+        seed=args.seed,
+        output_md=args.output_md,
+        record=not args.no_record,
+    )
+    return run_and_report(options, sys.argv[1:])
+
+
+def run_and_report(options: Options, argv: Sequence[str]) -> int:
+    command = reproduce_command(argv)
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"$ {command}", file=sys.stderr)
+    res = run_index_bench(options)
+    section = markdown_section(command, date, res, options)
+    print(section)
+    if options.record:
+        record(Path(options.output_md), section)
+        print(f"appended to {options.output_md}", file=sys.stderr)
+    return 0

@@ -1,0 +1,432 @@
+"""Router block hashing and the prefix index: events in, longest-prefix matches out."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from xxhash import xxh3_64_intdigest
+
+from router.block_hashing import block_hashes, chain_hashes, root_seed
+from router.prefix_index import PrefixIndex, PrefixMatch
+from simulator.engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Engine,
+    EngineConfig,
+    EngineRequest,
+)
+
+BS = 4
+
+
+def toks(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+# --- hashing -----------------------------------------------------------------------------------
+
+
+def test_hashes_are_deterministic_chained_and_documented() -> None:
+    t = [7, 8, 9, 10, 11, 12, 13, 14, 15]  # two full blocks and a partial one
+    hs = block_hashes(t, BS)
+    assert hs == block_hashes(list(t), BS)
+    assert len(hs) == 2  # the partial block has no hash
+    # The documented definition: xxh3_64 of little-endian uint32 tokens, seeded by the parent.
+    h0 = xxh3_64_intdigest(b"".join(x.to_bytes(4, "little") for x in t[:4]), 0)
+    h1 = xxh3_64_intdigest(b"".join(x.to_bytes(4, "little") for x in t[4:8]), h0)
+    assert hs == [h0, h1]
+    assert chain_hashes(t[4:], BS, h0) == [h1]
+    assert block_hashes(t[:3], BS) == []
+
+
+def test_changed_token_changes_its_block_and_later_only() -> None:
+    base = toks(6)
+    hs = block_hashes(base, BS)
+    for k in range(6):
+        changed = list(base)
+        changed[k * BS + 2] += 1000
+        hk = block_hashes(changed, BS)
+        assert hk[:k] == hs[:k]
+        assert all(a != b for a, b in zip(hk[k:], hs[k:], strict=True))
+
+
+def test_extra_key_changes_every_block() -> None:
+    base = toks(5)
+    plain = block_hashes(base, BS)
+    lora = block_hashes(base, BS, extra_key="lora-a")
+    other = block_hashes(base, BS, extra_key="lora-b")
+    assert root_seed(None) == 0
+    assert all(a != b for a, b in zip(plain, lora, strict=True))
+    assert all(a != b for a, b in zip(lora, other, strict=True))
+    assert lora == block_hashes(base, BS, extra_key="lora-a")
+
+
+def test_bad_tokens_and_block_size_raise() -> None:
+    with pytest.raises(OverflowError):
+        block_hashes([-1, 0, 0, 0], BS)
+    with pytest.raises(OverflowError):
+        block_hashes([2**32, 0, 0, 0], BS)
+    with pytest.raises(ValueError):
+        block_hashes([1, 2], 0)
+
+
+# --- events -> match ---------------------------------------------------------------------------
+
+
+def test_stored_chain_and_partial_prefixes() -> None:
+    idx = PrefixIndex()
+    t = toks(4)
+    assert idx.apply_stored("r1", [11, 12], None, t[: 2 * BS], BS) == 2
+    assert idx.apply_stored("r1", [13, 14], 12, t[2 * BS :], BS) == 2
+    rh = block_hashes(t, BS)
+    assert idx.match(rh, 0.0) == {"r1": PrefixMatch(4, 4)}
+    assert idx.match(rh[:2], 0.0) == {"r1": PrefixMatch(2, 2)}
+    # A request that diverges after block 2, and one longer than what is cached.
+    other = block_hashes(t[: 2 * BS] + toks(3, 500), BS)
+    assert idx.match(other, 0.0) == {"r1": PrefixMatch(2, 2)}
+    assert idx.match(block_hashes(t + toks(2, 900), BS), 0.0) == {"r1": PrefixMatch(4, 4)}
+    # A request that shares only block 2's tokens, not block 1: no match (chained hashes).
+    assert idx.match(block_hashes(t[2 * BS :], BS), 0.0) == {}
+    assert idx.match([], 0.0) == {}
+    assert idx.entries == 4 and idx.stats.stored == 4
+    assert idx.replicas_holding(rh[3]) == frozenset({"r1"})
+    assert idx.replicas_holding(12345) == frozenset()
+
+
+def test_two_replicas_different_depths() -> None:
+    idx = PrefixIndex()
+    t = toks(5)
+    idx.apply_stored("a", [1, 2, 3, 4, 5], None, t, BS)
+    idx.apply_stored("b", [9, 8], None, t[: 2 * BS], BS)  # its own engine hashes
+    rh = block_hashes(t, BS)
+    assert idx.match(rh, 0.0) == {"a": PrefixMatch(5, 5), "b": PrefixMatch(2, 2)}
+    assert idx.replicas_holding(rh[0]) == frozenset({"a", "b"})
+    assert idx.entries == 7 and idx.blocks == 5
+    idx.apply_removed("a", [1])
+    assert idx.match(rh, 0.0) == {"b": PrefixMatch(2, 2)}
+    assert idx.replicas_holding(rh[0]) == frozenset({"b"})
+
+
+def test_removed_middle_block_cuts_the_run() -> None:
+    idx = PrefixIndex()
+    t = toks(6)
+    idx.apply_stored("r", [1, 2, 3, 4, 5, 6], None, t, BS)
+    assert idx.apply_removed("r", [3]) == 1
+    rh = block_hashes(t, BS)
+    assert idx.match(rh, 0.0) == {"r": PrefixMatch(2, 2)}
+    assert idx.entries == 5 and idx.stats.removed == 1
+    assert idx.apply_removed("r", [3, 77]) == 0  # already gone, never known
+    assert idx.apply_removed("nobody", [1]) == 0
+    assert idx.stats.unknown_removed == 3
+    # Stored again (its parent 2 is still known): the run is whole again.
+    assert idx.apply_stored("r", [3], 2, t[2 * BS : 3 * BS], BS) == 1
+    assert idx.match(rh, 0.0) == {"r": PrefixMatch(6, 6)}
+
+
+def test_unknown_parent_is_counted_and_skipped() -> None:
+    idx = PrefixIndex()
+    t = toks(3)
+    assert idx.apply_stored("r", [5, 6], 4, t[BS:], BS) == 0
+    assert idx.stats.unknown_parent == 1 and idx.stats.unknown_parent_blocks == 2
+    assert idx.entries == 0
+    assert idx.match(block_hashes(t, BS), 0.0) == {}
+    # Another replica's engine hashes are no parent for this one.
+    idx.apply_stored("other", [4], None, t[:BS], BS)
+    assert idx.apply_stored("r", [5, 6], 4, t[BS:], BS) == 0
+    assert idx.stats.unknown_parent == 2
+
+
+def test_bytes_and_int_engine_hashes_and_parent_zero() -> None:
+    idx = PrefixIndex()
+    t = toks(3)
+    d = [bytes([i]) * 32 for i in range(1, 4)]
+    idx.apply_stored("bytes", d[:1], None, t[:BS], BS)
+    idx.apply_stored("bytes", d[1:], d[0], t[BS:], BS)
+    idx.apply_stored("int", [2**64 - 1, -5], 0, t[: 2 * BS], BS)  # 0: no parent
+    idx.apply_stored("int", [7], -5, t[2 * BS :], BS)
+    rh = block_hashes(t, BS)
+    assert idx.match(rh, 0.0) == {"bytes": PrefixMatch(3, 3), "int": PrefixMatch(3, 3)}
+    idx.apply_removed("bytes", [d[1]])
+    idx.apply_removed("int", [2**64 - 1])
+    assert idx.match(rh, 0.0) == {"bytes": PrefixMatch(1, 1)}
+    # bytes zero is a real hash, not "no parent"
+    assert idx.apply_stored("z", [1], b"\x00" * 32, t[:BS], BS) == 0
+    assert idx.stats.unknown_parent == 1
+
+
+def test_extra_key_and_media() -> None:
+    idx = PrefixIndex()
+    t = toks(2)
+    idx.apply_stored("r", [1, 2], None, t, BS, extra_key="lora")
+    assert idx.match(block_hashes(t, BS), 0.0) == {}
+    lora = block_hashes(t, BS, extra_key="lora")
+    assert idx.match(lora, 0.0) == {"r": PrefixMatch(2, 2)}
+    # The same blocks offloaded to CPU: one (block, replica) entry, held until both media drop it.
+    idx.apply_stored("r", [1, 2], None, t, BS, medium="CPU", extra_key="lora")
+    assert idx.entries == 2
+    idx.apply_removed("r", [1, 2])  # GPU
+    assert idx.match(lora, 0.0) == {"r": PrefixMatch(2, 2)}
+    idx.apply_removed("r", [1], medium="CPU")
+    assert idx.match(lora, 0.0) == {} and idx.entries == 1
+
+
+def test_two_engine_hashes_for_one_router_hash_are_refcounted() -> None:
+    # E.g. a cache salt the router does not know: the engine has two copies of equal tokens.
+    idx = PrefixIndex()
+    t = toks(1)
+    idx.apply_stored("r", [1], None, t, BS)
+    idx.apply_stored("r", [2], None, t, BS)
+    idx.apply_stored("r", [2], None, t, BS)  # a duplicate store changes nothing
+    assert idx.entries == 1
+    idx.apply_removed("r", [1])
+    assert idx.match(block_hashes(t, BS), 0.0) == {"r": PrefixMatch(1, 1)}
+    idx.apply_removed("r", [2])
+    assert idx.match(block_hashes(t, BS), 0.0) == {} and idx.entries == 0
+    # An engine hash reused for other content moves to the new content.
+    other = toks(1, 50)
+    idx.apply_stored("r", [3], None, t, BS)
+    assert idx.apply_stored("r", [3], None, other, BS) == 1
+    assert idx.match(block_hashes(t, BS), 0.0) == {}
+    assert idx.match(block_hashes(other, BS), 0.0) == {"r": PrefixMatch(1, 1)}
+    assert idx.entries == 1
+
+
+def test_clear_replica() -> None:
+    idx = PrefixIndex()
+    t = toks(3)
+    idx.apply_stored("a", [1, 2, 3], None, t, BS)
+    idx.apply_stored("a", [1, 2, 3], None, t, BS, medium="CPU")
+    idx.apply_stored("b", [1, 2], None, t[: 2 * BS], BS)
+    idx.clear_replica("a")
+    idx.clear_replica("never-seen")
+    rh = block_hashes(t, BS)
+    assert idx.match(rh, 0.0) == {"b": PrefixMatch(2, 2)}
+    assert idx.entries == 2 and idx.stats.cleared == 2
+    # After a clear the old engine hashes are unknown parents.
+    assert idx.apply_stored("a", [4], 3, toks(1, 100), BS) == 0
+    assert idx.apply_stored("a", [1], None, t[:BS], BS) == 1
+    assert idx.match(rh, 0.0) == {"a": PrefixMatch(1, 1), "b": PrefixMatch(2, 2)}
+
+
+def test_predictions_count_until_ttl_then_expire() -> None:
+    idx = PrefixIndex()
+    rh = block_hashes(toks(4), BS)
+    idx.predict("r", rh, now=10.0, ttl_s=2.0)
+    assert idx.match(rh, 10.0) == {"r": PrefixMatch(4, 0)}
+    assert idx.match(rh[:2], 11.9) == {"r": PrefixMatch(2, 0)}
+    assert idx.replicas_holding(rh[0]) == frozenset()  # predictions are not holdings
+    assert idx.predicted_entries == 4
+    assert idx.expire(11.99) == 0
+    assert idx.match(rh, 12.0) == {}  # expired at now + ttl, and purged by the match
+    assert idx.predicted_entries == 0 and idx.stats.expired == 4
+    idx.predict("r", rh, now=13.0, ttl_s=1.0)
+    assert idx.expire(14.0) == 4 and idx.predicted_entries == 0
+    # A renewed prediction outlives the older one's expiry purge.
+    idx.predict("r", rh, now=20.0, ttl_s=1.0)
+    idx.predict("r", rh[:2], now=20.5, ttl_s=1.0)
+    idx.expire(21.0)
+    assert idx.match(rh, 21.2) == {"r": PrefixMatch(2, 0)}
+    idx.predict("q", rh, now=30.0, ttl_s=1.0)  # purges everything before 30
+    assert idx.predicted_entries == 4
+
+
+def test_predictions_superseded_by_events_and_combined() -> None:
+    idx = PrefixIndex()
+    t = toks(4)
+    rh = block_hashes(t, BS)
+    idx.predict("r", rh, now=0.0, ttl_s=1.0)
+    idx.apply_stored("r", [1, 2], None, t[: 2 * BS], BS)
+    assert idx.match(rh, 0.5) == {"r": PrefixMatch(4, 2)}
+    assert idx.predicted_entries == 2  # the stored blocks' predictions are gone
+    assert idx.match(rh, 5.0) == {"r": PrefixMatch(2, 2)}  # events outlive predictions
+    # Blocks already held are not predicted again; a second replica's prediction is its own.
+    idx.predict("r", rh, now=6.0, ttl_s=1.0)
+    idx.predict("s", rh[:1], now=6.0, ttl_s=1.0)
+    assert idx.predicted_entries == 3
+    assert idx.match(rh, 6.5) == {"r": PrefixMatch(4, 2), "s": PrefixMatch(1, 0)}
+    # A predicted block in the middle bridges a confirmed gap for blocks, not for confirmed.
+    idx.apply_stored("r", [3, 4], 2, t[2 * BS :], BS)
+    idx.apply_removed("r", [2])
+    idx.predict("r", rh, now=7.0, ttl_s=1.0)
+    assert idx.match(rh, 7.5)["r"] == PrefixMatch(4, 1)
+
+
+# --- property test against a brute-force model -------------------------------------------------
+
+BLOCK_TOKENS = {b: [b * 10 + i for i in range(BS)] for b in range(3)}
+REPLICAS = ("r0", "r1", "r2")
+
+
+def engine_hash(replica: str, path: tuple[int, ...]) -> int | bytes:
+    h = xxh3_64_intdigest(repr(path).encode(), 99) or 1
+    return h.to_bytes(8, "little") * 4 if replica == "r2" else h  # r2 uses digest bytes
+
+
+def path_tokens(path: tuple[int, ...]) -> list[int]:
+    return [t for b in path for t in BLOCK_TOKENS[b]]
+
+
+paths = st.lists(st.integers(0, 2), min_size=0, max_size=4).map(tuple)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("stored"), st.sampled_from(REPLICAS), paths, paths.filter(bool)),
+        st.tuples(st.just("removed"), st.sampled_from(REPLICAS), paths.filter(bool), st.just(())),
+        st.tuples(st.just("cleared"), st.sampled_from(REPLICAS), st.just(()), st.just(())),
+        st.tuples(st.just("predict"), st.sampled_from(REPLICAS), paths.filter(bool), st.just(())),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops,
+    st.lists(paths.filter(bool), min_size=1, max_size=4),
+    st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=30, max_size=30),
+)
+def test_match_equals_brute_force_model(
+    events: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]],
+    queries: list[tuple[int, ...]],
+    steps: list[float],
+) -> None:
+    ttl = 1.5
+    idx = PrefixIndex()
+    model: dict[str, set[tuple[int, ...]]] = {r: set() for r in REPLICAS}
+    predicted: dict[tuple[str, tuple[int, ...]], float] = {}  # (replica, path) -> expiry
+    unknown_parent = 0
+    now = 0.0
+    for (kind, rep, a, b), step in zip(events, steps, strict=False):
+        now += step
+        held = model[rep]
+        if kind == "stored":
+            parent = engine_hash(rep, a) if a else None
+            new = [a + b[: i + 1] for i in range(len(b))]
+            idx.apply_stored(rep, [engine_hash(rep, p) for p in new], parent, path_tokens(b), BS)
+            if a and a not in held:
+                unknown_parent += 1
+            else:
+                held.update(new)
+                for p in new:
+                    predicted.pop((rep, p), None)
+        elif kind == "removed":
+            idx.apply_removed(rep, [engine_hash(rep, a)])
+            held.discard(a)
+        elif kind == "cleared":
+            idx.clear_replica(rep)
+            held.clear()
+        else:
+            idx.predict(rep, block_hashes(path_tokens(a), BS), now, ttl)
+            for k in range(1, len(a) + 1):
+                if a[:k] not in held:
+                    predicted[(rep, a[:k])] = now + ttl
+        assert idx.entries == sum(len(s) for s in model.values())
+        for q in queries:
+            expected = {}
+            for r, s in model.items():
+                n = c = 0
+                while n < len(q) and (q[: n + 1] in s or predicted.get((r, q[: n + 1]), 0) > now):
+                    n += 1
+                while c < len(q) and q[: c + 1] in s:
+                    c += 1
+                if n:
+                    expected[r] = PrefixMatch(n, c)
+            assert idx.match(block_hashes(path_tokens(q), BS), now) == expected
+    assert idx.stats.unknown_parent == unknown_parent
+
+
+# --- driven by the engine model's real events --------------------------------------------------
+
+
+def feed(idx: PrefixIndex, replica: str, events: list[object]) -> None:
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            idx.apply_stored(
+                replica,
+                ev.block_hashes,
+                ev.parent_block_hash,
+                ev.token_ids,
+                ev.block_size,
+                ev.medium,
+                ev.lora_name,
+            )
+        elif isinstance(ev, BlockRemoved):
+            idx.apply_removed(replica, ev.block_hashes, ev.medium)
+        elif isinstance(ev, AllBlocksCleared):
+            idx.clear_replica(replica)
+
+
+def test_index_tracks_engine_prefix_cache() -> None:
+    rng = random.Random(7)
+    cfg = EngineConfig(
+        block_size=BS, num_blocks=48, max_num_batched_tokens=256, max_num_seqs=8, max_model_len=256
+    )
+    engine = Engine(cfg)
+    idx = PrefixIndex()
+    systems = [[rng.randrange(1000) for _ in range(BS * rng.randint(2, 5))] for _ in range(4)]
+    prompts = [
+        rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randint(1, 20))]
+        for _ in range(40)
+    ]
+    now = 0.0
+    n = 0
+    checked = hits_seen = 0
+    # Bursts of concurrent requests (evictions, preemptions), each followed by a probe that
+    # repeats an earlier prompt alone: the index must predict the engine's hit exactly.
+    for burst in range(12):
+        for _ in range(rng.randint(1, 6)):
+            n += 1
+            engine.add_request(EngineRequest(f"q{n}", rng.choice(prompts), rng.randint(1, 6), now))
+        while engine.has_unfinished_requests():
+            out = engine.step(now)
+            now += out.duration_s
+            feed(idx, "e", out.events)
+        probe = rng.choice(prompts)
+        rh = block_hashes(probe, BS)
+        m = idx.match(rh, now).get("e", PrefixMatch(0, 0))
+        assert m.blocks == m.confirmed
+        expected_hit_blocks = min(m.confirmed, (len(probe) - 1) // BS)
+        n += 1
+        engine.add_request(EngineRequest(f"p{n}", probe, 1, now))
+        out = engine.step(now)
+        feed(idx, "e", out.events)
+        (res,) = [o for o in out.outputs if o.request_id == f"p{n}"]
+        assert res.num_cached_tokens == expected_hit_blocks * BS
+        checked += 1
+        hits_seen += expected_hit_blocks > 0
+        # The index holds exactly as many blocks as the engine's prefix cache.
+        assert idx.entries == len(engine._kv.pool.cached)
+        if burst == 8:
+            assert engine.reset_prefix_cache()
+            feed(idx, "e", engine.step(now).events)
+            assert idx.entries == 0
+    assert checked == 12 and hits_seen >= 3
+    assert idx.stats.removed > 0  # the small cache did evict
+    assert idx.stats.unknown_parent == 0 and idx.stats.unknown_removed == 0
+
+
+def test_index_bench_small_run_records_a_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from router.bench.index_bench import add_index_bench
+
+    out = tmp_path / "B.md"
+    parser = argparse.ArgumentParser(prog="kvroute")
+    add_index_bench(parser.add_subparsers().add_parser("bench").add_subparsers())
+    argv = ["bench", "index", "--entries", "3000", "--replicas", "8", "--lookups", "50"]
+    monkeypatch.setattr(sys, "argv", ["kvroute", *argv])  # the command line it reproduces
+    args = parser.parse_args([*argv, "--output-md", str(out)])
+    assert args.func(args) == 0
+    text = out.read_text()
+    assert text.startswith("# Benchmarks") and "## Prefix index, " in text
+    assert "kvroute bench index --entries 3000 --replicas 8 --lookups 50" in text
+    assert "| (block, replica) entries | 3,000 |" in text
+    args = parser.parse_args([*argv, "--output-md", str(out), "--no-record"])
+    assert args.func(args) == 0
+    assert out.read_text() == text
