@@ -9,7 +9,7 @@ the live ``ReplicaState`` at scrape time.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from policies import ReplicaState
+
+from .kv_subscriber import SubscriberStats
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -49,8 +51,12 @@ class RouterMetrics:
         self,
         replicas: Callable[[], Iterable[ReplicaState]],
         peers: Callable[[], list[Snapshot]] = list,
+        kv_sources: Callable[[], Mapping[tuple[str, str], SubscriberStats]] = dict,
+        index_entries: Callable[[], int] = lambda: 0,
     ) -> None:
         self._replicas = replicas
+        self.kv_sources = kv_sources
+        self.index_entries = index_entries
         # Other worker processes' snapshots, merged in at scrape time.
         self._peers = peers
         # (replica, status, reason) -> count
@@ -198,3 +204,35 @@ class _Collector(Collector):
         yield in_flight
         yield in_flight_tokens
         yield healthy
+        yield from _kv_event_families(m)
+
+
+def _kv_event_families(m: RouterMetrics) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+    """The KV-event subscribers and the prefix index they feed (this worker's own view)."""
+    counters = {
+        "batches": "KV event batches applied (live and replayed).",
+        "events": "KV events applied.",
+        "gaps": "Sequence gaps seen on the live stream.",
+        "replayed_batches": "Batches recovered through the replay socket.",
+        "resyncs": "Times a replica's index entries were dropped (restart or unrecoverable gap).",
+        "malformed": "Malformed frames or payloads skipped.",
+    }
+    families = {
+        name: CounterMetricFamily(f"kvroute_kv_event_{name}", doc, labels=["replica", "endpoint"])
+        for name, doc in counters.items()
+    }
+    connected = GaugeMetricFamily(
+        "kvroute_kv_event_connected", "1 while the subscriber is connected to the replica's publisher.",
+        labels=["replica", "endpoint"],
+    )  # fmt: skip
+    for (replica, endpoint), stats in m.kv_sources().items():
+        for name, family in families.items():
+            family.add_metric([replica, endpoint], getattr(stats, name))
+        connected.add_metric([replica, endpoint], 1.0 if stats.connected else 0.0)
+    yield from families.values()
+    yield connected
+    entries = GaugeMetricFamily(
+        "kvroute_prefix_index_entries", "(block, replica) pairs in the prefix index."
+    )
+    entries.add_metric([], m.index_entries())
+    yield entries

@@ -20,8 +20,10 @@ from policies import FleetView, Policy, RouteRequest, build_policy
 
 from . import errors
 from .config import Config, replica_base_url, replica_name_from_url
+from .kv_subscriber import KVEventSubscribers
 from .metrics import RouterMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion
+from .prefix_index import PrefixIndex
 from .proxy import UpstreamUnavailable, relay
 from .upstream_client import UpstreamClient
 from .workers import MetricsExchange, WorkerContext
@@ -41,13 +43,24 @@ class Router:
             name = replica.name or replica_name_from_url(replica.url)
             self.replicas[name] = ReplicaHandle(name, replica_base_url(replica.url), index)
         self.fleet = FleetView([h.state for h in self.replicas.values()], membership_version=1)
+        # Which replica holds which prefix blocks, from the replicas' own KV events. The
+        # cache-aware policy (in progress) reads it; today it is built and exported in /metrics.
+        self.index = PrefixIndex()
+        self.kv_events = KVEventSubscribers(self.index)
+        for index, replica in enumerate(config.replicas):
+            if replica.kv_events:
+                name = list(self.replicas)[index]
+                self.kv_events.add(name, replica.kv_events, replica.kv_replay)
         self.policy: Policy = build_policy(config.policy.name, config.policy.params)
         # With several worker processes: shared load, and each other's counters in /metrics.
         self._board = worker.board if worker is not None else None
         self._worker_index = worker.index if worker is not None else 0
         self._exchange = MetricsExchange(worker) if worker is not None else None
         self.metrics = RouterMetrics(
-            lambda: self.fleet.replicas, self._exchange.peers if self._exchange else list
+            lambda: self.fleet.replicas,
+            self._exchange.peers if self._exchange else list,
+            kv_sources=self.kv_events.stats_by_source,
+            index_entries=lambda: self.index.entries,
         )
         self.prober = ActiveProber(
             lambda: list(self.replicas.values()),
@@ -84,6 +97,7 @@ class Router:
 
     async def _on_startup(self, app: web.Application) -> None:
         self._client = UpstreamClient(self.config.timeouts.connect_s)
+        self.kv_events.start_all()
         await self.prober.probe_all()
         self.prober.start()
         if self._exchange is not None:
@@ -91,6 +105,7 @@ class Router:
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await self.prober.close()
+        await self.kv_events.close_all()
         if self._exchange is not None:
             await self._exchange.close(self.metrics)
         if self._client is not None:

@@ -11,8 +11,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from backends.launcher import free_ports
 from router.config import config_from_dict
 from router.server import Router
+from simulator.engine import EngineConfig, latency_preset
+from simulator.replica.faults import Faults
+from simulator.replica.server import EmulatedReplica, ReplicaOptions
+from simulator.tokenizer import SimpleTokenizer
 
 from .fake_replica import FakeReplica
 
@@ -56,14 +61,19 @@ async def start_replica() -> AsyncIterator[StartReplica]:
 async def start_router() -> AsyncIterator[StartRouter]:
     runners: list[web.AppRunner] = []
 
-    async def start(replicas: list[FakeReplica] | list[str], **overrides: Any) -> RunningRouter:
-        urls = [r if isinstance(r, str) else r.url for r in replicas]
-        names = [None if isinstance(r, str) else r.name for r in replicas]
+    async def start(
+        replicas: list[FakeReplica] | list[str] | list[dict[str, Any]], **overrides: Any
+    ) -> RunningRouter:
+        entries = [
+            r
+            if isinstance(r, dict)
+            else {"url": r}
+            if isinstance(r, str)
+            else {"url": r.url, "name": r.name}
+            for r in replicas
+        ]
         raw: dict[str, Any] = {
-            "replicas": [
-                {"url": url, **({"name": name} if name else {})}
-                for url, name in zip(urls, names, strict=True)
-            ],
+            "replicas": entries,
             "health": {"interval_s": 0.2, "timeout_s": 0.5},
             "timeouts": {"connect_s": 1.0},
         }
@@ -84,3 +94,40 @@ async def start_router() -> AsyncIterator[StartRouter]:
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+@dataclass
+class Running:
+    replica: EmulatedReplica
+    url: str
+    events: str
+    replay: str
+
+
+@pytest.fixture
+async def replica() -> AsyncIterator[Running]:
+    port, events_port, replay_port = free_ports(3)
+    options = ReplicaOptions(
+        served_model_name="tiny",
+        engine=EngineConfig(
+            block_size=16, num_blocks=64, max_num_seqs=8, latency=latency_preset("tiny-cpu")
+        ),
+        kv_events={
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": "kv-events",
+        },
+    )
+    emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
+    runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield Running(
+        emulated,
+        f"http://127.0.0.1:{port}",
+        f"tcp://127.0.0.1:{events_port}",
+        f"tcp://127.0.0.1:{replay_port}",
+    )
+    await runner.cleanup()

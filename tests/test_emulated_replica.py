@@ -6,8 +6,6 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import aiohttp
 import httpx
@@ -16,53 +14,15 @@ import openai
 import pytest
 import zmq
 import zmq.asyncio
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.launcher import free_ports
-from simulator.engine import EngineConfig, decode_event_batch, latency_preset
-from simulator.replica.faults import Faults
-from simulator.replica.server import EmulatedReplica, ReplicaOptions
+from simulator.engine import decode_event_batch
 from simulator.tokenizer import SimpleTokenizer
 
+from .conftest import Running
+
 END_SEQ = b"\xff" * 8
-
-
-@dataclass
-class Running:
-    replica: EmulatedReplica
-    url: str
-    events: str
-    replay: str
-
-
-@pytest.fixture
-async def replica() -> AsyncIterator[Running]:
-    port, events_port, replay_port = free_ports(3)
-    options = ReplicaOptions(
-        served_model_name="tiny",
-        engine=EngineConfig(
-            block_size=16, num_blocks=64, max_num_seqs=8, latency=latency_preset("tiny-cpu")
-        ),
-        kv_events={
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{events_port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
-            "topic": "kv-events",
-        },
-    )
-    emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
-    runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield Running(
-        emulated,
-        f"http://127.0.0.1:{port}",
-        f"tcp://127.0.0.1:{events_port}",
-        f"tcp://127.0.0.1:{replay_port}",
-    )
-    await runner.cleanup()
 
 
 def _client(url: str) -> openai.AsyncOpenAI:
