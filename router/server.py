@@ -38,19 +38,17 @@ SESSION_HEADER = "X-Session-ID"
 class Router:
     def __init__(self, config: Config, worker: WorkerContext | None = None) -> None:
         self.config = config
-        self.replicas: dict[str, ReplicaHandle] = {}
-        for index, replica in enumerate(config.replicas):
-            name = replica.name or replica_name_from_url(replica.url)
-            self.replicas[name] = ReplicaHandle(name, replica_base_url(replica.url), index)
-        self.fleet = FleetView([h.state for h in self.replicas.values()], membership_version=1)
         # Which replica holds which prefix blocks, from the replicas' own KV events. The
         # cache-aware policy (in progress) reads it; today it is built and exported in /metrics.
         self.index = PrefixIndex()
         self.kv_events = KVEventSubscribers(self.index)
+        self.replicas: dict[str, ReplicaHandle] = {}
         for index, replica in enumerate(config.replicas):
+            name = replica.name or replica_name_from_url(replica.url)
+            self.replicas[name] = ReplicaHandle(name, replica_base_url(replica.url), index)
             if replica.kv_events:
-                name = list(self.replicas)[index]
                 self.kv_events.add(name, replica.kv_events, replica.kv_replay)
+        self.fleet = FleetView([h.state for h in self.replicas.values()], membership_version=1)
         self.policy: Policy = build_policy(config.policy.name, config.policy.params)
         # With several worker processes: shared load, and each other's counters in /metrics.
         self._board = worker.board if worker is not None else None
