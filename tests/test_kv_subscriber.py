@@ -11,7 +11,6 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
-from aiohttp import web
 
 from backends.launcher import free_ports
 from router.kv_subscriber import KVEventSubscriber, KVEventSubscribers
@@ -19,15 +18,12 @@ from simulator.engine import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EngineConfig,
     decode_event_batch,
     encode_event_batch,
-    latency_preset,
 )
-from simulator.replica.faults import Faults
 from simulator.replica.kv_publisher import KVEventPublisher
-from simulator.replica.server import EmulatedReplica, ReplicaOptions
-from simulator.tokenizer import SimpleTokenizer
+
+from .conftest import Running
 
 END_SEQ = b"\xff" * 8
 BS = 4
@@ -415,25 +411,10 @@ async def test_subscribers_aggregate(sources) -> None:
     assert not fleet.totals().connected
 
 
-async def test_emulated_replica_feeds_the_sink() -> None:
-    port, events_port, replay_port = free_ports(3)
-    options = ReplicaOptions(
-        served_model_name="tiny",
-        engine=EngineConfig(
-            block_size=16, num_blocks=64, max_num_seqs=8, latency=latency_preset("tiny-cpu")
-        ),
-        kv_events={
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{events_port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
-            "topic": "kv-events",
-        },
-    )
-    emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
-    runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+async def test_emulated_replica_feeds_the_sink(replica: Running) -> None:
+    port = int(replica.url.rsplit(":", 1)[1])
+    events_port = int(replica.events.rsplit(":", 1)[1])
+    replay_port = int(replica.replay.rsplit(":", 1)[1])
     sink = Recorder()
     sub = KVEventSubscriber(
         "emu", f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}", sink
@@ -476,7 +457,6 @@ async def test_emulated_replica_feeds_the_sink() -> None:
         assert sub.stats.malformed == 0 and sub.stats.resyncs == 0
     finally:
         await sub.close()
-        await runner.cleanup()
 
 
 async def test_garbage_in_a_replay_is_counted_and_skipped(subscribe) -> None:
