@@ -80,14 +80,13 @@ def emulated_command(spec: LaunchSpec, port: int, events_port: int, replay_port:
     if spec.tokenizer:
         argv += ["--tokenizer", spec.tokenizer]
     if spec.kv_events:
-        argv += ["--kv-events-config", kv_events_config_json(spec.host, events_port, replay_port)]
+        argv += ["--kv-events-config", kv_events_config_json(events_port, replay_port)]
     return argv + list(spec.extra_args)
 
 
-def kv_events_config_json(host: str, events_port: int, replay_port: int) -> str:
+def kv_events_config_json(events_port: int, replay_port: int) -> str:
     # vLLM binds an endpoint only when it has a wildcard host ("tcp://*:P"); with a concrete
     # host it connects out instead. The replica binds; the router connects to host:P.
-    del host
     return json.dumps(
         {
             "enable_kv_cache_events": True,

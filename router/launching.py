@@ -34,15 +34,11 @@ def start_launched_replicas(config: Config) -> tuple[Config, LaunchedFleet | Non
         ReplicaConfig(
             url=r.url,
             name=r.name,
-            kv_events=_connectable(r.kv_events),
-            kv_replay=_connectable(r.kv_replay),
+            kv_events=r.kv_events,
+            kv_replay=r.kv_replay,
         )
         for r in fleet.replicas
     ]
     return msgspec.structs.replace(
         config, replicas=[*config.replicas, *launched], launch=None
     ), fleet
-
-
-def _connectable(endpoint: str | None) -> str | None:
-    return endpoint.replace("*", "127.0.0.1") if endpoint else None

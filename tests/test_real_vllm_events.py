@@ -20,8 +20,9 @@ import msgspec
 import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
+from zmq.utils.monitor import recv_monitor_message
 
-from .real_vllm import TINY_MODEL_DIR, RealVllm, start_vllm
+from backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet, LaunchedReplica, LaunchSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -61,6 +62,17 @@ class EventLog:
         self.frames: list[list[bytes]] = []
         self.batches: list[tuple[int, Any]] = []
 
+    def wait_connected(self, timeout_s: float) -> None:
+        """Until the SUB socket has connected to the publisher (its subscription goes out then)."""
+        monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED)
+        try:
+            if not monitor.poll(int(timeout_s * 1000)):
+                raise AssertionError(f"no connection to the KV-event publisher within {timeout_s}s")
+            recv_monitor_message(monitor)
+        finally:
+            self.socket.disable_monitor()
+            monitor.close(linger=0)
+
     def pump(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
@@ -91,22 +103,24 @@ class EventLog:
 
 
 @pytest.fixture(scope="module")
-def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealVllm]:
-    from backends.tiny_model import make_tiny_model
-
-    model_dir = make_tiny_model(TINY_MODEL_DIR)
-    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    server = start_vllm(
-        model_dir, log_path, block_size=BLOCK_SIZE, num_gpu_blocks=NUM_GPU_BLOCKS, topic=TOPIC
-    )
+def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedReplica]:
+    """One real replica, started by the product's own launcher."""
+    spec = LaunchSpec(
+        engine="vllm", count=1, model="tiny", model_path=None, tokenizer=None, block_size=BLOCK_SIZE,
+        num_gpu_blocks=NUM_GPU_BLOCKS, max_num_seqs=16, preset="", time_scale=1.0, kv_events=True,
+        host="127.0.0.1", log_dir=str(tmp_path_factory.mktemp("vllm")), startup_timeout_s=420,
+        max_restarts=0,
+    )  # fmt: skip
+    fleet = LaunchedFleet(spec)
+    fleet.start()
     try:
-        yield server
+        yield fleet.replicas[0]
     finally:
-        server.stop()
+        fleet.stop(grace_s=20)
 
 
 @pytest.fixture(scope="module")
-def client(replica: RealVllm) -> Iterator[httpx.Client]:
+def client(replica: LaunchedReplica) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=replica.url, timeout=60) as c:
         yield c
 
@@ -119,10 +133,10 @@ def zmq_context() -> Iterator[zmq.Context[Any]]:
 
 
 @pytest.fixture(scope="module")
-def events(replica: RealVllm, zmq_context: zmq.Context[Any]) -> Iterator[EventLog]:
-    assert replica.events_endpoint
-    log = EventLog(zmq_context, replica.events_endpoint)
-    time.sleep(1.0)  # let the subscription reach the publisher (ZMQ "slow joiner")
+def events(replica: LaunchedReplica, zmq_context: zmq.Context[Any]) -> Iterator[EventLog]:
+    assert replica.kv_events
+    log = EventLog(zmq_context, replica.kv_events)
+    log.wait_connected(timeout_s=30)
     yield log
     log.socket.close()
 
@@ -283,7 +297,7 @@ def previously_stored(events: EventLog, before: int) -> list[int]:
 
 
 def test_replay_returns_missed_batches(
-    replica: RealVllm, client: httpx.Client, events: EventLog, zmq_context: zmq.Context[Any]
+    replica: LaunchedReplica, client: httpx.Client, events: EventLog, zmq_context: zmq.Context[Any]
 ) -> None:
     complete(client, unique_text(80, seed=10))
     events.wait_for(lambda ev: len(ev) > 0, since=len(events.batches) - 1)
@@ -293,8 +307,8 @@ def test_replay_returns_missed_batches(
 
     dealer = zmq_context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    assert replica.replay_endpoint
-    dealer.connect(replica.replay_endpoint)
+    assert replica.kv_replay
+    dealer.connect(replica.kv_replay)
     try:
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
         replies = []
@@ -354,7 +368,7 @@ def test_tokenize_chat_matches_chat_template(client: httpx.Client) -> None:
         {"role": "assistant", "content": "To the replica with its prefix."},
         {"role": "user", "content": "Why?"},
     ]
-    tokenizer = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_TINY_MODEL_DIR))
     expected = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
