@@ -6,6 +6,7 @@ import inspect
 from typing import Any
 
 from .consistent_hash import ConsistentHash
+from .kv_aware import KvAware
 from .least_loaded import LeastLoaded
 from .power_of_two import PowerOfTwo
 from .random_choice import RandomChoice
@@ -13,10 +14,18 @@ from .round_robin import RoundRobin
 from .types import Policy
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (RoundRobin, RandomChoice, LeastLoaded, PowerOfTwo, ConsistentHash)
+    cls.name: cls
+    for cls in (
+        RoundRobin,
+        RandomChoice,
+        LeastLoaded,
+        PowerOfTwo,
+        ConsistentHash,
+        KvAware,
+    )
 }
 
-DEFAULT_POLICY = "consistent_hash"
+DEFAULT_POLICY = "kv_aware"
 
 
 class PolicyConfigError(ValueError):

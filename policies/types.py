@@ -8,7 +8,7 @@ and hands policies a ``FleetView`` to decide on. Policies only read it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,6 +24,10 @@ class ReplicaState:
     # The router's own accounting, updated at every dispatch and completion.
     in_flight: int = 0
     in_flight_tokens: int = 0
+    # Of those, requests still waiting for their first token, and their uncached prompt
+    # tokens: the prefill work queued ahead of a new request.
+    prefilling: int = 0
+    prefill_tokens: int = 0
     # What the replica itself last reported (None until a fresh report exists).
     reported_waiting: int | None = None
     reported_kv_usage: float | None = None
@@ -37,7 +41,10 @@ class RouteRequest:
     max_tokens: int
     model: str | None = None
     routing_key: str | None = None
-    block_hashes: tuple[int, ...] = ()
+    # Router hashes of the prompt's full KV blocks (empty without a tokenizer).
+    block_hashes: Sequence[int] = ()
+    # Per replica: prompt tokens it already holds (prefix index match x block size).
+    prefix_tokens: Mapping[str, int] | None = None
 
     @property
     def token_cost(self) -> int:

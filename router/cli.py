@@ -89,6 +89,21 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         choices=sorted(POLICIES),
         help=f"Routing policy (default: the config's, else {DEFAULT_POLICY}).",
     )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="The served model's HuggingFace tokenizer (a directory with tokenizer.json, or "
+        "the file), or 'builtin' for kvroute's emulated replicas. The router tokenizes "
+        "prompts exactly as vLLM does to find cached prefixes. Default: the config's "
+        "routing.tokenizer, else the launched replicas' tokenizer.",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        metavar="TOKENS",
+        help="The replicas' KV block size (default: from their KV events or "
+        "vllm:cache_config_info).",
+    )
     p.add_argument("--host", help="Listen address (default 127.0.0.1).")
     p.add_argument("--port", type=int, help="Listen port (default 8000).")
     p.add_argument(
@@ -143,6 +158,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides["listen"]["workers"] = args.workers
     if args.model:
         overrides["models"] = args.model
+    if args.tokenizer:
+        overrides["routing"]["tokenizer"] = args.tokenizer
+    if args.block_size is not None:
+        overrides["routing"]["block_size"] = args.block_size
     config = config_from_dict(overrides)
     if not config.replicas and config.launch is None:
         raise ConfigError(

@@ -91,6 +91,26 @@ class HealthConfig(_Section):
     unhealthy_after: int = 3
 
 
+class RoutingConfig(_Section):
+    """How the router sees prompts and caches: tokenizer, KV block size, predictions."""
+
+    # The served model's tokenizer: a HuggingFace tokenizer directory (or tokenizer.json),
+    # "builtin" for the emulated replica's built-in tokenizer, or null: the launched replicas'
+    # (launch:), else none (prompts are estimated and only load-based routing is possible).
+    tokenizer: str | None = None
+    # Prompts longer than this (characters) are tokenized in worker processes, off the event loop.
+    tokenize_inline_chars: int = 4096
+    tokenizer_processes: int = 1
+    # The replicas' KV block size in tokens; null: launch.block_size, else read from each
+    # replica's vllm:cache_config_info.
+    block_size: int | None = None
+    # A routed prompt's blocks count as cached on its replica for this long, or until the
+    # replica's KV events confirm them (replicas without events rely on this alone).
+    prediction_ttl_s: float = 10.0
+    # How often each replica's /metrics is read (queue depth, KV usage, prefix cache hits).
+    scrape_interval_s: float = 1.0
+
+
 class MetricsConfig(_Section):
     enabled: bool = True
 
@@ -103,6 +123,7 @@ class Config(_Section):
     # Replicas to start and manage (in addition to any listed under replicas).
     launch: LaunchConfig | None = None
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
@@ -184,9 +205,11 @@ def validate(config: Config) -> None:
     for i, model in enumerate(config.models):
         if not model:
             raise ConfigError(f"models[{i}]: must not be empty")
+    _validate_routing(config.routing)
     for section, fields in (
         ("timeouts", ("connect_s", "first_byte_s", "idle_s")),
         ("health", ("interval_s", "timeout_s")),
+        ("routing", ("scrape_interval_s",)),
     ):
         for field in fields:
             value = getattr(getattr(config, section), field)
@@ -210,6 +233,31 @@ def validate(config: Config) -> None:
 
 
 ENGINES = ("emulated", "vllm")
+
+
+def _validate_routing(routing: RoutingConfig) -> None:
+    tokenizer = routing.tokenizer
+    if tokenizer is not None and tokenizer != "builtin":
+        path = Path(tokenizer).expanduser()
+        if not (path / "tokenizer.json").is_file() and not (
+            path.is_file() and path.name.endswith(".json")
+        ):
+            raise ConfigError(
+                f"routing.tokenizer: {tokenizer!r} is not a tokenizer.json file or a directory "
+                "holding one (use 'builtin' for the emulated replica's tokenizer)"
+            )
+    if routing.block_size is not None and routing.block_size < 1:
+        raise ConfigError(f"routing.block_size: must be >= 1, got {routing.block_size}")
+    if routing.tokenize_inline_chars < 0:
+        raise ConfigError("routing.tokenize_inline_chars: must be >= 0")
+    if not 0 <= routing.tokenizer_processes <= 64:
+        raise ConfigError(
+            f"routing.tokenizer_processes: must be 0-64, got {routing.tokenizer_processes}"
+        )
+    if not (math.isfinite(routing.prediction_ttl_s) and routing.prediction_ttl_s >= 0):
+        raise ConfigError(
+            f"routing.prediction_ttl_s: must be a finite number >= 0, got {routing.prediction_ttl_s}"
+        )
 
 
 def _validate_launch(launch: LaunchConfig) -> None:

@@ -6,9 +6,10 @@ import sys
 
 import msgspec
 
-from backends.launcher import LaunchedFleet, LaunchSpec
+from backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet, LaunchSpec
 
-from .config import Config, ReplicaConfig
+from .config import Config, ReplicaConfig, RoutingConfig
+from .tokenization import BUILTIN
 
 
 def launch_spec(config: Config) -> LaunchSpec:
@@ -39,6 +40,20 @@ def start_launched_replicas(config: Config) -> tuple[Config, LaunchedFleet | Non
         )
         for r in fleet.replicas
     ]
+    routing = routing_for_launch(config.routing, spec)
     return msgspec.structs.replace(
-        config, replicas=[*config.replicas, *launched], launch=None
+        config, replicas=[*config.replicas, *launched], launch=None, routing=routing
     ), fleet
+
+
+def routing_for_launch(routing: RoutingConfig, spec: LaunchSpec) -> RoutingConfig:
+    """The router tokenizes and cuts blocks like the replicas it launched, unless told otherwise."""
+    tokenizer = routing.tokenizer
+    if tokenizer is None:
+        if spec.engine == "vllm":
+            tokenizer = spec.tokenizer or spec.model_path or str(DEFAULT_TINY_MODEL_DIR)
+        else:
+            tokenizer = spec.tokenizer or BUILTIN
+    return msgspec.structs.replace(
+        routing, tokenizer=tokenizer, block_size=routing.block_size or spec.block_size
+    )

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from policies import ReplicaState
 
 _SLOT_BYTES = 8  # int64
-_FIELDS = 2  # in-flight requests, in-flight tokens
+_FIELDS = 4  # in-flight requests, in-flight tokens, prefilling requests, their prefill tokens
 
 
 class LoadBoard:
@@ -26,11 +26,21 @@ class LoadBoard:
         self._map = mmap.mmap(-1, max(1, workers * self._row * _SLOT_BYTES))
         self._slots = memoryview(self._map).cast("q")
 
-    def add(self, worker: int, replica: int, requests: int, tokens: int) -> None:
+    def add(
+        self,
+        worker: int,
+        replica: int,
+        requests: int,
+        tokens: int,
+        prefilling: int = 0,
+        prefill_tokens: int = 0,
+    ) -> None:
         base = worker * self._row + replica * _FIELDS
         slots = self._slots
         slots[base] += requests
         slots[base + 1] += tokens
+        slots[base + 2] += prefilling
+        slots[base + 3] += prefill_tokens
 
     def clear_row(self, worker: int) -> None:
         """Forget a worker's load (it exited, and its requests with it)."""
@@ -47,3 +57,5 @@ class LoadBoard:
             base = i * _FIELDS
             state.in_flight = sum(slots[r + base] for r in rows)
             state.in_flight_tokens = sum(slots[r + base + 1] for r in rows)
+            state.prefilling = sum(slots[r + base + 2] for r in rows)
+            state.prefill_tokens = sum(slots[r + base + 3] for r in rows)

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from health.scrape import ReplicaReport
 from policies import ReplicaState
 
 from .kv_subscriber import SubscriberStats
@@ -53,8 +54,10 @@ class RouterMetrics:
         peers: Callable[[], list[Snapshot]] = list,
         kv_sources: Callable[[], Mapping[tuple[str, str], SubscriberStats]] = dict,
         index_entries: Callable[[], int] = lambda: 0,
+        replica_reports: Callable[[], Mapping[str, ReplicaReport]] = dict,
     ) -> None:
         self._replicas = replicas
+        self.replica_reports = replica_reports
         self.kv_sources = kv_sources
         self.index_entries = index_entries
         # Other worker processes' snapshots, merged in at scrape time.
@@ -67,6 +70,9 @@ class RouterMetrics:
         self.upstream_errors: dict[tuple[str, str], int] = {}
         self.time_to_first_byte: dict[str, _Histogram] = {}
         self.duration: dict[str, _Histogram] = {}
+        # replica -> prompt tokens routed there, and of those, tokens the index said it held.
+        self.prompt_tokens: dict[str, int] = {}
+        self.predicted_hit_tokens: dict[str, int] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -81,6 +87,11 @@ class RouterMetrics:
             self.duration[replica] = _Histogram()
         ttfb.observe(ttfb_s)
         self.duration[replica].observe(duration_s)
+
+    def observe_routed(self, replica: str, prompt_tokens: int, predicted_hit_tokens: int) -> None:
+        self.prompt_tokens[replica] = self.prompt_tokens.get(replica, 0) + prompt_tokens
+        hits = self.predicted_hit_tokens
+        hits[replica] = hits.get(replica, 0) + predicted_hit_tokens
 
     def observe_rejected(self, status: int, code: str) -> None:
         key = (status, code)
@@ -99,6 +110,8 @@ class RouterMetrics:
             "requests": [[*k, v] for k, v in self.requests.items()],
             "rejected": [[*k, v] for k, v in self.rejected.items()],
             "upstream_errors": [[*k, v] for k, v in self.upstream_errors.items()],
+            "prompt_tokens": [[k, v] for k, v in self.prompt_tokens.items()],
+            "predicted_hit_tokens": [[k, v] for k, v in self.predicted_hit_tokens.items()],
             "ttfb": {r: [h.counts, h.total] for r, h in self.time_to_first_byte.items()},
             "duration": {r: [h.counts, h.total] for r, h in self.duration.items()},
         }
@@ -108,6 +121,8 @@ class RouterMetrics:
         requests = dict(self.requests)
         rejected = dict(self.rejected)
         upstream_errors = dict(self.upstream_errors)
+        prompt_tokens: dict[Any, int] = {(k,): v for k, v in self.prompt_tokens.items()}
+        predicted: dict[Any, int] = {(k,): v for k, v in self.predicted_hit_tokens.items()}
         ttfb = {r: _Histogram(list(h.counts), h.total) for r, h in self.time_to_first_byte.items()}
         duration = {r: _Histogram(list(h.counts), h.total) for r, h in self.duration.items()}
         for peer in self._peers():
@@ -115,6 +130,8 @@ class RouterMetrics:
                 (requests, peer["requests"]),
                 (rejected, peer["rejected"]),
                 (upstream_errors, peer["upstream_errors"]),
+                (prompt_tokens, peer["prompt_tokens"]),
+                (predicted, peer["predicted_hit_tokens"]),
             ):
                 for *key, count in rows:
                     k = tuple(key)
@@ -128,6 +145,8 @@ class RouterMetrics:
             "requests": requests,
             "rejected": rejected,
             "upstream_errors": upstream_errors,
+            "prompt_tokens": {k[0]: v for k, v in prompt_tokens.items()},
+            "predicted_hit_tokens": {k[0]: v for k, v in predicted.items()},
             "ttfb": ttfb,
             "duration": duration,
         }
@@ -204,7 +223,63 @@ class _Collector(Collector):
         yield in_flight
         yield in_flight_tokens
         yield healthy
+        yield from _prefix_hit_families(m, merged)
         yield from _kv_event_families(m)
+
+
+def _prefix_hit_families(
+    m: RouterMetrics, merged: Snapshot
+) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+    """Predicted prefix hits next to the replicas' reported ones: is the index right?"""
+    routed = CounterMetricFamily(
+        "kvroute_routed_prompt_tokens",
+        "Prompt tokens routed to each replica (exact when the router has the tokenizer).",
+        labels=["replica"],
+    )
+    predicted = CounterMetricFamily(
+        "kvroute_predicted_prefix_hit_tokens",
+        "Of those, tokens the prefix index predicted the replica already held.",
+        labels=["replica"],
+    )
+    for replica, tokens in merged["prompt_tokens"].items():
+        routed.add_metric([replica], tokens)
+    for replica, tokens in merged["predicted_hit_tokens"].items():
+        predicted.add_metric([replica], tokens)
+    yield routed
+    yield predicted
+    queries = GaugeMetricFamily(
+        "kvroute_replica_prefix_cache_queries_tokens",
+        "The replica's own vllm:prefix_cache_queries counter at the last scrape.",
+        labels=["replica"],
+    )
+    hits = GaugeMetricFamily(
+        "kvroute_replica_prefix_cache_hits_tokens",
+        "The replica's own vllm:prefix_cache_hits counter at the last scrape.",
+        labels=["replica"],
+    )
+    waiting = GaugeMetricFamily(
+        "kvroute_replica_waiting_requests",
+        "The replica's own vllm:num_requests_waiting at the last scrape.",
+        labels=["replica"],
+    )
+    kv_usage = GaugeMetricFamily(
+        "kvroute_replica_kv_cache_usage",
+        "The replica's own vllm:kv_cache_usage_perc (0-1) at the last scrape.",
+        labels=["replica"],
+    )
+    for replica, report in m.replica_reports().items():
+        for family, value in (
+            (queries, report.prefix_queries),
+            (hits, report.prefix_hits),
+            (waiting, report.waiting),
+            (kv_usage, report.kv_usage),
+        ):
+            if value is not None:
+                family.add_metric([replica], float(value))
+    yield queries
+    yield hits
+    yield waiting
+    yield kv_usage
 
 
 def _kv_event_families(m: RouterMetrics) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:

@@ -28,20 +28,24 @@ class _Common(msgspec.Struct, kw_only=True):
     stream: bool = False
     max_tokens: int | None = None
     user: str | None = None
+    # vLLM salts the first block's hash with it: requests with different salts share no blocks.
+    cache_salt: str | None = None
 
 
 class CompletionBody(_Common, kw_only=True):
     prompt: str | list[Any]
-
-
-class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[Any] | None = None
+    add_special_tokens: bool = True
 
 
 class ChatBody(_Common, kw_only=True):
-    messages: list[ChatMessage]
+    # Kept as dicts: chat templates may read any field (name, tool_calls, tool_call_id, ...).
+    messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
+    add_generation_prompt: bool | None = None  # vLLM's default: true
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionBody)
@@ -52,20 +56,48 @@ _chat_decoder = msgspec.json.Decoder(ChatBody)
 class ParsedRequest:
     model: str
     stream: bool
-    prompt_tokens: int
+    prompt_tokens: int  # an estimate from the text length, until the router tokenizes
     max_tokens: int
     user: str | None
+    cache_salt: str | None = None
+    # What the replica will tokenize, for the router to tokenize the same way:
+    prompt_text: str | None = None  # a completion's (first) string prompt
+    prompt_ids: list[int] | None = None  # a completion's (first) token-id prompt
+    messages: list[dict[str, Any]] | None = None  # a chat's messages
+    chat_options: dict[str, Any] | None = None  # add_generation_prompt, tools, ...
+    add_special_tokens: bool = True
 
 
 def parse_completion(body: bytes) -> ParsedRequest:
     req = _decode(_completion_decoder, body)
     prompt = req.prompt
+    text: str | None = None
+    ids: list[int] | None = None
     if isinstance(prompt, str):
         prompt_tokens = _estimate_tokens(len(prompt))
+        text = prompt
     else:
         prompt_tokens = _list_prompt_tokens(prompt)
+        # A batch of prompts is routed as one request, by its first prompt.
+        first = prompt[0]
+        if isinstance(first, str):
+            text = first
+        elif isinstance(first, list):
+            ids = first
+        else:
+            ids = prompt
     max_tokens = _check_max_tokens(req.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
-    return ParsedRequest(req.model, req.stream, prompt_tokens, max_tokens, req.user)
+    return ParsedRequest(
+        req.model,
+        req.stream,
+        prompt_tokens,
+        max_tokens,
+        req.user,
+        cache_salt=req.cache_salt,
+        prompt_text=text,
+        prompt_ids=ids,
+        add_special_tokens=req.add_special_tokens,
+    )
 
 
 def parse_chat(body: bytes) -> ParsedRequest:
@@ -73,19 +105,51 @@ def parse_chat(body: bytes) -> ParsedRequest:
     if not req.messages:
         raise bad_request("'messages' must contain at least one message.", "messages")
     chars = 0
-    for message in req.messages:
-        content = message.content
+    for i, message in enumerate(req.messages):
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise bad_request(
+                f"Invalid request: 'messages[{i}].role' must be a string.", f"messages[{i}].role"
+            )
+        content = message.get("content")
         if isinstance(content, str):
             chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
         elif content is not None:
-            chars += sum(len(part.get("text", "")) for part in content if isinstance(part, dict))
+            raise bad_request(
+                f"Invalid request: 'messages[{i}].content' must be a string, a list of "
+                "content parts, or null.",
+                f"messages[{i}].content",
+            )
+    if req.continue_final_message and req.add_generation_prompt:  # both given as true
+        raise bad_request(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true.",
+            "continue_final_message",
+        )
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     max_tokens = _check_max_tokens(requested, "max_tokens", DEFAULT_CHAT_MAX_TOKENS)
     # A few tokens per message for the chat template's role markers.
     prompt_tokens = _estimate_tokens(chars) + 4 * len(req.messages)
-    return ParsedRequest(req.model, req.stream, prompt_tokens, max_tokens, req.user)
+    options = {
+        "add_generation_prompt": req.add_generation_prompt is not False,
+        "continue_final_message": req.continue_final_message,
+        "tools": req.tools,
+        "chat_template_kwargs": req.chat_template_kwargs,
+    }
+    return ParsedRequest(
+        req.model,
+        req.stream,
+        prompt_tokens,
+        max_tokens,
+        req.user,
+        cache_salt=req.cache_salt,
+        messages=req.messages,
+        chat_options=options,
+        add_special_tokens=req.add_special_tokens,
+    )
 
 
 def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:

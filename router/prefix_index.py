@@ -94,6 +94,8 @@ class PrefixIndex:
         self._pred_heap: list[tuple[float, int, int, tuple[int, ...]]] = []
         self._pred_seq = 0
         self.stats = IndexStats()
+        # The block size of the last BlockStored applied: how the router learns the replicas'.
+        self.block_size: int | None = None
 
     # --- replicas -------------------------------------------------------------------------
 
@@ -148,6 +150,7 @@ class PrefixIndex:
         Token ids must lie in [0, 2**32) (OverflowError otherwise).
         """
         rep = self._replica(replica)
+        self.block_size = block_size
         med = medium or DEFAULT_MEDIUM
         emap = rep.maps.get(med)
         if emap is None:

@@ -8,6 +8,7 @@ re-serialised on the way through.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -62,9 +63,12 @@ async def relay(
     extra_response_headers: list[tuple[str, str]],
     first_byte_timeout_s: float,
     idle_timeout_s: float,
+    on_first_byte: Callable[[], None] | None = None,
 ) -> Relayed:
     """Send ``body`` to the replica and relay the answer to ``request``'s client.
 
+    ``on_first_byte`` is called once the replica has produced its first token (the first
+    chunk of a stream, or the headers of a whole response), i.e. when its prefill is done.
     Raises ``UpstreamUnavailable`` only while nothing has been sent to the client yet.
     """
     started = time.perf_counter()
@@ -90,6 +94,8 @@ async def relay(
         except UpstreamError as exc:
             upstream.close()
             raise UpstreamUnavailable(exc.kind, str(exc)) from None
+    if on_first_byte is not None:
+        on_first_byte()
 
     try:
         headers = _response_headers(upstream, extra_response_headers)

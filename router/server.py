@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.handle import ReplicaHandle
 from health.probe import ActiveProber
+from health.scrape import MetricsScraper
 from policies import FleetView, Policy, RouteRequest, build_policy
 
 from . import errors
@@ -24,7 +25,9 @@ from .kv_subscriber import KVEventSubscribers
 from .metrics import RouterMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion
 from .prefix_index import PrefixIndex
+from .prompt_tokenizer import PromptBlocks, PromptTokenizer, token_id_blocks
 from .proxy import UpstreamUnavailable, relay
+from .tokenization import ChatTemplateError
 from .upstream_client import UpstreamClient
 from .workers import MetricsExchange, WorkerContext
 
@@ -33,14 +36,25 @@ log = logging.getLogger(__name__)
 # Replicas tried for one request before giving up, when each fails before its first byte.
 MAX_ATTEMPTS = 3
 SESSION_HEADER = "X-Session-ID"
+# Block size assumed until one is configured, seen in a KV event or scraped (vLLM's GPU default).
+FALLBACK_BLOCK_SIZE = 16
 
 
 class Router:
     def __init__(self, config: Config, worker: WorkerContext | None = None) -> None:
         self.config = config
-        # Which replica holds which prefix blocks, from the replicas' own KV events. The
-        # cache-aware policy (in progress) reads it; today it is built and exported in /metrics.
+        routing = config.routing
+        # Which replica holds which prefix blocks: the replicas' own KV events, plus
+        # predictions for requests just routed (all a replica without events has).
         self.index = PrefixIndex()
+        self.tokenizer = (
+            PromptTokenizer(
+                routing.tokenizer, routing.tokenize_inline_chars, routing.tokenizer_processes
+            )
+            if routing.tokenizer
+            else None
+        )
+        self._scraped_block_size: int | None = None
         self.kv_events = KVEventSubscribers(self.index)
         self.replicas: dict[str, ReplicaHandle] = {}
         for index, replica in enumerate(config.replicas):
@@ -59,6 +73,7 @@ class Router:
             self._exchange.peers if self._exchange else list,
             kv_sources=self.kv_events.stats_by_source,
             index_entries=lambda: self.index.entries,
+            replica_reports=lambda: self.scraper.reports,
         )
         self.prober = ActiveProber(
             lambda: list(self.replicas.values()),
@@ -67,6 +82,12 @@ class Router:
             timeout_s=config.health.timeout_s,
             unhealthy_after=config.health.unhealthy_after,
             on_change=self._refresh_models,
+        )
+        self.scraper = MetricsScraper(
+            lambda: list(self.replicas.values()),
+            interval_s=routing.scrape_interval_s,
+            timeout_s=config.health.timeout_s,
+            on_block_size=self._on_scraped_block_size,
         )
         self.models: list[str] = list(config.models)
         self._model_set = frozenset(self.models)
@@ -96,14 +117,21 @@ class Router:
     async def _on_startup(self, app: web.Application) -> None:
         self._client = UpstreamClient(self.config.timeouts.connect_s)
         self.kv_events.start_all()
+        if self.tokenizer is not None:
+            self.tokenizer.start()
         await self.prober.probe_all()
         self.prober.start()
+        await self.scraper.scrape_all()
+        self.scraper.start()
         if self._exchange is not None:
             self._exchange.start(self.metrics)
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await self.prober.close()
+        await self.scraper.close()
         await self.kv_events.close_all()
+        if self.tokenizer is not None:
+            self.tokenizer.close()
         if self._exchange is not None:
             await self._exchange.close(self.metrics)
         if self._client is not None:
@@ -153,8 +181,21 @@ class Router:
             raise errors.model_not_found(parsed.model, self.models)
 
         routing_key = request.headers.get(SESSION_HEADER) or parsed.user
+        blocks = await self._prompt_blocks(parsed)
+        now = time.monotonic()
+        hashes = blocks.hashes if blocks is not None else []
+        prefix_tokens: dict[str, int] | None = None
+        if hashes:
+            block_size = self.block_size()
+            matches = self.index.match(hashes, now)
+            prefix_tokens = {rid: m.blocks * block_size for rid, m in matches.items()}
         route_request = RouteRequest(
-            parsed.prompt_tokens, parsed.max_tokens, parsed.model, routing_key
+            blocks.tokens if blocks is not None else parsed.prompt_tokens,
+            parsed.max_tokens,
+            parsed.model,
+            routing_key,
+            hashes,
+            prefix_tokens,
         )
         if self._board is not None:
             self._board.totals_into(self.fleet.replicas)
@@ -167,6 +208,12 @@ class Router:
         try:
             for attempt, replica_id in enumerate(decision.ranked[:MAX_ATTEMPTS]):
                 reason = decision.reason if attempt == 0 else "retry"
+                if hashes:
+                    # Until its events arrive, count the prompt as cached there, so the
+                    # next request with this prefix follows it.
+                    self.index.predict(
+                        replica_id, hashes, now, self.config.routing.prediction_ttl_s
+                    )
                 response = await self._forward(
                     request, body, request_id, replica_id, reason, route_request
                 )
@@ -175,6 +222,52 @@ class Router:
         finally:
             self._active_requests -= 1
         raise errors.upstream_unavailable(self._retry_after_s)
+
+    def block_size(self) -> int:
+        """The replicas' KV block size: configured, else seen in events, else scraped."""
+        return (
+            self.config.routing.block_size
+            or self.index.block_size
+            or self._scraped_block_size
+            or FALLBACK_BLOCK_SIZE
+        )
+
+    def _on_scraped_block_size(self, replica_id: str, block_size: int) -> None:
+        if self._scraped_block_size is None:
+            self._scraped_block_size = block_size
+        elif block_size != self._scraped_block_size:
+            log.warning(
+                "replica %s reports block size %d, others %d: prefix matching assumes one size",
+                replica_id,
+                block_size,
+                self._scraped_block_size,
+            )
+
+    async def _prompt_blocks(self, parsed: ParsedRequest) -> PromptBlocks | None:
+        """The prompt's exact token count and block hashes; None when they cannot be known."""
+        block_size = self.block_size()
+        if parsed.prompt_ids is not None:
+            try:
+                return token_id_blocks(parsed.prompt_ids, block_size, parsed.cache_salt)
+            except OverflowError:
+                return None  # ids beyond uint32: the replica will reject the request
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return None
+        if parsed.messages is not None:
+            try:
+                text = tokenizer.render_chat(parsed.messages, parsed.chat_options or {})
+            except ChatTemplateError as exc:
+                # The replica renders the template too and gives the client its own error.
+                log.debug("chat template: %s", exc)
+                return None
+        elif parsed.prompt_text is not None:
+            text = parsed.prompt_text
+        else:
+            return None
+        return await tokenizer.blocks(
+            text, parsed.add_special_tokens, block_size, parsed.cache_salt
+        )
 
     async def _forward(
         self,
@@ -189,11 +282,31 @@ class Router:
         handle = self.replicas[replica_id]
         state = handle.state
         cost = route_request.token_cost
+        prefix = route_request.prefix_tokens or {}
+        cached = prefix.get(replica_id, 0)
+        prefill = max(1, route_request.prompt_tokens - cached)
+        self.metrics.observe_routed(
+            replica_id, route_request.prompt_tokens, min(cached, route_request.prompt_tokens)
+        )
         state.in_flight += 1
         state.in_flight_tokens += cost
+        state.prefilling += 1
+        state.prefill_tokens += prefill
         board = self._board
+        worker = self._worker_index
         if board is not None:
-            board.add(self._worker_index, handle.index, 1, cost)
+            board.add(worker, handle.index, 1, cost, 1, prefill)
+        prefilling = True
+
+        def prefill_done() -> None:
+            nonlocal prefilling
+            if prefilling:
+                prefilling = False
+                state.prefilling -= 1
+                state.prefill_tokens -= prefill
+                if board is not None:
+                    board.add(worker, handle.index, 0, 0, -1, -prefill)
+
         extra = [("X-Request-Id", request_id)]
         if self.config.decision_headers:
             extra += (("X-Kvroute-Replica", replica_id), ("X-Kvroute-Reason", reason))
@@ -209,6 +322,7 @@ class Router:
                 extra,
                 self.config.timeouts.first_byte_s,
                 self.config.timeouts.idle_s,
+                prefill_done,
             )
         except UpstreamUnavailable as exc:
             self.metrics.observe_upstream_error(replica_id, exc.kind)
@@ -218,10 +332,11 @@ class Router:
             log.warning("replica %s failed before first byte: %s", replica_id, exc)
             return None
         finally:
+            prefill_done()
             state.in_flight -= 1
             state.in_flight_tokens -= cost
             if board is not None:
-                board.add(self._worker_index, handle.index, -1, -cost)
+                board.add(worker, handle.index, -1, -cost)
         if relayed.broken_stream:
             self.metrics.observe_upstream_error(replica_id, "broken_stream")
         self.metrics.observe_request(

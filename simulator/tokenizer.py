@@ -3,8 +3,9 @@
 The built-in tokenizer needs no files or packages: words (with their leading whitespace)
 are cut into pieces of at most four characters, about one token per four characters as
 with real BPE vocabularies, and each piece maps to a stable id by hashing. Decoding
-generated ids yields pronounceable filler words. ``HFTokenizer`` wraps real tokenizer files
-(``transformers``), chat template included, for replicas that mimic a real model exactly.
+generated ids yields pronounceable filler words. ``HFTokenizer`` reads real tokenizer files,
+chat template included, exactly as vLLM does (router/tokenization.py), for replicas that
+mimic a real model.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import xxhash
+
+from router.tokenization import HFTokenizerFiles as HFTokenizer
 
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 _FIRST_ID = 3
@@ -30,7 +33,10 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
     ) -> str: ...
 
 
@@ -67,7 +73,10 @@ class SimpleTokenizer:
         return " " + _SYLLABLES[token_id % n] + _SYLLABLES[(token_id // n) % n]
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
     ) -> str:
         parts = []
         for message in messages:
@@ -75,41 +84,14 @@ class SimpleTokenizer:
             if isinstance(content, list):
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             parts.append(f"<|{message.get('role', 'user')}|>\n{content or ''}\n")
+        if continue_final_message:
+            # Leave the final message open for the model to continue (no generation prompt).
+            return "".join(parts).rstrip("\n")
         if add_generation_prompt:
             parts.append("<|assistant|>\n")
         return "".join(parts)
 
 
-class HFTokenizer:
-    """Real tokenizer files, loaded with ``transformers`` (from the vllm extra)."""
-
-    def __init__(self, path: str) -> None:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as exc:
-            raise RuntimeError(
-                "tokenizer files need the transformers package: pip install -e '.[vllm]'"
-            ) from exc
-        self._tok = AutoTokenizer.from_pretrained(path)
-        self.vocab_size = len(self._tok)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # vLLM adds special tokens to completion prompts, not to rendered chat templates
-        # (the template already carries them).
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool
-    ) -> str:
-        return str(
-            self._tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        )
-
-
 def load_tokenizer(path: str | None, vocab_size: int = 32000) -> Tokenizer:
+    """HF tokenizer files (read as vLLM reads them), or the built-in tokenizer."""
     return HFTokenizer(path) if path else SimpleTokenizer(vocab_size)

@@ -28,7 +28,7 @@ async def test_completion_through_openai_client(
     completion = raw.parse()
     assert completion.choices[0].text == "hello from a"
     assert raw.headers["x-kvroute-replica"] == "a"
-    assert raw.headers["x-kvroute-reason"] == "no_key_least_loaded"
+    assert raw.headers["x-kvroute-reason"] == "kv_least_cost"
     # The body reached the replica as the client sent it.
     assert a.seen[-1].body == {"model": "tiny", "prompt": "Say hi", "max_tokens": 5}
 

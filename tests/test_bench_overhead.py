@@ -109,7 +109,7 @@ def test_table_has_ratios_to_direct() -> None:
     table = overhead.format_table(rows).splitlines()
     assert table[0].startswith("| target | policy | req/s | p50 ms | p99 ms | errors |")
     assert table[2] == "| direct | - | 10000 | 1.00 | 2.00 | 0 | 1.00x | 1.00x |"
-    assert "| kvroute | consistent_hash (default) | 2500 |" in table[3]
+    assert "| kvroute | kv_aware (default) | 2500 |" in table[3]
     assert table[3].endswith("| 0.25x | 4.00x |")
     assert table[4] == "| smg-ca | cache_aware | - | - | - | skipped (see notes) | - | - |"
 
@@ -123,7 +123,7 @@ def test_smg_ratio_line() -> None:
     rows = [_row("kvroute", 3000, 1.0), _row("kvroute-rr", 4000, 1.0), _row("smg-ca", 2000, 1.0)]
     line = overhead.smg_ratio_line(rows)
     assert line.startswith("kvroute/smg throughput ratio")
-    assert "consistent_hash (default) 1.50x" in line
+    assert "kv_aware (default) 1.50x" in line
     assert "round_robin 2.00x" in line
     assert "n/a" in overhead.smg_ratio_line(rows[:2])
 

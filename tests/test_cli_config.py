@@ -278,7 +278,7 @@ def test_flags_without_file(tmp_path: Path) -> None:
     config = config_from_args(serve_args("--replica", "http://127.0.0.1:8001"))
     assert [r.url for r in config.replicas] == ["http://127.0.0.1:8001"]
     assert (config.listen.host, config.listen.port) == ("127.0.0.1", 8000)
-    assert config.policy.name == "consistent_hash"
+    assert config.policy.name == "kv_aware"
 
 
 def test_serve_with_no_replicas_raises(tmp_path: Path) -> None:

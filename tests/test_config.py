@@ -103,7 +103,7 @@ def test_empty_file_means_defaults(tmp_path: Path, text: str) -> None:
     assert config == Config()
     assert (config.listen.host, config.listen.port) == ("127.0.0.1", 8000)
     assert config.replicas == []
-    assert config.policy.name == "consistent_hash"
+    assert config.policy.name == "kv_aware"
     assert config.policy.params == {}
 
 
@@ -233,8 +233,8 @@ BAD_CONFIGS = [
     ),
     (
         "policy_param_default_name",  # no name: params are checked against the default policy
-        "policy:\n  params:\n    seed: 1\n",
-        ["policy.params", "'seed'"],
+        "policy:\n  params:\n    epsilon: 1\n",
+        ["policy.params", "'epsilon'"],
     ),
     (
         "policy_no_params",

@@ -73,16 +73,25 @@ def test_serve_launches_its_replicas_routes_and_cleans_up(tmp_path: Path) -> Non
             assert raw.parse().usage.completion_tokens == 3  # type: ignore[union-attr]
             seen.add(raw.headers["x-kvroute-replica"])
         assert seen <= {"emulated-0", "emulated-1"} and seen
-        replica_pids = children_of(router.pid)
-        assert len(replica_pids) == 2  # the two reapers
+        children = children_of(router.pid)  # the replicas' reapers, the tokenizer's pool
+        reapers = [p for p in children if b"backends.reaper" in _cmdline(p)]
+        assert len(reapers) == 2
     finally:
         router.send_signal(signal.SIGTERM)
         _, stderr = router.communicate(timeout=30)
     assert router.returncode == 0, stderr
     assert "Traceback" not in stderr
     wait_until_sync(
-        lambda: not any(os.path.exists(f"/proc/{p}") for p in replica_pids), 10, "replicas to stop"
+        lambda: not any(os.path.exists(f"/proc/{p}") for p in children), 10, "children to stop"
     )
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _ready(port: int) -> bool:

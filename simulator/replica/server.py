@@ -174,10 +174,10 @@ class EmulatedReplica:
             continue_final = bool(body.get("continue_final_message", False))
             add_generation = bool(body.get("add_generation_prompt", not continue_final))
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation
+                messages,
+                add_generation_prompt=add_generation,
+                continue_final_message=continue_final,
             )
-            if continue_final:
-                text = text.rstrip("\n")  # leave the final (assistant) message open
             prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
             default_max = DEFAULT_CHAT_MAX_TOKENS
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -391,9 +391,11 @@ class EmulatedReplica:
         except BadRequest as exc:
             return _error(str(exc), 400, "BadRequestError")
         if "messages" in body:
+            continue_final = bool(body.get("continue_final_message", False))
             text = self.tokenizer.apply_chat_template(
                 body["messages"],
-                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                add_generation_prompt=bool(body.get("add_generation_prompt", not continue_final)),
+                continue_final_message=continue_final,
             )
             special = False
         elif isinstance(body.get("prompt"), str):
