@@ -117,6 +117,9 @@ class KvAware(Policy):
             chosen, reason = ties[0], self._clear_winner_reason(ties[0], request)
         else:
             chosen, reason = self._break_tie(ties, eligible, request, fleet)
+            prefix = request.prefix_tokens
+            if prefix and prefix.get(chosen.replica_id, 0) < max(prefix.values()):
+                reason = LOAD_OVER_AFFINITY
         rest = tuple(r.replica_id for r in ranked if r is not chosen)
         return Decision((chosen.replica_id, *rest), reason)
 

@@ -380,3 +380,108 @@ def test_tokenize_chat_matches_chat_template(client: httpx.Client) -> None:
     plain = client.post("/tokenize", json={"model": "tiny", "prompt": "Why?"}).json()["tokens"]
     assert plain == tokenizer("Why?")["input_ids"]
     assert plain[0] == tokenizer.bos_token_id
+
+
+# -- router-side tokenization, token for token against vLLM's /tokenize ------------------
+
+LONG_TEXT = unique_text(1500, seed=9001)  # ~3k tokens: near the model's 4096 limit
+
+COMPLETION_CORPUS = [
+    "Hello, world!",
+    "",
+    "  leading and trailing spaces  ",
+    "unicode: naïve café, Ελληνικά, русский, 日本語のテキスト, emoji 🦙🚀, ZWJ 👩‍💻",
+    "tabs\tand\nnew\nlines\r\nand <s> special </s> tokens <|user|> in text",
+    LONG_TEXT,
+]
+
+CHAT_CORPUS: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": "Hi there"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "You are a terse assistant. Ünïcödé ok."},
+            {"role": "user", "content": "What is a KV cache?"},
+            {"role": "assistant", "content": "Stored attention keys and values."},
+            {"role": "user", "content": "And prefix caching? 日本語で"},
+        ]
+    },
+    {"messages": [{"role": "user", "content": ""}]},
+    {
+        "messages": [{"role": "user", "content": "no generation prompt"}],
+        "add_generation_prompt": False,
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Continue this:"},
+            {"role": "assistant", "content": "Once upon a time"},
+        ],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    },
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "part one"},
+                    {"type": "text", "text": "part two"},
+                ],
+            }
+        ]
+    },
+    {"messages": [{"role": "system", "content": LONG_TEXT}, {"role": "user", "content": "sum up"}]},
+]
+
+
+def vllm_tokens(client: httpx.Client, body: dict[str, Any]) -> list[int]:
+    response = client.post("/tokenize", json={"model": "tiny", **body})
+    assert response.status_code == 200, response.text
+    tokens: list[int] = response.json()["tokens"]
+    return tokens
+
+
+@pytest.mark.parametrize("index", range(len(COMPLETION_CORPUS)))
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_router_tokenizes_completion_prompts_like_vllm(
+    client: httpx.Client, index: int, add_special_tokens: bool
+) -> None:
+    from router.tokenization import HFTokenizerFiles
+
+    prompt = COMPLETION_CORPUS[index]
+    ours = HFTokenizerFiles(DEFAULT_TINY_MODEL_DIR).encode(prompt, add_special_tokens)
+    theirs = vllm_tokens(client, {"prompt": prompt, "add_special_tokens": add_special_tokens})
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("index", range(len(CHAT_CORPUS)))
+def test_router_tokenizes_chats_like_vllm(client: httpx.Client, index: int) -> None:
+    from router.prompt_tokenizer import PromptTokenizer
+
+    body = CHAT_CORPUS[index]
+    tokenizer = PromptTokenizer(str(DEFAULT_TINY_MODEL_DIR))
+    text = tokenizer.render_chat(
+        body["messages"],
+        {
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+            "continue_final_message": body.get("continue_final_message", False),
+        },
+    )
+    ours = tokenizer.tokenizer.encode(text, add_special_tokens=False)
+    assert ours == vllm_tokens(client, body)
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop_with_the_same_result(
+    client: httpx.Client,
+) -> None:
+    from router.block_hashing import block_hashes
+    from router.prompt_tokenizer import PromptTokenizer
+
+    tokenizer = PromptTokenizer(str(DEFAULT_TINY_MODEL_DIR), inline_chars=100, processes=1)
+    try:
+        blocks = await tokenizer.blocks(LONG_TEXT, True, BLOCK_SIZE, None)
+    finally:
+        tokenizer.close()
+    assert tokenizer.offloaded == 1
+    theirs = vllm_tokens(client, {"prompt": LONG_TEXT})
+    assert blocks.tokens == len(theirs)
+    assert blocks.hashes == block_hashes(theirs, BLOCK_SIZE)
