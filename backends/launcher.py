@@ -40,6 +40,9 @@ class LaunchSpec:
     startup_timeout_s: float
     max_restarts: int
     extra_args: tuple[str, ...] = ()
+    # The ZMQ topic KV events are published under. kvroute subscribes to every topic; some
+    # peers (vllm-router 0.1.17's kv_aware) only take events published under "".
+    kv_topic: str = KV_TOPIC
 
 
 @dataclass
@@ -80,11 +83,14 @@ def emulated_command(spec: LaunchSpec, port: int, events_port: int, replay_port:
     if spec.tokenizer:
         argv += ["--tokenizer", spec.tokenizer]
     if spec.kv_events:
-        argv += ["--kv-events-config", kv_events_config_json(events_port, replay_port)]
+        argv += [
+            "--kv-events-config",
+            kv_events_config_json(events_port, replay_port, spec.kv_topic),
+        ]
     return argv + list(spec.extra_args)
 
 
-def kv_events_config_json(events_port: int, replay_port: int) -> str:
+def kv_events_config_json(events_port: int, replay_port: int, topic: str = KV_TOPIC) -> str:
     # vLLM binds an endpoint only when it has a wildcard host ("tcp://*:P"); with a concrete
     # host it connects out instead. The replica binds; the router connects to host:P.
     return json.dumps(
@@ -93,7 +99,7 @@ def kv_events_config_json(events_port: int, replay_port: int) -> str:
             "publisher": "zmq",
             "endpoint": f"tcp://*:{events_port}",
             "replay_endpoint": f"tcp://*:{replay_port}",
-            "topic": KV_TOPIC,
+            "topic": topic,
         }
     )
 
@@ -113,7 +119,7 @@ def vllm_command(
         max_num_seqs=spec.max_num_seqs,
         kv_events_endpoint=f"tcp://*:{events_port}" if spec.kv_events else None,
         kv_replay_endpoint=f"tcp://*:{replay_port}" if spec.kv_events else None,
-        topic=KV_TOPIC,
+        topic=spec.kv_topic,
         host=spec.host,
         extra_args=spec.extra_args,
     )

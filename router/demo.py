@@ -5,26 +5,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import sys
-import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from backends.launcher import LaunchedFleet, LaunchSpec
 from backends.process import LaunchError
 from simulator.tokenizer import HFTokenizer, SimpleTokenizer, Tokenizer
 from simulator.workload import Conversation, multi_tenant_chat
 
+from .bench.chat_load import (
+    RunResult,
+    percentile,
+    record_counters,
+    replica_counters,
+    reset_prefix_caches,
+    run_conversations,
+)
 from .config import config_from_dict
+from .launching import routing_for_launch
 from .server import Router
 
-DEFAULT_POLICIES = "round_robin,consistent_hash"
+DEFAULT_POLICIES = "round_robin,kv_aware"
 
 
 def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -77,18 +81,6 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--log-dir", default="kvroute-logs")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_demo_command)
-
-
-@dataclass
-class PolicyResult:
-    policy: str
-    requests: int = 0
-    errors: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    error_kinds: dict[str, int] = field(default_factory=dict)
-    per_replica: dict[str, int] = field(default_factory=dict)
-    hit_rate: float = 0.0
-    wall_s: float = 0.0
 
 
 # Real vLLM on a few CPU cores is far slower than the emulated replicas: a smaller default workload.
@@ -165,20 +157,16 @@ async def _run_all(
     policies: list[str],
     conversations: list[Conversation],
     args: argparse.Namespace,
-) -> list[PolicyResult]:
+) -> list[RunResult]:
     urls = [r.url for r in fleet.replicas]
+    names = {r.url: r.name for r in fleet.replicas}
     results = []
     async with aiohttp.ClientSession() as http:
         for policy in policies:
-            for url in urls:
-                async with http.post(url + "/reset_prefix_cache") as resp:
-                    await resp.read()
-            before = await _cache_counters(http, urls)
+            await reset_prefix_caches(http, urls)
+            before = await replica_counters(http, urls)
             result = await _run_policy(http, fleet, policy, conversations, args)
-            after = await _cache_counters(http, urls)
-            queries = sum(after[u][0] - before[u][0] for u in urls)
-            hits = sum(after[u][1] - before[u][1] for u in urls)
-            result.hit_rate = hits / queries if queries else 0.0
+            record_counters(result, names, before, await replica_counters(http, urls))
             results.append(result)
     return results
 
@@ -189,115 +177,40 @@ async def _run_policy(
     policy: str,
     conversations: list[Conversation],
     args: argparse.Namespace,
-) -> PolicyResult:
+) -> RunResult:
+    """One in-process router, configured as ``kvroute serve`` would be for this fleet."""
     config = config_from_dict(
         {
             "listen": {"port": 0},
-            "replicas": [{"url": r.url, "name": r.name} for r in fleet.replicas],
+            "replicas": [
+                {"url": r.url, "name": r.name, "kv_events": r.kv_events, "kv_replay": r.kv_replay}
+                for r in fleet.replicas
+            ],
             "policy": {"name": policy},
             "health": {"interval_s": 1.0},
         }
     )
+    config = msgspec.structs.replace(config, routing=routing_for_launch(config.routing, fleet.spec))
     router = Router(config)
     runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    result = PolicyResult(policy)
-    total = len(conversations) * args.turns
-    semaphore = asyncio.Semaphore(args.concurrency)
-    started = time.monotonic()
-
-    async def converse(conversation: Conversation) -> None:
-        async with semaphore:
-            messages: list[dict[str, Any]] = [
-                {"role": "system", "content": conversation.system_prompt}
-            ]
-            for turn in conversation.user_turns:
-                messages.append({"role": "user", "content": turn})
-                reply = await _one_request(
-                    http, url, messages, conversation.tenant, args.max_tokens, result
-                )
-                messages.append({"role": "assistant", "content": reply})
-                if sys.stderr.isatty():
-                    progress = f"\r  {policy:<16} {result.requests}/{total} requests"
-                    print(progress, end="", file=sys.stderr, flush=True)
-
+    result = RunResult(policy)
     try:
-        await asyncio.gather(*(converse(c) for c in conversations))
+        await run_conversations(
+            http,
+            lambda tenant: f"http://127.0.0.1:{port}",
+            conversations,
+            result,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+            scripted_replies=False,
+        )
     finally:
-        result.wall_s = time.monotonic() - started
-        end = "\n" if sys.stderr.isatty() else ""
-        summary = f"{end}  {policy:<16} {result.requests}/{total} requests in {result.wall_s:.1f}s"
-        print(summary, file=sys.stderr)
         await runner.cleanup()
     return result
-
-
-async def _one_request(
-    http: aiohttp.ClientSession,
-    url: str,
-    messages: list[dict[str, Any]],
-    tenant: int,
-    max_tokens: int,
-    result: PolicyResult,
-) -> str:
-    body = {
-        "model": "tiny",
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "user": f"tenant-{tenant}",
-    }
-    sent = time.monotonic()
-    first: float | None = None
-    pieces: list[str] = []
-    try:
-        async with http.post(url, json=body) as resp:
-            replica = resp.headers.get("X-Kvroute-Replica", "?")
-            if resp.status != 200:
-                detail = (await resp.text())[:200]
-                raise RuntimeError(f"HTTP {resp.status}: {detail}")
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                if first is None:
-                    first = time.monotonic()
-                chunk = json.loads(line[6:])
-                for choice in chunk.get("choices", []):
-                    pieces.append(choice.get("delta", {}).get("content") or "")
-    except (aiohttp.ClientError, RuntimeError) as exc:
-        kind = str(exc) or type(exc).__name__
-        result.error_kinds[kind] = result.error_kinds.get(kind, 0) + 1
-        result.errors += 1
-        result.requests += 1
-        return ""
-    result.requests += 1
-    result.per_replica[replica] = result.per_replica.get(replica, 0) + 1
-    if first is not None:
-        result.ttfts.append(first - sent)
-    return "".join(pieces)
-
-
-async def _cache_counters(
-    http: aiohttp.ClientSession, urls: list[str]
-) -> dict[str, tuple[float, float]]:
-    """(prefix_cache_queries, prefix_cache_hits) per replica, from its own /metrics."""
-    counters = {}
-    for url in urls:
-        async with http.get(url + "/metrics") as resp:
-            text = await resp.text()
-        queries = hits = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:prefix_cache_queries_total":
-                    queries += sample.value
-                elif sample.name == "vllm:prefix_cache_hits_total":
-                    hits += sample.value
-        counters[url] = (queries, hits)
-    return counters
 
 
 def _demo_tokenizer(engine: str) -> Tokenizer:
@@ -309,14 +222,7 @@ def _demo_tokenizer(engine: str) -> Tokenizer:
     return SimpleTokenizer()
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def render_table(results: list[PolicyResult], args: argparse.Namespace, kv_blocks: int) -> str:
+def render_table(results: list[RunResult], args: argparse.Namespace, kv_blocks: int) -> str:
     lines = [
         "",
         f"{args.replicas} {args.engine} replicas, {args.tenants} tenants x {args.conversations} "
@@ -325,12 +231,10 @@ def render_table(results: list[PolicyResult], args: argparse.Namespace, kv_block
         f"{'policy':<18}{'requests':>9}{'errors':>8}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'load max/mean':>15}{'wall':>8}",
     ]
     for r in results:
-        counts = [r.per_replica.get(name, 0) for name in sorted(r.per_replica)] or [0]
-        mean = statistics.mean(counts) if counts else 0
-        balance = max(counts) / mean if mean else float("nan")
+        balance = r.load_imbalance
         lines.append(
-            f"{r.policy:<18}{r.requests:>9}{r.errors:>8}{r.hit_rate:>10.1%}"
-            f"{_percentile(r.ttfts, 0.5) * 1000:>9.0f}ms{_percentile(r.ttfts, 0.99) * 1000:>9.0f}ms"
+            f"{r.label:<18}{r.requests:>9}{r.errors:>8}{r.hit_rate:>10.1%}"
+            f"{percentile(r.ttfts, 0.5) * 1000:>9.0f}ms{percentile(r.ttfts, 0.99) * 1000:>9.0f}ms"
             f"{balance:>15.2f}{r.wall_s:>7.1f}s"
         )
     lines.append("")

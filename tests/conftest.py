@@ -104,30 +104,51 @@ class Running:
     replay: str
 
 
+StartEmulated = Callable[..., Awaitable[Running]]
+
+
 @pytest.fixture
-async def replica() -> AsyncIterator[Running]:
-    port, events_port, replay_port = free_ports(3)
-    options = ReplicaOptions(
-        served_model_name="tiny",
-        engine=EngineConfig(
-            block_size=16, num_blocks=64, max_num_seqs=8, latency=latency_preset("tiny-cpu")
-        ),
-        kv_events={
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{events_port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
-            "topic": "kv-events",
-        },
-    )
-    emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
-    runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield Running(
-        emulated,
-        f"http://127.0.0.1:{port}",
-        f"tcp://127.0.0.1:{events_port}",
-        f"tcp://127.0.0.1:{replay_port}",
-    )
-    await runner.cleanup()
+async def start_emulated() -> AsyncIterator[StartEmulated]:
+    """In-process emulated vLLM replicas (built-in tokenizer) publishing KV events over ZMQ."""
+    runners: list[web.AppRunner] = []
+
+    async def start(num_blocks: int = 64, block_size: int = 16, kv_events: bool = True) -> Running:
+        port, events_port, replay_port = free_ports(3)
+        options = ReplicaOptions(
+            served_model_name="tiny",
+            engine=EngineConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                max_num_seqs=8,
+                latency=latency_preset("tiny-cpu"),
+            ),
+            kv_events={
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{events_port}",
+                "replay_endpoint": f"tcp://*:{replay_port}",
+                "topic": "kv-events",
+            }
+            if kv_events
+            else None,
+        )
+        emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
+        runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        return Running(
+            emulated,
+            f"http://127.0.0.1:{port}",
+            f"tcp://127.0.0.1:{events_port}",
+            f"tcp://127.0.0.1:{replay_port}",
+        )
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def replica(start_emulated: StartEmulated) -> Running:
+    return await start_emulated()

@@ -13,7 +13,9 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import msgspec
 import openai
 import pytest
@@ -21,8 +23,9 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from backends.launcher import LaunchedFleet, LaunchSpec
+from backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet, LaunchSpec
 from backends.process import ProcessState
+from health.scrape import parse_vllm_metrics
 from router.config import config_from_dict
 from router.server import Router
 from simulator.engine import BlockStored, decode_event_batch
@@ -33,6 +36,9 @@ if os.environ.get("KVROUTE_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401
 else:
     pytest.importorskip("vllm", reason="real vLLM not installed: pip install -e '.[vllm]'")
+
+
+BLOCK_SIZE = 32
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +71,151 @@ async def router_url(fleet: LaunchedFleet) -> AsyncIterator[str]:
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     yield f"http://127.0.0.1:{port}"
     await runner.cleanup()
+
+
+@pytest.fixture
+async def kv_router(fleet: LaunchedFleet) -> AsyncIterator[tuple[Router, str]]:
+    """kvroute as a user runs it in front of these replicas: kv_aware, their tokenizer, events."""
+    config = config_from_dict(
+        {
+            "replicas": [
+                {"url": r.url, "name": r.name, "kv_events": r.kv_events, "kv_replay": r.kv_replay}
+                for r in fleet.replicas
+            ],
+            "routing": {"tokenizer": str(DEFAULT_TINY_MODEL_DIR), "block_size": BLOCK_SIZE},
+            "health": {"interval_s": 0.5},
+        }
+    )
+    router = Router(config)
+    assert router.policy.name == "kv_aware"
+    runner = web.AppRunner(router.build_app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    async with asyncio.timeout(30):
+        while not all(s.connected for s in router.kv_events.stats_by_source().values()):
+            await asyncio.sleep(0.05)
+    yield router, f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+async def _reset_prefix_caches(fleet: LaunchedFleet) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        for replica in fleet.replicas:
+            response = await http.post(replica.url + "/reset_prefix_cache")
+            assert response.status_code == 200, response.text
+
+
+async def _prefix_hits(url: str) -> float:
+    """The replica's own vllm:prefix_cache_hits counter (tokens), via prometheus-client."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        report = parse_vllm_metrics((await http.get(url + "/metrics")).content)
+    assert report.prefix_hits is not None
+    return report.prefix_hits
+
+
+async def _confirmed_blocks(router: Router, replica: str, hashes: list[int]) -> int:
+    match = router.index.match(hashes, time.monotonic()).get(replica)
+    return match.confirmed if match is not None else 0
+
+
+async def _wait_confirmed(
+    router: Router, replica: str, hashes: list[int], blocks: int, timeout_s: float = 30
+) -> None:
+    async with asyncio.timeout(timeout_s):
+        while await _confirmed_blocks(router, replica, hashes) < blocks:
+            await asyncio.sleep(0.05)
+
+
+def _tenant_chat(tenant: int, question: str) -> list[Any]:
+    system = f"Tenant {tenant} policy. " + " ".join(
+        f"rule {tenant}.{i}: answer briefly and cite the handbook section {i}." for i in range(12)
+    )
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+async def _chat_blocks(router: Router, messages: list[Any]) -> list[int]:
+    assert router.tokenizer is not None
+    text = router.tokenizer.render_chat(messages, {})
+    return (await router.tokenizer.blocks(text, False, BLOCK_SIZE, None)).hashes
+
+
+async def test_kv_aware_sends_a_prefix_where_vllm_has_it_cached_and_predicts_its_hits(
+    fleet: LaunchedFleet, kv_router: tuple[Router, str]
+) -> None:
+    router, url = kv_router
+    await _reset_prefix_caches(fleet)
+    client = _client(url)
+    homes: dict[int, str] = {}
+    for tenant in range(4):
+        messages = _tenant_chat(tenant, "first question?")
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=2,  # type: ignore[arg-type]
+        )
+        homes[tenant] = raw.headers["x-kvroute-replica"]
+        hashes = await _chat_blocks(router, messages)
+        await _wait_confirmed(router, homes[tenant], hashes, len(hashes))
+
+    hits_before = {r.name: await _prefix_hits(r.url) for r in fleet.replicas}
+    predicted = 0
+    for tenant in range(4):
+        messages = _tenant_chat(tenant, "a different second question?")
+        hashes = await _chat_blocks(router, messages)
+        expect = await _confirmed_blocks(router, homes[tenant], hashes)
+        assert expect >= 8  # the long system prompt's blocks
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=2,  # type: ignore[arg-type]
+        )
+        assert raw.headers["x-kvroute-replica"] == homes[tenant]
+        assert raw.headers["x-kvroute-reason"] == "kv_affinity"
+        predicted += expect * BLOCK_SIZE
+    hits = sum([await _prefix_hits(r.url) - hits_before[r.name] for r in fleet.replicas])
+    # What the index predicted is exactly what the engines then reported as cached.
+    assert hits == predicted
+
+
+async def test_index_follows_evictions_on_a_small_kv_cache(
+    fleet: LaunchedFleet, kv_router: tuple[Router, str]
+) -> None:
+    router, _ = kv_router
+    await _reset_prefix_caches(fleet)
+    replica = fleet.replicas[0]
+    removed_before = router.index.stats.removed
+    # 12 unique prompts of ~20 blocks each into a 160-block cache: the oldest are evicted.
+    prompts = [
+        f"eviction case {i}: " + " ".join(f"word{i}x{j}" for j in range(160)) for i in range(12)
+    ]
+    assert router.tokenizer is not None
+    blocks = [await router.tokenizer.blocks(p, True, BLOCK_SIZE, None) for p in prompts]
+    block_hashes = [b.hashes for b in blocks]
+    async with httpx.AsyncClient(base_url=replica.url, timeout=60) as http:
+        for prompt in prompts:
+            response = await http.post(
+                "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}
+            )
+            assert response.status_code == 200, response.text
+    newest = block_hashes[-1]
+    await _wait_confirmed(router, replica.name, newest, len(newest))
+    async with asyncio.timeout(30):
+        while await _confirmed_blocks(router, replica.name, block_hashes[0]) > 0:
+            await asyncio.sleep(0.05)  # BlockRemoved of the oldest prompt
+    assert router.index.stats.removed > removed_before
+    # The replica agrees: the oldest prompt is a miss, the newest a full hit.
+    before = await _prefix_hits(replica.url)
+    async with httpx.AsyncClient(base_url=replica.url, timeout=60) as http:
+        for prompt in (prompts[0], prompts[-1]):
+            response = await http.post(
+                "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}
+            )
+            assert response.status_code == 200
+    # vLLM always computes a prompt's last token, so a block-aligned prompt misses its last block.
+    aligned = blocks[-1].tokens == len(newest) * BLOCK_SIZE
+    assert await _prefix_hits(replica.url) - before == (len(newest) - aligned) * BLOCK_SIZE
 
 
 def _client(url: str) -> openai.AsyncOpenAI:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .index_bench import add_index_bench
+from .prefix import add_prefix_bench
 
 
 def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -13,6 +14,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench_sub = p.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
     _add_overhead(bench_sub)
     add_index_bench(bench_sub)
+    add_prefix_bench(bench_sub)
 
 
 def _positive_int(text: str) -> int:

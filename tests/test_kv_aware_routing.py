@@ -1,0 +1,161 @@
+"""kv_aware end to end over emulated replicas: the router tokenizes like the replicas, follows
+their KV events and its own predictions, and its predicted hits are what the replicas report."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.block_hashing import block_hashes
+from router.prompt_tokenizer import PromptTokenizer
+from simulator.tokenizer import SimpleTokenizer
+
+from .conftest import Running, StartEmulated, StartRouter
+from .helpers import wait_until
+
+
+def source(running: Running, name: str, events: bool = True) -> dict[str, Any]:
+    entry: dict[str, Any] = {"url": running.url, "name": name}
+    if events:
+        entry |= {"kv_events": running.events, "kv_replay": running.replay}
+    return entry
+
+
+def tenant_messages(tenant: int, question: str) -> list[Any]:
+    system = f"Tenant {tenant} handbook. " + " ".join(
+        f"Rule {tenant}.{i}: be brief, cite section {i}, never guess." for i in range(10)
+    )
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+async def router_samples(url: str) -> dict[tuple[str, str | None], float]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return {
+        (s.name, s.labels.get("replica")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_kv_aware_keeps_tenants_on_their_replica_and_predicts_their_hits(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    replicas = [await start_emulated(num_blocks=256) for _ in range(3)]
+    r = await start_router(
+        [source(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
+        routing={"tokenizer": "builtin"},
+    )
+    assert r.router.policy.name == "kv_aware"
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    tokenizer = PromptTokenizer("builtin")
+    homes = {}
+    for tenant in range(6):
+        messages = tenant_messages(tenant, "first question")
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=2
+        )
+        homes[tenant] = raw.headers["x-kvroute-replica"]
+        text = tokenizer.render_chat(messages, {})
+        hashes = block_hashes(SimpleTokenizer().encode(text, add_special_tokens=False), 16)
+
+        def all_confirmed(home: str = homes[tenant], hashes: list[int] = hashes) -> bool:
+            match = r.router.index.match(hashes, now=1e12).get(home)
+            return match is not None and match.confirmed == len(hashes)
+
+        await wait_until(all_confirmed, what="the replica's KV events")
+    assert len(set(homes.values())) >= 2, "six cold tenants all went to one replica"
+
+    before = await router_samples(r.url)
+    hits_before = sum(rep.replica.engine.stats.prefix_cache_hits for rep in replicas)
+    for tenant in range(6):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny", messages=tenant_messages(tenant, "second question"), max_tokens=2
+        )
+        assert raw.headers["x-kvroute-replica"] == homes[tenant]
+        assert raw.headers["x-kvroute-reason"] == "kv_affinity"
+    after = await router_samples(r.url)
+    predicted = sum(
+        after[key] - before.get(key, 0.0)
+        for key in after
+        if key[0] == "kvroute_predicted_prefix_hit_tokens_total"
+    )
+    reported = sum(rep.replica.engine.stats.prefix_cache_hits for rep in replicas) - hits_before
+    assert predicted > 0
+    assert predicted == reported
+
+
+async def test_predictions_route_followers_before_any_event_arrives(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    """Replicas without KV events: the router's own predictions are the whole index."""
+    replicas = [await start_emulated(kv_events=False) for _ in range(4)]
+    r = await start_router(
+        [source(rep, f"emu-{i}", events=False) for i, rep in enumerate(replicas)],
+        routing={"tokenizer": "builtin"},
+    )
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    shared = "A long shared document that every request quotes in full. " * 30
+
+    async def ask(i: int) -> tuple[str, str]:
+        raw = await client.completions.with_raw_response.create(
+            model="tiny", prompt=shared + f"Question {i}?", max_tokens=1
+        )
+        return raw.headers["x-kvroute-replica"], raw.headers["x-kvroute-reason"]
+
+    first_replica, _ = await ask(0)
+    answers = await asyncio.gather(*(ask(i) for i in range(1, 6)))
+    assert {replica for replica, _ in answers} == {first_replica}
+    assert {reason for _, reason in answers} == {"kv_affinity"}
+
+
+async def test_router_learns_the_block_size_from_events(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    running = await start_emulated(block_size=32)
+    r = await start_router([source(running, "emu")], routing={"tokenizer": "builtin"})
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    await client.completions.create(model="tiny", prompt="word " * 200, max_tokens=1)
+    await wait_until(lambda: r.router.block_size() == 32, what="block size from KV events")
+
+
+async def test_replicas_reported_load_and_hits_are_scraped_and_exported(
+    replica: Running, start_router: StartRouter
+) -> None:
+    r = await start_router([source(replica, "emu")], routing={"scrape_interval_s": 0.1})
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    prompt = "the same prompt twice over " * 20
+    for _ in range(2):
+        await client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    hits = replica.replica.engine.stats.prefix_cache_hits
+    assert hits > 0
+
+    async def exported() -> bool:
+        samples = await router_samples(r.url)
+        return samples.get(("kvroute_replica_prefix_cache_hits_tokens", "emu")) == hits
+
+    async with asyncio.timeout(10):
+        while not await exported():
+            await asyncio.sleep(0.05)
+    state = r.router.replicas["emu"].state
+    assert state.reported_waiting == 0
+    assert state.reported_kv_usage == 0.0  # idle: cached blocks are free blocks to vLLM
+
+
+async def test_long_prompts_are_tokenized_in_a_worker_process_with_the_same_result() -> None:
+    text = "A prompt long enough to leave the event loop. " * 400
+    inline = PromptTokenizer("builtin", inline_chars=10**9)
+    offloaded = PromptTokenizer("builtin", inline_chars=100, processes=1)
+    try:
+        a = await inline.blocks(text, True, 16, None)
+        b = await offloaded.blocks(text, True, 16, "salt")
+        c = await offloaded.blocks(text, True, 16, None)
+    finally:
+        offloaded.close()
+    assert (inline.offloaded, offloaded.offloaded) == (0, 2)
+    assert a == c
+    assert b.tokens == a.tokens and b.hashes != a.hashes  # the cache salt seeds the chain
