@@ -286,9 +286,19 @@ async def test_kv_events_of_requests_through_kvroute_arrive_and_decode(
 
 
 async def test_a_killed_replica_is_restarted_and_served_again(
-    fleet: LaunchedFleet, router_url: str
+    fleet: LaunchedFleet, router_url: str, kv_router: tuple[Router, str]
 ) -> None:
     victim = fleet.replicas[1]
+    kv, _ = kv_router
+    assert kv.tokenizer is not None
+    before_kill = "Cached before the crash. " + " ".join(f"old{i}" for i in range(120))
+    old_hashes = (await kv.tokenizer.blocks(before_kill, True, BLOCK_SIZE, None)).hashes
+    async with httpx.AsyncClient(base_url=victim.url, timeout=60) as http:
+        response = await http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": before_kill, "max_tokens": 1}
+        )
+        assert response.status_code == 200
+    await _wait_confirmed(kv, victim.name, old_hashes, len(old_hashes))
     old_pid = victim.process.pid
     victim.process.kill()
     client = _client(router_url)
@@ -313,3 +323,19 @@ async def test_a_killed_replica_is_restarted_and_served_again(
             )
             served.add(raw.headers["x-kvroute-replica"])
             await asyncio.sleep(0.2)
+
+    # The restarted engine's cache is empty: its first events (sequence back to 0) make the
+    # router drop everything it had for that replica, then index what it caches now.
+    after = "Cached after the restart. " + " ".join(f"new{i}" for i in range(120))
+    new_hashes = (await kv.tokenizer.blocks(after, True, BLOCK_SIZE, None)).hashes
+    async with httpx.AsyncClient(base_url=victim.url, timeout=60) as http:
+        response = await http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": after, "max_tokens": 1}
+        )
+        assert response.status_code == 200
+    await _wait_confirmed(kv, victim.name, new_hashes, len(new_hashes))
+    assert await _confirmed_blocks(kv, victim.name, old_hashes) == 0
+    resyncs = [
+        s.resyncs for (name, _), s in kv.kv_events.stats_by_source().items() if name == victim.name
+    ]
+    assert resyncs and resyncs[0] >= 1

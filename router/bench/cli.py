@@ -7,6 +7,7 @@ import sys
 
 from .index_bench import add_index_bench
 from .prefix import add_prefix_bench
+from .tokenize_bench import add_tokenize_bench
 
 
 def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -15,6 +16,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_overhead(bench_sub)
     add_index_bench(bench_sub)
     add_prefix_bench(bench_sub)
+    add_tokenize_bench(bench_sub)
 
 
 def _positive_int(text: str) -> int:
