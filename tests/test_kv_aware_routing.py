@@ -159,3 +159,30 @@ async def test_long_prompts_are_tokenized_in_a_worker_process_with_the_same_resu
     assert (inline.offloaded, offloaded.offloaded) == (0, 2)
     assert a == c
     assert b.tokens == a.tokens and b.hashes != a.hashes  # the cache salt seeds the chain
+
+
+async def test_events_lost_on_the_live_socket_are_replayed_into_the_index(
+    replica: Running, start_router: StartRouter
+) -> None:
+    r = await start_router([source(replica, "emu")], routing={"tokenizer": "builtin"})
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    tokenizer = SimpleTokenizer()
+
+    def held(prompt: str) -> bool:
+        hashes = block_hashes(tokenizer.encode(prompt), 16)
+        match = r.router.index.match(hashes, now=1e12).get("emu")
+        return match is not None and match.confirmed == len(hashes)
+
+    prompts = [f"Prompt {name} for the replay test. " * 12 for name in ("one", "two", "three")]
+    await client.completions.create(model="tiny", prompt=prompts[0], max_tokens=1)
+    await wait_until(lambda: held(prompts[0]), what="the first prompt's events")
+    publisher = replica.replica.publisher
+    assert publisher is not None
+    publisher.paused = True  # batches still go to the replay buffer, not to subscribers
+    await client.completions.create(model="tiny", prompt=prompts[1], max_tokens=1)
+    publisher.paused = False
+    await client.completions.create(model="tiny", prompt=prompts[2], max_tokens=1)
+    await wait_until(lambda: all(held(p) for p in prompts), what="the replayed events")
+    (stats,) = r.router.kv_events.stats_by_source().values()
+    assert stats.gaps >= 1 and stats.replayed_batches >= 1
+    assert stats.resyncs == 0
