@@ -26,6 +26,15 @@ if array("I").itemsize != 4:  # pragma: no cover - every CPython platform we run
     raise ImportError("array('I') is not 4 bytes on this platform")
 
 
+def extra_key(lora_name: str | None, cache_salt: str | None) -> str | None:
+    """The key that seeds a sequence's first block: its LoRA adapter and its cache salt."""
+    if lora_name is None and cache_salt is None:
+        return None
+    if lora_name is None:
+        return cache_salt
+    return lora_name if cache_salt is None else f"{lora_name}\x00{cache_salt}"
+
+
 def root_seed(extra_key: str | None = None) -> int:
     """Seed of a sequence's first block: 0 without an extra key, else a hash of the key."""
     if extra_key is None:

@@ -49,6 +49,8 @@ from simulator.engine import (
     decode_event_batch,
 )
 
+from .block_hashing import extra_key
+
 log = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8
@@ -344,7 +346,7 @@ class KVEventSubscriber:
                     event.token_ids,
                     event.block_size,
                     event.medium,
-                    event.lora_name,
+                    root_extra_key(event),
                 )
             elif isinstance(event, BlockRemoved):
                 self._call_sink(
@@ -433,3 +435,19 @@ class KVEventSubscribers:
             for name in _COUNTERS:
                 setattr(total, name, getattr(total, name) + getattr(subscriber.stats, name))
         return total
+
+
+def root_extra_key(event: BlockStored) -> str | None:
+    """What seeds the hash chain of a sequence's first block besides its tokens.
+
+    vLLM publishes each block's extra keys untagged: a LoRA adapter's name, ``(mm_hash,
+    offset)`` pairs for images, and on the first block the request's ``cache_salt``, all bare
+    values. The router seeds a first block with the same pair it takes from a request
+    (:func:`router.block_hashing.extra_key`), so a salted prompt only matches blocks stored under
+    that salt.
+    """
+    keys = event.extra_keys[0] if event.extra_keys else None
+    strings = [k for k in keys if isinstance(k, str)] if keys else []
+    if event.lora_name and strings and strings[0] == event.lora_name:
+        strings = strings[1:]
+    return extra_key(event.lora_name, strings[-1] if strings else None)

@@ -186,3 +186,27 @@ async def test_events_lost_on_the_live_socket_are_replayed_into_the_index(
     (stats,) = r.router.kv_events.stats_by_source().values()
     assert stats.gaps >= 1 and stats.replayed_batches >= 1
     assert stats.resyncs == 0
+
+
+async def test_a_cache_salt_separates_prefixes_as_it_does_in_vllm(
+    replica: Running, start_router: StartRouter
+) -> None:
+    r = await start_router([source(replica, "emu")], routing={"tokenizer": "builtin"})
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    prompt = "A prompt two tenants send, one of them salted. " * 10
+    ids = SimpleTokenizer().encode(prompt)
+    salted = block_hashes(ids, 16, "tenant-b")
+    plain = block_hashes(ids, 16)
+    await client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-b"}
+    )
+
+    def confirmed(hashes: list[int]) -> int:
+        match = r.router.index.match(hashes, now=1e12).get("emu")
+        return match.confirmed if match else 0
+
+    await wait_until(lambda: confirmed(salted) == len(salted), what="the salted blocks")
+    assert confirmed(plain) == 0  # the unsalted prompt shares none of them, as in the engine
+    hits = replica.replica.engine.stats.prefix_cache_hits
+    await client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    assert replica.replica.engine.stats.prefix_cache_hits == hits

@@ -147,7 +147,12 @@ class EmulatedReplica:
         request_id = f"{prefix}-{request.headers.get('X-Request-Id') or os.urandom(8).hex()}-{next(self._ids)}"
         arrival = time.monotonic()
         try:
-            queue = self.runner.submit(EngineRequest(request_id, prompt_ids, max_tokens, arrival))
+            salt = body.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError("cache_salt must be a string")
+            queue = self.runner.submit(
+                EngineRequest(request_id, prompt_ids, max_tokens, arrival, cache_salt=salt)
+            )
         except ValueError as exc:
             return _error(str(exc), 400, "BadRequestError")
         stream = bool(body.get("stream"))
