@@ -46,6 +46,9 @@ class ActiveProber:
         # row (a replica never seen healthy joins on its first passing probe).
         self._unhealthy_after = unhealthy_after
         self._misses: dict[str, int] = {}
+        # What each replica's /v1/models says its models were loaded from ("root"): for a
+        # replica on this machine, the model directory, where the router finds the tokenizer.
+        self.model_roots: dict[str, list[str]] = {}
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._task: asyncio.Task[None] | None = None
 
@@ -65,10 +68,13 @@ class ActiveProber:
         healthy = passed or (state.healthy and misses < self._unhealthy_after)
         changed = healthy != state.healthy
         if healthy and (changed or state.models is None):
-            models = await self._fetch_models(replica.base_url)
-            if models is not None and models != state.models:
-                state.models = models
-                changed = True
+            listed = await self._fetch_models(replica.base_url)
+            if listed is not None:
+                models, roots = listed
+                self.model_roots[state.replica_id] = roots
+                if models != state.models:
+                    state.models = models
+                    changed = True
         if healthy != state.healthy:
             log.info(
                 "replica %s is now %s", state.replica_id, "healthy" if healthy else "unhealthy"
@@ -83,12 +89,14 @@ class ActiveProber:
             return False
         return response.status_code == 200
 
-    async def _fetch_models(self, base_url: str) -> frozenset[str] | None:
+    async def _fetch_models(self, base_url: str) -> tuple[frozenset[str], list[str]] | None:
         try:
             response = await self._client.get(base_url + "/v1/models")
             data = response.json()["data"]
-            return frozenset(str(m["id"]) for m in data)
-        except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError):
+            models = frozenset(str(m["id"]) for m in data)
+            roots = [str(m["root"]) for m in data if isinstance(m.get("root"), str)]
+            return models, roots
+        except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
     def start(self) -> None:

@@ -9,6 +9,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 from aiohttp import web
@@ -27,7 +28,7 @@ from .openai_request import ParsedRequest, parse_chat, parse_completion
 from .prefix_index import PrefixIndex
 from .prompt_tokenizer import PromptBlocks, PromptTokenizer, token_id_blocks
 from .proxy import UpstreamUnavailable, relay
-from .tokenization import ChatTemplateError
+from .tokenization import ChatTemplateError, TokenizerError
 from .upstream_client import UpstreamClient
 from .workers import MetricsExchange, WorkerContext
 
@@ -137,10 +138,34 @@ class Router:
         if self._client is not None:
             self._client.close()
 
+    def _discover_tokenizer(self) -> None:
+        """No tokenizer configured: use the model directory a replica on this host reports.
+
+        vLLM lists the path it loaded the model from as ``root`` in /v1/models; when that is a
+        local directory with tokenizer files, it is exactly the tokenizer the replica uses.
+        """
+        routing = self.config.routing
+        for roots in self.prober.model_roots.values():
+            for root in roots:
+                if not (Path(root) / "tokenizer.json").is_file():
+                    continue
+                try:
+                    self.tokenizer = PromptTokenizer(
+                        root, routing.tokenize_inline_chars, routing.tokenizer_processes
+                    )
+                except TokenizerError as exc:
+                    log.warning("cannot use the tokenizer at %s: %s", root, exc)
+                    continue
+                self.tokenizer.start()
+                log.info("tokenizing prompts with the tokenizer in %s (from /v1/models)", root)
+                return
+
     def _new_request_id(self) -> str:
         return f"kvr-{self._request_id_prefix}-{next(self._request_counter):x}"
 
     def _refresh_models(self) -> None:
+        if self.tokenizer is None and self.config.routing.tokenizer is None:
+            self._discover_tokenizer()
         if self.config.models:
             return
         known: set[str] = set()
@@ -298,7 +323,9 @@ class Router:
             board.add(worker, handle.index, 1, cost, 1, prefill)
         prefilling = True
 
-        def prefill_done() -> None:
+        hashes = route_request.block_hashes
+
+        def prefill_done(first_token: bool = True) -> None:
             nonlocal prefilling
             if prefilling:
                 prefilling = False
@@ -306,6 +333,11 @@ class Router:
                 state.prefill_tokens -= prefill
                 if board is not None:
                     board.add(worker, handle.index, 0, 0, -1, -prefill)
+                if hashes and first_token:
+                    # However long it queued, the prompt is cached there now: keep the
+                    # prediction until the replica's events confirm it.
+                    ttl = self.config.routing.prediction_ttl_s
+                    self.index.predict(replica_id, hashes, time.monotonic(), ttl)
 
         extra = [("X-Request-Id", request_id)]
         if self.config.decision_headers:
@@ -332,7 +364,7 @@ class Router:
             log.warning("replica %s failed before first byte: %s", replica_id, exc)
             return None
         finally:
-            prefill_done()
+            prefill_done(first_token=False)  # a no-op once the first token came
             state.in_flight -= 1
             state.in_flight_tokens -= cost
             if board is not None:

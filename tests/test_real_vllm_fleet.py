@@ -141,6 +141,20 @@ async def _chat_blocks(router: Router, messages: list[Any]) -> list[int]:
     return (await router.tokenizer.blocks(text, False, BLOCK_SIZE, None)).hashes
 
 
+async def test_without_a_configured_tokenizer_the_router_uses_the_replicas_model_directory(
+    fleet: LaunchedFleet,
+) -> None:
+    config = config_from_dict({"replicas": [{"url": r.url} for r in fleet.replicas]})
+    router = Router(config)
+    runner = web.AppRunner(router.build_app())
+    await runner.setup()  # startup probes the replicas and reads their /v1/models
+    try:
+        assert router.tokenizer is not None
+        assert Path(router.tokenizer.spec) == DEFAULT_TINY_MODEL_DIR
+    finally:
+        await runner.cleanup()
+
+
 async def test_kv_aware_sends_a_prefix_where_vllm_has_it_cached_and_predicts_its_hits(
     fleet: LaunchedFleet, kv_router: tuple[Router, str]
 ) -> None:
