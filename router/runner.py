@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -38,6 +39,7 @@ async def serve_forever(config: Config, context: WorkerContext | None = None) ->
         reuse_port=context is not None,  # workers share the port
     )
     await site.start()
+    settle_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -55,6 +57,25 @@ async def serve_forever(config: Config, context: WorkerContext | None = None) ->
     finally:
         print(f"kvroute{worker} shutting down", file=sys.stderr, flush=True)
         await runner.cleanup()
+
+
+# Young-generation collections every this many tracked allocations (CPython's default is 700).
+GC_GEN0_THRESHOLD = 20_000
+
+
+def settle_heap() -> None:
+    """Keep the garbage collector off the latency tail.
+
+    Measured with the overhead bench (round_robin, 2 stub replicas, wrk c=32): a full collection
+    of the router's ~70k startup objects (modules, functions, types) took 45-97 ms on the 2-core
+    dev box, so every one of them stalled every request in flight (p99 57-71 ms instead of
+    17-21 ms). Freezing what exists after startup takes it out of every later collection, and a
+    larger young generation makes collections rarer (each still only visits young objects).
+    """
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 def check_can_listen(host: str, port: int) -> str | None:
