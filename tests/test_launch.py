@@ -115,9 +115,9 @@ def test_demo_compares_policies_side_by_side(tmp_path: Path) -> None:
     rows = {
         line.split()[0]: line.split()
         for line in lines
-        if line.startswith(("round_robin", "consistent_hash"))
+        if line.startswith(("round_robin", "kv_aware"))
     }
-    assert set(rows) == {"round_robin", "consistent_hash"}
+    assert set(rows) == {"round_robin", "kv_aware"}
     for row in rows.values():
         requests, errors, hit_rate = int(row[1]), int(row[2]), row[3]
         assert requests == 8 and errors == 0
