@@ -52,6 +52,7 @@ def parse_vllm_metrics(text: bytes) -> ReplicaReport:
     lines = [line for line in text.split(b"\n") if line.startswith(_PREFIXES)]
     report = ReplicaReport()
     sums: dict[str, float] = {}
+    series: dict[str, int] = {}
     for family in text_string_to_metric_families(b"\n".join(lines).decode() + "\n"):
         for sample in family.samples:
             name = sample.name.removesuffix("_total")
@@ -60,14 +61,17 @@ def parse_vllm_metrics(text: bytes) -> ReplicaReport:
                 if size and size.isdigit():
                     report.block_size = int(size)
                 continue
-            # Sum over label sets (engine index, model name) of one replica.
+            # Summed over label sets (engine index, model name) of one replica.
             sums[name] = sums.get(name, 0.0) + sample.value
+            series[name] = series.get(name, 0) + 1
     if "vllm:num_requests_waiting" in sums:
         report.waiting = int(sums["vllm:num_requests_waiting"])
     if "vllm:num_requests_running" in sums:
         report.running = int(sums["vllm:num_requests_running"])
-    usage = sums.get("vllm:kv_cache_usage_perc", sums.get("vllm:gpu_cache_usage_perc"))
-    report.kv_usage = usage
+    for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+        if name in sums:  # a fraction per engine: the mean over data-parallel engines
+            report.kv_usage = sums[name] / series[name]
+            break
     report.prefix_queries = sums.get(
         "vllm:prefix_cache_queries", sums.get("vllm:gpu_prefix_cache_queries")
     )

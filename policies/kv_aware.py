@@ -113,23 +113,18 @@ class KvAware(Policy):
         best = costs[ranked[0].replica_id]
         margin = max(float(self.margin_tokens), self.margin_ratio * best)
         ties = [r for r in ranked if costs[r.replica_id] <= best + margin]
+        prefix = request.prefix_tokens or {}
+        longest = max((prefix.get(r.replica_id, 0) for r in eligible), default=0)
         if len(ties) == 1:
-            chosen, reason = ties[0], self._clear_winner_reason(ties[0], request)
+            chosen = ties[0]
+            held = prefix.get(chosen.replica_id, 0)
+            reason = AFFINITY if held > 0 and held >= longest else LEAST_COST
         else:
             chosen, reason = self._break_tie(ties, eligible, request, fleet)
-            prefix = request.prefix_tokens
-            if prefix and prefix.get(chosen.replica_id, 0) < max(prefix.values()):
-                reason = LOAD_OVER_AFFINITY
+        if prefix.get(chosen.replica_id, 0) < longest:
+            reason = LOAD_OVER_AFFINITY
         rest = tuple(r.replica_id for r in ranked if r is not chosen)
         return Decision((chosen.replica_id, *rest), reason)
-
-    @staticmethod
-    def _clear_winner_reason(chosen: ReplicaState, request: RouteRequest) -> str:
-        prefix = request.prefix_tokens or {}
-        held = prefix.get(chosen.replica_id, 0)
-        if held < max(prefix.values(), default=0):
-            return LOAD_OVER_AFFINITY
-        return AFFINITY if held > 0 else LEAST_COST
 
     def _break_tie(
         self,

@@ -95,7 +95,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="The served model's HuggingFace tokenizer (a directory with tokenizer.json, or "
         "the file), or 'builtin' for kvroute's emulated replicas. The router tokenizes "
         "prompts exactly as vLLM does to find cached prefixes. Default: the config's "
-        "routing.tokenizer, else the launched replicas' tokenizer.",
+        "routing.tokenizer, else the launched replicas', else the model directory a local "
+        "replica reports in /v1/models.",
     )
     p.add_argument(
         "--block-size",

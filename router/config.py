@@ -96,7 +96,8 @@ class RoutingConfig(_Section):
 
     # The served model's tokenizer: a HuggingFace tokenizer directory (or tokenizer.json),
     # "builtin" for the emulated replica's built-in tokenizer, or null: the launched replicas'
-    # (launch:), else none (prompts are estimated and only load-based routing is possible).
+    # (launch:), else the model directory a local replica reports in /v1/models, else none
+    # (text prompts are then routed on load alone).
     tokenizer: str | None = None
     # Prompts longer than this (characters) are tokenized in worker processes, off the event loop.
     tokenize_inline_chars: int = 4096
@@ -202,6 +203,12 @@ def validate(config: Config) -> None:
         names.add(name)
     if config.launch is not None:
         _validate_launch(config.launch)
+        block_size = config.routing.block_size
+        if block_size is not None and block_size != config.launch.block_size:
+            raise ConfigError(
+                f"routing.block_size: {block_size} differs from launch.block_size "
+                f"{config.launch.block_size}; the router must cut prompts into the replicas' blocks"
+            )
     for i, model in enumerate(config.models):
         if not model:
             raise ConfigError(f"models[{i}]: must not be empty")

@@ -115,7 +115,14 @@ def parse_chat(body: bytes) -> ParsedRequest:
         if isinstance(content, str):
             chars += len(content)
         elif isinstance(content, list):
-            chars += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+            for j, part in enumerate(content):
+                text = part.get("text") if isinstance(part, dict) else part
+                if text is not None and not isinstance(text, str):
+                    raise bad_request(
+                        f"Invalid request: 'messages[{i}].content[{j}].text' must be a string.",
+                        f"messages[{i}].content[{j}].text",
+                    )
+                chars += len(text or "")
         elif content is not None:
             raise bad_request(
                 f"Invalid request: 'messages[{i}].content' must be a string, a list of "
@@ -169,6 +176,8 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         ) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.") from None
 
 
 def _estimate_tokens(chars: int) -> int:

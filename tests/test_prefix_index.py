@@ -296,9 +296,39 @@ def test_match_equals_brute_force_model(
     queries: list[tuple[int, ...]],
     steps: list[float],
 ) -> None:
+    check_against_model(events, queries, steps, REPLICAS)
+
+
+def test_match_equals_brute_force_model_many_replicas() -> None:
+    # More replicas than the low half of the index's values first holds (256): it re-encodes.
+    replicas = tuple(f"r{i}" for i in range(300))
+    rng = random.Random(3)
+
+    def path() -> tuple[int, ...]:
+        return tuple(rng.randrange(3) for _ in range(rng.randint(1, 4)))
+
+    events = []
+    for _ in range(1500):
+        kind = rng.choices(["stored", "removed", "cleared", "predict"], [6, 2, 0.2, 2])[0]
+        rep = rng.choice(replicas[: rng.choice([3, 40, 300])])  # some replicas are busy
+        a = path()[: rng.randrange(3)] if kind == "stored" else path()
+        events.append(
+            (kind, rep, a if kind != "cleared" else (), path() if kind == "stored" else ())
+        )
+    queries = [path() for _ in range(4)]
+    steps = [rng.choice([0.0, 0.5, 1.0, 2.0]) for _ in events]
+    check_against_model(events, queries, steps, replicas)
+
+
+def check_against_model(
+    events: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]],
+    queries: list[tuple[int, ...]],
+    steps: list[float],
+    replicas: tuple[str, ...],
+) -> None:
     ttl = 1.5
     idx = PrefixIndex()
-    model: dict[str, set[tuple[int, ...]]] = {r: set() for r in REPLICAS}
+    model: dict[str, set[tuple[int, ...]]] = {r: set() for r in replicas}
     predicted: dict[tuple[str, tuple[int, ...]], float] = {}  # (replica, path) -> expiry
     unknown_parent = 0
     now = 0.0
@@ -338,6 +368,9 @@ def test_match_equals_brute_force_model(
                 if n:
                     expected[r] = PrefixMatch(n, c)
             assert idx.match(block_hashes(path_tokens(q), BS), now) == expected
+        # The match purged what expired by now.
+        assert idx.predicted_entries == sum(e > now for e in predicted.values())
+        assert idx.blocks == len(set().union(*model.values()))
     assert idx.stats.unknown_parent == unknown_parent
 
 

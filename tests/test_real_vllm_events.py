@@ -430,6 +430,36 @@ CHAT_CORPUS: list[dict[str, Any]] = [
         ]
     },
     {"messages": [{"role": "system", "content": LONG_TEXT}, {"role": "user", "content": "sum up"}]},
+    {
+        "messages": [
+            {"role": "developer", "content": "Developer instructions become a system turn."},
+            {"role": "system", "content": "And merge with the system prompt."},
+            {"role": "user", "content": "ok?"},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "call a tool"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "lookup", "arguments": '{"q": "kv"}'},
+                    }
+                ],
+            },
+            {"role": "user", "content": [{"type": "input_text", "text": "and then?"}]},
+        ],
+        "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+    },
+    {
+        "messages": [{"role": "user", "content": "special tokens too"}],
+        "add_special_tokens": True,
+        "chat_template_kwargs": {"add_generation_prompt": False, "unused_flag": 1},
+    },
 ]
 
 
@@ -454,20 +484,27 @@ def test_router_tokenizes_completion_prompts_like_vllm(
 
 
 @pytest.mark.parametrize("index", range(len(CHAT_CORPUS)))
-def test_router_tokenizes_chats_like_vllm(client: httpx.Client, index: int) -> None:
-    from router.prompt_tokenizer import PromptTokenizer
+async def test_router_tokenizes_chats_like_vllm(client: httpx.Client, index: int) -> None:
+    """Through the router's own request path: body parsing, options, template, hashing."""
+    import json
 
-    body = CHAT_CORPUS[index]
-    tokenizer = PromptTokenizer(str(DEFAULT_TINY_MODEL_DIR))
-    text = tokenizer.render_chat(
-        body["messages"],
+    from router.block_hashing import block_hashes
+    from router.config import config_from_dict
+    from router.openai_request import parse_chat
+    from router.server import Router
+
+    body = {"model": "tiny", **CHAT_CORPUS[index]}
+    config = config_from_dict(
         {
-            "add_generation_prompt": body.get("add_generation_prompt", True),
-            "continue_final_message": body.get("continue_final_message", False),
-        },
+            "replicas": [{"url": "http://127.0.0.1:9"}],
+            "routing": {"tokenizer": str(DEFAULT_TINY_MODEL_DIR), "block_size": BLOCK_SIZE},
+        }
     )
-    ours = tokenizer.tokenizer.encode(text, add_special_tokens=False)
-    assert ours == vllm_tokens(client, body)
+    blocks = await Router(config)._prompt_blocks(parse_chat(json.dumps(body).encode()))
+    theirs = vllm_tokens(client, body)
+    assert blocks is not None
+    assert blocks.tokens == len(theirs)
+    assert blocks.hashes == block_hashes(theirs, BLOCK_SIZE)
 
 
 async def test_long_prompts_are_tokenized_off_the_event_loop_with_the_same_result(
