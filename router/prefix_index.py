@@ -52,7 +52,7 @@ DEFAULT_MEDIUM = "GPU"
 
 EngineHash = int | bytes
 
-_MIN_SHIFT = 2  # replica indices below it need no re-encoding of the index (see _reshift)
+_MIN_SHIFT = 256  # replica indices below it need no re-encoding of the index (see _reshift)
 
 
 class PrefixMatch(NamedTuple):

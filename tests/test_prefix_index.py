@@ -307,8 +307,8 @@ def test_match_equals_brute_force_model_many_replicas() -> None:
     def path() -> tuple[int, ...]:
         return tuple(rng.randrange(3) for _ in range(rng.randint(1, 4)))
 
-    events = []
-    for _ in range(1500):
+    events = [("stored", r, (), path()) for r in replicas]  # every replica holds something
+    for _ in range(1200):
         kind = rng.choices(["stored", "removed", "cleared", "predict"], [6, 2, 0.2, 2])[0]
         rep = rng.choice(replicas[: rng.choice([3, 40, 300])])  # some replicas are busy
         a = path()[: rng.randrange(3)] if kind == "stored" else path()

@@ -451,7 +451,7 @@ CHAT_CORPUS: list[dict[str, Any]] = [
                     }
                 ],
             },
-            {"role": "user", "content": [{"type": "input_text", "text": "and then?"}]},
+            {"role": "user", "content": [{"type": "text", "text": "and then?"}]},
         ],
         "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
     },
