@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .hash_ring import HashRing, bounded_walk, hash_key
+from .hash_ring import FleetRing, bounded_walk, hash_key
 from .least_loaded import LeastLoaded
 from .types import NO_HEALTHY_REPLICA, Decision, FleetView, Policy, RouteRequest
 
@@ -24,34 +24,20 @@ class ConsistentHash(Policy):
             raise ValueError(f"eps must be a finite number >= 0, got {eps}")
         self.eps = eps
         self.vnodes = vnodes
-        self._ring = HashRing([], vnodes)
-        self._members: set[str] = set()
-        self._membership_version: int | None = None
+        self._ring = FleetRing(vnodes)
         self._no_key = LeastLoaded()
 
     def decide(self, request: RouteRequest, fleet: FleetView) -> Decision:
         if request.routing_key is None:
             fallback = self._no_key.decide(request, fleet)
             return Decision(fallback.ranked, "no_key_least_loaded") if fallback.ranked else fallback
-        self._sync_ring(fleet)
         healthy = {r.replica_id: r for r in fleet.eligible(request.model)}
         if not healthy:
             return NO_HEALTHY_REPLICA
         ranked, home_full = bounded_walk(
-            self._ring, hash_key(request.routing_key), healthy, self.eps
+            self._ring.synced(fleet), hash_key(request.routing_key), healthy, self.eps
         )
         return Decision(tuple(ranked), "hash_spill" if home_full else "hash_home")
-
-    def _sync_ring(self, fleet: FleetView) -> None:
-        if fleet.membership_version == self._membership_version:
-            return
-        members = {r.replica_id for r in fleet.replicas}
-        for gone in self._members - members:
-            self._ring.remove(gone)
-        for new in members - self._members:
-            self._ring.add(new)
-        self._members = members
-        self._membership_version = fleet.membership_version
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "eps": self.eps, "vnodes": self.vnodes}

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import xxhash
 from sortedcontainers import SortedList
 
-from .types import ReplicaState
+from .types import FleetView, ReplicaState
 
 
 def hash_key(key: str) -> int:
@@ -52,6 +52,26 @@ class HashRing:
             if replica_id not in seen:
                 seen.add(replica_id)
                 yield replica_id
+
+
+class FleetRing:
+    """A ring kept in step with the fleet: rebuilt only when its membership version changes."""
+
+    def __init__(self, vnodes: int = 160) -> None:
+        self.ring = HashRing([], vnodes)
+        self._members: set[str] = set()
+        self._version: int | None = None
+
+    def synced(self, fleet: FleetView) -> HashRing:
+        if fleet.membership_version != self._version:
+            members = {r.replica_id for r in fleet.replicas}
+            for gone in self._members - members:
+                self.ring.remove(gone)
+            for new in members - self._members:
+                self.ring.add(new)
+            self._members = members
+            self._version = fleet.membership_version
+        return self.ring
 
 
 def load_bound(total_in_flight: int, replicas: int, eps: float) -> int:

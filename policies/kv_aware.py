@@ -29,7 +29,7 @@ import math
 import random
 from typing import Any
 
-from .hash_ring import HashRing, hash_key, load_bound
+from .hash_ring import FleetRing, hash_key, load_bound
 from .types import NO_HEALTHY_REPLICA, Decision, FleetView, Policy, ReplicaState, RouteRequest
 
 # Decision reasons (exported as the X-Kvroute-Reason header and a metric label).
@@ -83,9 +83,7 @@ class KvAware(Policy):
         self.vnodes = vnodes
         self._seed = seed
         self._rng = random.Random(seed)
-        self._ring = HashRing([], vnodes)
-        self._members: set[str] = set()
-        self._membership_version: int | None = None
+        self._ring = FleetRing(vnodes)
 
     # -- the cost ----------------------------------------------------------------------
 
@@ -138,13 +136,13 @@ class KvAware(Policy):
             # Nothing to keep a home for: plain power of two choices on load.
             a, b = self._rng.sample(ties, 2)
             return (a if _load(a) <= _load(b) else b), NO_PREFIX
-        self._sync_ring(fleet)
+        ring = self._ring.synced(fleet)
         by_id = {r.replica_id: r for r in ties}
         total = sum(r.in_flight for r in eligible)
         bound = load_bound(total, len(eligible), self.eps)
         homes: list[ReplicaState] = []
         full: list[ReplicaState] = []
-        for replica_id in self._ring.walk(key):
+        for replica_id in ring.walk(key):
             replica = by_id.get(replica_id)
             if replica is None:
                 continue
@@ -166,17 +164,6 @@ class KvAware(Policy):
         if request.routing_key is not None:
             return hash_key(request.routing_key)
         return None
-
-    def _sync_ring(self, fleet: FleetView) -> None:
-        if fleet.membership_version == self._membership_version:
-            return
-        members = {r.replica_id for r in fleet.replicas}
-        for gone in self._members - members:
-            self._ring.remove(gone)
-        for new in members - self._members:
-            self._ring.add(new)
-        self._members = members
-        self._membership_version = fleet.membership_version
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -128,6 +128,22 @@ async def _wait_confirmed(
             await asyncio.sleep(0.05)
 
 
+async def _complete_directly(url: str, prompt: str) -> None:
+    """One completion sent straight to a replica, bypassing the router."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        response = await http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}
+        )
+        assert response.status_code == 200, response.text
+
+
+async def _prompt_hashes(router: Router, prompt: str) -> list[int]:
+    assert router.tokenizer is not None
+    blocks = await router.tokenizer.blocks(prompt, True, BLOCK_SIZE, None)
+    assert blocks is not None
+    return blocks.hashes
+
+
 def _tenant_chat(tenant: int, question: str) -> list[Any]:
     system = f"Tenant {tenant} policy. " + " ".join(
         f"rule {tenant}.{i}: answer briefly and cite the handbook section {i}." for i in range(12)
@@ -138,7 +154,9 @@ def _tenant_chat(tenant: int, question: str) -> list[Any]:
 async def _chat_blocks(router: Router, messages: list[Any]) -> list[int]:
     assert router.tokenizer is not None
     text = router.tokenizer.render_chat(messages, {})
-    return (await router.tokenizer.blocks(text, False, BLOCK_SIZE, None)).hashes
+    blocks = await router.tokenizer.blocks(text, False, BLOCK_SIZE, None)
+    assert blocks is not None
+    return blocks.hashes
 
 
 async def test_without_a_configured_tokenizer_the_router_uses_the_replicas_model_directory(
@@ -204,15 +222,9 @@ async def test_index_follows_evictions_on_a_small_kv_cache(
     prompts = [
         f"eviction case {i}: " + " ".join(f"word{i}x{j}" for j in range(160)) for i in range(12)
     ]
-    assert router.tokenizer is not None
-    blocks = [await router.tokenizer.blocks(p, True, BLOCK_SIZE, None) for p in prompts]
-    block_hashes = [b.hashes for b in blocks]
-    async with httpx.AsyncClient(base_url=replica.url, timeout=60) as http:
-        for prompt in prompts:
-            response = await http.post(
-                "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}
-            )
-            assert response.status_code == 200, response.text
+    block_hashes = [await _prompt_hashes(router, p) for p in prompts]
+    for prompt in prompts:
+        await _complete_directly(replica.url, prompt)
     newest = block_hashes[-1]
     await _wait_confirmed(router, replica.name, newest, len(newest))
     async with asyncio.timeout(30):
@@ -221,14 +233,12 @@ async def test_index_follows_evictions_on_a_small_kv_cache(
     assert router.index.stats.removed > removed_before
     # The replica agrees: the oldest prompt is a miss, the newest a full hit.
     before = await _prefix_hits(replica.url)
-    async with httpx.AsyncClient(base_url=replica.url, timeout=60) as http:
-        for prompt in (prompts[0], prompts[-1]):
-            response = await http.post(
-                "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}
-            )
-            assert response.status_code == 200
+    for prompt in (prompts[0], prompts[-1]):
+        await _complete_directly(replica.url, prompt)
     # vLLM always computes a prompt's last token, so a block-aligned prompt misses its last block.
-    aligned = blocks[-1].tokens == len(newest) * BLOCK_SIZE
+    assert router.tokenizer is not None
+    newest_tokens = len(router.tokenizer.tokenizer.encode(prompts[-1]))
+    aligned = newest_tokens == len(newest) * BLOCK_SIZE
     assert await _prefix_hits(replica.url) - before == (len(newest) - aligned) * BLOCK_SIZE
 
 
@@ -306,12 +316,8 @@ async def test_a_killed_replica_is_restarted_and_served_again(
     kv, _ = kv_router
     assert kv.tokenizer is not None
     before_kill = "Cached before the crash. " + " ".join(f"old{i}" for i in range(120))
-    old_hashes = (await kv.tokenizer.blocks(before_kill, True, BLOCK_SIZE, None)).hashes
-    async with httpx.AsyncClient(base_url=victim.url, timeout=60) as http:
-        response = await http.post(
-            "/v1/completions", json={"model": "tiny", "prompt": before_kill, "max_tokens": 1}
-        )
-        assert response.status_code == 200
+    old_hashes = await _prompt_hashes(kv, before_kill)
+    await _complete_directly(victim.url, before_kill)
     await _wait_confirmed(kv, victim.name, old_hashes, len(old_hashes))
     old_pid = victim.process.pid
     victim.process.kill()
@@ -341,12 +347,8 @@ async def test_a_killed_replica_is_restarted_and_served_again(
     # The restarted engine's cache is empty: its first events (sequence back to 0) make the
     # router drop everything it had for that replica, then index what it caches now.
     after = "Cached after the restart. " + " ".join(f"new{i}" for i in range(120))
-    new_hashes = (await kv.tokenizer.blocks(after, True, BLOCK_SIZE, None)).hashes
-    async with httpx.AsyncClient(base_url=victim.url, timeout=60) as http:
-        response = await http.post(
-            "/v1/completions", json={"model": "tiny", "prompt": after, "max_tokens": 1}
-        )
-        assert response.status_code == 200
+    new_hashes = await _prompt_hashes(kv, after)
+    await _complete_directly(victim.url, after)
     await _wait_confirmed(kv, victim.name, new_hashes, len(new_hashes))
     assert await _confirmed_blocks(kv, victim.name, old_hashes) == 0
     resyncs = [
