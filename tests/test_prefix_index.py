@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
+from router import prefix_index
 from router.block_hashing import block_hashes, chain_hashes, root_seed
 from router.prefix_index import PrefixIndex, PrefixMatch
 from simulator.engine import (
@@ -318,6 +319,14 @@ def test_match_equals_brute_force_model_many_replicas() -> None:
     queries = [path() for _ in range(4)]
     steps = [rng.choice([0.0, 0.5, 1.0, 2.0]) for _ in events]
     check_against_model(events, queries, steps, replicas)
+
+
+def test_match_equals_brute_force_model_tiny_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Segments of at most 2 blocks and values re-encoded from the 5th replica on: the index's
+    # splitting, merging and re-encoding paths, against the same model.
+    monkeypatch.setattr(prefix_index, "_MAX_SEGMENT", 2)
+    monkeypatch.setattr(prefix_index, "_MIN_SHIFT", 4)
+    test_match_equals_brute_force_model_many_replicas()
 
 
 def check_against_model(
