@@ -9,25 +9,24 @@ Layout, chosen for lookup latency, ingest rate and memory (measured by ``kvroute
   small ints): the replicas holding the block by events in the low ``_shift`` bits, and the
   replicas holding it or predicted to hold it in the bits above. A running AND of values along a
   request gives both leading runs at once (held ⊆ held or predicted, so the AND is non-zero
-  while any run goes on).
-* *segments*: runs of blocks with one value, normally consecutive blocks of a chain (an event's
-  blocks, or a prompt's): ``_segs[id]`` is the tuple of their router hashes, ``_vals[id]`` their
-  value, and ``_seg`` maps each router hash to its segment id (a block that no replica holds or
-  is predicted to hold has none). :meth:`PrefixIndex.match` looks up one block, then compares the
-  request's next hashes with the segment's next ones in C (a tuple slice compare) and skips all
-  that are equal: those blocks are in the segment, so they have its value. Exact whatever the
-  request (nothing assumes that its hashes form a chain), and a 128-block request costs a few
-  dict lookups instead of 128. Why it matters, measured on the dev box (2 vCPU VM, 5M entries):
-  a dict lookup that misses the caches costs ~0.5-1 us, and 128 of them alone took ~60 us, more
-  than the lookup budget.
-* ingest keeps segments whole where it can: an event of blocks new to the index becomes one
-  segment, and an event that is exactly one segment (a replica storing what another one stored
-  in the same events: the common case for shared prefixes) only changes that segment's value,
-  in O(1), with no per-block dict write. Anything else (partial overlaps, removals, predictions,
-  expiry) rebuilds the segments it touches, split where the values now differ (the largest
-  piece keeps its id, so only the others' blocks are remapped), then merges pieces that follow
-  each other in the operation's chain and have equal values, up to ``_MAX_SEGMENT`` blocks, so
-  segments do not fragment for ever.
+  while any run goes on). A block no replica holds or is predicted to hold is not indexed.
+* *runs*: the indexed blocks, in chains as they were stored (an event's blocks, continued by the
+  next events of the chain, up to ``_MAX_RUN``): ``_runs[id]`` is the tuple of their router
+  hashes, ``_vals[id]`` their values as pieces ``(value, start, value, start, value, ...)``
+  (each value holds from its start, 0 for the first, to the next start or the run's end), and
+  ``_seg`` maps each router hash to its run id. :meth:`PrefixIndex.match` looks up one block,
+  then compares the request's next hashes with the run's next ones in C (a tuple slice compare):
+  all that are equal are those blocks, so their values are the run's pieces there. A request
+  over a shared prefix costs a dict lookup or two instead of one per block, and stays exact
+  whatever it is (nothing assumes that its hashes form a chain). Why it matters, measured on
+  the dev box (2 vCPU VM, 5M entries): a dict lookup that misses the caches costs ~0.5-1 us,
+  and 128 of them alone took ~60 us, more than the lookup budget.
+* ingest: an event of blocks new to the index extends its parent's run (or starts one); an event
+  of indexed blocks that lie in a row in one run (a replica storing a prefix another one
+  stored: the common case) only edits that run's pieces, with no per-block dict write. Values
+  changing never split a run; a run splits only where blocks leave the index (the largest part
+  keeps its id, so only the others' blocks are remapped). Everything else (partial overlaps,
+  removals, predictions, expiry) rebuilds the pieces of the runs it touches.
 * per replica and medium, ``engine hash -> router hash`` (the value is the very int object that is
   a key of ``_seg``), so ``BlockRemoved``, which carries only engine hashes, can be applied.
 * per replica, ``extra``: router hash -> references beyond the first, for the rare block held
@@ -62,10 +61,11 @@ DEFAULT_MEDIUM = "GPU"
 
 EngineHash = int | bytes
 
-Segment = tuple[int, ...]  # the router hashes of a segment's blocks, in order
+Run = tuple[int, ...]  # the router hashes of a run's blocks, in order
+Pieces = tuple[int, ...]  # (value, start, value, start, value, ...) along a run
 
 _MIN_SHIFT = 256  # replica indices below it need no re-encoding of the values (see _reshift)
-_MAX_SEGMENT = 128  # blocks: merges stop there (a lookup scans a segment to find a block)
+_MAX_RUN = 256  # blocks: events extend a run up to there (a lookup scans a run to find a block)
 _sink: deque[object] = deque(maxlen=0)
 _consume = _sink.extend  # runs an iterator in C, keeping nothing
 
@@ -109,8 +109,9 @@ class _Replica:
         self.both = self.bit | self.pbit  # held (so also held or predicted)
         self.maps: dict[str, dict[EngineHash, int]] = {}
         self.extra: dict[int, int] = {}
-        # The last value this replica was added to, and the result: the segments of a chain it
-        # stores one event after another share one value object (fewer ints to read in match).
+        # The last value this replica was added to, and the result: the pieces of a chain it
+        # stores one event after another share one value object (fewer ints, and equal pieces
+        # next to each other merge).
         self.last_old = self.last_new = 0
 
 
@@ -118,9 +119,9 @@ class PrefixIndex:
     """Router block hash -> replicas holding it, fed by vLLM KV events and predictions."""
 
     def __init__(self) -> None:
-        self._seg: dict[int, int] = {}  # router hash -> segment id
-        self._segs: list[Segment] = []  # segment id -> its blocks; () if free
-        self._vals: list[int] = []  # segment id -> its blocks' value; 0 if free
+        self._seg: dict[int, int] = {}  # router hash -> run id
+        self._runs: list[Run] = []  # run id -> its blocks; () if free
+        self._vals: list[Pieces] = []  # run id -> its blocks' values; () if free
         self._free_ids: list[int] = []
         self._shift = _MIN_SHIFT
         self._low = (1 << _MIN_SHIFT) - 1  # the held bits of a value
@@ -166,9 +167,13 @@ class PrefixIndex:
             rep.both = rep.bit | rep.pbit
             rep.last_old = rep.last_new = 0
         vals = self._vals
-        for sid, value in enumerate(vals):
-            if value:
-                vals[sid] = value & low | (value >> old_shift) << shift
+        for rid, pieces in enumerate(vals):
+            if pieces:
+                moved = list(pieces)
+                for t in range(0, len(moved), 2):
+                    value = moved[t]
+                    moved[t] = value & low | (value >> old_shift) << shift
+                vals[rid] = tuple(moved)
 
     @property
     def replicas(self) -> tuple[str, ...]:
@@ -279,45 +284,48 @@ class PrefixIndex:
         """Add ``rep`` as a holder of these blocks (a chain, in order, after ``parent``);
         returns the new (block, replica) entries (the others count as extra references)."""
         seg = self._seg
-        segs = self._segs
+        runs = self._runs
         vals = self._vals
         k = len(hashes)
-        sid = seg.get(hashes[0])
-        if sid is None:  # new to the index: all of them, normally, as one segment (or a few)
+        rid = seg.get(hashes[0])
+        if rid is None and k <= _MAX_RUN:  # new: normally all of them, after the parent's run
+            prid = seg.get(parent) if parent is not None else None
+            if prid is not None and (runs[prid][-1] != parent or len(runs[prid]) + k > _MAX_RUN):
+                prid = None
+            target = prid if prid is not None else self._new_id()
             before = len(seg)
-            ids = []
-            for start in range(0, k, _MAX_SEGMENT):
-                piece = hashes[start : start + _MAX_SEGMENT] if k > _MAX_SEGMENT else hashes
-                sid = self._free_ids.pop() if self._free_ids else self._new_id()
-                segs[sid] = tuple(piece)
-                vals[sid] = rep.both
-                _consume(map(seg.setdefault, piece, repeat(sid)))
-                ids.append(sid)
+            _consume(map(seg.setdefault, hashes, repeat(target)))
             if len(seg) - before == k:
+                both = rep.both
+                if prid is None:
+                    runs[target] = tuple(hashes)
+                    vals[target] = (both,)
+                else:
+                    run = runs[prid]
+                    runs[prid] = run + tuple(hashes)
+                    if vals[prid][-1] != both:
+                        vals[prid] = (*vals[prid], len(run), both)
                 return k
-            for rh in hashes:  # some known already, or twice in the event: undo, one by one
-                if seg.get(rh) in ids:
+            # Some known already, or twice in the event: undo, then one by one.
+            own = set(runs[target])
+            for rh in hashes:
+                if seg.get(rh) == target and rh not in own:
                     del seg[rh]
-            for sid in ids:
-                self._free_id(sid)
-        else:
-            value = vals[sid]
-            bit = rep.bit
-            if (
-                len(segs[sid]) == k
-                and not value & bit
-                and not (self._pred_count and value >> self._shift & bit)
-                and segs[sid] == tuple(hashes)
-            ):  # exactly one segment, new here and not predicted here: a new value, O(1)
-                if not value & self._low:
-                    self._pred_only -= k  # they were only predicted
-                if value is not rep.last_old:
-                    rep.last_old = value
-                    rep.last_new = value | rep.both
-                vals[sid] = rep.last_new
-                return k
-        # One by one: values of blocks met earlier in this event come from ``new``.
-        new: dict[int, int] = {}
+            if prid is None:
+                self._free_id(target)
+        elif rid is not None:
+            run = runs[rid]
+            j = 0 if run[0] == hashes[0] else run.index(hashes[0])
+            if j + k <= len(run) and (
+                run == tuple(hashes) if k == len(run) else run[j : j + k] == tuple(hashes)
+            ):  # blocks in a row in one run: only its pieces change, if none is here yet
+                added = self._add_range(vals[rid], len(run), j, j + k, rep)
+                if added is not None:
+                    vals[rid] = added
+                    return k
+        # One by one: values of blocks met earlier in this event come from ``new_values``.
+        current = self._values_of(hashes)
+        new_values: dict[int, int] = {}
         extra = rep.extra
         bit, both = rep.bit, rep.both
         exp = self._pred_exp[rep.index]
@@ -325,20 +333,65 @@ class PrefixIndex:
         shift = self._shift
         held = 0
         for rh in hashes:
-            value = new.get(rh, -1)
+            value = new_values.get(rh, -1)
             if value < 0:
-                sid = seg.get(rh)
-                value = vals[sid] if sid is not None else 0
+                value = current[rh]
             if value & bit:
                 extra[rh] = extra.get(rh, 0) + 1
                 continue
             if predicted and value >> shift & bit:  # its prediction here is superseded
                 del exp[rh]
                 self._pred_count -= 1
-            new[rh] = value | both
+            new_values[rh] = value | both
             held += 1
-        self._apply(new, hashes if parent is None else (parent, *hashes))
+        self._apply(new_values, hashes if parent is None else (parent, *hashes))
         return held
+
+    def _add_range(self, pieces: Pieces, n: int, a: int, b: int, rep: _Replica) -> Pieces | None:
+        """``pieces`` (of a run of ``n`` blocks) with ``rep`` holding blocks ``a:b`` as well;
+        None if it holds or is predicted to hold one of them already."""
+        bit = rep.bit
+        low = self._low
+        shift = self._shift
+        predicted = self._pred_count
+        out: list[int] = []  # the new pieces: equal neighbours make one
+        only_predicted = 0
+        start = 0
+        last = len(pieces) - 1
+        for t in range(0, last + 1, 2):
+            value = pieces[t]
+            end = pieces[t + 1] if t < last else n
+            if end <= a or start >= b:
+                if not out:
+                    out.append(value)
+                elif out[-1] != value:
+                    out += (start, value)
+                start = end
+                continue
+            if value & bit or (predicted and value >> shift & bit):
+                return None
+            lo = start if start > a else a
+            hi = end if end < b else b
+            if not value & low:
+                only_predicted += hi - lo
+            if value is not rep.last_old:  # blocks that shared a value share the new one
+                rep.last_old = value
+                rep.last_new = value | rep.both
+            added = rep.last_new
+            if start < lo:
+                if not out:
+                    out.append(value)
+                elif out[-1] != value:
+                    out += (start, value)
+            if not out:
+                out.append(added)
+            elif out[-1] != added:
+                out += (lo, added)
+            if hi < end:
+                out += (hi, value)
+            start = end
+        self._pred_only -= only_predicted
+        return tuple(out)
 
     def apply_removed(
         self,
@@ -373,18 +426,14 @@ class PrefixIndex:
         rep = self._replicas.get(replica)
         if rep is None:
             return
-        seg = self._seg
-        vals = self._vals
+        mine = {rh: 0 for emap in rep.maps.values() for rh in emap.values()}
+        current = self._values_of(mine)
         bit, both = rep.bit, rep.both
         new: dict[int, int] = {}
-        for emap in rep.maps.values():
-            for rh in emap.values():
-                if rh in new:
-                    continue  # a second reference, already cleared
-                sid = seg.get(rh)
-                value = vals[sid] if sid is not None else 0
-                if value & bit:  # held here, so not predicted here: both of its bits go
-                    new[rh] = value ^ both
+        for rh in mine:
+            value = current[rh]
+            if value & bit:  # held here, so not predicted here: both of its bits go
+                new[rh] = value ^ both
         self._entries -= len(new)
         self._apply(new)
         rep.maps = {}
@@ -393,10 +442,7 @@ class PrefixIndex:
     def _release(self, rep: _Replica, hashes: Iterable[int]) -> None:
         """Drop one reference of ``rep`` to each of these blocks (each it holds)."""
         extra = rep.extra
-        seg = self._seg
-        vals = self._vals
-        both = rep.both
-        new: dict[int, int] = {}
+        dropped: list[int] = []
         for rh in hashes:
             n = extra.get(rh)
             if n:
@@ -404,12 +450,17 @@ class PrefixIndex:
                     del extra[rh]
                 else:
                     extra[rh] = n - 1
-                continue
-            value = new.get(rh, -1)
-            if value < 0:
-                value = vals[seg[rh]]
-            new[rh] = value ^ both  # held here, so not predicted here: both of its bits go
-            self._entries -= 1
+            else:
+                dropped.append(rh)
+        if not dropped:
+            return
+        current = self._values_of(dropped)
+        both = rep.both
+        new: dict[int, int] = {}
+        for rh in dropped:
+            # Held here, so not predicted here: both of its bits go.
+            new[rh] = new.get(rh, current[rh]) ^ both
+        self._entries -= len(dropped)
         self._apply(new)
 
     # --- predictions ----------------------------------------------------------------------
@@ -427,16 +478,14 @@ class PrefixIndex:
         rep = self._replica(replica)
         ridx, bit, pbit = rep.index, rep.bit, rep.pbit
         expires = now + ttl_s
-        seg = self._seg
-        vals = self._vals
         exp = self._pred_exp[ridx]
+        current = self._values_of(router_hashes)
         recorded = 0
         new: dict[int, int] = {}
         for rh in router_hashes:
             old = exp.get(rh)
             if old is None:
-                sid = seg.get(rh)
-                value = vals[sid] if sid is not None else 0
+                value = current[rh]
                 if value & bit:
                     continue
                 new[rh] = value | pbit
@@ -450,8 +499,8 @@ class PrefixIndex:
         if recorded:
             self.stats.predicted += recorded
             self._pred_seq += 1
-            # The whole prompt: expiry merges segments along it (a block predicted by another
-            # call with an expiry by then goes in the same purge either way).
+            # The whole prompt, for its order (a block predicted by another call with an expiry
+            # by then goes in the same purge either way).
             heapq.heappush(self._pred_heap, (expires, self._pred_seq, ridx, prompt))
 
     def unpredict(self, replica: str, router_hashes: Sequence[int]) -> int:
@@ -464,173 +513,192 @@ class PrefixIndex:
         if rep is None:
             return 0
         exp = self._pred_exp[rep.index]
-        pbit = rep.pbit
-        seg = self._seg
-        vals = self._vals
-        new: dict[int, int] = {}
-        for rh in router_hashes:
-            if exp.pop(rh, None) is not None:
-                new[rh] = vals[seg[rh]] ^ pbit  # predicted here, so not held here
-        self._pred_count -= len(new)
-        self._apply(new, tuple(router_hashes))
-        return len(new)
+        withdrawn = [rh for rh in router_hashes if exp.pop(rh, None) is not None]
+        self._unpredicted(rep, withdrawn, router_hashes)
+        return len(withdrawn)
 
     def expire(self, now: float) -> int:
         """Drop predictions whose expiry is at or before ``now``; returns how many."""
         heap = self._pred_heap
-        if not heap or heap[0][0] > now:
-            return 0
-        seg = self._seg
-        vals = self._vals
         dropped = 0
         while heap and heap[0][0] <= now:
             _, _, ridx, prompt = heapq.heappop(heap)
             exp = self._pred_exp[ridx]
-            pbit = self._by_index[ridx].pbit
-            new: dict[int, int] = {}
+            due: list[int] = []
             for rh in prompt:
                 e = exp.get(rh)
                 if e is not None and e <= now:  # not superseded, nor renewed beyond now
-                    new[rh] = vals[seg[rh]] ^ pbit  # predicted here, so not held here
                     del exp[rh]
-            dropped += len(new)
-            self._pred_count -= len(new)
-            self._apply(new, prompt)
+                    due.append(rh)
+            self._unpredicted(self._by_index[ridx], due, prompt)
+            dropped += len(due)
         self.stats.expired += dropped
         return dropped
 
-    # --- segments -------------------------------------------------------------------------
+    def _unpredicted(self, rep: _Replica, hashes: list[int], chain: Sequence[int]) -> None:
+        """Clear ``rep``'s predicted bit of these blocks (its predictions of them are gone)."""
+        if not hashes:
+            return
+        current = self._values_of(hashes)
+        pbit = rep.pbit
+        # Predicted here, so not held here; each block once (its expiry entry went once).
+        self._apply({rh: current[rh] ^ pbit for rh in hashes}, chain)
+        self._pred_count -= len(hashes)
+
+    # --- runs -----------------------------------------------------------------------------
 
     def _new_id(self) -> int:
         if self._free_ids:
             return self._free_ids.pop()
-        self._segs.append(())
-        self._vals.append(0)
-        return len(self._segs) - 1
+        self._runs.append(())
+        self._vals.append(())
+        return len(self._runs) - 1
 
-    def _free_id(self, sid: int) -> None:
-        self._segs[sid] = ()
-        self._vals[sid] = 0
-        self._free_ids.append(sid)
+    def _free_id(self, rid: int) -> None:
+        self._runs[rid] = ()
+        self._vals[rid] = ()
+        self._free_ids.append(rid)
+
+    def _values_of(self, hashes: Iterable[int]) -> dict[int, int]:
+        """The current value of each of these blocks (0 if not indexed), and of the other
+        blocks of their runs."""
+        seg = self._seg
+        runs = self._runs
+        vals = self._vals
+        out: dict[int, int] = {}
+        touched: dict[int, None] = {}
+        for rh in hashes:
+            rid = seg.get(rh)
+            if rid is None:
+                out[rh] = 0
+            else:
+                touched[rid] = None
+        for rid in touched:
+            run = runs[rid]
+            out.update(zip(run, _expand(vals[rid], len(run)), strict=True))
+        return out
 
     def _apply(self, new: dict[int, int], chain: Sequence[int] | None = None) -> None:
-        """Give these blocks these values (0: no entry): the segments they are in split where
-        the values now differ (the largest piece keeps its id), blocks new to the index form
-        segments in the order given; then pieces that follow each other in ``chain`` (the
-        operation's blocks, in order) merge if their values are equal."""
+        """Give these blocks these values (0: not indexed any more). Runs change their pieces,
+        and split where blocks leave; blocks new to the index continue the run of the block
+        before them in ``chain`` (the operation's blocks, in order) if it ends there, or make
+        runs of their own."""
         if not new:
             return
         seg = self._seg
-        segs = self._segs
+        runs = self._runs
         vals = self._vals
         low = self._low
-        touched: dict[int, tuple[Segment, int]] = {}
-        fresh: list[tuple[int, int]] = []
-        pred_only = 0
+        touched: dict[int, None] = {}
+        fresh: dict[int, int] = {}
         for rh, value in new.items():
-            sid = seg.get(rh)
-            if sid is None:
-                fresh.append((rh, value))
+            rid = seg.get(rh)
+            if rid is None:
+                if value:
+                    fresh[rh] = value
             else:
-                old = vals[sid]
-                touched[sid] = (segs[sid], old)
-                if not old & low:
-                    pred_only -= 1
-            if value and not value & low:
-                pred_only += 1
-        self._pred_only += pred_only
-        for sid, (blocks, value) in touched.items():
-            self._split(sid, blocks, [new.get(rh, value) for rh in blocks])
+                touched[rid] = None
+        only_predicted = 0
+        for rid in touched:
+            run = runs[rid]
+            old = _expand(vals[rid], len(run))
+            values = [new.get(rh, v) for rh, v in zip(run, old, strict=True)]
+            for before, after in zip(old, values, strict=True):
+                if before is not after:
+                    only_predicted -= not before & low
+                    only_predicted += bool(after) and not after & low
+            if 0 in values:
+                self._split(rid, run, values)
+            else:
+                vals[rid] = _pieces(values)
         if fresh:
-            self._split(None, tuple(rh for rh, _ in fresh), [v for _, v in fresh])
-        if chain is not None:
-            self._merge(chain)
+            only_predicted += sum(not value & low for value in fresh.values())
+            self._place(fresh, chain)
+        self._pred_only += only_predicted
 
-    def _split(self, sid: int | None, blocks: Segment, values: list[int]) -> None:
-        """Store ``blocks`` (in order) with ``values`` as segments of consecutive equal values;
-        ``sid``: their current segment (the largest non-zero piece keeps it), if any."""
+    def _split(self, rid: int, run: Run, values: list[int]) -> None:
+        """Keep the blocks of run ``rid`` whose value is not 0, as runs of consecutive blocks
+        (the longest keeps the id); the others leave the index."""
         seg = self._seg
-        segs = self._segs
+        runs = self._runs
         vals = self._vals
-        runs: list[tuple[int, int]] = []  # (start, end) of the runs
+        parts: list[tuple[int, int]] = []
+        n = len(run)
         start = 0
-        n = len(blocks)
         while start < n:
-            value = values[start]
+            if not values[start]:
+                del seg[run[start]]
+                start += 1
+                continue
             end = start + 1
-            stop = min(n, start + _MAX_SEGMENT)
-            while end < stop and values[end] == value:
+            while end < n and values[end]:
                 end += 1
-            runs.append((start, end))
+            parts.append((start, end))
             start = end
-        keep = None
-        if sid is not None:
-            longest = 0
-            for start, end in runs:
-                if values[start] and end - start > longest:
-                    keep, longest = start, end - start
-            if keep is None:
-                self._free_id(sid)
-        for start, end in runs:
-            value = values[start]
-            piece = blocks[start:end]
-            if start == keep and sid is not None:
-                segs[sid] = piece
-                vals[sid] = value
-            elif value:
+        if not parts:
+            self._free_id(rid)
+            return
+        keep = max(parts, key=lambda part: part[1] - part[0])
+        for start, end in parts:
+            blocks = run[start:end]
+            pieces = _pieces(values[start:end])
+            if (start, end) == keep:
+                runs[rid] = blocks
+                vals[rid] = pieces
+            else:
                 other = self._new_id()
-                segs[other] = piece
-                vals[other] = value
-                seg.update(zip(piece, repeat(other)))
-            else:
-                for rh in piece:
-                    del seg[rh]
+                runs[other] = blocks
+                vals[other] = pieces
+                seg.update(zip(blocks, repeat(other)))
 
-    def _merge(self, chain: Sequence[int]) -> None:
-        """Merge the segments of consecutive ``chain`` blocks where one segment ends with the
-        first block, the next starts with the second, and their values are equal."""
+    def _place(self, fresh: dict[int, int], chain: Sequence[int] | None) -> None:
+        """Index blocks new to the index (with their values), by rows of ``chain``."""
         seg = self._seg
-        segs = self._segs
+        runs = self._runs
         vals = self._vals
-        ids = list(map(seg.get, chain))
-        moved: dict[int, int] = {}  # merged segment id -> the id it went into
-        for p in compress(range(len(ids) - 1), map(ne, ids, islice(ids, 1, None))):
-            a, b = ids[p], ids[p + 1]
-            if a is None or b is None:
-                continue
-            while a in moved:
-                a = moved[a]
-            while b in moved:
-                b = moved[b]
-            first, second = segs[a], segs[b]
-            if (
-                a == b
-                or vals[a] != vals[b]
-                or first[-1] != chain[p]
-                or second[0] != chain[p + 1]
-                or len(first) + len(second) > _MAX_SEGMENT
-            ):
-                continue
-            if len(first) >= len(second):  # remap the smaller one's blocks
-                segs[a] = first + second
-                seg.update(zip(second, repeat(a)))
-                self._free_id(b)
-                moved[b] = a
-            else:
-                segs[b] = first + second
-                seg.update(zip(first, repeat(b)))
-                self._free_id(a)
-                moved[a] = b
+        rows: list[tuple[int | None, list[int]]] = []  # (the block before, the row)
+        seen: set[int] = set()
+        if chain is not None:
+            before: int | None = None
+            row: list[int] | None = None
+            for rh in chain:
+                if rh in fresh and rh not in seen:
+                    seen.add(rh)
+                    if row is None:
+                        row = []
+                        rows.append((before, row))
+                    row.append(rh)
+                else:
+                    row = None
+                before = rh
+        rows += [(None, [rh]) for rh in fresh if rh not in seen]
+        for before, row in rows:
+            for start in range(0, len(row), _MAX_RUN):
+                blocks = tuple(row[start : start + _MAX_RUN])
+                values = [fresh[rh] for rh in blocks]
+                rid = seg.get(before) if before is not None and not start else None
+                if rid is not None:
+                    run = runs[rid]
+                    if run[-1] == before and len(run) + len(blocks) <= _MAX_RUN:
+                        vals[rid] = _joined(vals[rid], len(run), _pieces(values))
+                        runs[rid] = run + blocks
+                        seg.update(zip(blocks, repeat(rid)))
+                        continue
+                rid = self._new_id()
+                runs[rid] = blocks
+                vals[rid] = _pieces(values)
+                seg.update(zip(blocks, repeat(rid)))
 
     # --- queries --------------------------------------------------------------------------
 
     def match(self, router_hashes: Sequence[int], now: float) -> dict[str, PrefixMatch]:
         """Per replica with at least one leading block: its longest contiguous prefix match.
 
-        One dict lookup per segment the request runs through (see the module docstring), a
-        running AND of the segments' values, and the blocks where it loses replicas; it stops
-        at the first block no candidate holds or is predicted to. Predictions that expired by
-        ``now`` are purged first (so time must not run backwards between calls).
+        One dict lookup per run the request goes through (see the module docstring), a running
+        AND of the values of the run pieces it covers, and the blocks where that loses
+        replicas; it stops at the first block no candidate holds or is predicted to.
+        Predictions that expired by ``now`` are purged first (so time must not run backwards
+        between calls).
         """
         if not router_hashes:
             return {}
@@ -640,47 +708,77 @@ class PrefixIndex:
         q = router_hashes if type(router_hashes) is tuple else tuple(router_hashes)
         n = len(q)
         get = self._seg.get
-        segs = self._segs
+        runs = self._runs
         vals = self._vals
-        sid = get(q[0])
-        if sid is None:
+        rid = get(q[0])
+        if rid is None:
             return {}
-        blocks = segs[sid]
+        run = runs[rid]
         ends: list[tuple[int, int]] = []  # (run length, replicas whose runs have it)
-        alive = vals[sid]
+        alive = 0
         i = 0
         while True:
             h = q[i]
-            j = 0 if blocks[0] == h else blocks.index(h)
-            span = len(blocks) - j  # how far the request may follow the segment
+            j = 0 if run[0] == h else run.index(h)
+            span = len(run) - j  # how far the request may follow the run
             if span > n - i:
                 span = n - i
-            if span > 1 and (
-                blocks != q[i : i + span]
-                if span == len(blocks)
-                else blocks[j : j + span] != q[i : i + span]
-            ):
-                lo, hi = 1, span  # the longest equal run: q[i:i+lo] is, q[i:i+hi] is not
+            if span > 1 and run[j + span - 1] != q[i + span - 1]:
+                # Where the request leaves the run, if its hashes chain (a later equal hash
+                # then means equal hashes before it): q[i+lo-1] is the run's, q[i+hi-1] not.
+                lo, hi = 1, span
                 while hi - lo > 1:
                     mid = (lo + hi) >> 1
-                    if blocks[j : j + mid] == q[i : i + mid]:
+                    if run[j + mid - 1] == q[i + mid - 1]:
                         lo = mid
                     else:
                         hi = mid
                 span = lo
+            if span > 1 and (
+                run != q[i : i + span] if span == len(run) else run[j : j + span] != q[i : i + span]
+            ):  # they do not chain: the longest equal stretch, checking whole stretches
+                lo, hi = 1, span
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    if run[j : j + mid] == q[i : i + mid]:
+                        lo = mid
+                    else:
+                        hi = mid
+                span = lo
+            # The pieces over run[j:j + span], from the one that holds j.
+            pieces = vals[rid]
+            end = j + span
+            last = len(pieces) - 1
+            t = 0
+            while t < last and pieces[t + 1] <= j:
+                t += 2
+            at = i  # where the piece starts in the request
+            while True:
+                value = pieces[t]
+                if at:
+                    kept = alive & value
+                    if kept != alive:
+                        ends.append(
+                            (at, alive ^ kept)
+                        )  # no ~: bitwise ops on negative ints are slow
+                        alive = kept
+                        if not alive:
+                            break
+                else:
+                    alive = value
+                if t == last or pieces[t + 1] >= end:
+                    break
+                at = i + pieces[t + 1] - j
+                t += 2
+            if not alive:
+                break
             i += span
             if i == n:
                 break
-            sid = get(q[i])
-            if sid is None:
+            rid = get(q[i])
+            if rid is None:
                 break
-            blocks = segs[sid]
-            kept = alive & vals[sid]
-            if kept != alive:
-                ends.append((i, alive ^ kept))  # no ~: bitwise ops on negative ints are slow
-                alive = kept
-                if not alive:
-                    break
+            run = runs[rid]
         if alive:
             ends.append((i, alive))
         names = self._names
@@ -688,7 +786,7 @@ class PrefixIndex:
         low = self._low
         shift = self._shift
         same = self._same
-        while len(same) <= i:
+        while len(same) <= ends[-1][0]:  # ends is not empty: the first block is indexed
             same.append(PrefixMatch(len(same), len(same)))
         out: dict[str, PrefixMatch] = {}
         confirmed: dict[int, int] = {}
@@ -715,11 +813,48 @@ class PrefixIndex:
 
     def replicas_holding(self, router_hash: int) -> frozenset[str]:
         """Replicas that hold this block according to events (predictions not included)."""
-        sid = self._seg.get(router_hash)
-        mask = self._vals[sid] & self._low if sid is not None else 0
+        rid = self._seg.get(router_hash)
+        mask = 0
+        if rid is not None:
+            pieces = self._vals[rid]
+            at = self._runs[rid].index(router_hash)
+            t = 0
+            while t < len(pieces) - 1 and pieces[t + 1] <= at:
+                t += 2
+            mask = pieces[t] & self._low
         names = []
         while mask:
             top = mask.bit_length() - 1
             names.append(self._names[top])
             mask ^= self._bits[top]
         return frozenset(names)
+
+
+def _expand(pieces: Pieces, n: int) -> list[int]:
+    """The value of each of the ``n`` blocks of a run, from its pieces."""
+    values: list[int] = []
+    start = 0
+    value = pieces[0]
+    for t in range(1, len(pieces), 2):
+        values.extend(repeat(value, pieces[t] - start))
+        start = pieces[t]
+        value = pieces[t + 1]
+    values.extend(repeat(value, n - start))
+    return values
+
+
+def _pieces(values: list[int]) -> Pieces:
+    """The pieces of a run whose blocks have these values."""
+    out = [values[0]]
+    for start in compress(range(1, len(values)), map(ne, values, islice(values, 1, None))):
+        out.append(start)
+        out.append(values[start])
+    return tuple(out)
+
+
+def _joined(pieces: Pieces, n: int, more: Pieces) -> Pieces:
+    """The pieces of a run of ``n`` blocks followed by the blocks of ``more``'s run."""
+    shifted = [x + n if t % 2 else x for t, x in enumerate(more)]
+    if pieces[-1] == more[0]:
+        return (*pieces, *shifted[1:])
+    return (*pieces, n, *shifted)

@@ -321,12 +321,44 @@ def test_match_equals_brute_force_model_many_replicas() -> None:
     check_against_model(events, queries, steps, replicas)
 
 
-def test_match_equals_brute_force_model_tiny_segments(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Segments of at most 2 blocks and values re-encoded from the 5th replica on: the index's
-    # splitting, merging and re-encoding paths, against the same model.
-    monkeypatch.setattr(prefix_index, "_MAX_SEGMENT", 2)
+def test_match_equals_brute_force_model_short_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Runs of at most 2 blocks and values re-encoded from the 5th replica on: more of the
+    # index's run splitting, joining and re-encoding, against the same model.
+    monkeypatch.setattr(prefix_index, "_MAX_RUN", 2)
     monkeypatch.setattr(prefix_index, "_MIN_SHIFT", 4)
     test_match_equals_brute_force_model_many_replicas()
+
+
+def test_match_is_exact_for_requests_that_are_not_chains() -> None:
+    # match skips along stored runs of blocks by comparing hashes; a request need not be a
+    # chain: shuffled, repeated and unknown hashes get exactly the per-block answer.
+    rng = random.Random(5)
+    idx = PrefixIndex()
+    docs = [toks(12, 1000 * d) for d in range(4)]
+    for r in range(6):
+        for d, doc in enumerate(docs):
+            depth = rng.randint(1, 12)
+            ehs = [r * 10_000 + d * 100 + i for i in range(depth)]
+            idx.apply_stored(f"r{r}", ehs[:5], None, doc[: BS * min(5, depth)], BS)
+            if depth > 5:
+                idx.apply_stored(f"r{r}", ehs[5:], ehs[4], doc[5 * BS : depth * BS], BS)
+        if r % 2:
+            idx.apply_removed(f"r{r}", [r * 10_000 + 3])  # a hole in one chain
+    known = [h for doc in docs for h in block_hashes(doc, BS)]
+    for _ in range(300):
+        q = known[: rng.randint(1, len(known))]
+        if rng.random() < 0.5:
+            q = [rng.choice(known) for _ in range(rng.randint(1, 30))]
+        elif rng.random() < 0.5:
+            q = [*q[:5], 12345, *q[5:]]
+        expected = {}
+        for name in idx.replicas:
+            n = 0
+            while n < len(q) and name in idx.replicas_holding(q[n]):
+                n += 1
+            if n:
+                expected[name] = PrefixMatch(n, n)
+        assert idx.match(q, 0.0) == expected
 
 
 def check_against_model(
