@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .argtypes import non_negative_int, positive_int
 from .index_bench import add_index_bench
 from .prefix import add_prefix_bench
 from .tokenize_bench import add_tokenize_bench
@@ -17,20 +18,6 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_index_bench(bench_sub)
     add_prefix_bench(bench_sub)
     add_tokenize_bench(bench_sub)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
 
 
 def _target_list(text: str) -> tuple[str, ...]:
@@ -63,22 +50,22 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         ),
     )
     p.add_argument(
-        "--concurrency", type=_positive_int, default=32, help="Open connections (default 32)."
+        "--concurrency", type=positive_int, default=32, help="Open connections (default 32)."
     )
     p.add_argument(
         "--duration",
-        type=_positive_int,
+        type=positive_int,
         default=10,
         help="Measured seconds per target, after warmup (default 10).",
     )
     p.add_argument(
         "--warmup",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=2,
         help="Unmeasured seconds of the same load before each target's measurement (default 2).",
     )
     p.add_argument(
-        "--upstreams", type=_positive_int, default=2, help="Stub upstreams to start (default 2)."
+        "--upstreams", type=positive_int, default=2, help="Stub upstreams to start (default 2)."
     )
     p.add_argument(
         "--targets",
@@ -95,7 +82,7 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="Load generator: wrk if installed (auto, the default), wrk, or the built-in "
         "asyncio client.",
     )
-    p.add_argument("--threads", type=_positive_int, default=2, help="wrk threads (default 2).")
+    p.add_argument("--threads", type=positive_int, default=2, help="wrk threads (default 2).")
     p.add_argument(
         "--model", default="stub-model", help="Model name the stubs serve and requests ask for."
     )

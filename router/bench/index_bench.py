@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..block_hashing import block_hashes
 from ..prefix_index import PrefixIndex
+from .argtypes import fraction, non_negative_int, positive_int
 
 MD_HEADER = (
     "# Benchmarks\n\n"
@@ -279,27 +280,6 @@ def record(path: Path, section: str) -> None:
 # --- CLI ---------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
-    return value
-
-
 def add_index_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``kvroute bench index`` on the ``bench`` subparsers."""
     d = Options()
@@ -317,46 +297,46 @@ def add_index_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--entries",
-        type=_positive_int,
+        type=positive_int,
         default=d.entries,
         help=f"(block, replica) entries to index (default {d.entries:,}).",
     )
     p.add_argument(
-        "--replicas", type=_positive_int, default=d.replicas, help="Replicas (default 200)."
+        "--replicas", type=positive_int, default=d.replicas, help="Replicas (default 200)."
     )
     p.add_argument(
-        "--block-size", type=_positive_int, default=d.block_size, help="Tokens per block (16)."
+        "--block-size", type=positive_int, default=d.block_size, help="Tokens per block (16)."
     )
     p.add_argument(
         "--chain-blocks",
-        type=_positive_int,
+        type=positive_int,
         default=d.chain_blocks,
         help="Blocks per prompt, stored and looked up (default 128).",
     )
     p.add_argument(
         "--event-blocks",
-        type=_positive_int,
+        type=positive_int,
         default=d.event_blocks,
         help="Blocks per BlockStored event (default 16).",
     )
     p.add_argument(
         "--shared",
-        type=_fraction,
+        type=fraction,
         default=d.shared,
         help="Fraction of each replica's chains taken from the hot pool (default 0.5).",
     )
     p.add_argument(
         "--copies",
-        type=_positive_int,
+        type=positive_int,
         default=d.copies,
         help="Mean replicas holding each hot prompt (default 20).",
     )
     p.add_argument(
-        "--lookups", type=_positive_int, default=d.lookups, help="Timed lookups (default 2000)."
+        "--lookups", type=positive_int, default=d.lookups, help="Timed lookups (default 2000)."
     )
     p.add_argument(
         "--predictions",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=d.predictions,
         help="Lookup prompts also predicted on a random replica (default 500).",
     )

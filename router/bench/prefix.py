@@ -34,9 +34,17 @@ from pathlib import Path
 
 import aiohttp
 
+from backends.launcher import (
+    DEFAULT_TINY_MODEL_DIR,
+    LaunchedFleet,
+    LaunchedReplica,
+    LaunchSpec,
+    ensure_tiny_model,
+)
 from simulator.workload import Conversation, multi_tenant_chat
 
 from . import processes
+from .argtypes import positive_int
 from .chat_load import (
     RunResult,
     percentile,
@@ -128,9 +136,9 @@ def kv_blocks_for(options: Options, system_prompt_tokens: int) -> int:
 
 
 @contextlib.contextmanager
-def running_fleet(options: Options, kv_blocks: int, log_dir: Path) -> Iterator[list]:  # type: ignore[type-arg]
-    from backends.launcher import LaunchedFleet, LaunchSpec
-
+def running_fleet(
+    options: Options, kv_blocks: int, log_dir: Path
+) -> Iterator[list[LaunchedReplica]]:
     spec = LaunchSpec(
         engine="vllm", count=options.replicas, model=MODEL, model_path=None, tokenizer=None,
         block_size=BLOCK_SIZE, num_gpu_blocks=kv_blocks, max_num_seqs=16, preset="",
@@ -150,13 +158,11 @@ def running_fleet(options: Options, kv_blocks: int, log_dir: Path) -> Iterator[l
 
 
 def router_argv(
-    target: Target, replicas: list, port: int, metrics_port: int, exe: str
-) -> tuple[list[str], str]:  # type: ignore[type-arg]
+    target: Target, replicas: list[LaunchedReplica], port: int, metrics_port: int, exe: str
+) -> tuple[list[str], str]:
     """The command line that starts ``target`` in front of the replicas, and its ready path."""
     urls = [r.url for r in replicas]
     if target.router == "kvroute":
-        from backends.launcher import DEFAULT_TINY_MODEL_DIR
-
         argv = [*kvroute_argv(), "serve", "--host", HOST, "--port", str(port)]
         argv += [
             "--policy",
@@ -192,9 +198,9 @@ def router_argv(
 @contextlib.contextmanager
 def running_router(
     target: Target,
-    replicas: list,
+    replicas: list[LaunchedReplica],
     options: Options,
-    log_dir: Path,  # type: ignore[type-arg]
+    log_dir: Path,
 ) -> Iterator[str | None]:
     """Start the target's router, yield its base URL (None for the oracle), stop it after."""
     if target.router == "oracle":
@@ -222,7 +228,7 @@ async def run_target(
     http: aiohttp.ClientSession,
     target: Target,
     base: str | None,
-    replicas: list,  # type: ignore[type-arg]
+    replicas: list[LaunchedReplica],
     conversations: Sequence[Conversation],
     options: Options,
 ) -> RunResult:
@@ -259,7 +265,6 @@ def no_reuse_workload(options: Options) -> list[Conversation]:
 
 
 def run_bench(options: Options) -> Outcome:
-    from backends.launcher import ensure_tiny_model
     from router.tokenization import HFTokenizerFiles
 
     conversations = multi_tenant_chat(
@@ -300,7 +305,7 @@ def run_bench(options: Options) -> Outcome:
 
 def _run_one(
     target: Target,
-    replicas: list,  # type: ignore[type-arg]
+    replicas: list[LaunchedReplica],
     conversations: Sequence[Conversation],
     options: Options,
     log_dir: Path,
@@ -426,19 +431,23 @@ def add_prefix_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     d = Options()
-    p.add_argument("--replicas", type=int, default=d.replicas)
-    p.add_argument("--tenants", type=int, default=d.tenants)
-    p.add_argument("--conversations", type=int, default=d.conversations, help="Per tenant.")
-    p.add_argument("--turns", type=int, default=d.turns, help="User turns per conversation.")
-    p.add_argument("--system-words", type=int, default=d.system_words)
-    p.add_argument("--user-words", type=int, default=d.user_words)
-    p.add_argument("--concurrency", type=int, default=d.concurrency)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--replicas", type=positive_int, default=d.replicas)
+    p.add_argument("--tenants", type=positive_int, default=d.tenants)
     p.add_argument(
-        "--kv-blocks", type=int, default=None,
+        "--conversations", type=positive_int, default=d.conversations, help="Per tenant."
+    )
+    p.add_argument(
+        "--turns", type=positive_int, default=d.turns, help="User turns per conversation."
+    )
+    p.add_argument("--system-words", type=positive_int, default=d.system_words)
+    p.add_argument("--user-words", type=positive_int, default=d.user_words)
+    p.add_argument("--concurrency", type=positive_int, default=d.concurrency)
+    p.add_argument("--max-tokens", type=positive_int, default=d.max_tokens)
+    p.add_argument(
+        "--kv-blocks", type=positive_int, default=None,
         help="KV blocks per replica (default: about two tenants' worth, so eviction matters).",
     )  # fmt: skip
-    p.add_argument("--no-reuse-requests", type=int, default=d.no_reuse_requests)
+    p.add_argument("--no-reuse-requests", type=positive_int, default=d.no_reuse_requests)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--targets",
@@ -458,10 +467,6 @@ def _cmd_prefix(args: argparse.Namespace) -> int:
     if unknown:
         print(f"kvroute bench prefix: unknown target {unknown[0]!r}", file=sys.stderr)
         return 2
-    for key in ("replicas", "tenants", "conversations", "turns", "concurrency", "max_tokens"):
-        if getattr(args, key) < 1:
-            print(f"kvroute bench prefix: --{key.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
     options = Options(
         replicas=args.replicas,
         tenants=args.tenants,

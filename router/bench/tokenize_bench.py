@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..prompt_tokenizer import PromptTokenizer
+from .argtypes import positive_int
 
 WORDS = [
     "the",
@@ -125,8 +126,8 @@ def add_tokenize_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="HF tokenizer directory, or 'builtin' (default: the tiny test model's).",
     )
     p.add_argument("--lengths", default="1000,10000,100000,400000", help="Prompt lengths (chars).")
-    p.add_argument("--concurrent", type=int, default=4, help="Prompts tokenized at once.")
-    p.add_argument("--processes", type=int, default=1, help="Tokenizer worker processes.")
+    p.add_argument("--concurrent", type=positive_int, default=4, help="Prompts tokenized at once.")
+    p.add_argument("--processes", type=positive_int, default=1, help="Tokenizer worker processes.")
     p.add_argument("--output-md", default="BENCHMARKS.md")
     p.add_argument("--no-record", action="store_true")
     p.set_defaults(func=_cmd_tokenize)
@@ -143,9 +144,9 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"kvroute bench tokenize: --lengths: not integers: {args.lengths!r}", file=sys.stderr)
         return 2
-    if not lengths or min(lengths) < 1 or args.concurrent < 1 or args.processes < 1:
+    if not lengths or min(lengths) < 1:
         print(
-            "kvroute bench tokenize: lengths, --concurrent, --processes must be >= 1",
+            "kvroute bench tokenize: --lengths must be positive integers",
             file=sys.stderr,
         )
         return 2
