@@ -48,15 +48,8 @@ class Router:
         # Which replica holds which prefix blocks: the replicas' own KV events, plus
         # predictions for requests just routed (all a replica without events has).
         self.index = PrefixIndex()
-        self.tokenizer: PromptTokenizer | None = None
-        if routing.tokenizer:
-            try:
-                self.tokenizer = PromptTokenizer(
-                    routing.tokenizer, routing.tokenize_inline_chars, routing.tokenizer_processes
-                )
-            except TokenizerError as exc:
-                # Checked at config load when given; a launched model directory may lack one.
-                log.warning("no router-side tokenization (routing on load alone): %s", exc)
+        # Checked at config load when given; a launched model directory may lack one.
+        self.tokenizer = self._load_tokenizer(routing.tokenizer) if routing.tokenizer else None
         self._scraped_block_size: int | None = None
         self._block_size_warned = False
         self.kv_events = KVEventSubscribers(self.index)
@@ -141,23 +134,26 @@ class Router:
         if self._client is not None:
             self._client.close()
 
+    def _load_tokenizer(self, spec: str) -> PromptTokenizer | None:
+        routing = self.config.routing
+        try:
+            return PromptTokenizer(spec, routing.tokenize_inline_chars, routing.tokenizer_processes)
+        except TokenizerError as exc:
+            log.warning("cannot use the tokenizer at %s (routing on load alone): %s", spec, exc)
+            return None
+
     def _discover_tokenizer(self) -> None:
         """No tokenizer configured: use the model directory a replica on this host reports.
 
         vLLM lists the path it loaded the model from as ``root`` in /v1/models; when that is a
         local directory with tokenizer files, it is exactly the tokenizer the replica uses.
         """
-        routing = self.config.routing
         for roots in self.prober.model_roots.values():
             for root in roots:
                 if not (Path(root) / "tokenizer.json").is_file():
                     continue
-                try:
-                    self.tokenizer = PromptTokenizer(
-                        root, routing.tokenize_inline_chars, routing.tokenizer_processes
-                    )
-                except TokenizerError as exc:
-                    log.warning("cannot use the tokenizer at %s: %s", root, exc)
+                self.tokenizer = self._load_tokenizer(root)
+                if self.tokenizer is None:
                     continue
                 self.tokenizer.start()
                 log.info("tokenizing prompts with the tokenizer in %s (from /v1/models)", root)
