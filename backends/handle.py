@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from health.breaker import BreakerSettings, CircuitBreaker
 from policies import ReplicaState
 
 
@@ -13,8 +14,11 @@ class ReplicaHandle:
     base_url: str
     # Position in the fleet; indexes shared per-replica tables such as the load board.
     index: int
+    breaker_settings: BreakerSettings = field(default_factory=BreakerSettings)
     state: ReplicaState = field(init=False)
+    breaker: CircuitBreaker = field(init=False)
 
     def __post_init__(self) -> None:
+        self.breaker = CircuitBreaker(self.breaker_settings)
         # Unknown until the first probe passes: no traffic to a replica not known to be up.
         self.state = ReplicaState(replica_id=self.name, healthy=False)

@@ -19,6 +19,8 @@ class ReplicaState:
 
     replica_id: str
     healthy: bool = True
+    # Taken out of rotation by its circuit breaker (failing or stalled live traffic).
+    ejected: bool = False
     # Models the replica serves; None until known (then it is eligible for any model).
     models: frozenset[str] | None = None
     # The router's own accounting, updated at every dispatch and completion.
@@ -69,7 +71,9 @@ class FleetView:
         return [
             r
             for r in self.replicas
-            if r.healthy and (model is None or r.models is None or model in r.models)
+            if r.healthy
+            and not r.ejected
+            and (model is None or r.models is None or model in r.models)
         ]
 
 

@@ -7,6 +7,7 @@ Every problem is reported as one ``ConfigError`` naming the key path and the rea
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -71,16 +72,78 @@ class PolicyConfig(_Section):
 
 class TimeoutsConfig(_Section):
     connect_s: float = 5.0
-    # Longest wait for the first byte of a replica's response (covers queueing and prefill).
-    first_byte_s: float = 600.0
+    # A streamed request's response headers, which vLLM sends as soon as it accepts the request
+    # (before queueing and prefill). A replica that sends nothing in time is stalled: the request
+    # goes to another replica and the stalled one is ejected.
+    first_byte_s: float = 15.0
+    # A stream's first token (queueing + prefill), or a whole non-streamed answer.
+    first_token_s: float = 600.0
     # Longest silence between two chunks of a replica's response.
     idle_s: float = 600.0
+    # Whole request, retries and resumed streams included; 0 = no limit.
+    total_s: float = 1800.0
+    # A client connection that completes no request for this long is closed: idle keep-alive
+    # connections and clients that send their headers too slowly.
+    client_idle_s: float = 60.0
+    # Longest time to receive a request body once its headers are in (slow clients get 408).
+    client_body_s: float = 30.0
+
+
+class RetryConfig(_Section):
+    """Trying another replica when one fails before its answer reaches the client."""
+
+    # Replicas tried per request (1 = no retries): connect errors, timeouts, 5xx and 429.
+    max_attempts: int = 3
+    # Wait before retry k: a random fraction of min(backoff_max_s, backoff_base_s * 2**(k-1)).
+    backoff_base_s: float = 0.025
+    backoff_max_s: float = 1.0
+    # No new attempt starts later than this after the request arrived.
+    budget_s: float = 30.0
+    # A stream that breaks after tokens were sent continues on another replica (prompt plus the
+    # text already sent), spliced into the same client stream.
+    resume_streams: bool = True
+    max_resumes: int = 2
+
+
+class BreakerConfig(_Section):
+    """Per-replica circuit breaker: passive outlier detection from live traffic."""
+
+    enabled: bool = True
+    consecutive_failures: int = 5
+    # Or: at least min_requests outcomes in window_s, failure_rate of them failures.
+    failure_rate: float = 0.5
+    min_requests: int = 20
+    window_s: float = 10.0
+    # Ejection time; doubles with each consecutive ejection, up to max_cooldown_s.
+    cooldown_s: float = 5.0
+    max_cooldown_s: float = 60.0
+    # Half-open: trial requests at a time, and successes needed to close.
+    half_open_requests: int = 1
+    close_after_successes: int = 2
 
 
 class LimitsConfig(_Section):
     max_body_bytes: int = 8 * 1024 * 1024
-    # 0 means no limit.
+    # Requests handled at once; 0 means no limit. Above it, up to max_queued_requests wait
+    # (at most queue_timeout_s) for a slot; beyond that, 429 with Retry-After.
     max_concurrent_requests: int = 0
+    max_queued_requests: int = 0
+    queue_timeout_s: float = 30.0
+
+
+class AuthConfig(_Section):
+    """Bearer keys. A value "env:NAME" is read from the environment variable NAME."""
+
+    # Keys clients must present (Authorization: Bearer KEY) on /v1/*; empty = open.
+    api_keys: list[str] = msgspec.field(default_factory=list)
+    # Key for /metrics and /admin/*; null = those are open (admin endpoints then only listen
+    # to loopback clients).
+    admin_api_key: str | None = None
+
+
+class ShutdownConfig(_Section):
+    # On SIGTERM: stop accepting, let in-flight requests finish this long, then exit.
+    drain_timeout_s: float = 30.0
 
 
 class HealthConfig(_Section):
@@ -126,7 +189,11 @@ class Config(_Section):
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
+    retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
+    breaker: BreakerConfig = msgspec.field(default_factory=BreakerConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     # Add X-Kvroute-Replica and X-Kvroute-Reason to every routed response.
@@ -214,18 +281,34 @@ def validate(config: Config) -> None:
             raise ConfigError(f"models[{i}]: must not be empty")
     _validate_routing(config.routing)
     for section, fields in (
-        ("timeouts", ("connect_s", "first_byte_s", "idle_s")),
+        (
+            "timeouts",
+            ("connect_s", "first_byte_s", "first_token_s", "idle_s", "client_idle_s"),
+        ),
+        ("timeouts", ("client_body_s",)),
         ("health", ("interval_s", "timeout_s")),
         ("routing", ("scrape_interval_s",)),
+        ("retry", ("budget_s", "backoff_max_s")),
+        ("breaker", ("window_s", "cooldown_s", "max_cooldown_s")),
+        ("limits", ("queue_timeout_s",)),
+        ("shutdown", ("drain_timeout_s",)),
     ):
         for field in fields:
             value = getattr(getattr(config, section), field)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{section}.{field}: must be a finite number > 0, got {value}")
+    for section, field in (("timeouts", "total_s"), ("retry", "backoff_base_s")):
+        value = getattr(getattr(config, section), field)
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{section}.{field}: must be a finite number >= 0, got {value}")
     if config.limits.max_body_bytes <= 0:
         raise ConfigError(f"limits.max_body_bytes: must be > 0, got {config.limits.max_body_bytes}")
-    if config.limits.max_concurrent_requests < 0:
-        raise ConfigError("limits.max_concurrent_requests: must be >= 0 (0 means no limit)")
+    for field in ("max_concurrent_requests", "max_queued_requests"):
+        if getattr(config.limits, field) < 0:
+            raise ConfigError(f"limits.{field}: must be >= 0 (0 means none)")
+    _validate_retry(config.retry)
+    _validate_breaker(config.breaker)
+    _validate_auth(config.auth)
     if config.health.unhealthy_after < 1:
         raise ConfigError(
             f"health.unhealthy_after: must be >= 1, got {config.health.unhealthy_after}"
@@ -240,6 +323,47 @@ def validate(config: Config) -> None:
 
 
 ENGINES = ("emulated", "vllm")
+
+
+def _validate_retry(retry: RetryConfig) -> None:
+    if not 1 <= retry.max_attempts <= 10:
+        raise ConfigError(f"retry.max_attempts: must be 1-10, got {retry.max_attempts}")
+    if not 0 <= retry.max_resumes <= 10:
+        raise ConfigError(f"retry.max_resumes: must be 0-10, got {retry.max_resumes}")
+
+
+def _validate_breaker(breaker: BreakerConfig) -> None:
+    for field in ("consecutive_failures", "min_requests", "half_open_requests"):
+        if getattr(breaker, field) < 1:
+            raise ConfigError(f"breaker.{field}: must be >= 1, got {getattr(breaker, field)}")
+    if breaker.close_after_successes < 1:
+        raise ConfigError(
+            f"breaker.close_after_successes: must be >= 1, got {breaker.close_after_successes}"
+        )
+    if not 0 < breaker.failure_rate <= 1:
+        raise ConfigError(f"breaker.failure_rate: must be in (0, 1], got {breaker.failure_rate}")
+    if breaker.max_cooldown_s < breaker.cooldown_s:
+        raise ConfigError("breaker.max_cooldown_s: must be >= breaker.cooldown_s")
+
+
+def _validate_auth(auth: AuthConfig) -> None:
+    for i, key in enumerate(auth.api_keys):
+        resolve_secret(key, f"auth.api_keys[{i}]")
+    if auth.admin_api_key is not None:
+        resolve_secret(auth.admin_api_key, "auth.admin_api_key")
+
+
+def resolve_secret(value: str, key: str) -> str:
+    """A key as written, or read from the environment when written as "env:NAME"."""
+    if value.startswith("env:"):
+        name = value[4:]
+        secret = os.environ.get(name, "")
+        if not secret:
+            raise ConfigError(f"{key}: environment variable {name!r} is not set or empty")
+        return secret
+    if len(value) < 8:
+        raise ConfigError(f"{key}: too short to be a key (at least 8 characters)")
+    return value
 
 
 def _validate_routing(routing: RoutingConfig) -> None:

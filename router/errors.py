@@ -83,11 +83,39 @@ def upstream_unavailable(retry_after_s: int) -> ApiError:
     )
 
 
-def too_many_requests(limit: int) -> ApiError:
+def too_many_requests(limit: int, retry_after_s: int = 1) -> ApiError:
     return ApiError(
         429,
-        f"The router is at its limit of {limit} concurrent requests.",
+        f"The router is at its limit of {limit} concurrent requests and its queue is full.",
         error_type="rate_limit_error",
         code="too_many_requests",
-        headers={"Retry-After": "1"},
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def unauthorized(missing: bool) -> ApiError:
+    what = "No API key was given" if missing else "The API key is not valid"
+    return ApiError(
+        401,
+        f"{what}: send Authorization: Bearer <key>.",
+        error_type="authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def forbidden(message: str) -> ApiError:
+    return ApiError(403, message, error_type="permission_error", code="forbidden")
+
+
+def request_timeout(what: str) -> ApiError:
+    return ApiError(408, f"{what} took too long.", code="request_timeout")
+
+
+def gateway_timeout(limit_s: float) -> ApiError:
+    return ApiError(
+        504,
+        f"The request did not finish within the router's limit of {limit_s:g}s.",
+        error_type="upstream_error",
+        code="timeout",
     )

@@ -55,8 +55,12 @@ class RouterMetrics:
         kv_sources: Callable[[], Mapping[tuple[str, str], SubscriberStats]] = dict,
         index_entries: Callable[[], int] = lambda: 0,
         replica_reports: Callable[[], Mapping[str, ReplicaReport]] = dict,
+        breaker_states: Callable[[], Mapping[str, str]] = dict,
+        admission: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self._replicas = replicas
+        self.breaker_states = breaker_states
+        self.admission = admission
         self.replica_reports = replica_reports
         self.kv_sources = kv_sources
         self.index_entries = index_entries
@@ -68,6 +72,12 @@ class RouterMetrics:
         self.rejected: dict[tuple[int, str], int] = {}
         # (replica, kind) -> count
         self.upstream_errors: dict[tuple[str, str], int] = {}
+        # (kind,) -> count: "retry" (before the first byte) or "resume" (a broken stream)
+        self.retries: dict[tuple[str], int] = {}
+        # (outcome,) -> count: resumed, failed, impossible, completed
+        self.resumes: dict[tuple[str], int] = {}
+        # (replica, kind) -> count
+        self.ejections: dict[tuple[str, str], int] = {}
         self.time_to_first_byte: dict[str, _Histogram] = {}
         self.duration: dict[str, _Histogram] = {}
         # replica -> prompt tokens routed there, and of those, tokens the index said it held.
@@ -101,6 +111,16 @@ class RouterMetrics:
         key = (replica, kind)
         self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
 
+    def observe_retry(self, kind: str) -> None:
+        self.retries[(kind,)] = self.retries.get((kind,), 0) + 1
+
+    def observe_resume(self, outcome: str) -> None:
+        self.resumes[(outcome,)] = self.resumes.get((outcome,), 0) + 1
+
+    def observe_ejection(self, replica: str, kind: str) -> None:
+        key = (replica, kind)
+        self.ejections[key] = self.ejections.get(key, 0) + 1
+
     def replicas(self) -> Iterable[ReplicaState]:
         return self._replicas()
 
@@ -110,6 +130,9 @@ class RouterMetrics:
             "requests": [[*k, v] for k, v in self.requests.items()],
             "rejected": [[*k, v] for k, v in self.rejected.items()],
             "upstream_errors": [[*k, v] for k, v in self.upstream_errors.items()],
+            "retries": [[*k, v] for k, v in self.retries.items()],
+            "resumes": [[*k, v] for k, v in self.resumes.items()],
+            "ejections": [[*k, v] for k, v in self.ejections.items()],
             "prompt_tokens": [[k, v] for k, v in self.prompt_tokens.items()],
             "predicted_hit_tokens": [[k, v] for k, v in self.predicted_hit_tokens.items()],
             "ttfb": {r: [h.counts, h.total] for r, h in self.time_to_first_byte.items()},
@@ -121,6 +144,9 @@ class RouterMetrics:
         requests = dict(self.requests)
         rejected = dict(self.rejected)
         upstream_errors = dict(self.upstream_errors)
+        retries: dict[Any, int] = dict(self.retries)
+        resumes: dict[Any, int] = dict(self.resumes)
+        ejections: dict[Any, int] = dict(self.ejections)
         prompt_tokens: dict[Any, int] = {(k,): v for k, v in self.prompt_tokens.items()}
         predicted: dict[Any, int] = {(k,): v for k, v in self.predicted_hit_tokens.items()}
         ttfb = {r: _Histogram(list(h.counts), h.total) for r, h in self.time_to_first_byte.items()}
@@ -130,6 +156,9 @@ class RouterMetrics:
                 (requests, peer["requests"]),
                 (rejected, peer["rejected"]),
                 (upstream_errors, peer["upstream_errors"]),
+                (retries, peer.get("retries", [])),
+                (resumes, peer.get("resumes", [])),
+                (ejections, peer.get("ejections", [])),
                 (prompt_tokens, peer["prompt_tokens"]),
                 (predicted, peer["predicted_hit_tokens"]),
             ):
@@ -145,6 +174,9 @@ class RouterMetrics:
             "requests": requests,
             "rejected": rejected,
             "upstream_errors": upstream_errors,
+            "retries": retries,
+            "resumes": resumes,
+            "ejections": ejections,
             "prompt_tokens": {k[0]: v for k, v in prompt_tokens.items()},
             "predicted_hit_tokens": {k[0]: v for k, v in predicted.items()},
             "ttfb": ttfb,
@@ -185,6 +217,7 @@ class _Collector(Collector):
         for (replica, kind), count in merged["upstream_errors"].items():
             errors.add_metric([replica, kind], count)
         yield errors
+        yield from _reliability_families(m, merged)
 
         for name, doc, histograms in (
             (
@@ -225,6 +258,57 @@ class _Collector(Collector):
         yield healthy
         yield from _prefix_hit_families(m, merged)
         yield from _kv_event_families(m)
+
+
+def _reliability_families(
+    m: RouterMetrics, merged: Snapshot
+) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+    retries = CounterMetricFamily(
+        "kvroute_retries",
+        "Extra attempts: 'retry' (another replica before the first byte reached the client) "
+        "or 'resume' (continuing a broken stream).",
+        labels=["kind"],
+    )
+    for (kind,), count in merged["retries"].items():
+        retries.add_metric([kind], count)
+    yield retries
+    resumes = CounterMetricFamily(
+        "kvroute_stream_resumes",
+        "Streams that broke after tokens were sent, by outcome (resumed, failed: no replica "
+        "could continue it, impossible: the request cannot be continued, completed).",
+        labels=["outcome"],
+    )
+    for (outcome,), count in merged["resumes"].items():
+        resumes.add_metric([outcome], count)
+    yield resumes
+    ejections = CounterMetricFamily(
+        "kvroute_replica_ejections",
+        "Times a replica's circuit breaker opened, by the failure that opened it.",
+        labels=["replica", "kind"],
+    )
+    for (replica, kind), count in merged["ejections"].items():
+        ejections.add_metric([replica, kind], count)
+    yield ejections
+    state = GaugeMetricFamily(
+        "kvroute_replica_breaker_state",
+        "1 for the state each replica's circuit breaker is in (this worker's view).",
+        labels=["replica", "state"],
+    )
+    for replica, current in m.breaker_states().items():
+        for name in ("closed", "open", "half_open"):
+            state.add_metric([replica, name], 1.0 if name == current else 0.0)
+    yield state
+    active, queued = m.admission()
+    admitted = GaugeMetricFamily(
+        "kvroute_active_requests", "Client requests being handled (this worker)."
+    )
+    admitted.add_metric([], active)
+    yield admitted
+    waiting = GaugeMetricFamily(
+        "kvroute_queued_requests", "Client requests waiting for a slot (this worker)."
+    )
+    waiting.add_metric([], queued)
+    yield waiting
 
 
 def _prefix_hit_families(

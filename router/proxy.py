@@ -1,8 +1,9 @@
 """Forward one request to one replica and relay its answer to the client.
 
 Bodies go out as received and come back as received: non-streamed answers are read whole
-(they are small JSON), streamed ones are relayed chunk by chunk as they arrive. Nothing is
-re-serialised on the way through.
+(they are small JSON), streamed ones are relayed as they arrive. A stream that may be resumed
+elsewhere goes through a ``StreamTranscript`` (router/resume.py), which forwards whole SSE
+events only and remembers what was sent; other streams are relayed chunk by chunk untouched.
 """
 
 from __future__ import annotations
@@ -11,33 +12,47 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 
+from .resume import StreamTranscript
 from .upstream_client import HOP_BY_HOP, UpstreamClient, UpstreamError, UpstreamResponse
 
-_SSE_ERROR = (
-    'data: {{"error": {{"message": "{message}", "type": "upstream_error", '
-    '"param": null, "code": "stream_broken"}}}}\n\ndata: [DONE]\n\n'
-)
+
+def sse_error(message: str, code: str = "stream_broken") -> bytes:
+    """An OpenAI-shaped error event, then [DONE]: how a stream that cannot go on ends."""
+    error = {"message": message, "type": "upstream_error", "param": None, "code": code}
+    return b"data: " + msgspec.json.encode({"error": error}) + b"\n\ndata: [DONE]\n\n"
 
 
 class UpstreamUnavailable(Exception):
     """The replica failed before any byte reached the client; another replica may be tried."""
 
-    def __init__(self, kind: str, detail: str) -> None:
+    def __init__(self, kind: str, detail: str, status: int | None = None) -> None:
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
+        self.status = status  # an HTTP status the router chose not to relay (5xx, 429)
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    first_byte_s: float  # a stream's response headers
+    first_token_s: float  # a stream's first chunk; a whole non-streamed answer
+    idle_s: float  # between two chunks
 
 
 @dataclass(slots=True)
 class Relayed:
-    """What happened, for metrics."""
+    """What happened, for metrics and for the caller's next step."""
 
     response: web.StreamResponse
     status: int
     ttfb_s: float
-    broken_stream: bool = False
+    # The stream broke mid-way: why. The client's stream is left open when it can be resumed
+    # (``resumable``); otherwise it was ended with an SSE error event and [DONE].
+    broken: str | None = None
+    resumable: bool = False
     client_gone: bool = False
 
 
@@ -54,6 +69,11 @@ def _response_headers(upstream: UpstreamResponse, extra: list[tuple[str, str]]) 
     return CIMultiDict(pairs + extra)
 
 
+def retryable_status(status: int) -> bool:
+    """Answers worth another replica: overload (429) and server errors."""
+    return status >= 500 or status == 429
+
+
 async def relay(
     client: UpstreamClient,
     request: web.Request,
@@ -61,16 +81,25 @@ async def relay(
     body: bytes,
     extra_upstream_headers: bytes,
     extra_response_headers: list[tuple[str, str]],
-    first_byte_timeout_s: float,
-    idle_timeout_s: float,
+    timeouts: Timeouts,
     on_first_byte: Callable[[int], None] | None = None,
+    *,
+    expect_stream: bool = False,
+    retry_status: bool = False,
+    transcript: StreamTranscript | None = None,
+    resume_into: web.StreamResponse | None = None,
 ) -> Relayed:
     """Send ``body`` to the replica and relay the answer to ``request``'s client.
 
     ``on_first_byte(status)`` is called once the replica has answered: the first chunk of a
     stream (its first token: the prefill is done), or the headers of a whole response.
-    Raises ``UpstreamUnavailable`` only while nothing has been sent to the client yet.
+    Raises ``UpstreamUnavailable`` only while nothing has been sent to the client yet, and for
+    a 5xx or 429 answer when ``retry_status`` (the caller will try another replica).
+    ``resume_into``: a client stream already open (a continuation); ``transcript`` tracks it.
+    A streamed request's headers must come within ``first_byte_s`` (vLLM sends them at once);
+    a non-streamed one's come with the whole answer, within ``first_token_s``.
     """
+    headers_timeout_s = timeouts.first_byte_s if expect_stream else timeouts.first_token_s
     started = time.perf_counter()
     try:
         upstream = await client.post(
@@ -79,64 +108,111 @@ async def relay(
             request.raw_headers,
             extra_upstream_headers,
             body,
-            first_byte_timeout_s,
+            headers_timeout_s,
         )
     except UpstreamError as exc:
-        raise UpstreamUnavailable(exc.kind, str(exc)) from None
-    content_type = upstream.header(b"content-type") or b""
-    streaming = content_type.startswith(b"text/event-stream")
-    first = b""
-    if streaming:
-        # The first chunk must also arrive within the first-byte timeout.
-        remaining_s = max(first_byte_timeout_s - (time.perf_counter() - started), 0.001)
-        try:
-            first = await upstream.read_chunk(remaining_s)
-        except UpstreamError as exc:
-            upstream.close()
-            raise UpstreamUnavailable(exc.kind, str(exc)) from None
-    if on_first_byte is not None:
-        on_first_byte(upstream.status)
-
+        # vLLM answers a stream's headers at once: silence means the replica is stalled.
+        kind = "stalled" if expect_stream and exc.kind == "timeout" else exc.kind
+        raise UpstreamUnavailable(kind, str(exc)) from None
     try:
-        headers = _response_headers(upstream, extra_response_headers)
-        if not streaming:
+        status = upstream.status
+        if (retry_status and retryable_status(status)) or (resume_into and status >= 400):
+            # A continuation's error cannot be spliced into the client's stream either.
+            raise UpstreamUnavailable(f"http_{status}", f"answered HTTP {status}", status)
+        streaming = (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
+        first = b""
+        if streaming:
+            # Until the first token: queueing and prefill.
             try:
-                data = await upstream.read(idle_timeout_s)
+                first = await upstream.read_chunk(timeouts.first_token_s)
             except UpstreamError as exc:
                 raise UpstreamUnavailable(exc.kind, str(exc)) from None
-            response = web.Response(body=data, status=upstream.status, headers=headers)
-            return Relayed(response, upstream.status, time.perf_counter() - started)
+        upstream.started()
+        if on_first_byte is not None:
+            on_first_byte(status)
+        if not streaming:
+            try:
+                data = await upstream.read(timeouts.first_token_s)
+            except UpstreamError as exc:
+                raise UpstreamUnavailable(exc.kind, str(exc)) from None
+            headers = _response_headers(upstream, extra_response_headers)
+            response = web.Response(body=data, status=status, headers=headers)
+            return Relayed(response, status, time.perf_counter() - started)
         ttfb_s = time.perf_counter() - started
-        stream = web.StreamResponse(status=upstream.status, headers=headers)
-        await stream.prepare(request)
-        return await _relay_stream(upstream, stream, first, ttfb_s, idle_timeout_s)
+        stream = resume_into
+        if stream is None:
+            headers = _response_headers(upstream, extra_response_headers)
+            stream = web.StreamResponse(status=status, headers=headers)
+            await stream.prepare(request)
+        if transcript is None or status >= 400:
+            return await _relay_raw(upstream, stream, first, status, ttfb_s, timeouts.idle_s)
+        return await _relay_events(
+            upstream, stream, first, status, ttfb_s, timeouts.idle_s, transcript
+        )
     finally:
         # Closing an unfinished response is how the replica learns the client has gone.
         upstream.close()
 
 
-async def _relay_stream(
+async def _relay_raw(
     upstream: UpstreamResponse,
     stream: web.StreamResponse,
     chunk: bytes,
+    status: int,
     ttfb_s: float,
     idle_timeout_s: float,
 ) -> Relayed:
-    status = upstream.status
     try:
         while chunk:
             await stream.write(chunk)
             chunk = await upstream.read_chunk(idle_timeout_s)
         await stream.write_eof()
     except UpstreamError as exc:
-        # Too late to pick another replica: end the stream well-formed, never silently cut.
-        message = str(exc).replace('"', "'")
-        try:
-            await stream.write(_SSE_ERROR.format(message=message).encode())
-            await stream.write_eof()
-        except ConnectionResetError:
-            return Relayed(stream, status, ttfb_s, broken_stream=True, client_gone=True)
-        return Relayed(stream, status, ttfb_s, broken_stream=True)
+        return await end_broken_stream(stream, status, ttfb_s, str(exc))
     except ConnectionResetError:
         return Relayed(stream, status, ttfb_s, client_gone=True)
     return Relayed(stream, status, ttfb_s)
+
+
+async def _relay_events(
+    upstream: UpstreamResponse,
+    stream: web.StreamResponse,
+    chunk: bytes,
+    status: int,
+    ttfb_s: float,
+    idle_timeout_s: float,
+    transcript: StreamTranscript,
+) -> Relayed:
+    try:
+        while chunk:
+            out = transcript.feed(chunk)
+            if out:
+                await stream.write(out)
+            chunk = await upstream.read_chunk(idle_timeout_s)
+    except UpstreamError as exc:
+        reason = str(exc)
+    except ConnectionResetError:
+        return Relayed(stream, status, ttfb_s, client_gone=True)
+    else:
+        if transcript.done or transcript.finished or transcript.blocker is not None:
+            try:
+                await stream.write_eof()
+            except ConnectionResetError:
+                return Relayed(stream, status, ttfb_s, client_gone=True)
+            return Relayed(stream, status, ttfb_s)
+        reason = "the replica ended the stream before it finished"
+    if transcript.resumable():
+        return Relayed(stream, status, ttfb_s, broken=reason, resumable=True)
+    return await end_broken_stream(stream, status, ttfb_s, reason)
+
+
+async def end_broken_stream(
+    stream: web.StreamResponse, status: int, ttfb_s: float, reason: str
+) -> Relayed:
+    """Too late to pick another replica: end the stream well-formed, never silently cut."""
+    try:
+        await stream.write(sse_error(f"The replica failed mid-stream: {reason}"))
+        await stream.write_eof()
+    except ConnectionResetError:
+        return Relayed(stream, status, ttfb_s, broken=reason, client_gone=True)
+    return Relayed(stream, status, ttfb_s, broken=reason)

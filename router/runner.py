@@ -18,9 +18,6 @@ from .workers import WorkerContext
 
 log = logging.getLogger(__name__)
 
-# How long in-flight requests may take to finish once shutdown starts.
-SHUTDOWN_GRACE_S = 30.0
-
 
 async def serve_forever(config: Config, context: WorkerContext | None = None) -> None:
     router = Router(config, context)
@@ -28,7 +25,11 @@ async def serve_forever(config: Config, context: WorkerContext | None = None) ->
         router.build_app(),
         handler_cancellation=True,  # a client that disconnects cancels its handler at once
         access_log=None,  # no logging on the hot path
-        shutdown_timeout=SHUTDOWN_GRACE_S,
+        # In-flight requests get this long to finish once SIGTERM starts the drain.
+        shutdown_timeout=config.shutdown.drain_timeout_s,
+        # A connection that completes no request in this long is closed: idle keep-alive, and
+        # clients that send their headers too slowly (aiohttp starts this timer on connect).
+        keepalive_timeout=config.timeouts.client_idle_s,
     )
     await runner.setup()
     site = web.TCPSite(
@@ -55,8 +56,16 @@ async def serve_forever(config: Config, context: WorkerContext | None = None) ->
     try:
         await stop.wait()
     finally:
-        print(f"kvroute{worker} shutting down", file=sys.stderr, flush=True)
+        router.draining = True
+        in_flight = router.admission.active
+        print(
+            f"kvroute{worker} draining: no new connections, {in_flight} requests in flight "
+            f"get up to {config.shutdown.drain_timeout_s:g}s to finish",
+            file=sys.stderr,
+            flush=True,
+        )
         await runner.cleanup()
+        print(f"kvroute{worker} stopped", file=sys.stderr, flush=True)
 
 
 # Young-generation collections every this many tracked allocations (CPython's default is 700).

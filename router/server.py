@@ -7,6 +7,7 @@ import itertools
 import logging
 import math
 import os
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,26 +17,28 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.handle import ReplicaHandle
+from health.breaker import BreakerSettings, BreakerState
 from health.probe import ActiveProber
 from health.scrape import MetricsScraper
 from policies import FleetView, Policy, RouteRequest, build_policy
 
 from . import errors
+from .admission import Admission
+from .auth import Auth
 from .config import Config, replica_base_url, replica_name_from_url
 from .kv_subscriber import KVEventSubscribers
 from .metrics import RouterMetrics
 from .openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_chat, parse_completion
 from .prefix_index import PrefixIndex
 from .prompt_tokenizer import PromptBlocks, PromptTokenizer, token_id_blocks
-from .proxy import UpstreamUnavailable, relay
+from .proxy import Relayed, Timeouts, UpstreamUnavailable, end_broken_stream, relay
+from .resume import StreamTranscript, continuation_body, resume_blocker
 from .tokenization import ChatTemplateError, TokenizerError
 from .upstream_client import UpstreamClient
 from .workers import MetricsExchange, WorkerContext
 
 log = logging.getLogger(__name__)
 
-# Replicas tried for one request before giving up, when each fails before its first byte.
-MAX_ATTEMPTS = 3
 SESSION_HEADER = "X-Session-ID"
 # Block size assumed until one is configured, seen in a KV event or scraped (vLLM's GPU default).
 FALLBACK_BLOCK_SIZE = 16
@@ -54,9 +57,22 @@ class Router:
         self._block_size_warned = False
         self.kv_events = KVEventSubscribers(self.index)
         self.replicas: dict[str, ReplicaHandle] = {}
+        b = config.breaker
+        breaker_settings = BreakerSettings(
+            b.consecutive_failures,
+            b.failure_rate,
+            b.min_requests,
+            b.window_s,
+            b.cooldown_s,
+            b.max_cooldown_s,
+            b.half_open_requests,
+            b.close_after_successes,
+        )
         for index, replica in enumerate(config.replicas):
             name = replica.name or replica_name_from_url(replica.url)
-            self.replicas[name] = ReplicaHandle(name, replica_base_url(replica.url), index)
+            self.replicas[name] = ReplicaHandle(
+                name, replica_base_url(replica.url), index, breaker_settings
+            )
             if replica.kv_events:
                 self.kv_events.add(name, replica.kv_events, replica.kv_replay)
         self.fleet = FleetView([h.state for h in self.replicas.values()], membership_version=1)
@@ -71,6 +87,10 @@ class Router:
             kv_sources=self.kv_events.stats_by_source,
             index_entries=lambda: self.index.entries,
             replica_reports=lambda: self.scraper.reports,
+            breaker_states=lambda: {
+                name: h.breaker.state.value for name, h in self.replicas.items()
+            },
+            admission=lambda: (self.admission.active, self.admission.queued),
         )
         self.prober = ActiveProber(
             lambda: list(self.replicas.values()),
@@ -90,7 +110,18 @@ class Router:
         self._model_set = frozenset(self.models)
         self._started_at = int(time.time())
         self._retry_after_s = max(1, math.ceil(config.health.interval_s))
-        self._active_requests = 0
+        limits = config.limits
+        self.admission = Admission(
+            limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s
+        )
+        self.auth = Auth(config.auth)
+        t = config.timeouts
+        self._timeouts = Timeouts(t.first_byte_s, t.first_token_s, t.idle_s)
+        # Replicas whose breaker is not closed: checked before each decision.
+        self._tripped: dict[str, ReplicaHandle] = {}
+        self._rng = random.Random()
+        # Set when SIGTERM starts the drain: /ready says 503 so load balancers stop sending.
+        self.draining = False
         self._client: UpstreamClient | None = None
         # Request ids: a random per-process prefix and a counter (uuid4 costs more per request).
         self._request_id_prefix = os.urandom(6).hex()
@@ -107,6 +138,7 @@ class Router:
         app.router.add_get("/ready", self.handle_ready)
         if self.config.metrics.enabled:
             app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/admin/replicas", self.handle_admin_replicas)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -190,26 +222,38 @@ class Router:
     async def _route(
         self, request: web.Request, parse: Callable[[bytes], ParsedRequest]
     ) -> web.StreamResponse:
-        limit = self.config.limits.max_concurrent_requests
-        if limit and self._active_requests >= limit:
-            raise errors.too_many_requests(limit)
+        self.auth.check_client(request)
         # Counted from here: tokenizing a long prompt is work the limit must bound too.
-        self._active_requests += 1
+        await self.admission.acquire()
         try:
-            return await self._route_counted(request, parse)
+            total_s = self.config.timeouts.total_s
+            if not total_s:
+                return await self._route_counted(request, parse)
+            try:
+                async with asyncio.timeout(total_s):
+                    return await self._route_counted(request, parse)
+            except TimeoutError:
+                raise errors.gateway_timeout(total_s) from None
         finally:
-            self._active_requests -= 1
+            self.admission.release()
 
-    async def _route_counted(
-        self, request: web.Request, parse: Callable[[bytes], ParsedRequest]
-    ) -> web.StreamResponse:
+    async def _read_body(self, request: web.Request) -> bytes:
         max_body = self.config.limits.max_body_bytes
         if request.content_length is not None and request.content_length > max_body:
             raise errors.body_too_large(max_body)
         try:
-            body = await request.read()
+            async with asyncio.timeout(self.config.timeouts.client_body_s):
+                return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise errors.body_too_large(max_body) from None
+        except TimeoutError:
+            raise errors.request_timeout("Sending the request body") from None
+
+    async def _route_counted(
+        self, request: web.Request, parse: Callable[[bytes], ParsedRequest]
+    ) -> web.StreamResponse:
+        arrived = time.monotonic()
+        body = await self._read_body(request)
         parsed = parse(body)
         if self._model_set and parsed.model not in self._model_set:
             raise errors.model_not_found(parsed.model, self.models)
@@ -232,19 +276,83 @@ class Router:
         )
         if self._board is not None:
             self._board.totals_into(self.fleet.replicas)
+        if self._tripped:
+            self._reinstate_cooled(time.monotonic())
         decision = self.policy.decide(route_request, self.fleet)
         if not decision.ranked:
             raise errors.no_healthy_replica(self._retry_after_s)
 
         request_id = request.headers.get("X-Request-Id") or self._new_request_id()
-        for attempt, replica_id in enumerate(decision.ranked[:MAX_ATTEMPTS]):
-            reason = decision.reason if attempt == 0 else "retry"
-            response = await self._forward(
-                request, body, request_id, replica_id, reason, route_request
-            )
-            if response is not None:
-                return response
-        raise errors.upstream_unavailable(self._retry_after_s)
+        transcript: StreamTranscript | None = None
+        if parsed.stream and self.config.retry.resume_streams:
+            transcript = StreamTranscript(chat=parsed.messages is not None)
+        attempt = _Attempt(self, request, request_id, route_request, decision.ranked, arrived)
+        relayed = await attempt.first(body, decision.reason, parsed.stream, transcript)
+        if relayed.broken is not None and relayed.resumable and transcript is not None:
+            relayed = await attempt.resume(body, parsed.messages is not None, relayed, transcript)
+        return relayed.response
+
+    def _candidate(self, ranked: tuple[str, ...], tried: set[str]) -> str | None:
+        """The best replica not tried yet that may take traffic now, else any that may."""
+        now = time.monotonic()
+        fallback = None
+        for replica_id in ranked:
+            handle = self.replicas[replica_id]
+            if not handle.state.healthy or not handle.breaker.allows(now):
+                continue
+            if replica_id not in tried:
+                return replica_id
+            if fallback is None:
+                fallback = replica_id
+        return fallback
+
+    def _backoff_s(self, retry: int) -> float:
+        """Full jitter: a random wait up to the exponential bound for this retry (1, 2, ...)."""
+        r = self.config.retry
+        return self._rng.random() * min(r.backoff_max_s, r.backoff_base_s * 2 ** (retry - 1))
+
+    # -- breakers ----------------------------------------------------------------------
+
+    def _record(self, handle: ReplicaHandle, ok: bool, kind: str = "") -> None:
+        """One outcome of live traffic on a replica, for its breaker."""
+        if not self.config.breaker.enabled:
+            return
+        now = time.monotonic()
+        breaker = handle.breaker
+        if kind == "stalled":
+            opened = breaker.trip(now, "sent nothing within timeouts.first_byte_s")
+        else:
+            opened = breaker.record(now, ok, kind)
+        if opened:
+            self._eject(handle, kind or "failure")
+        elif breaker.state is BreakerState.CLOSED:
+            if self._tripped.pop(handle.name, None) is not None:
+                log.info("replica %s is back in rotation", handle.name)
+            handle.state.ejected = False
+        else:
+            handle.state.ejected = not breaker.allows(now)
+
+    def _eject(self, handle: ReplicaHandle, kind: str) -> None:
+        handle.state.ejected = True
+        self._tripped[handle.name] = handle
+        reason = handle.breaker.last_reason
+        self.metrics.observe_ejection(handle.name, kind)
+        abandoned = 0
+        if self._client is not None:
+            abandoned = self._client.abandon_waiting(handle.base_url, f"ejected: {reason}")
+        log.warning(
+            "replica %s ejected for %.1fs: %s (%d waiting requests sent elsewhere)",
+            handle.name,
+            handle.breaker.open_until - handle.breaker.opened_at,
+            reason,
+            abandoned,
+        )
+
+    def _reinstate_cooled(self, now: float) -> None:
+        """Ejected replicas whose cool-down is over take trial requests again (half-open)."""
+        for handle in self._tripped.values():
+            if handle.state.ejected and handle.breaker.allows(now):
+                handle.state.ejected = False
 
     def block_size(self) -> int:
         """The replicas' KV block size: configured, else seen in events, else scraped."""
@@ -308,7 +416,12 @@ class Router:
         replica_id: str,
         reason: str,
         route_request: RouteRequest,
-    ) -> web.StreamResponse | None:
+        *,
+        expect_stream: bool,
+        retry_status: bool,
+        transcript: StreamTranscript | None,
+        resume_into: web.StreamResponse | None = None,
+    ) -> Relayed | None:
         """Relay to one replica; None when it failed before the first byte."""
         handle = self.replicas[replica_id]
         state = handle.state
@@ -322,6 +435,9 @@ class Router:
             # Until its events arrive, count the prompt as cached there, so the next request
             # with this prefix follows it.
             self.index.predict(replica_id, hashes, time.monotonic(), ttl)
+        handle.breaker.dispatched()
+        if handle.breaker.state is BreakerState.HALF_OPEN:
+            handle.state.ejected = not handle.breaker.allows(time.monotonic())
         state.in_flight += 1
         state.in_flight_tokens += cost
         state.prefilling += 1
@@ -364,15 +480,20 @@ class Router:
                 body,
                 b"X-Request-Id: " + request_id.encode() + b"\r\n",
                 extra,
-                self.config.timeouts.first_byte_s,
-                self.config.timeouts.idle_s,
+                self._timeouts,
                 prefill_done,
+                expect_stream=expect_stream,
+                retry_status=retry_status,
+                transcript=transcript,
+                resume_into=resume_into,
             )
         except UpstreamUnavailable as exc:
             self.metrics.observe_upstream_error(replica_id, exc.kind)
             if exc.kind == "connect":
                 # Out of rotation until a probe passes again.
                 state.healthy = False
+            if exc.kind != "ejected" and exc.status != 429 and (exc.status or 500) >= 500:
+                self._record(handle, False, exc.kind)
             log.warning("replica %s failed before first byte: %s", replica_id, exc)
             return None
         finally:
@@ -381,12 +502,15 @@ class Router:
             state.in_flight_tokens -= cost
             if board is not None:
                 board.add(worker, handle.index, -1, -cost)
-        if relayed.broken_stream:
+        if relayed.broken is not None:
             self.metrics.observe_upstream_error(replica_id, "broken_stream")
+            self._record(handle, False, "broken_stream")
+        elif relayed.status != 429:
+            self._record(handle, relayed.status < 500)
         self.metrics.observe_request(
             replica_id, relayed.status, reason, relayed.ttfb_s, time.perf_counter() - started
         )
-        return relayed.response
+        return relayed
 
     # -- router endpoints --------------------------------------------------------------
 
@@ -401,16 +525,158 @@ class Router:
         return _json({"status": "ok"})
 
     async def handle_ready(self, request: web.Request) -> web.Response:
-        healthy = sum(1 for r in self.fleet.replicas if r.healthy)
-        body = {"ready": healthy > 0, "healthy_replicas": healthy, "replicas": len(self.replicas)}
-        return _json(body, status=200 if healthy else 503)
+        healthy = sum(1 for r in self.fleet.replicas if r.healthy and not r.ejected)
+        ready = healthy > 0 and not self.draining
+        body = {
+            "ready": ready,
+            "healthy_replicas": healthy,
+            "replicas": len(self.replicas),
+            "draining": self.draining,
+        }
+        return _json(body, status=200 if ready else 503)
+
+    async def handle_admin_replicas(self, request: web.Request) -> web.Response:
+        """What the router knows about each replica: health, breaker, load."""
+        try:
+            self.auth.check_admin(request)
+        except errors.ApiError as exc:
+            return exc.response()
+        now = time.monotonic()
+        rows = []
+        for name, handle in self.replicas.items():
+            state, breaker = handle.state, handle.breaker
+            rows.append(
+                {
+                    "name": name,
+                    "url": handle.base_url,
+                    "healthy": state.healthy,
+                    "ejected": state.ejected,
+                    "breaker": breaker.state.value,
+                    "breaker_reason": breaker.last_reason or None,
+                    "ejected_for_s": round(max(0.0, breaker.open_until - now), 3)
+                    if breaker.state is BreakerState.OPEN
+                    else 0.0,
+                    "in_flight": state.in_flight,
+                    "models": sorted(state.models) if state.models is not None else None,
+                }
+            )
+        return _json({"replicas": rows, "draining": self.draining})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
+        try:
+            self.auth.check_admin(request)
+        except errors.ApiError as exc:
+            return exc.response()
         if self._board is not None:
             self._board.totals_into(self.fleet.replicas)
         response = web.Response(body=generate_latest(self.metrics.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
+
+
+class _Attempt:
+    """One client request's tries: replicas in ranked order with backoff, then resumes."""
+
+    def __init__(
+        self,
+        router: Router,
+        request: web.Request,
+        request_id: str,
+        route_request: RouteRequest,
+        ranked: tuple[str, ...],
+        arrived: float,
+    ) -> None:
+        self.router = router
+        self.request = request
+        self.request_id = request_id
+        self.route_request = route_request
+        self.ranked = ranked
+        self.tried: set[str] = set()
+        self.started = arrived
+
+    async def first(
+        self, body: bytes, reason: str, stream: bool, transcript: StreamTranscript | None
+    ) -> Relayed:
+        relayed = await self._try(body, reason, stream, transcript, None)
+        if relayed is None:
+            raise errors.upstream_unavailable(self.router._retry_after_s)
+        return relayed
+
+    async def _try(
+        self,
+        body: bytes,
+        reason: str,
+        stream: bool,
+        transcript: StreamTranscript | None,
+        resume_into: web.StreamResponse | None,
+    ) -> Relayed | None:
+        router = self.router
+        retry = router.config.retry
+        deadline = self.started + retry.budget_s
+        for attempt in range(retry.max_attempts):
+            replica_id = router._candidate(self.ranked, self.tried)
+            if replica_id is None:
+                return None
+            if attempt:
+                delay = router._backoff_s(attempt)
+                if time.monotonic() + delay >= deadline:
+                    return None
+                if delay:
+                    await asyncio.sleep(delay)
+                router.metrics.observe_retry("resume" if resume_into is not None else "retry")
+                if resume_into is None:
+                    reason = "retry"
+            self.tried.add(replica_id)
+            last = attempt + 1 >= retry.max_attempts or time.monotonic() >= deadline
+            relayed = await router._forward(
+                self.request,
+                body,
+                self.request_id,
+                replica_id,
+                reason,
+                self.route_request,
+                expect_stream=stream,
+                retry_status=not last or resume_into is not None,
+                transcript=transcript,
+                resume_into=resume_into,
+            )
+            if relayed is not None:
+                return relayed
+        return None
+
+    async def resume(
+        self, body: bytes, chat: bool, relayed: Relayed, transcript: StreamTranscript
+    ) -> Relayed:
+        """Continue a broken stream on other replicas, spliced into the client's stream."""
+        router = self.router
+        original = msgspec.json.decode(body)
+        blocker = resume_blocker(original, chat) if isinstance(original, dict) else "not JSON"
+        while relayed.broken is not None and relayed.resumable:
+            stream, broken = relayed.response, relayed.broken
+            if blocker is not None or transcript.resumes >= router.config.retry.max_resumes:
+                why = blocker or f"retry.max_resumes ({router.config.retry.max_resumes}) reached"
+                router.metrics.observe_resume("impossible")
+                return await end_broken_stream(
+                    stream, relayed.status, relayed.ttfb_s, f"{broken}; not resumed: {why}"
+                )
+            new_body = continuation_body(original, chat, transcript)
+            if new_body is None:  # every token it asked for was sent: end it as vLLM would
+                router.metrics.observe_resume("completed")
+                await stream.write(transcript.length_finish())
+                await stream.write_eof()
+                return Relayed(stream, relayed.status, relayed.ttfb_s)
+            transcript.start_continuation()
+            self.started = time.monotonic()
+            log.info("resuming a broken stream (%s) elsewhere", broken)
+            nxt = await self._try(new_body, "resume", True, transcript, stream)
+            if nxt is None:
+                router.metrics.observe_resume("failed")
+                return await end_broken_stream(
+                    stream, relayed.status, relayed.ttfb_s, f"{broken}; no replica could resume it"
+                )
+            router.metrics.observe_resume("resumed")
+            relayed = nxt
+        return relayed
 
 
 def _json(obj: object, status: int = 200) -> web.Response:

@@ -64,6 +64,12 @@ class UpstreamTimeout(UpstreamError):
     kind = "timeout"
 
 
+class UpstreamAbandoned(UpstreamError):
+    """The router gave up waiting on a replica it has just taken out of rotation."""
+
+    kind = "ejected"
+
+
 class UpstreamResponse:
     """One response: status and headers once they arrive, then body chunks."""
 
@@ -122,8 +128,13 @@ class UpstreamResponse:
             parts.append(chunk)
         return b"".join(parts)
 
+    def started(self) -> None:
+        """The replica has started answering: no longer abandoned when it is ejected."""
+        self._conn.pool.waiting.discard(self)
+
     def close(self) -> None:
         """Abandon the response; an unfinished one closes its connection (the replica sees it)."""
+        self._conn.pool.waiting.discard(self)
         if not self.complete:
             self._conn.abort()
 
@@ -141,7 +152,10 @@ class UpstreamResponse:
         self._wake()
 
     def _fail(self, error: UpstreamError) -> None:
-        self._error = error
+        if (
+            self._error is None
+        ):  # the first cause wins (an abandon is followed by a lost connection)
+            self._error = error
         if not self._headers_ready.done():
             self._headers_ready.set_exception(error)
         self._wake()
@@ -272,6 +286,8 @@ class _Pool:
         self.host_header = (self.host if default_port else f"{self.host}:{self.port}").encode()
         self.connect_timeout_s = connect_timeout_s
         self.idle: deque[_Connection] = deque()
+        # Responses the replica has not started answering yet (see UpstreamClient.abandon_waiting).
+        self.waiting: set[UpstreamResponse] = set()
 
     async def acquire(self) -> _Connection:
         while self.idle:
@@ -307,6 +323,7 @@ class _Pool:
 async def _exchange(conn: _Connection, data: bytes, timeout_s: float) -> UpstreamResponse:
     headers_ready: asyncio.Future[None] = conn.loop.create_future()
     response = UpstreamResponse(conn, headers_ready)
+    conn.pool.waiting.add(response)
     conn.send(data, response)
     timer = conn.loop.call_later(timeout_s, _expire, headers_ready, timeout_s)
     try:
@@ -359,13 +376,28 @@ class UpstreamClient:
         reused = conn.used
         try:
             return await _exchange(conn, data, timeout_s)
-        except UpstreamTimeout:
+        except (UpstreamTimeout, UpstreamAbandoned):
             raise
         except UpstreamError:
             if not reused:
                 raise
         # The replica closed an idle keep-alive connection as we reused it: one fresh try.
         return await _exchange(await pool.connect(), data, timeout_s)
+
+    def abandon_waiting(self, base_url: str, reason: str) -> int:
+        """Fail every request to ``base_url`` still waiting for its answer to start.
+
+        Used when a replica is ejected: nothing has reached those clients yet, so the router
+        can send their requests elsewhere instead of waiting out the timeout.
+        """
+        pool = self._pools.get(base_url)
+        if pool is None:
+            return 0
+        waiting, pool.waiting = pool.waiting, set()
+        for response in waiting:
+            response._fail(UpstreamAbandoned(reason))
+            response._conn.abort()
+        return len(waiting)
 
     def close(self) -> None:
         for pool in self._pools.values():

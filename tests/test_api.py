@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import openai
@@ -299,21 +300,43 @@ async def test_connect_failure_retries_another_replica(
     assert not state["a"].healthy and state["b"].healthy
 
 
-async def test_broken_stream_ends_with_an_sse_error_and_done(
+async def test_broken_stream_that_cannot_be_resumed_ends_with_an_sse_error_and_done(
     start_replica: StartReplica, start_router: StartRouter
 ) -> None:
     a = await start_replica("a")
     r = await start_router([a])
     async with asyncio.timeout(5), aiohttp.ClientSession() as http:
-        async with http.post(
-            r.url + "/v1/completions", json={"model": "tiny", "prompt": "break", "stream": True}
-        ) as resp:
+        # n=2 cannot be continued from one text: the client must get an error, not a cut stream.
+        body = {"model": "tiny", "prompt": "break", "stream": True, "n": 2}
+        async with http.post(r.url + "/v1/completions", json=body) as resp:
             text = (await resp.read()).decode()
     events = [line for line in text.split("\n\n") if line]
-    assert '"code": "stream_broken"' in events[-2]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "stream_broken"
+    assert "n > 1" in error["message"]
     assert events[-1] == "data: [DONE]"
+    assert len(a.seen) == 1  # not re-sent
 
 
+async def test_broken_stream_is_resumed_into_the_same_client_stream(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a = await start_replica("a")
+    r = await start_router([a])
+    async with asyncio.timeout(5), aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "prompt": "break", "stream": True, "max_tokens": 10}
+        async with http.post(r.url + "/v1/completions", json=body) as resp:
+            text = (await resp.read()).decode()
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks)
+    # One stream id throughout, the first replica's two pieces then the continuation's.
+    assert {c["id"] for c in chunks} == {"cmpl-x"} or len({c["id"] for c in chunks}) == 1
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "hello fromhello from a"
+    # The continuation carried the text already sent, and only the tokens still owed.
+    assert [s.body["prompt"] for s in a.seen] == ["break", "breakhello from"]
+    assert a.seen[1].body["max_tokens"] == 8
 async def test_session_header_keeps_a_session_on_one_replica(
     start_replica: StartReplica, start_router: StartRouter
 ) -> None:

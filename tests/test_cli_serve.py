@@ -72,5 +72,5 @@ async def test_serve_answers_then_stops_on_sigterm(start_replica: StartReplica) 
             await process.wait()
     stderr = (await process.stderr.read()).decode()  # type: ignore[union-attr]
     assert process.returncode == 0, stderr
-    assert "listening on" in stderr and "shutting down" in stderr
+    assert "listening on" in stderr and "draining" in stderr and "stopped" in stderr
     assert "Traceback" not in stderr

@@ -229,14 +229,18 @@ async def test_a_replica_that_answers_with_errors_does_not_attract_the_prefix(
     r = await start_router(
         [source(broken, "broken"), source(healthy, "healthy")], routing={"tokenizer": "builtin"}
     )
+    errors = r.router.metrics.upstream_errors
     async with aiohttp.ClientSession() as http:
         for i in range(40):  # new prefixes until one's home is the broken replica
             prompt = f"Prefix {i}: a prompt the broken replica will never cache. " * 10
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
             async with http.post(r.url + "/v1/completions", json=body) as resp:
                 await resp.read()
-                if resp.headers["X-Kvroute-Replica"] == "broken":
-                    assert resp.status == 500
+                # The broken replica's 500 is retried on the healthy one: the client never sees it.
+                assert resp.status == 200
+                assert resp.headers["X-Kvroute-Replica"] == "healthy"
+                if errors.get(("broken", "http_500")):
+                    assert resp.headers["X-Kvroute-Reason"] == "retry"
                     break
         else:
             raise AssertionError("no request reached the broken replica")

@@ -1,0 +1,53 @@
+"""Bearer-key checks for client endpoints (/v1/*) and admin endpoints (/metrics, /admin/*)."""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+
+from . import errors
+from .config import AuthConfig, resolve_secret
+
+_LOOPBACK = ("127.0.0.1", "::1")
+
+
+class Auth:
+    def __init__(self, config: AuthConfig) -> None:
+        self._client_keys = [
+            resolve_secret(k, f"auth.api_keys[{i}]").encode() for i, k in enumerate(config.api_keys)
+        ]
+        key = config.admin_api_key
+        self._admin_key = resolve_secret(key, "auth.admin_api_key").encode() if key else None
+
+    @property
+    def clients_need_key(self) -> bool:
+        return bool(self._client_keys)
+
+    def check_client(self, request: web.Request) -> None:
+        if not self._client_keys:
+            return
+        presented = _bearer(request)
+        # Compare against every key (no early exit), in constant time per key.
+        ok = False
+        for key in self._client_keys:
+            ok |= presented is not None and hmac.compare_digest(presented, key)
+        if not ok:
+            raise errors.unauthorized(presented is None)
+
+    def check_admin(self, request: web.Request) -> None:
+        if self._admin_key is None:
+            if request.remote not in _LOOPBACK:
+                raise errors.forbidden("admin endpoints without auth.admin_api_key: loopback only")
+            return
+        presented = _bearer(request)
+        if presented is None or not hmac.compare_digest(presented, self._admin_key):
+            raise errors.unauthorized(presented is None)
+
+
+def _bearer(request: web.Request) -> bytes | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip().encode()
