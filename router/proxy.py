@@ -9,7 +9,7 @@ events only and remembers what was sent; other streams are relayed chunk by chun
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -84,6 +84,7 @@ async def relay(
     timeouts: Timeouts,
     on_first_byte: Callable[[int], None] | None = None,
     *,
+    client_headers: Iterable[tuple[bytes, bytes]] | None = None,
     expect_stream: bool = False,
     retry_status: bool = False,
     transcript: StreamTranscript | None = None,
@@ -95,6 +96,7 @@ async def relay(
     stream (its first token: the prefill is done), or the headers of a whole response.
     Raises ``UpstreamUnavailable`` only while nothing has been sent to the client yet, and for
     a 5xx or 429 answer when ``retry_status`` (the caller will try another replica).
+    ``client_headers``: the client's headers to pass on (default: all but hop-by-hop ones).
     ``resume_into``: a client stream already open (a continuation); ``transcript`` tracks it.
     A streamed request's headers must come within ``first_byte_s`` (vLLM sends them at once);
     a non-streamed one's come with the whole answer, within ``first_token_s``.
@@ -105,7 +107,7 @@ async def relay(
         upstream = await client.post(
             base_url,
             request.raw_path.encode(),
-            request.raw_headers,
+            request.raw_headers if client_headers is None else client_headers,
             extra_upstream_headers,
             body,
             headers_timeout_s,

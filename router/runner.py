@@ -19,9 +19,10 @@ from .workers import WorkerContext
 log = logging.getLogger(__name__)
 
 
-async def serve_forever(config: Config, context: WorkerContext | None = None) -> None:
-    router = Router(config, context)
-    runner = web.AppRunner(
+def app_runner(router: Router) -> web.AppRunner:
+    """The aiohttp runner for a router, with the connection-level settings of its config."""
+    config = router.config
+    return web.AppRunner(
         router.build_app(),
         handler_cancellation=True,  # a client that disconnects cancels its handler at once
         access_log=None,  # no logging on the hot path
@@ -31,6 +32,11 @@ async def serve_forever(config: Config, context: WorkerContext | None = None) ->
         # clients that send their headers too slowly (aiohttp starts this timer on connect).
         keepalive_timeout=config.timeouts.client_idle_s,
     )
+
+
+async def serve_forever(config: Config, context: WorkerContext | None = None) -> None:
+    router = Router(config, context)
+    runner = app_runner(router)
     await runner.setup()
     site = web.TCPSite(
         runner,

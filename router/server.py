@@ -292,6 +292,12 @@ class Router:
             relayed = await attempt.resume(body, parsed.messages is not None, relayed, transcript)
         return relayed.response
 
+    def _client_headers(self, request: web.Request) -> tuple[tuple[bytes, bytes], ...]:
+        """Headers passed on to replicas: with router API keys, never the client's key."""
+        if not self.auth.clients_need_key:
+            return request.raw_headers
+        return tuple(h for h in request.raw_headers if h[0].lower() != b"authorization")
+
     def _candidate(self, ranked: tuple[str, ...], tried: set[str]) -> str | None:
         """The best replica not tried yet that may take traffic now, else any that may."""
         now = time.monotonic()
@@ -482,6 +488,7 @@ class Router:
                 extra,
                 self._timeouts,
                 prefill_done,
+                client_headers=self._client_headers(request),
                 expect_stream=expect_stream,
                 retry_status=retry_status,
                 transcript=transcript,

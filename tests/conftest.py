@@ -13,6 +13,7 @@ from aiohttp import web
 
 from backends.launcher import free_ports
 from router.config import config_from_dict
+from router.runner import app_runner
 from router.server import Router
 from simulator.engine import EngineConfig, latency_preset
 from simulator.replica.faults import Faults
@@ -83,7 +84,7 @@ async def start_router() -> AsyncIterator[StartRouter]:
             else:
                 raw[key] = value
         router = Router(config_from_dict(raw))
-        runner = web.AppRunner(router.build_app(), handler_cancellation=True)
+        runner = app_runner(router)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -337,6 +337,8 @@ async def test_broken_stream_is_resumed_into_the_same_client_stream(
     # The continuation carried the text already sent, and only the tokens still owed.
     assert [s.body["prompt"] for s in a.seen] == ["break", "breakhello from"]
     assert a.seen[1].body["max_tokens"] == 8
+
+
 async def test_session_header_keeps_a_session_on_one_replica(
     start_replica: StartReplica, start_router: StartRouter
 ) -> None:

@@ -74,3 +74,58 @@ async def test_serve_answers_then_stops_on_sigterm(start_replica: StartReplica) 
     assert process.returncode == 0, stderr
     assert "listening on" in stderr and "draining" in stderr and "stopped" in stderr
     assert "Traceback" not in stderr
+
+
+async def test_sigterm_drains_in_flight_streams_and_refuses_new_connections(
+    start_replica: StartReplica,
+) -> None:
+    a = await start_replica("a")
+    port = free_ports(1)[0]
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.cli", "serve", "--replica", a.url, "--port", str(port),
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while True:
+                try:
+                    async with http.get(url + "/ready") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                assert loop.time() < deadline, "router did not become ready"
+                await asyncio.sleep(0.05)
+            body = {"model": "tiny", "prompt": "gate", "stream": True}
+            async with http.post(url + "/v1/completions", json=body) as stream:
+                first = await stream.content.readuntil(b"\n\n")
+                assert b"hello" in first
+                process.send_signal(signal.SIGTERM)
+
+                async def refuses() -> bool:
+                    try:
+                        _, writer = await asyncio.open_connection("127.0.0.1", port)
+                    except OSError:
+                        return True
+                    writer.close()
+                    return False
+
+                deadline = loop.time() + 10
+                while not await refuses():
+                    assert loop.time() < deadline, "still accepting connections after SIGTERM"
+                    await asyncio.sleep(0.05)
+                assert process.returncode is None  # still finishing the stream
+                a.gate.set()
+                rest = await stream.read()
+            assert rest.endswith(b"data: [DONE]\n\n") and b" a" in rest
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            await process.wait()
+    stderr = (await process.stderr.read()).decode()  # type: ignore[union-attr]
+    assert process.returncode == 0, stderr
+    assert "1 requests in flight" in stderr

@@ -1,0 +1,255 @@
+"""What clients see when replicas fail, stall or slow down (emulated replicas, in process).
+
+Each test injects one fault through the emulated replica's fault switch and asserts on what a
+client receives (status, whole streams, latency bounds) and on what the operator sees (breaker
+state, ejections, retries and resumes in /metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from simulator.replica.faults import FaultSpec
+
+from .conftest import Running, StartEmulated, StartReplica, StartRouter
+from .helpers import wait_until
+
+
+def entry(running: Running, name: str) -> dict[str, Any]:
+    return {"url": running.url, "name": name}
+
+
+async def two_replicas(
+    start_emulated: StartEmulated, start_router: StartRouter, **overrides: Any
+) -> tuple[Running, Running, Any]:
+    a, b = await start_emulated(kv_events=False), await start_emulated(kv_events=False)
+    overrides.setdefault("policy", {"name": "round_robin"})
+    r = await start_router([entry(a, "a"), entry(b, "b")], **overrides)
+    await wait_until(lambda: all(s.healthy for s in r.router.fleet.replicas), what="replicas up")
+    return a, b, r
+
+
+async def test_an_error_burst_is_retried_and_the_failing_replica_ejected_then_readmitted(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    a, _, r = await two_replicas(
+        start_emulated,
+        start_router,
+        breaker={"consecutive_failures": 3, "cooldown_s": 0.3, "close_after_successes": 1},
+    )
+    a.replica.faults.update(FaultSpec(error_rate=1.0))
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    served = []
+    for _ in range(12):
+        raw = await client.completions.with_raw_response.create(
+            model="tiny", prompt="hello there", max_tokens=2
+        )
+        assert raw.parse().choices[0].text  # every request answered, none lost
+        served.append(raw.headers["X-Kvroute-Replica"])
+    assert set(served) == {"b"}
+    handle = r.router.replicas["a"]
+    assert handle.state.ejected and handle.breaker.state.value == "open"
+    assert r.router.metrics.ejections[("a", "http_500")] == 1
+    assert r.router.metrics.retries[("retry",)] == 3  # a got 3 tries before its breaker opened
+    # The fault clears; after the cool-down a trial request goes to a and closes its breaker.
+    a.replica.faults.update(FaultSpec())
+    await wait_until(lambda: time.monotonic() >= handle.breaker.open_until, what="the cool-down")
+    seen = set()
+    for _ in range(4):
+        raw = await client.completions.with_raw_response.create(
+            model="tiny", prompt="hello there", max_tokens=2
+        )
+        seen.add(raw.headers["X-Kvroute-Replica"])
+    assert "a" in seen
+    assert handle.breaker.state.value == "closed" and not handle.state.ejected
+
+
+async def test_client_errors_are_relayed_not_retried_and_do_not_count_against_a_replica(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a, b = await start_replica("a"), await start_replica("b")
+    r = await start_router([a, b], policy={"name": "round_robin"})
+    async with aiohttp.ClientSession() as http:
+        for _ in range(8):
+            body = {"model": "tiny", "prompt": "status:400"}
+            async with http.post(r.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 400
+    assert len(a.seen) + len(b.seen) == 8  # each sent once
+    assert all(h.breaker.state.value == "closed" for h in r.router.replicas.values())
+    assert not r.router.metrics.retries
+
+
+async def test_a_429_is_tried_on_another_replica_and_relayed_when_all_refuse(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a, b = await start_replica("a"), await start_replica("b")
+    r = await start_router([a, b], retry={"max_attempts": 2})
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "prompt": "status:429"}
+        async with http.post(r.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 429  # the last replica's own answer, relayed
+            assert (await resp.json())["message"] == "scripted 429"
+    assert len(a.seen) == len(b.seen) == 1
+    assert r.router.metrics.retries[("retry",)] == 1
+    # Overload is not failure: no breaker counted it.
+    assert all(h.breaker.state.value == "closed" for h in r.router.replicas.values())
+
+
+async def test_a_stalled_replica_is_ejected_within_the_first_byte_timeout_and_its_waiting_requests_go_elsewhere(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    a, _, r = await two_replicas(start_emulated, start_router, timeouts={"first_byte_s": 0.5})
+    a.replica.faults.update(FaultSpec(stall_s=60))
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    # Round robin: the non-streamed request goes to the stalled replica and waits there ...
+    started = time.monotonic()
+    waiting = asyncio.create_task(
+        client.completions.with_raw_response.create(model="tiny", prompt="one", max_tokens=2)
+    )
+    await wait_until(lambda: r.router.replicas["a"].state.in_flight == 1, what="a's request")
+    second = await client.completions.create(model="tiny", prompt="two", max_tokens=2)
+    assert second.choices[0].text
+    # ... until a streamed request finds a silent: it is ejected, and both requests end on b.
+    stream = await client.completions.create(
+        model="tiny", prompt="three", max_tokens=2, stream=True
+    )
+    text = "".join([chunk.choices[0].text async for chunk in stream])
+    detected_s = time.monotonic() - started
+    assert text
+    raw = await asyncio.wait_for(waiting, 5)
+    assert raw.parse().choices[0].text and raw.headers["X-Kvroute-Replica"] == "b"
+    assert detected_s < 3.0  # first_byte_s plus some scheduling, not the 60 s stall
+    handle = r.router.replicas["a"]
+    assert handle.state.ejected
+    assert "first_byte_s" in handle.breaker.last_reason
+    assert r.router.metrics.ejections[("a", "stalled")] == 1
+    assert r.router.metrics.upstream_errors[("a", "ejected")] == 1
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_a_stream_broken_mid_way_is_resumed_on_another_replica_as_one_stream(
+    start_emulated: StartEmulated, start_router: StartRouter, chat: bool
+) -> None:
+    a, b, r = await two_replicas(start_emulated, start_router)
+    a.replica.faults.update(FaultSpec(drop_after_chunks=4))
+    b.replica.faults.update(FaultSpec(drop_after_chunks=0))
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    for _ in range(2):  # round robin: one of the two starts on a
+        options: dict[str, Any] = {"stream_options": {"include_usage": True}}
+        if chat:
+            stream: Any = await client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "tell me a long story"}],
+                max_tokens=12,
+                stream=True,
+                **options,
+            )
+        else:
+            stream = await client.completions.create(
+                model="tiny", prompt="tell me a long story", max_tokens=12, stream=True, **options
+            )
+        chunks = [chunk async for chunk in stream]
+        assert len({c.id for c in chunks}) == 1
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "length" and finishes.count("length") == 1
+        if chat:
+            roles = [
+                c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role
+            ]
+            assert roles == ["assistant"]
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 12
+    assert r.router.metrics.resumes[("resumed",)] == 1
+
+
+async def test_a_client_that_disconnects_aborts_the_replica_request_within_a_second(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    replica = await start_emulated(kv_events=False)
+    replica.replica.faults.update(FaultSpec(slowdown=50.0))  # a long generation
+    r = await start_router([entry(replica, "emu")])
+    stats = lambda: replica.replica.engine.stats  # noqa: E731
+    for stream in (True, False):
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "tiny", "prompt": "a long one", "max_tokens": 500, "stream": stream}
+            request = asyncio.create_task(http.post(r.url + "/v1/completions", json=body))
+            await wait_until(lambda: stats().num_running == 1, what="the request to run")
+            request.cancel()
+        left = time.monotonic()
+        await wait_until(lambda: stats().num_running == 0, timeout_s=3, what="the abort")
+        assert time.monotonic() - left <= 1.0
+        await wait_until(lambda: r.router.replicas["emu"].state.in_flight == 0, what="cleanup")
+
+
+async def test_the_queue_holds_requests_beyond_the_limit_and_answers_429_when_full(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a = await start_replica("a")
+    r = await start_router(
+        [a], limits={"max_concurrent_requests": 1, "max_queued_requests": 1, "queue_timeout_s": 5}
+    )
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "prompt": "hold"}
+        first = asyncio.create_task(http.post(r.url + "/v1/completions", json=body))
+        await wait_until(lambda: a.running == 1, what="the first request at the replica")
+        second = asyncio.create_task(http.post(r.url + "/v1/completions", json=body))
+        await wait_until(lambda: r.router.admission.queued == 1, what="the second to queue")
+        async with http.post(r.url + "/v1/completions", json=body) as third:
+            assert third.status == 429 and third.headers["Retry-After"] == "1"
+            assert (await third.json())["error"]["code"] == "too_many_requests"
+        a.gate.set()
+        for task in (first, second):
+            resp = await task
+            assert resp.status == 200
+            resp.release()
+    assert r.router.admission.active == 0
+
+
+async def test_a_request_over_the_total_timeout_gets_504(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a = await start_replica("a")
+    r = await start_router([a], timeouts={"total_s": 0.3})
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            r.url + "/v1/completions", json={"model": "tiny", "prompt": "hold"}
+        ) as resp:
+            assert resp.status == 504
+            assert (await resp.json())["error"]["code"] == "timeout"
+    await wait_until(lambda: a.running == 0, what="the replica to see the abort")
+
+
+async def test_api_keys_guard_the_api_and_a_separate_key_guards_admin_endpoints(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a = await start_replica("a")
+    r = await start_router(
+        [a], auth={"api_keys": ["client-key-1", "client-key-2"], "admin_api_key": "admin-key-1"}
+    )
+    good = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="client-key-2", max_retries=0)
+    assert (await good.completions.create(model="tiny", prompt="x")).choices[0].text
+    bad = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="wrong-key-1", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await bad.completions.create(model="tiny", prompt="x")
+    # The client's key is the router's business: it is not passed on to the replica.
+    assert "Authorization" not in a.seen[0].headers
+    async with aiohttp.ClientSession() as http:
+        async with http.get(r.url + "/metrics") as resp:
+            assert resp.status == 401
+        admin = {"Authorization": "Bearer admin-key-1"}
+        client_key = {"Authorization": "Bearer client-key-1"}
+        async with http.get(r.url + "/metrics", headers=client_key) as resp:
+            assert resp.status == 401
+        async with http.get(r.url + "/metrics", headers=admin) as resp:
+            assert resp.status == 200
+        async with http.get(r.url + "/admin/replicas", headers=admin) as resp:
+            rows = (await resp.json())["replicas"]
+            assert [(row["name"], row["breaker"]) for row in rows] == [("a", "closed")]
+        async with http.get(r.url + "/health") as resp:
+            assert resp.status == 200  # probes need no key
