@@ -35,9 +35,11 @@ class Auth:
         if not ok:
             raise errors.unauthorized(presented is None)
 
-    def check_admin(self, request: web.Request) -> None:
+    def check_admin(self, request: web.Request, *, open_without_key: bool = False) -> None:
+        """Admin endpoints need the admin key; without one configured, only loopback clients
+        (or anyone, for ``open_without_key`` endpoints such as /metrics) may use them."""
         if self._admin_key is None:
-            if request.remote not in _LOOPBACK:
+            if not open_without_key and request.remote not in _LOOPBACK:
                 raise errors.forbidden("admin endpoints without auth.admin_api_key: loopback only")
             return
         presented = _bearer(request)

@@ -52,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench.cli import add_bench
     from .demo import add_demo_command
+    from .drill.run import add_drill_command
 
     add_demo_command(sub)
     add_replica_command(sub)
     add_make_tiny_model_command(sub)
+    add_drill_command(sub)
     add_bench(sub)
     return parser
 

@@ -136,8 +136,8 @@ class AuthConfig(_Section):
 
     # Keys clients must present (Authorization: Bearer KEY) on /v1/*; empty = open.
     api_keys: list[str] = msgspec.field(default_factory=list)
-    # Key for /metrics and /admin/*; null = those are open (admin endpoints then only listen
-    # to loopback clients).
+    # Key for /metrics and /admin/*; null = /metrics is open and /admin/* answers loopback
+    # clients only.
     admin_api_key: str | None = None
 
 

@@ -571,7 +571,7 @@ class Router:
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         try:
-            self.auth.check_admin(request)
+            self.auth.check_admin(request, open_without_key=True)
         except errors.ApiError as exc:
             return exc.response()
         if self._board is not None:

@@ -1,0 +1,1 @@
+"""``kvroute drill``: drive load through a router, inject a fault into one replica, report."""

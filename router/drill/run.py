@@ -1,0 +1,335 @@
+"""Run one drill: fleet and router up, load on, fault in, report, exit status."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from backends.launcher import free_ports
+from backends.process import LaunchError
+
+from ..bench.processes import StartError, managed
+from ..config import Config, ConfigError, load_config, resolve_secret
+from ..launching import start_launched_replicas
+from .faults import SCENARIOS, DrillError, Target, clear, inject
+from .load import Outcome, run_load
+
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class DrillOptions:
+    config: str
+    scenario: str
+    replica: int
+    at_s: float
+    rate: float
+    duration_s: float
+    fault_s: float
+    max_tokens: int
+
+
+@dataclass
+class DrillReport:
+    outcomes: list[Outcome]
+    options: DrillOptions
+    target: str
+    detected_after_s: float | None
+    retries: float
+    resumed: float
+
+    @property
+    def lost(self) -> list[Outcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+
+def run_drill(options: DrillOptions) -> DrillReport:
+    config = load_config(options.config)
+    if config.launch is None and not config.replicas:
+        raise DrillError(f"{options.config}: no replicas (give launch: or replicas:)")
+    engine = config.launch.engine if config.launch is not None else None
+    try:
+        config, fleet = start_launched_replicas(config)
+    except LaunchError as exc:
+        raise DrillError(str(exc)) from None
+    try:
+        if not 0 <= options.replica < len(config.replicas):
+            raise DrillError(
+                f"--replica {options.replica}: the fleet has replicas 0-{len(config.replicas) - 1}"
+            )
+        replica = config.replicas[options.replica]
+        process = fleet.replicas[options.replica].process if fleet is not None else None
+        name = replica.name or replica.url
+        target = Target(name, replica.url, emulated=engine != "vllm", process=process)
+        target.check(options.scenario)
+        return _with_router(config, options, target)
+    finally:
+        if fleet is not None:
+            fleet.stop()
+
+
+def _with_router(config: Config, options: DrillOptions, target: Target) -> DrillReport:
+    port = free_ports(1)[0]
+    config = msgspec.structs.replace(
+        config, listen=msgspec.structs.replace(config.listen, port=port, host="127.0.0.1")
+    )
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="kvroute-drill-") as tmp:
+        path = Path(tmp) / "router.yaml"
+        path.write_text(yaml.safe_dump(msgspec.to_builtins(config)))
+        argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
+        try:
+            with managed("router", argv, Path(tmp), url + "/ready", timeout_s=60):
+                return asyncio.run(_drive(config, options, target, url))
+        except StartError as exc:
+            raise DrillError(f"the router did not start: {exc}") from None
+
+
+async def _drive(config: Config, options: DrillOptions, target: Target, url: str) -> DrillReport:
+    admin_key = config.auth.admin_api_key
+    headers = (
+        {"Authorization": f"Bearer {resolve_secret(admin_key, 'auth.admin_api_key')}"}
+        if admin_key
+        else {}
+    )
+    client_key = (
+        resolve_secret(config.auth.api_keys[0], "auth.api_keys[0]")
+        if config.auth.api_keys
+        else None
+    )
+    model = config.models[0] if config.models else (config.launch.model if config.launch else "")
+    async with aiohttp.ClientSession(headers=headers) as http:
+        await _wait_all_healthy(http, url, len(config.replicas))
+        model = model or await _first_model(http, url)
+        before = await _counters(http, url)
+        started = time.monotonic()
+        load = asyncio.create_task(
+            run_load(
+                url,
+                model,
+                options.rate,
+                options.duration_s,
+                options.max_tokens,
+                started,
+                client_key,
+            )
+        )
+        await asyncio.sleep(max(0.0, started + options.at_s - time.monotonic()))
+        print(
+            f"kvroute drill: {options.scenario} on {target.name} at t={options.at_s:g}s",
+            file=sys.stderr,
+        )
+        injected = time.monotonic()
+        async with aiohttp.ClientSession() as plain:
+            flapping = await inject(options.scenario, target, plain, options.fault_s)
+            detected = await _time_to_detect(http, url, target.name, injected, options.fault_s)
+            remaining = injected + options.fault_s - time.monotonic()
+            if remaining > 0:
+                await asyncio.sleep(remaining)
+            if flapping is not None:
+                await flapping
+            await clear(options.scenario, target, plain)
+        result = await load
+        after = await _counters(http, url)
+    return DrillReport(
+        result.outcomes,
+        options,
+        target.name,
+        detected,
+        after["retry"] - before["retry"],
+        after["resumed"] - before["resumed"],
+    )
+
+
+async def _wait_all_healthy(http: aiohttp.ClientSession, url: str, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with http.get(url + "/admin/replicas") as resp:
+                rows = (await resp.json())["replicas"]
+                if len(rows) == count and all(r["healthy"] and not r["ejected"] for r in rows):
+                    return
+        await asyncio.sleep(POLL_S)
+    raise DrillError("not every replica became healthy within 60 s")
+
+
+async def _first_model(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url + "/v1/models") as resp:
+        data = (await resp.json())["data"]
+    if not data:
+        raise DrillError("the router lists no model")
+    return str(data[0]["id"])
+
+
+async def _time_to_detect(
+    http: aiohttp.ClientSession, url: str, name: str, injected: float, within_s: float
+) -> float | None:
+    """Seconds until the router takes the replica out of rotation (None: it never did)."""
+    while time.monotonic() - injected < within_s:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with http.get(url + "/admin/replicas") as resp:
+                for row in (await resp.json())["replicas"]:
+                    if row["name"] == name and (not row["healthy"] or row["ejected"]):
+                        return time.monotonic() - injected
+        await asyncio.sleep(POLL_S)
+    return None
+
+
+async def _counters(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out = {"retry": 0.0, "resumed": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvroute_retries_total" and sample.labels.get("kind") == "retry":
+                out["retry"] += sample.value
+            if (
+                sample.name == "kvroute_stream_resumes_total"
+                and sample.labels.get("outcome") == "resumed"
+            ):
+                out["resumed"] += sample.value
+    return out
+
+
+def _p99(values: list[float]) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return f"{1000 * ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]:.0f} ms"
+
+
+def format_report(report: DrillReport) -> str:
+    o = report.options
+    outcomes = report.outcomes
+    ok = sum(1 for x in outcomes if x.ok)
+    end_of_fault = o.at_s + o.fault_s
+    phases = {
+        "before": [x for x in outcomes if x.sent_at < o.at_s],
+        "during": [x for x in outcomes if o.at_s <= x.sent_at < end_of_fault],
+        "after": [x for x in outcomes if x.sent_at >= end_of_fault],
+    }
+    ttft = {
+        k: _p99([x.ttft_s for x in v if x.stream and x.ttft_s is not None])
+        for k, v in phases.items()
+    }
+    detect = (
+        "not taken out of rotation"
+        if report.detected_after_s is None
+        else f"{report.detected_after_s:.2f} s"
+    )
+    lines = [
+        f"drill: {o.scenario} on replica {o.replica} ({report.target}) at t={o.at_s:g}s for "
+        f"{o.fault_s:g}s; {o.rate:g} req/s for {o.duration_s:g}s (half streamed)",
+        f"  requests sent        {len(outcomes)}",
+        f"  succeeded            {ok}",
+        f"  failed (lost)        {len(outcomes) - ok}",
+        f"  retried              {report.retries:.0f}",
+        f"  resumed mid-stream   {report.resumed:.0f}",
+        f"  time to detect       {detect}",
+        f"  TTFT p99 (streams)   before {ttft['before']}, during {ttft['during']}, after {ttft['after']}",
+    ]
+    for x in report.lost[:5]:
+        lines.append(f"  lost: t={x.sent_at:.2f}s stream={x.stream} {x.error}")
+    lines.append(
+        "result: " + ("PASS, nothing lost" if not report.lost else f"FAIL, {len(report.lost)} lost")
+    )
+    return "\n".join(lines)
+
+
+def add_drill_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "drill",
+        help="Failover drill: load through the router while one replica fails; report losses.",
+        description=(
+            "Start the fleet and router a config describes, drive load through the router "
+            "(half streamed), inject a fault into one replica at --at seconds, and print "
+            "requests sent, succeeded, failed, retried, resumed mid-stream, lost, time to "
+            "detect and TTFT p99 before/during/after. Exits 1 if any request was lost. "
+            "Scenarios: kill (SIGKILL; its supervisor restarts it), stall (accepts connections, "
+            "answers nothing), slow (5x slower steps), flap (2 s down, 2 s up, repeatedly), "
+            "error-burst (every request answered 500). Emulated replicas take every scenario; "
+            "real vLLM replicas launched by the config take kill, stall and flap."
+        ),
+    )
+    p.add_argument(
+        "--config", required=True, metavar="FILE", help="Router config (see configs/drill-*.yaml)."
+    )
+    p.add_argument("--scenario", required=True, choices=SCENARIOS)
+    p.add_argument(
+        "--replica",
+        type=int,
+        default=0,
+        metavar="K",
+        help="Index of the replica to fault (default 0).",
+    )
+    p.add_argument(
+        "--at",
+        type=float,
+        default=3.0,
+        metavar="T",
+        help="Seconds into the load when the fault starts (default 3).",
+    )
+    p.add_argument(
+        "--rate", type=float, default=10.0, metavar="RPS", help="Requests per second (default 10)."
+    )
+    p.add_argument(
+        "--duration", type=float, default=12.0, metavar="S", help="Seconds of load (default 12)."
+    )
+    p.add_argument(
+        "--fault-duration",
+        type=float,
+        default=None,
+        metavar="S",
+        help="How long the fault lasts (default: half of what is left after --at).",
+    )
+    p.add_argument("--max-tokens", type=int, default=32, help="Tokens per answer (default 32).")
+    p.set_defaults(func=_cmd_drill)
+
+
+def _cmd_drill(args: argparse.Namespace) -> int:
+    for flag, value in (
+        ("--rate", args.rate),
+        ("--duration", args.duration),
+        ("--max-tokens", args.max_tokens),
+    ):
+        if not (math.isfinite(value) and value > 0):
+            print(f"kvroute drill: {flag} must be > 0, got {value}", file=sys.stderr)
+            return 2
+    if not 0 <= args.at < args.duration:
+        print(f"kvroute drill: --at must be within [0, --duration), got {args.at}", file=sys.stderr)
+        return 2
+    fault_s = (
+        args.fault_duration if args.fault_duration is not None else (args.duration - args.at) / 2
+    )
+    if not (math.isfinite(fault_s) and fault_s > 0):
+        print(f"kvroute drill: --fault-duration must be > 0, got {fault_s}", file=sys.stderr)
+        return 2
+    options = DrillOptions(
+        args.config,
+        args.scenario,
+        args.replica,
+        args.at,
+        args.rate,
+        args.duration,
+        fault_s,
+        args.max_tokens,
+    )
+    try:
+        report = run_drill(options)
+    except (DrillError, ConfigError) as exc:
+        print(f"kvroute drill: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    return 1 if report.lost else 0
