@@ -119,6 +119,7 @@ class Router:
         self._timeouts = Timeouts(t.first_byte_s, t.first_token_s, t.idle_s)
         # Replicas whose breaker is not closed: checked before each decision.
         self._tripped: dict[str, ReplicaHandle] = {}
+        self._checking: set[str] = set()  # replicas being checked after a dropped connection
         self._rng = random.Random()
         # Set when SIGTERM starts the drain: /ready says 503 so load balancers stop sending.
         self.draining = False
@@ -321,6 +322,11 @@ class Router:
 
     def _record(self, handle: ReplicaHandle, ok: bool, kind: str = "") -> None:
         """One outcome of live traffic on a replica, for its breaker."""
+        if kind in _CONNECTION_FAILURES and handle.name not in self._checking:
+            # A dropped connection may be a dead replica: find out now, not at the next probe.
+            self._checking.add(handle.name)
+            task = asyncio.create_task(self._check_alive(handle))
+            task.add_done_callback(lambda _: self._checking.discard(handle.name))
         if not self.config.breaker.enabled:
             return
         now = time.monotonic()
@@ -337,6 +343,21 @@ class Router:
             handle.state.ejected = False
         else:
             handle.state.ejected = not breaker.allows(now)
+
+    async def _check_alive(self, handle: ReplicaHandle) -> None:
+        """Out of rotation at once if the replica no longer accepts connections."""
+        host, port = handle.host_port
+        try:
+            async with asyncio.timeout(self.config.timeouts.connect_s):
+                _, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError) as exc:
+            if handle.state.healthy:
+                handle.state.healthy = False
+                log.warning("replica %s is down (%s): out of rotation", handle.name, exc)
+                if self._client is not None:
+                    self._client.abandon_waiting(handle.base_url, "the replica is down")
+            return
+        writer.close()
 
     def _eject(self, handle: ReplicaHandle, kind: str) -> None:
         handle.state.ejected = True
@@ -579,6 +600,10 @@ class Router:
         response = web.Response(body=generate_latest(self.metrics.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
+
+
+# Failures that may mean the replica process is gone (see Router._check_alive).
+_CONNECTION_FAILURES = frozenset({"broken_stream", "protocol"})
 
 
 class _Attempt:
