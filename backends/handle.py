@@ -19,6 +19,8 @@ class ReplicaHandle:
     state: ReplicaState = field(init=False)
     breaker: CircuitBreaker = field(init=False)
     host_port: tuple[str, int] = field(init=False)
+    # Unix time the replica left rotation (unhealthy or ejected); None while in rotation.
+    out_since: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.breaker = CircuitBreaker(self.breaker_settings)

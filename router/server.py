@@ -196,6 +196,12 @@ class Router:
         return f"kvr-{self._request_id_prefix}-{next(self._request_counter):x}"
 
     def _refresh_models(self) -> None:
+        for handle in self.replicas.values():  # a probe changed something: stamp who is out
+            out = not handle.state.healthy or handle.state.ejected
+            if out and handle.out_since is None:
+                handle.out_since = time.time()
+            elif not out:
+                handle.out_since = None
         if self.tokenizer is None and self.config.routing.tokenizer is None:
             self._discover_tokenizer()
         if self.config.models:
@@ -340,6 +346,8 @@ class Router:
         elif breaker.state is BreakerState.CLOSED:
             if self._tripped.pop(handle.name, None) is not None:
                 log.info("replica %s is back in rotation", handle.name)
+                if handle.state.healthy:
+                    handle.out_since = None
             handle.state.ejected = False
         else:
             handle.state.ejected = not breaker.allows(now)
@@ -353,6 +361,7 @@ class Router:
         except (OSError, TimeoutError) as exc:
             if handle.state.healthy:
                 handle.state.healthy = False
+                handle.out_since = time.time()
                 log.warning("replica %s is down (%s): out of rotation", handle.name, exc)
                 if self._client is not None:
                     self._client.abandon_waiting(handle.base_url, "the replica is down")
@@ -360,6 +369,8 @@ class Router:
         writer.close()
 
     def _eject(self, handle: ReplicaHandle, kind: str) -> None:
+        if handle.out_since is None:
+            handle.out_since = time.time()
         handle.state.ejected = True
         self._tripped[handle.name] = handle
         reason = handle.breaker.last_reason
@@ -519,6 +530,8 @@ class Router:
             self.metrics.observe_upstream_error(replica_id, exc.kind)
             if exc.kind == "connect":
                 # Out of rotation until a probe passes again.
+                if state.healthy:
+                    handle.out_since = time.time()
                 state.healthy = False
             if exc.kind != "ejected" and exc.status != 429 and (exc.status or 500) >= 500:
                 self._record(handle, False, exc.kind)
@@ -584,6 +597,8 @@ class Router:
                     "ejected_for_s": round(max(0.0, breaker.open_until - now), 3)
                     if breaker.state is BreakerState.OPEN
                     else 0.0,
+                    # Unix time it left rotation (null while in rotation).
+                    "out_since": handle.out_since,
                     "in_flight": state.in_flight,
                     "models": sorted(state.models) if state.models is not None else None,
                 }

@@ -132,9 +132,10 @@ async def _drive(config: Config, options: DrillOptions, target: Target, url: str
             file=sys.stderr,
         )
         injected = time.monotonic()
+        injected_wall = time.time()
         async with aiohttp.ClientSession() as plain:
             flapping = await inject(options.scenario, target, plain, options.fault_s)
-            detected = await _time_to_detect(http, url, target.name, injected, options.fault_s)
+            detected = await _time_to_detect(http, url, target.name, injected_wall, options.fault_s)
             remaining = injected + options.fault_s - time.monotonic()
             if remaining > 0:
                 await asyncio.sleep(remaining)
@@ -174,15 +175,17 @@ async def _first_model(http: aiohttp.ClientSession, url: str) -> str:
 
 
 async def _time_to_detect(
-    http: aiohttp.ClientSession, url: str, name: str, injected: float, within_s: float
+    http: aiohttp.ClientSession, url: str, name: str, injected_wall: float, within_s: float
 ) -> float | None:
-    """Seconds until the router takes the replica out of rotation (None: it never did)."""
-    while time.monotonic() - injected < within_s:
+    """Seconds from the fault to the router taking the replica out of rotation, by the router's
+    own clock (its /admin/replicas ``out_since``); None when it never did."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
         with contextlib.suppress(aiohttp.ClientError):
             async with http.get(url + "/admin/replicas") as resp:
                 for row in (await resp.json())["replicas"]:
-                    if row["name"] == name and (not row["healthy"] or row["ejected"]):
-                        return time.monotonic() - injected
+                    if row["name"] == name and row["out_since"] is not None:
+                        return max(0.0, float(row["out_since"]) - injected_wall)
         await asyncio.sleep(POLL_S)
     return None
 
