@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_check_config(sub)
     from backends.tiny_model import add_make_tiny_model_command
+    from simulator.cli_replay import add_replay_parsers
     from simulator.replica.cli import add_replica_command
 
     from .bench.cli import add_bench
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_command(sub)
     add_replica_command(sub)
+    add_replay_parsers(sub)
     add_make_tiny_model_command(sub)
     add_drill_command(sub)
     add_bench(sub)

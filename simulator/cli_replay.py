@@ -1,0 +1,885 @@
+"""``kvroute replay`` and ``kvroute plan``: replay traces through simulated fleets.
+
+``replay`` simulates one policy (or several with ``--compare``) on a fleet of engine models,
+prints a summary table and writes ``summary.json``, ``report.md`` and PNG plots to ``--out``;
+with ``--live URL`` it replays the trace against a running router instead. ``plan`` finds the
+smallest fleet that meets an SLO at the trace's rate and at multiples of it, with its cost.
+Bad flags or input: one line on stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from typing import Any
+
+from policies import DEFAULT_POLICY, POLICIES, PolicyConfigError, build_policy
+from policies.registry import policy_parameters
+from simulator.engine.latency import DEFAULT_PRESET, PRESETS, latency_preset
+from simulator.fleet import (
+    ENGINE_MODELS,
+    FleetConfig,
+    SimResult,
+    Slo,
+    UnitTrace,
+    engine_config,
+    infinite_cache_hit_rate,
+    percentile,
+    pooled_lru_hit_rate,
+    prepare,
+    simulate,
+)
+from simulator.fleet.report import markdown_report
+from simulator.fleet.summary import format_table, summarize
+from simulator.fleet.units import scaled
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad input found after parsing: printed as one line, exit status 2."""
+
+
+# -- argparse value types ---------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def _slo(text: str) -> Slo:
+    """``ttft=S,tpot=S`` (either or both), in seconds."""
+    fields: dict[str, float] = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key not in ("ttft", "tpot"):
+            raise argparse.ArgumentTypeError(
+                f"expected ttft=SECONDS,tpot=SECONDS (either or both), got {text!r}"
+            )
+        fields[key] = _positive_float(value)
+    return Slo(fields.get("ttft"), fields.get("tpot"))
+
+
+def _failure(text: str) -> tuple[int, float]:
+    """``K@T``: replica K (0-based) fails T seconds into the replay."""
+    replica, sep, at = text.partition("@")
+    try:
+        if not sep:
+            raise ValueError
+        k, t = int(replica), float(at)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected REPLICA@SECONDS, e.g. 3@600, got {text!r}"
+        ) from None
+    if k < 0 or not (math.isfinite(t) and t >= 0):
+        raise argparse.ArgumentTypeError(f"replica must be >= 0 and time >= 0, got {text!r}")
+    return k, t
+
+
+def _window(text: str) -> tuple[float, float]:
+    """``START:END`` in seconds of the trace's own clock."""
+    start, sep, end = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        a, b = float(start), float(end)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END in seconds, got {text!r}") from None
+    if not (0 <= a < b and math.isfinite(b)):
+        raise argparse.ArgumentTypeError(f"window must satisfy 0 <= START < END, got {text!r}")
+    return a, b
+
+
+def _policy(text: str) -> str:
+    if text not in POLICIES:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {text!r}; choose from: {', '.join(sorted(POLICIES))}"
+        )
+    return text
+
+
+def _policy_param(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value: Any = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key, value
+
+
+def _policy_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one policy, e.g. kv_aware,round_robin")
+    return [_policy(n) for n in names]
+
+
+def _multipliers(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 2,4, got {text!r}") from None
+    if not values or any(not (math.isfinite(v) and v > 0) for v in values):
+        raise argparse.ArgumentTypeError(f"multipliers must be positive numbers, got {text!r}")
+    return values
+
+
+# -- parsers ----------------------------------------------------------------------------
+
+
+def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``replay`` and ``plan`` on the ``kvroute`` command line."""
+    from simulator.traces import FORMATS
+
+    replay = sub.add_parser(
+        "replay",
+        help="Replay a trace through a simulated fleet (or a live router) and report.",
+        description=(
+            "Simulate a fleet of vLLM engine models behind the router's own policy code and "
+            "prefix index, on a virtual clock: requests arrive as the trace says, the policy "
+            "routes them with the load and cache information the live router would have, and "
+            "each replica schedules, caches and evicts as vLLM does. Prints a summary and "
+            "writes DIR/summary.json, DIR/report.md and PNG plots. --compare runs several "
+            "policies on the same trace; --fail K@T removes replica K at T seconds (its "
+            "requests resume elsewhere). --live URL replays against a running router instead."
+        ),
+    )
+    _add_trace_args(replay, FORMATS)
+    replay.add_argument("--replicas", type=_positive_int, default=4, help="Fleet size (default 4).")
+    replay.add_argument(
+        "--policy",
+        type=_policy,
+        default=DEFAULT_POLICY,
+        help=f"Routing policy (default {DEFAULT_POLICY}): {', '.join(sorted(POLICIES))}.",
+    )
+    replay.add_argument(
+        "--policy-param",
+        type=_policy_param,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A policy parameter (as in a config's policy.params), e.g. margin_ratio=0.05; "
+        "repeat for more. Applies to every policy that accepts it.",
+    )
+    replay.add_argument(
+        "--compare",
+        type=_policy_list,
+        metavar="P1,P2,...",
+        help="Run these policies on the same trace and fleet and tabulate them.",
+    )
+    _add_fleet_args(replay)
+    replay.add_argument(
+        "--slo",
+        type=_slo,
+        metavar="ttft=S,tpot=S",
+        help="Targets in seconds for goodput (requests that meet both per second).",
+    )
+    replay.add_argument(
+        "--fail",
+        type=_failure,
+        action="append",
+        default=[],
+        metavar="K@T",
+        help="Remove replica K (0-based) at T seconds; repeat for more.",
+    )
+    replay.add_argument(
+        "--out", metavar="DIR", help="Directory for summary.json, report.md, plots."
+    )
+    replay.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
+    replay.add_argument(
+        "--quiet", action="store_true", help="No progress bar (the summary still prints)."
+    )
+    replay.add_argument(
+        "--live",
+        metavar="URL",
+        help="Replay in real time against the router at URL instead of simulating.",
+    )
+    replay.add_argument("--model", help="With --live: the model name to send.")
+    replay.add_argument("--api-key", help="With --live: bearer token for the router.")
+    replay.set_defaults(func=_cmd_replay)
+
+    plan = sub.add_parser(
+        "plan",
+        help="Smallest simulated fleet that meets an SLO, at the trace's rate and multiples.",
+        description=(
+            "For the trace's own request rate and k times it (--rate-multipliers), find the "
+            "smallest number of replicas whose simulated TTFT and TPOT at the SLO quantile stay "
+            "within the SLO (doubling, then bisection), and its cost per million tokens "
+            "(--gpu-price per GPU-hour, times the preset's GPUs per replica)."
+        ),
+    )
+    _add_trace_args(plan, FORMATS)
+    plan.add_argument(
+        "--slo", type=_slo, required=True, metavar="ttft=S,tpot=S", help="Targets in seconds."
+    )
+    plan.add_argument(
+        "--slo-quantile",
+        type=float,
+        default=0.99,
+        help="The quantile that must meet the SLO (default 0.99).",
+    )
+    plan.add_argument(
+        "--policy", type=_policy, default=DEFAULT_POLICY, help="Routing policy (default kv_aware)."
+    )
+    _add_fleet_args(plan)
+    plan.add_argument(
+        "--rate-multipliers",
+        type=_multipliers,
+        default=[2.0, 4.0],
+        metavar="K1,K2",
+        help="Also plan for these multiples of the trace's rate (default 2,4).",
+    )
+    plan.add_argument(
+        "--gpu-price",
+        type=_non_negative_float,
+        metavar="USD_PER_HOUR",
+        help="Price of one GPU-hour, for the cost per million tokens.",
+    )
+    plan.add_argument(
+        "--max-replicas", type=_positive_int, default=1024, help="Give up above (default 1024)."
+    )
+    plan.add_argument("--out", metavar="DIR", help="Also write DIR/plan.json.")
+    plan.add_argument("--quiet", action="store_true", help="No progress lines.")
+    plan.set_defaults(func=_cmd_plan)
+
+
+def _add_trace_args(p: argparse.ArgumentParser, formats: tuple[str, ...]) -> None:
+    p.add_argument(
+        "--trace",
+        required=True,
+        metavar="FILE",
+        help="Trace file (or, with --format synthetic, a generator spec).",
+    )
+    p.add_argument(
+        "--format",
+        metavar="FORMAT",
+        help=f"One of {', '.join(formats)}, optionally with options after a colon "
+        "(default: detect from the file).",
+    )
+    p.add_argument(
+        "--time-scale", type=_positive_float, default=1.0, help="Stretch arrivals (2 = half rate)."
+    )
+    p.add_argument(
+        "--rate-scale", type=_positive_float, default=1.0, help="Compress arrivals (2 = 2x rate)."
+    )
+    p.add_argument("--window", type=_window, metavar="START:END", help="Seconds of the trace.")
+    p.add_argument("--max-requests", type=_positive_int, help="Keep only the first N requests.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of policies and generators.")
+
+
+def _add_fleet_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=DEFAULT_PRESET,
+        metavar="NAME",
+        help=f"Model + GPU latency preset (default {DEFAULT_PRESET}): {', '.join(sorted(PRESETS))}.",
+    )
+    p.add_argument(
+        "--kv-capacity-tokens",
+        type=_positive_int,
+        metavar="T",
+        help="KV cache per replica in tokens (default: the preset's GPU memory less weights).",
+    )
+    p.add_argument("--block-size", type=_positive_int, default=16, help="KV block size (16).")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256, help="Batch limit (256).")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=8192,
+        help="Per-step token budget (8192, vLLM's default for online serving on large GPUs).",
+    )
+    p.add_argument(
+        "--event-lag-s",
+        type=_non_negative_float,
+        default=0.01,
+        help="Delay of KV events to the router's index (default 0.01 s).",
+    )
+    p.add_argument(
+        "--scrape-interval-s",
+        type=_positive_float,
+        default=1.0,
+        help="How often replicas' queue depth and KV usage are read (default 1 s).",
+    )
+    p.add_argument(
+        "--engine-model",
+        choices=ENGINE_MODELS,
+        default="fast",
+        help="fast (default): trace-block prefix cache, closed-form decode runs; exact: the "
+        "16-token-block engine step by step (slow; for fidelity checks).",
+    )
+
+
+# -- shared steps -------------------------------------------------------------------------
+
+
+def _load_trace(args: argparse.Namespace, time_scale: float) -> Any:
+    from simulator.traces import TraceError, load_trace
+
+    try:
+        trace = load_trace(
+            args.trace,
+            args.format,
+            time_scale=time_scale,
+            rate_scale=args.rate_scale,
+            window_s=args.window,
+            max_requests=args.max_requests,
+            seed=args.seed,
+        )
+    except TraceError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"cannot read trace {args.trace}: {exc.strerror or exc}") from None
+    if not trace.requests:
+        raise UsageError(f"trace {args.trace} has no requests (after window and caps)")
+    return trace
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, UnitTrace]:
+    trace = _load_trace(args, args.time_scale)
+    return trace, prepare(trace)
+
+
+def _fleet_config(
+    args: argparse.Namespace, replicas: int, failures: list[tuple[int, float]]
+) -> FleetConfig:
+    latency = latency_preset(args.preset)
+    try:
+        engine = engine_config(
+            latency,
+            args.kv_capacity_tokens,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=args.seed,
+        )
+        return FleetConfig(
+            replicas=replicas,
+            engine=engine,
+            engine_model=args.engine_model,
+            event_lag_s=args.event_lag_s,
+            scrape_interval_s=args.scrape_interval_s,
+            failures=tuple(failures),
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _policy_object(name: str, seed: int, extra: list[tuple[str, Any]] | None = None) -> Any:
+    accepted = policy_parameters(name)
+    params: dict[str, Any] = {"seed": seed} if "seed" in accepted else {}
+    params.update((k, v) for k, v in extra or () if k in accepted)
+    try:
+        return build_policy(name, params)
+    except PolicyConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+class _ProgressBar:
+    """A plain-text bar on stderr: redrawn in place on a terminal, a line per 10% otherwise."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label = label
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.started = time.perf_counter()
+        self._last_tenth = -1
+
+    def __call__(self, done: int, total: int, sim_t: float) -> None:
+        if not self.enabled:
+            return
+        frac = done / total if total else 1.0
+        wall = time.perf_counter() - self.started
+        filled = int(frac * 30)
+        line = (
+            f"{self.label:<14} [{'#' * filled}{'.' * (30 - filled)}] {frac:4.0%} "
+            f"{done}/{total} requests, sim {sim_t:,.0f} s, wall {wall:.1f} s"
+        )
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if done == total else ""))
+            sys.stderr.flush()
+        elif int(frac * 10) > self._last_tenth:
+            self._last_tenth = int(frac * 10)
+            print(line, file=sys.stderr)
+
+
+def _run_one(
+    units: UnitTrace,
+    policy_name: str,
+    config: FleetConfig,
+    seed: int,
+    quiet: bool,
+    params: list[tuple[str, Any]] | None = None,
+) -> tuple[SimResult, float]:
+    policy = _policy_object(policy_name, seed, params)
+    bar = _ProgressBar(policy_name, not quiet)
+    started = time.perf_counter()
+    result = simulate(units, policy, config, bar)
+    return result, time.perf_counter() - started
+
+
+# -- replay -------------------------------------------------------------------------------
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    try:
+        return _replay(args)
+    except UsageError as exc:
+        print(f"kvroute replay: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _replay(args: argparse.Namespace) -> int:
+    if args.live:
+        # The live replayer paces by --time-scale itself: load the trace unscaled in time.
+        return _replay_live(args, _load_trace(args, 1.0))
+    trace, units = _load(args)
+    if not args.out:
+        raise UsageError("--out DIR is required (where summary.json and report.md go)")
+    _prepare_out(args.out)
+    for k, _ in args.fail:
+        if k >= args.replicas:
+            raise UsageError(f"--fail {k}@...: replicas are numbered 0..{args.replicas - 1}")
+    config = _fleet_config(args, args.replicas, args.fail)
+    policies = args.compare or [args.policy]
+    for key, _ in args.policy_param:
+        if not any(key in policy_parameters(name) for name in policies):
+            raise UsageError(f"--policy-param {key}: no policy of {', '.join(policies)} takes it")
+    infinite = infinite_cache_hit_rate(units, config.engine.block_size).token_rate
+    pooled = pooled_lru_hit_rate(
+        units, config.engine.num_blocks * config.replicas, config.engine.block_size
+    ).token_rate
+    if not args.quiet:
+        print(
+            f"{len(units.requests)} requests over {units.duration_s:,.0f} s, {args.replicas} "
+            f"replicas of {args.preset}, {config.kv_capacity_tokens:,} KV tokens each",
+            file=sys.stderr,
+        )
+    results: list[SimResult] = []
+    summaries: list[dict[str, Any]] = []
+    for name in policies:
+        result, wall = _run_one(units, name, config, args.seed, args.quiet, args.policy_param)
+        results.append(result)
+        summaries.append(
+            summarize(
+                result,
+                infinite_hit_rate=infinite,
+                pooled_lru_hit_rate=pooled,
+                slo=args.slo or Slo(),
+                wall_s=wall,
+                extra={"preset": args.preset, "engine_model": args.engine_model},
+            )
+        )
+    print(format_table(summaries))
+    print(
+        f"bounds: infinite cache {_pct(infinite)}, pooled LRU of the fleet's capacity "
+        f"{_pct(pooled)} (token-weighted hit rates)"
+    )
+    _write_outputs(args, trace, units, config, results, summaries)
+    print(f"wrote {os.path.join(args.out, 'summary.json')} and report.md")
+    return 0
+
+
+def _prepare_out(out: str) -> None:
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create output directory {out}: {exc.strerror or exc}") from None
+    if not os.access(out, os.W_OK):
+        raise UsageError(f"output directory {out} is not writable")
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    trace: Any,
+    units: UnitTrace,
+    config: FleetConfig,
+    results: list[SimResult],
+    summaries: list[dict[str, Any]],
+) -> None:
+    summary = dict(summaries[0])
+    if len(summaries) > 1:
+        summary["runs"] = summaries
+    command = "kvroute " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
+    plots: list[str] = []
+    if not args.no_plots:
+        from simulator.fleet.plots import write_plots
+
+        plots = write_plots(results, args.out)
+    duration = units.duration_s
+    context = {
+        "trace": os.path.basename(args.trace) if os.path.exists(args.trace) else args.trace,
+        "format": args.format or "detected",
+        "trace_duration_s": duration,
+        "trace_rate_rps": len(units.requests) / duration if duration > 0 else 0.0,
+        "preset": args.preset,
+        "block_size": config.engine.block_size,
+        "engine_model": config.engine_model,
+        "event_lag_s": config.event_lag_s,
+        "scrape_interval_s": config.scrape_interval_s,
+        "seed": args.seed,
+        "failures": list(config.failures),
+        "command": command,
+    }
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write(markdown_report(summaries, context, plots))
+
+
+def _replay_live(args: argparse.Namespace, trace: Any) -> int:
+    try:
+        live = importlib.import_module("simulator.traces.live")
+    except ImportError:
+        raise UsageError("--live is not available in this build (simulator.traces.live)") from None
+    try:
+        live.replay_live(
+            trace,
+            args.live,
+            model=args.model,
+            api_key=args.api_key,
+            time_scale=args.time_scale,
+            out_dir=args.out,
+        )
+    except (ValueError, live.LiveReplayError) as exc:  # its one-line errors (no router, ...)
+        raise UsageError(str(exc)) from None
+    return 0
+
+
+def _pct(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:.1%}"
+
+
+# -- plan ---------------------------------------------------------------------------------
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        return _plan(args)
+    except UsageError as exc:
+        print(f"kvroute plan: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _plan(args: argparse.Namespace) -> int:
+    if not 0 < args.slo_quantile < 1:
+        raise UsageError(f"--slo-quantile must be between 0 and 1, got {args.slo_quantile}")
+    if args.out:
+        _prepare_out(args.out)
+    _, units = _load(args)
+    latency = latency_preset(args.preset)
+    rows: list[dict[str, Any]] = []
+    for k in [1.0, *args.rate_multipliers]:
+        trace_k = scaled(units, k)
+        row = _plan_one(args, trace_k, k)
+        rows.append(row)
+        gpus = latency.num_gpus
+        row["gpus"] = row["replicas"] * gpus if row["replicas"] else None
+        row["cost_per_million_tokens_usd"] = _cost(args.gpu_price, row, gpus)
+    print(_plan_table(args, rows))
+    if args.out:
+        with open(os.path.join(args.out, "plan.json"), "w") as f:
+            json.dump({"slo": vars(args.slo), "preset": args.preset, "rows": rows}, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def _plan_one(args: argparse.Namespace, units: UnitTrace, k: float) -> dict[str, Any]:
+    tried: dict[int, dict[str, Any]] = {}
+
+    def meets(n: int) -> bool:
+        config = _fleet_config(args, n, [])
+        result, wall = _run_one(units, args.policy, config, args.seed, True)
+        q = args.slo_quantile
+        ttft = percentile(result.ttfts(), q)
+        tpot = percentile(result.tpots(), q)
+        ok = (
+            result.completed == result.requests
+            and (args.slo.ttft_s is None or ttft <= args.slo.ttft_s)
+            and (args.slo.tpot_s is None or math.isnan(tpot) or tpot <= args.slo.tpot_s)
+        )
+        tried[n] = {
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "hit_rate": result.hit_rate(),
+            "completed": result.completed,
+            "rejected": sum(result.rejected),
+            "ok": ok,
+        }
+        if not args.quiet:
+            print(
+                f"  {k:g}x rate, {n} replicas: TTFT p{q * 100:g} {ttft:.3f} s, TPOT "
+                f"p{q * 100:g} {tpot * 1000:.1f} ms, {'meets' if ok else 'misses'} the SLO "
+                f"({wall:.1f} s)",
+                file=sys.stderr,
+            )
+        return ok
+
+    low, high = 0, 1  # low: largest known to miss; high: candidate
+    unreachable: str | None = None
+    while not meets(high):
+        if low and _saturated(tried[low], tried[high]):
+            # Twice the replicas changed nothing: what misses is a single request's own time
+            # (a long prompt's prefill), which no fleet size shortens.
+            unreachable = (
+                f"TTFT {tried[high]['ttft_s']:.3f} s / TPOT {tried[high]['tpot_s'] * 1000:.1f} ms "
+                f"at {low} and {high} replicas: more replicas do not help"
+            )
+            high = 0
+            break
+        low = high
+        if high >= args.max_replicas:
+            unreachable = f"not met with --max-replicas {args.max_replicas}"
+            high = 0
+            break
+        high = min(2 * high, args.max_replicas)
+    if high:
+        while high - low > 1:
+            mid = (low + high) // 2
+            if meets(mid):
+                high = mid
+            else:
+                low = mid
+    duration = units.duration_s
+    tokens = sum(r.input_tokens + r.output_tokens for r in units.requests)
+    best = tried.get(high, {}) if high else {}
+    return {
+        "rate_multiplier": k,
+        "rate_rps": len(units.requests) / duration if duration > 0 else None,
+        "replicas": high or None,
+        "ttft_s": best.get("ttft_s"),
+        "tpot_s": best.get("tpot_s"),
+        "hit_rate": best.get("hit_rate"),
+        "duration_s": duration,
+        "tokens": tokens,
+        "simulated": sorted(tried),
+        "unreachable": unreachable,
+    }
+
+
+def _saturated(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether the SLO metrics barely moved (< 2%) between two fleet sizes."""
+    for key in ("ttft_s", "tpot_s"):
+        a, b = before[key], after[key]
+        if math.isnan(a) or math.isnan(b):
+            continue
+        if b < a * 0.98:
+            return False
+    return bool(after["completed"] == before["completed"])
+
+
+def _cost(price: float | None, row: dict[str, Any], gpus_per_replica: int) -> float | None:
+    if price is None or not row["replicas"] or not row["tokens"] or not row["duration_s"]:
+        return None
+    gpu_hours = float(row["replicas"] * gpus_per_replica * row["duration_s"]) / 3600.0
+    return price * gpu_hours / (float(row["tokens"]) / 1e6)
+
+
+def _plan_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    q = f"p{args.slo_quantile * 100:g}"
+    lines = [
+        f"plan for {args.policy} on {args.preset}, SLO {q}: "
+        + ", ".join(
+            f"{k} <= {v:g} s"
+            for k, v in (("TTFT", args.slo.ttft_s), ("TPOT", args.slo.tpot_s))
+            if v is not None
+        ),
+        f"{'rate':>8}{'req/s':>9}{'replicas':>10}{'GPUs':>7}{'TTFT ' + q:>12}{'TPOT ' + q:>12}"
+        f"{'hit rate':>10}{'$/M tokens':>12}",
+    ]
+    for r in rows:
+        cost = r["cost_per_million_tokens_usd"]
+        lines.append(
+            f"{r['rate_multiplier']:>7g}x{(r['rate_rps'] or 0):>9.2f}"
+            f"{(r['replicas'] or 0) if r['replicas'] else '> max':>10}{(r['gpus'] or 0):>7}"
+            f"{_opt(r['ttft_s'], 1, 's'):>12}{_opt(r['tpot_s'], 1000, 'ms'):>12}"
+            f"{_opt(r['hit_rate'], 100, '%'):>10}{('-' if cost is None else f'{cost:.4f}'):>12}"
+        )
+        if r["unreachable"]:
+            lines.append(f"{'':>8} unreachable: {r['unreachable']}")
+    return "\n".join(lines)
+
+
+def _opt(v: float | None, scale: float, unit: str) -> str:
+    if v is None or math.isnan(v):
+        return "-"
+    return f"{v * scale:.{3 if unit == 's' else 1}f}{unit}"
+
+
+# -- bench replay -------------------------------------------------------------------------
+
+DEFAULT_BENCH_TRACE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "shared",
+    "traces",
+    "mooncake",
+    "conversation_trace.jsonl",
+)
+WORKING_SET_KV_TOKENS = 16_000_000  # per replica x 8 > the conversation trace's 93.6M tokens
+
+
+def add_replay_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``kvroute bench replay`` on the ``bench`` subparsers."""
+    p = sub.add_parser(
+        "replay",
+        help="The simulator's speed and kv_aware's hit rate on the Mooncake trace.",
+        description=(
+            "On the Mooncake conversation trace: (1) wall time of 16 simulated replicas "
+            "(target <= 30 s), (2) of 200 replicas at 10x the rate (target <= 5 min), "
+            "(3) 8 replicas at the preset's KV capacity and at one that holds the working set: "
+            "kv_aware, least_loaded and round_robin, hit rate vs the pooled-LRU and infinite "
+            "bounds (target >= 0.9x) and TTFT p99 vs least_loaded's. Prints a Markdown section "
+            "and appends it to BENCHMARKS.md."
+        ),
+    )
+    p.add_argument("--trace", default=DEFAULT_BENCH_TRACE, metavar="FILE")
+    p.add_argument("--repeat", type=_positive_int, default=2, help="Runs of the 16-replica case.")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET, metavar="NAME")
+    p.add_argument("--output-md", default="BENCHMARKS.md", help="Where to append the results.")
+    p.add_argument("--no-record", action="store_true", help="Print only; append nothing.")
+    p.set_defaults(func=_cmd_bench_replay)
+
+
+def _cmd_bench_replay(args: argparse.Namespace) -> int:
+    try:
+        section = _bench_replay(args)
+    except UsageError as exc:
+        print(f"kvroute bench replay: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(section)
+    if not args.no_record:
+        with open(args.output_md, "a", encoding="utf-8") as f:
+            f.write("\n" + section)
+        print(f"appended to {args.output_md}", file=sys.stderr)
+    return 0
+
+
+def _bench_args(args: argparse.Namespace, **over: Any) -> argparse.Namespace:
+    base = {
+        "trace": args.trace,
+        "format": "mooncake",
+        "time_scale": 1.0,
+        "rate_scale": 1.0,
+        "window": None,
+        "max_requests": None,
+        "seed": 0,
+        "preset": args.preset,
+        "kv_capacity_tokens": None,
+        "block_size": 16,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "event_lag_s": 0.01,
+        "scrape_interval_s": 1.0,
+        "engine_model": "fast",
+    }
+    base.update(over)
+    return argparse.Namespace(**base)
+
+
+def _bench_replay(args: argparse.Namespace) -> str:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    lines = [
+        f"## Simulator, {started}",
+        "",
+        "```",
+        f"kvroute bench replay --repeat {args.repeat}"
+        + (f" --preset {args.preset}" if args.preset != DEFAULT_PRESET else ""),
+        "```",
+        "",
+        f"- machine: {os.cpu_count()} CPUs, load average before run "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; preset {args.preset}, fast engine model",
+    ]
+    base = _bench_args(args)
+    _, units = _load(base)
+    lines.append(
+        f"- trace: {os.path.basename(args.trace)}, {len(units.requests):,} requests over "
+        f"{units.duration_s / 60:.0f} min"
+    )
+    lines += [
+        "",
+        "| case | policy | wall s | target | hit rate | TTFT p99 s |",
+        "|---|---|--:|--:|--:|--:|",
+    ]
+    for label, replicas, rate, target in (
+        ("16 replicas", 16, 1.0, 30.0),
+        ("200 replicas, 10x rate", 200, 10.0, 300.0),
+    ):
+        trace_k = scaled(units, rate)
+        config = _fleet_config(_bench_args(args), replicas, [])
+        repeat = args.repeat if replicas == 16 else 1
+        walls: list[float] = []
+        result: SimResult | None = None
+        for _ in range(repeat):
+            result, wall = _run_one(trace_k, "kv_aware", config, 0, True)
+            walls.append(wall)
+            print(f"{label}: {wall:.1f} s", file=sys.stderr)
+        assert result is not None
+        wall_text = f"{min(walls):.1f}-{max(walls):.1f}" if len(walls) > 1 else f"{walls[0]:.1f}"
+        lines.append(
+            f"| {label} | kv_aware | {wall_text} | <= {target:.0f} | {_pct(result.hit_rate())} "
+            f"| {percentile(result.ttfts(), 0.99):.2f} |"
+        )
+    lines += [
+        "",
+        "| replicas | KV tokens/replica | policy | hit rate | vs pooled LRU | vs infinite "
+        "| TTFT p50 s | TTFT p99 s | TTFT p99 vs least_loaded | load max/mean |",
+        "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for kv in (None, WORKING_SET_KV_TOKENS):
+        config = _fleet_config(_bench_args(args, kv_capacity_tokens=kv), 8, [])
+        bs = config.engine.block_size
+        infinite = infinite_cache_hit_rate(units, bs).token_rate
+        pooled = pooled_lru_hit_rate(units, config.engine.num_blocks * 8, bs).token_rate
+        rows: dict[str, SimResult] = {}
+        for name in ("kv_aware", "least_loaded", "round_robin"):
+            rows[name], wall = _run_one(units, name, config, 0, True)
+            print(
+                f"8 replicas, {config.kv_capacity_tokens:,} tokens, {name}: {wall:.1f} s",
+                file=sys.stderr,
+            )
+        ll_p99 = percentile(rows["least_loaded"].ttfts(), 0.99)
+        for name, r in rows.items():
+            hit = r.hit_rate()
+            p99 = percentile(r.ttfts(), 0.99)
+            lines.append(
+                f"| 8 | {config.kv_capacity_tokens:,} | {name} | {_pct(hit)} | {hit / pooled:.2f}x "
+                f"| {hit / infinite:.2f}x | {percentile(r.ttfts(), 0.5):.3f} | {p99:.2f} "
+                f"| {p99 / ll_p99:.2f}x | {r.load_max_over_mean():.2f} |"
+            )
+        lines.append(
+            f"| | | bounds | infinite {_pct(infinite)}, pooled LRU {_pct(pooled)} | | | | | | |"
+        )
+    return "\n".join(lines) + "\n"

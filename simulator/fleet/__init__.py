@@ -1,0 +1,28 @@
+"""The discrete-event fleet simulator: traces through the router's policies onto engine models.
+
+Pure: no I/O, no asyncio, no wall clock; deterministic for a seed. ``prepare`` turns a
+``Trace`` into unit keys and router hashes, ``simulate`` replays it through one policy on a
+``FleetConfig``, ``bounds`` gives the infinite-cache and pooled-LRU hit rates of the same trace.
+"""
+
+from .bounds import infinite_cache_hit_rate, pooled_lru_hit_rate
+from .config import ENGINE_MODELS, FleetConfig, default_kv_capacity_tokens, engine_config
+from .fleet import simulate
+from .results import SimResult, Slo, percentile
+from .units import SimRequest, UnitTrace, prepare
+
+__all__ = [
+    "ENGINE_MODELS",
+    "FleetConfig",
+    "SimRequest",
+    "SimResult",
+    "Slo",
+    "UnitTrace",
+    "default_kv_capacity_tokens",
+    "engine_config",
+    "infinite_cache_hit_rate",
+    "percentile",
+    "pooled_lru_hit_rate",
+    "prepare",
+    "simulate",
+]

@@ -1,0 +1,97 @@
+"""Two reference hit rates for a trace, to read a policy's hit rate against.
+
+* ``infinite_cache_hit_rate``: one cache that never evicts: a prompt hits its longest prefix
+  that any earlier request had. No routing can beat it (the trace's own reuse).
+* ``pooled_lru_hit_rate``: one LRU cache as large as the whole fleet's KV capacity, as if every
+  replica shared one pool. Routing that keeps each prefix on one replica approaches it; random
+  routing spreads copies of hot prefixes and falls well below.
+
+Both count what an engine counts: hit tokens over prompt tokens, in whole KV blocks of
+``block_size`` tokens, at most every block but the one holding the last prompt token (vLLM
+always computes that token). Requests are taken in arrival order; the unit (trace block) is the
+caching granularity, as in the fast engine. ``unit_rate`` is the plain fraction of units hit,
+the figure the traces' README quotes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .units import SimRequest, UnitTrace
+
+
+@dataclass(frozen=True)
+class HitRate:
+    token_rate: float  # hit tokens / prompt tokens
+    unit_rate: float  # hit units / units
+
+
+def _unit_blocks(request: SimRequest, block_tokens: int, block_size: int) -> list[int]:
+    n = request.input_tokens
+    out: list[int] = []
+    previous = 0
+    for i in range(len(request.unit_keys)):
+        bound = min((i + 1) * block_tokens, n) // block_size
+        out.append(bound - previous)
+        previous = bound
+    return out
+
+
+def _hit_tokens(request: SimRequest, hit_blocks: int, block_size: int) -> int:
+    return min(hit_blocks * block_size, (request.input_tokens - 1) // block_size * block_size)
+
+
+def infinite_cache_hit_rate(trace: UnitTrace, block_size: int = 16) -> HitRate:
+    seen: set[int] = set()
+    hit_tokens = tokens = hit_units = units = 0
+    for request in trace.requests:
+        keys = request.unit_keys
+        blocks = _unit_blocks(request, trace.block_tokens, block_size)
+        matched = hit_blocks = 0
+        for key, b in zip(keys, blocks, strict=True):
+            if key not in seen:
+                break
+            matched += 1
+            hit_blocks += b
+        hit_units += matched
+        units += len(keys)
+        hit_tokens += _hit_tokens(request, hit_blocks, block_size)
+        tokens += request.input_tokens
+        seen.update(keys)
+    return HitRate(_ratio(hit_tokens, tokens), _ratio(hit_units, units))
+
+
+def pooled_lru_hit_rate(trace: UnitTrace, capacity_blocks: int, block_size: int = 16) -> HitRate:
+    """One LRU cache of ``capacity_blocks`` KV blocks over the whole trace."""
+    lru: OrderedDict[int, int] = OrderedDict()  # unit key -> its blocks, least recent first
+    size = 0
+    hit_tokens = tokens = hit_units = units = 0
+    for request in trace.requests:
+        keys = request.unit_keys
+        blocks = _unit_blocks(request, trace.block_tokens, block_size)
+        matched = hit_blocks = 0
+        prefix = True
+        for key, b in zip(keys, blocks, strict=True):
+            if key in lru:
+                lru.move_to_end(key)
+                if prefix:
+                    matched += 1
+                    hit_blocks += b
+                continue
+            prefix = False
+            if b > capacity_blocks:
+                continue
+            lru[key] = b
+            size += b
+            while size > capacity_blocks:
+                size -= lru.popitem(last=False)[1]
+        hit_units += matched
+        units += len(keys)
+        hit_tokens += _hit_tokens(request, hit_blocks, block_size)
+        tokens += request.input_tokens
+    return HitRate(_ratio(hit_tokens, tokens), _ratio(hit_units, units))
+
+
+def _ratio(a: int, b: int) -> float:
+    return a / b if b else float("nan")

@@ -1,0 +1,115 @@
+"""What a simulation produced, per request and per replica, and the numbers people read."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Per-request targets: a request meets the SLO when both hold (None: no target)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met(self, ttft: float, tpot: float) -> bool:
+        if self.ttft_s is not None and not ttft <= self.ttft_s:
+            return False
+        return self.tpot_s is None or math.isnan(tpot) or tpot <= self.tpot_s
+
+
+@dataclass
+class SimResult:
+    """Per request (by trace index) and per replica outcomes of one simulated run."""
+
+    policy: str
+    replicas: int
+    kv_capacity_tokens: int
+    arrival_s: list[float]
+    input_tokens: list[int]
+    output_tokens: list[int]
+    first_token_s: list[float]  # NaN: never got a token
+    finish_s: list[float]  # NaN: did not finish (rejected, or no replica left)
+    replica: list[int]  # the replica that finished it (-1: none)
+    queried_tokens: list[int]  # prompt tokens looked up in prefix caches (every engine it met)
+    hit_tokens: list[int]  # of them, found cached
+    reroutes: list[int]  # times it was moved off a failed replica
+    rejected: list[bool]  # larger than one replica's KV cache
+    routed_requests: list[int]  # per replica: dispatches
+    routed_tokens: list[int]  # per replica: prompt tokens dispatched
+    failed_replicas: list[int]
+    reasons: Counter[str] = field(default_factory=Counter)
+    engine_steps: int = 0
+    decode_runs: int = 0
+    preemptions: int = 0
+
+    # -- derived ----------------------------------------------------------------------
+
+    @property
+    def requests(self) -> int:
+        return len(self.arrival_s)
+
+    @property
+    def completed(self) -> int:
+        return sum(1 for f in self.finish_s if not math.isnan(f))
+
+    def ttfts(self) -> list[float]:
+        return [
+            f - a
+            for a, f, d in zip(self.arrival_s, self.first_token_s, self.finish_s, strict=True)
+            if not math.isnan(d)
+        ]
+
+    def tpots(self) -> list[float]:
+        """Time per output token after the first, of finished requests with 2+ tokens."""
+        return [
+            (d - f) / (n - 1)
+            for f, d, n in zip(self.first_token_s, self.finish_s, self.output_tokens, strict=True)
+            if not math.isnan(d) and n > 1
+        ]
+
+    def hit_rate(self) -> float:
+        queried = sum(self.queried_tokens)
+        return sum(self.hit_tokens) / queried if queried else NAN
+
+    def makespan_s(self) -> float:
+        """From the first arrival to the last finish."""
+        done = [f for f in self.finish_s if not math.isnan(f)]
+        if not done or not self.arrival_s:
+            return 0.0
+        return max(done) - min(self.arrival_s)
+
+    def goodput(self, slo: Slo) -> tuple[int, float]:
+        """Requests that finished within the SLO, and their rate over the makespan."""
+        good = 0
+        for a, f, d, n in zip(
+            self.arrival_s, self.first_token_s, self.finish_s, self.output_tokens, strict=True
+        ):
+            if math.isnan(d):
+                continue
+            tpot = (d - f) / (n - 1) if n > 1 else NAN
+            if slo.met(f - a, tpot):
+                good += 1
+        span = self.makespan_s()
+        return good, (good / span if span > 0 else NAN)
+
+    def load_max_over_mean(self) -> float:
+        """max / mean of the requests each replica that stayed up was sent (1.0 is even)."""
+        counts = [c for i, c in enumerate(self.routed_requests) if i not in self.failed_replicas]
+        total = sum(counts)
+        return max(counts) / (total / len(counts)) if counts and total else NAN
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation; NaN for no values."""
+    if not values:
+        return NAN
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

@@ -1,0 +1,107 @@
+"""The numbers of one simulated run, as ``summary.json`` holds them and the CLI prints them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .results import SimResult, Slo, percentile
+
+
+def summarize(
+    result: SimResult,
+    *,
+    infinite_hit_rate: float,
+    pooled_lru_hit_rate: float,
+    slo: Slo,
+    wall_s: float,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One run's summary: the keys the issue asks for, then more detail."""
+    ttfts = result.ttfts()
+    tpots = result.tpots()
+    good, goodput = result.goodput(slo)
+    completed = result.completed
+    summary: dict[str, Any] = {
+        "policy": result.policy,
+        "replicas": result.replicas,
+        "requests": result.requests,
+        "kv_capacity_tokens_per_replica": result.kv_capacity_tokens,
+        "prefix_hit_rate": _num(result.hit_rate()),
+        "infinite_cache_hit_rate": _num(infinite_hit_rate),
+        "pooled_lru_hit_rate": _num(pooled_lru_hit_rate),
+        "ttft_p50_s": _num(percentile(ttfts, 0.5)),
+        "ttft_p99_s": _num(percentile(ttfts, 0.99)),
+        "tpot_p50_s": _num(percentile(tpots, 0.5)),
+        "tpot_p99_s": _num(percentile(tpots, 0.99)),
+        "goodput_rps": _num(goodput),
+        "load_max_over_mean": _num(result.load_max_over_mean()),
+        "wall_s": round(wall_s, 3),
+        "completed": completed,
+        "rejected": sum(result.rejected),
+        "unserved": result.requests - completed - sum(result.rejected),
+        "rerouted": sum(1 for r in result.reroutes if r),
+        "failed_replicas": list(result.failed_replicas),
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "slo_met_requests": good,
+        "throughput_rps": _num(
+            completed / result.makespan_s() if result.makespan_s() else math.nan
+        ),
+        "makespan_s": _num(result.makespan_s()),
+        "ttft_p90_s": _num(percentile(ttfts, 0.9)),
+        "tpot_p90_s": _num(percentile(tpots, 0.9)),
+        "prompt_tokens": sum(result.input_tokens),
+        "output_tokens": sum(result.output_tokens),
+        "routed_requests_per_replica": list(result.routed_requests),
+        "decision_reasons": dict(sorted(result.reasons.items())),
+        "engine_steps": result.engine_steps,
+        "decode_runs": result.decode_runs,
+        "preemptions": result.preemptions,
+    }
+    if extra:
+        summary.update(extra)
+    return summary
+
+
+def _num(value: float) -> float | None:
+    """JSON has no NaN: None stands for "no value" (no requests of that kind)."""
+    return None if math.isnan(value) else round(value, 6)
+
+
+def format_table(summaries: list[dict[str, Any]]) -> str:
+    """A plain-text table of runs, one row per policy, for the terminal."""
+    header = (
+        f"{'policy':<16}{'reqs':>7}{'done':>7}{'hit rate':>10}{'vs LRU':>8}"
+        f"{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
+        f"{'goodput':>9}{'load':>6}{'wall':>7}"
+    )
+    lines = [header]
+    for s in summaries:
+        lines.append(
+            f"{s['policy']:<16}{s['requests']:>7}{s['completed']:>7}"
+            f"{_pct(s['prefix_hit_rate']):>10}{_ratio(s['prefix_hit_rate'], s['pooled_lru_hit_rate']):>8}"
+            f"{_s(s['ttft_p50_s']):>10}{_s(s['ttft_p99_s']):>10}"
+            f"{_ms(s['tpot_p50_s']):>10}{_ms(s['tpot_p99_s']):>10}"
+            f"{_f(s['goodput_rps'], 2):>9}{_f(s['load_max_over_mean'], 2):>6}{s['wall_s']:>6.1f}s"
+        )
+    return "\n".join(lines)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}s"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}ms"
+
+
+def _f(v: float | None, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
