@@ -92,7 +92,7 @@ class TimeoutsConfig(_Section):
 class RetryConfig(_Section):
     """Trying another replica when one fails before its answer reaches the client."""
 
-    # Replicas tried per request (1 = no retries): connect errors, timeouts, 5xx and 429.
+    # Replicas tried per request (1 = no retries): connect errors, timeouts, 5xx, 408 and 429.
     max_attempts: int = 3
     # Wait before retry k: a random fraction of min(backoff_max_s, backoff_base_s * 2**(k-1)).
     backoff_base_s: float = 0.025

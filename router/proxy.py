@@ -70,8 +70,9 @@ def _response_headers(upstream: UpstreamResponse, extra: list[tuple[str, str]]) 
 
 
 def retryable_status(status: int) -> bool:
-    """Answers worth another replica: overload (429) and server errors."""
-    return status >= 500 or status == 429
+    """Answers worth another replica: server errors, overload (429) and the replica's own timeout
+    (408); every other 4xx is the request's fault and would fail anywhere."""
+    return status >= 500 or status in (408, 429)
 
 
 async def relay(

@@ -533,8 +533,8 @@ class Router:
                 if state.healthy:
                     handle.out_since = time.time()
                 state.healthy = False
-            if exc.kind != "ejected" and exc.status != 429 and (exc.status or 500) >= 500:
-                self._record(handle, False, exc.kind)
+            if exc.kind != "ejected" and (exc.status or 500) >= 500:
+                self._record(handle, False, exc.kind)  # transport errors and 5xx only
             log.warning("replica %s failed before first byte: %s", replica_id, exc)
             return None
         finally:
@@ -546,7 +546,7 @@ class Router:
         if relayed.broken is not None:
             self.metrics.observe_upstream_error(replica_id, "broken_stream")
             self._record(handle, False, "broken_stream")
-        elif relayed.status != 429:
+        elif relayed.status not in (408, 429):
             self._record(handle, relayed.status < 500)
         self.metrics.observe_request(
             replica_id, relayed.status, reason, relayed.ttfb_s, time.perf_counter() - started

@@ -85,16 +85,17 @@ async def test_client_errors_are_relayed_not_retried_and_do_not_count_against_a_
     assert not r.router.metrics.retries
 
 
-async def test_a_429_is_tried_on_another_replica_and_relayed_when_all_refuse(
-    start_replica: StartReplica, start_router: StartRouter
+@pytest.mark.parametrize("status", [429, 408])
+async def test_a_429_or_408_is_tried_on_another_replica_and_relayed_when_all_refuse(
+    start_replica: StartReplica, start_router: StartRouter, status: int
 ) -> None:
     a, b = await start_replica("a"), await start_replica("b")
     r = await start_router([a, b], retry={"max_attempts": 2})
     async with aiohttp.ClientSession() as http:
-        body = {"model": "tiny", "prompt": "status:429"}
+        body = {"model": "tiny", "prompt": f"status:{status}"}
         async with http.post(r.url + "/v1/completions", json=body) as resp:
-            assert resp.status == 429  # the last replica's own answer, relayed
-            assert (await resp.json())["message"] == "scripted 429"
+            assert resp.status == status  # the last replica's own answer, relayed
+            assert (await resp.json())["message"] == f"scripted {status}"
     assert len(a.seen) == len(b.seen) == 1
     assert r.router.metrics.retries[("retry",)] == 1
     # Overload is not failure: no breaker counted it.
