@@ -90,6 +90,7 @@ async def relay(
     retry_status: bool = False,
     transcript: StreamTranscript | None = None,
     resume_into: web.StreamResponse | None = None,
+    opened: list[web.StreamResponse] | None = None,
 ) -> Relayed:
     """Send ``body`` to the replica and relay the answer to ``request``'s client.
 
@@ -99,6 +100,8 @@ async def relay(
     a 5xx or 429 answer when ``retry_status`` (the caller will try another replica).
     ``client_headers``: the client's headers to pass on (default: all but hop-by-hop ones).
     ``resume_into``: a client stream already open (a continuation); ``transcript`` tracks it.
+    ``opened``: a new client stream is appended here as soon as it is open, so the caller can
+    still end it well-formed if it gives up (a total timeout) while the relay is under way.
     A streamed request's headers must come within ``first_byte_s`` (vLLM sends them at once);
     a non-streamed one's come with the whole answer, within ``first_token_s``.
     """
@@ -147,6 +150,8 @@ async def relay(
             headers = _response_headers(upstream, extra_response_headers)
             stream = web.StreamResponse(status=status, headers=headers)
             await stream.prepare(request)
+            if opened is not None:
+                opened.append(stream)
         if transcript is None or status >= 400:
             return await _relay_raw(upstream, stream, first, status, ttfb_s, timeouts.idle_s)
         return await _relay_events(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -31,7 +32,14 @@ from .metrics import RouterMetrics
 from .openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_chat, parse_completion
 from .prefix_index import PrefixIndex
 from .prompt_tokenizer import PromptBlocks, PromptTokenizer, token_id_blocks
-from .proxy import Relayed, Timeouts, UpstreamUnavailable, end_broken_stream, relay
+from .proxy import (
+    Relayed,
+    Timeouts,
+    UpstreamUnavailable,
+    end_broken_stream,
+    relay,
+    sse_error,
+)
 from .resume import StreamTranscript, continuation_body, resume_blocker
 from .tokenization import ChatTemplateError, TokenizerError
 from .upstream_client import UpstreamClient
@@ -232,15 +240,24 @@ class Router:
         self.auth.check_client(request)
         # Counted from here: tokenizing a long prompt is work the limit must bound too.
         await self.admission.acquire()
+        opened: list[web.StreamResponse] = []  # the client's stream, once one is open
         try:
             total_s = self.config.timeouts.total_s
             if not total_s:
-                return await self._route_counted(request, parse)
+                return await self._route_counted(request, parse, opened)
             try:
                 async with asyncio.timeout(total_s):
-                    return await self._route_counted(request, parse)
+                    return await self._route_counted(request, parse, opened)
             except TimeoutError:
-                raise errors.gateway_timeout(total_s) from None
+                if not opened:
+                    raise errors.gateway_timeout(total_s) from None
+                # Too late for a status code: end the stream with an error event instead.
+                stream = opened[0]
+                message = f"The request did not finish within the router's limit of {total_s:g}s."
+                with contextlib.suppress(ConnectionResetError):
+                    await stream.write(sse_error(message, "timeout"))
+                    await stream.write_eof()
+                return stream
         finally:
             self.admission.release()
 
@@ -257,7 +274,10 @@ class Router:
             raise errors.request_timeout("Sending the request body") from None
 
     async def _route_counted(
-        self, request: web.Request, parse: Callable[[bytes], ParsedRequest]
+        self,
+        request: web.Request,
+        parse: Callable[[bytes], ParsedRequest],
+        opened: list[web.StreamResponse],
     ) -> web.StreamResponse:
         arrived = time.monotonic()
         body = await self._read_body(request)
@@ -293,7 +313,9 @@ class Router:
         transcript: StreamTranscript | None = None
         if parsed.stream and self.config.retry.resume_streams:
             transcript = StreamTranscript(chat=parsed.messages is not None)
-        attempt = _Attempt(self, request, request_id, route_request, decision.ranked, arrived)
+        attempt = _Attempt(
+            self, request, request_id, route_request, decision.ranked, arrived, opened
+        )
         relayed = await attempt.first(body, decision.reason, parsed.stream, transcript)
         if relayed.broken is not None and relayed.resumable and transcript is not None:
             relayed = await attempt.resume(body, parsed.messages is not None, relayed, transcript)
@@ -459,6 +481,7 @@ class Router:
         retry_status: bool,
         transcript: StreamTranscript | None,
         resume_into: web.StreamResponse | None = None,
+        opened: list[web.StreamResponse] | None = None,
     ) -> Relayed | None:
         """Relay to one replica; None when it failed before the first byte."""
         handle = self.replicas[replica_id]
@@ -525,6 +548,7 @@ class Router:
                 retry_status=retry_status,
                 transcript=transcript,
                 resume_into=resume_into,
+                opened=opened,
             )
         except UpstreamUnavailable as exc:
             self.metrics.observe_upstream_error(replica_id, exc.kind)
@@ -632,8 +656,10 @@ class _Attempt:
         route_request: RouteRequest,
         ranked: tuple[str, ...],
         arrived: float,
+        opened: list[web.StreamResponse],
     ) -> None:
         self.router = router
+        self.opened = opened
         self.request = request
         self.request_id = request_id
         self.route_request = route_request
@@ -646,6 +672,8 @@ class _Attempt:
     ) -> Relayed:
         relayed = await self._try(body, reason, stream, transcript, None)
         if relayed is None:
+            if not self.tried:  # every ranked replica was ejected or down by now
+                raise errors.no_healthy_replica(self.router._retry_after_s)
             raise errors.upstream_unavailable(self.router._retry_after_s)
         return relayed
 
@@ -686,6 +714,7 @@ class _Attempt:
                 retry_status=not last or resume_into is not None,
                 transcript=transcript,
                 resume_into=resume_into,
+                opened=self.opened,
             )
             if relayed is not None:
                 return relayed

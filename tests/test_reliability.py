@@ -226,6 +226,23 @@ async def test_a_request_over_the_total_timeout_gets_504(
     await wait_until(lambda: a.running == 0, what="the replica to see the abort")
 
 
+async def test_a_stream_over_the_total_timeout_ends_with_an_error_event_and_done(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a = await start_replica("a")
+    r = await start_router([a], timeouts={"total_s": 0.5})
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "prompt": "slow", "stream": True}
+        async with http.post(r.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200  # the stream had started when the limit struck
+            text = (await resp.read()).decode()
+    events = [e for e in text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert '"code":"timeout"' in events[-2]
+    assert len(events) > 3  # the chunks sent before the limit came through
+    await wait_until(lambda: a.running == 0, what="the replica to see the abort")
+
+
 async def test_api_keys_guard_the_api_and_a_separate_key_guards_admin_endpoints(
     start_replica: StartReplica, start_router: StartRouter
 ) -> None:
