@@ -202,6 +202,12 @@ async def _relay_events(
     except ConnectionResetError:
         return Relayed(stream, status, ttfb_s, client_gone=True)
     else:
+        try:
+            last = transcript.end()
+            if last:
+                await stream.write(last)
+        except ConnectionResetError:
+            return Relayed(stream, status, ttfb_s, client_gone=True)
         if transcript.done or transcript.finished or transcript.blocker is not None:
             try:
                 await stream.write_eof()

@@ -103,6 +103,11 @@ class StreamTranscript:
                 out.append(forwarded + b"\n\n")
         return b"".join(out)
 
+    def end(self) -> bytes:
+        """The replica ended its stream: a last event without its blank line still counts."""
+        rest, self._pending = self._pending.rstrip(b"\r\n"), b""
+        return self.feed(rest + b"\n\n") if rest.strip() else b""
+
     def start_continuation(self) -> None:
         """The next bytes fed come from a continuation on another replica."""
         self._pending = b""

@@ -147,3 +147,13 @@ def test_plain_streamed_requests_can_be_continued() -> None:
     text_format = {"type": "text"}
     chat = {"messages": [{"role": "user"}], "stream": True, "response_format": text_format}
     assert resume_blocker(chat, True) is None
+
+
+def test_a_last_event_without_its_blank_line_still_ends_the_stream() -> None:
+    t = StreamTranscript(chat=False)
+    assert t.feed(completion_chunk("a", finish="stop") + b"data: [DONE]\n") == completion_chunk(
+        "a", finish="stop"
+    )
+    assert t.end() == b"data: [DONE]\n\n"
+    assert t.done and not t.resumable()
+    assert StreamTranscript(chat=False).end() == b""
