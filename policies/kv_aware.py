@@ -9,12 +9,22 @@ Per eligible replica, in prefill-token equivalents:
          + ``decode_weight`` x sequences decoding there (each slows every engine step a little)
          + ``kv_pressure_weight`` x uncached tokens when the replica reports its KV cache nearly
            full (above ``kv_high``): new blocks there would evict or preempt.
+         + ``refill_weight`` x the prefix tokens another replica with room already holds that
+           this one would prefill again.
+
+The last term is what a miss costs beyond this request's own wait: the duplicate prefill is
+work the fleet would not otherwise do, and the copy takes cache room that evicts other
+prefixes. Without it, a conversation leaves its cached replica whenever that replica's queue
+outweighs the prefix, even when its next turns will pay for the move again. It only counts
+holders below the load bound (below), so a busy holder cannot hold its prefix hostage.
 
 The cheapest replica wins. Replicas within ``margin`` of the cheapest (``max(margin_tokens,
 margin_ratio x cheapest)``) are near ties, broken by power-of-two choices over a bounded-load
 consistent-hash ring keyed by the prompt's first blocks: the two first replicas with room on the
 ring (load below ``(1 + eps)`` x the mean) are the prefix's two homes, and the less loaded of
-them takes it. So a cold prefix lands on a stable home (its next requests then find it cached),
+them takes it. When some replica in the tie holds more of the prompt than every replica does
+(and is below the bound), only the ones holding the most take part: for a warm prefix the
+replica that has it is the stable home. So a cold prefix lands on a stable home (its next requests then find it cached),
 cold prefixes spread evenly over the fleet, and a hot prefix whose home is busy grows a second
 home instead of piling onto one replica: once the home's queue outweighs the cached prefix, the
 other replicas are cheaper, and the ring picks the same second home every time.
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 from typing import Any
 
 from .hash_ring import FleetRing, hash_key, load_bound
@@ -53,6 +64,7 @@ class KvAware(Policy):
         waiting_request_tokens: int = 256,
         kv_high: float = 0.95,
         kv_pressure_weight: float = 1.0,
+        refill_weight: float = 2.0,
         eps: float = 0.25,
         key_blocks: int = 4,
         vnodes: int = 160,
@@ -62,6 +74,7 @@ class KvAware(Policy):
             ("margin_ratio", margin_ratio),
             ("decode_weight", decode_weight),
             ("kv_pressure_weight", kv_pressure_weight),
+            ("refill_weight", refill_weight),
             ("eps", eps),
         ):
             if not (math.isfinite(value) and value >= 0):
@@ -78,6 +91,7 @@ class KvAware(Policy):
         self.waiting_request_tokens = waiting_request_tokens
         self.kv_high = kv_high
         self.kv_pressure_weight = kv_pressure_weight
+        self.refill_weight = refill_weight
         self.eps = eps
         self.key_blocks = key_blocks
         self.vnodes = vnodes
@@ -87,14 +101,17 @@ class KvAware(Policy):
 
     # -- the cost ----------------------------------------------------------------------
 
-    def cost(self, replica: ReplicaState, request: RouteRequest) -> float:
-        """Expected time to first token on ``replica``, in prefill-token equivalents."""
+    def cost(self, replica: ReplicaState, request: RouteRequest, held_elsewhere: int = 0) -> float:
+        """Expected time to first token on ``replica``, in prefill-token equivalents, plus the
+        fleet's cost of prefilling again the ``held_elsewhere`` prefix tokens another replica
+        with room holds (``decide`` passes it; 0 leaves the plain expected TTFT)."""
         cached = request.prefix_tokens.get(replica.replica_id, 0) if request.prefix_tokens else 0
         uncached = max(1, request.prompt_tokens - cached)
+        refill = self.refill_weight * max(0, min(held_elsewhere, request.prompt_tokens) - cached)
         foreign_waiting = max(0, (replica.reported_waiting or 0) - replica.prefilling)
         queued = replica.prefill_tokens + foreign_waiting * self.waiting_request_tokens
         decoding = max(0, replica.in_flight - replica.prefilling)
-        cost = uncached + queued + self.decode_weight * decoding
+        cost = uncached + queued + self.decode_weight * decoding + refill
         usage = replica.reported_kv_usage
         if usage is not None and usage >= self.kv_high:
             cost += self.kv_pressure_weight * uncached
@@ -106,13 +123,17 @@ class KvAware(Policy):
         eligible = fleet.eligible(request.model)
         if not eligible:
             return NO_HEALTHY_REPLICA
-        costs = {r.replica_id: self.cost(r, request) for r in eligible}
+        prefix = request.prefix_tokens or {}
+        bound = load_bound(sum(r.in_flight for r in eligible), len(eligible), self.eps)
+        held = self.held_with_room(request, eligible, bound)
+        costs = {r.replica_id: self.cost(r, request, held) for r in eligible}
         ranked = sorted(eligible, key=lambda r: costs[r.replica_id])
         best = costs[ranked[0].replica_id]
         margin = max(float(self.margin_tokens), self.margin_ratio * best)
         ties = [r for r in ranked if costs[r.replica_id] <= best + margin]
-        prefix = request.prefix_tokens or {}
         longest = max((prefix.get(r.replica_id, 0) for r in eligible), default=0)
+        if len(ties) > 1:
+            ties = _warm_ties(ties, eligible, prefix, bound)
         if len(ties) == 1:
             chosen = ties[0]
             held = prefix.get(chosen.replica_id, 0)
@@ -123,6 +144,15 @@ class KvAware(Policy):
             reason = LOAD_OVER_AFFINITY
         rest = tuple(r.replica_id for r in ranked if r is not chosen)
         return Decision((chosen.replica_id, *rest), reason)
+
+    def held_with_room(
+        self, request: RouteRequest, eligible: list[ReplicaState], bound: int
+    ) -> int:
+        """The longest prefix of the prompt held by a replica below the load bound."""
+        prefix = request.prefix_tokens or {}
+        return max(
+            (prefix.get(r.replica_id, 0) for r in eligible if r.in_flight < bound), default=0
+        )
 
     def _break_tie(
         self,
@@ -174,11 +204,28 @@ class KvAware(Policy):
             "waiting_request_tokens": self.waiting_request_tokens,
             "kv_high": self.kv_high,
             "kv_pressure_weight": self.kv_pressure_weight,
+            "refill_weight": self.refill_weight,
             "eps": self.eps,
             "key_blocks": self.key_blocks,
             "vnodes": self.vnodes,
             "seed": self._seed,
         }
+
+
+def _warm_ties(
+    ties: list[ReplicaState],
+    eligible: list[ReplicaState],
+    prefix: Mapping[str, int],
+    bound: int,
+) -> list[ReplicaState]:
+    """Of near ties, the ones below the bound holding the most of the prompt, when that is
+    more than every replica holds (a prefix all share, like a system prompt, says nothing)."""
+    floor = min(prefix.get(r.replica_id, 0) for r in eligible)
+    room = [r for r in ties if r.in_flight < bound]
+    top = max((prefix.get(r.replica_id, 0) for r in room), default=floor)
+    if top <= floor:
+        return ties
+    return [r for r in room if prefix.get(r.replica_id, 0) == top]
 
 
 def _load(replica: ReplicaState) -> tuple[int, int]:

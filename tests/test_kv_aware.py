@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import FleetView, ReplicaState, RouteRequest, build_policy
+from policies.hash_ring import load_bound
 from policies.kv_aware import (
     AFFINITY,
     HOME,
@@ -184,7 +185,50 @@ def test_the_choice_is_within_the_margin_of_the_cheapest(
         assert decision.ranked == ()
         return
     assert sorted(decision.ranked) == sorted(s.replica_id for s in healthy)
-    costs = {s.replica_id: policy.cost(s, req) for s in healthy}
+    bound = load_bound(sum(s.in_flight for s in healthy), len(healthy), policy.eps)
+    held = policy.held_with_room(req, healthy, bound)
+    costs = {s.replica_id: policy.cost(s, req, held) for s in healthy}
     best = min(costs.values())
     margin = max(policy.margin_tokens, policy.margin_ratio * best)
     assert costs[decision.chosen] <= best + margin
+
+
+def test_a_conversation_waits_for_its_cached_replica_rather_than_prefill_it_again() -> None:
+    # r0 holds the whole prompt but has more prefill queued than the prompt is long: moving
+    # would win this request a little time and cost the fleet a second copy of the prefix.
+    view = fleet(3, in_flight=1, prefilling=1)
+    view.replicas[0].prefill_tokens = 800
+    decision = KvAware().decide(request(prompt(8), {"r0": 32 * BLOCK}), view)
+    assert (decision.chosen, decision.reason) == ("r0", AFFINITY)
+    # Without the fleet's cost of a copy, its own wait alone sends it elsewhere.
+    alone = KvAware(refill_weight=0).decide(request(prompt(8), {"r0": 32 * BLOCK}), view)
+    assert alone.reason == LOAD_OVER_AFFINITY
+
+
+def test_a_holder_far_above_the_mean_load_loses_its_claim() -> None:
+    view = fleet(3)
+    busy = view.replicas[0]
+    busy.in_flight = busy.prefilling = 6  # the others have nothing in flight
+    busy.prefill_tokens = 800
+    decision = KvAware().decide(request(prompt(9), {"r0": 32 * BLOCK}), view)
+    assert decision.chosen != "r0"
+    assert decision.reason == LOAD_OVER_AFFINITY
+
+
+def test_a_near_tie_goes_to_the_replica_holding_part_of_the_prompt() -> None:
+    hashes = prompt(10, blocks=100)
+    view = fleet(4, in_flight=2, in_flight_tokens=2000)
+    for holder in ("r0", "r1", "r2", "r3"):
+        # Two cached blocks of a hundred: within the margin, so the ring would decide alone.
+        decision = KvAware().decide(request(hashes, {holder: 2 * BLOCK}), view)
+        assert decision.chosen == holder
+
+
+def test_a_prefix_every_replica_holds_leaves_the_choice_to_the_ring() -> None:
+    hashes = prompt(11, blocks=100)
+    view = fleet(4)
+    everyone = {f"r{i}": 2 * BLOCK for i in range(4)}
+    shared = KvAware().decide(request(hashes, everyone), view)
+    cold = KvAware().decide(request(hashes), view)
+    assert shared.chosen == cold.chosen
+    assert shared.reason in (HOME, SECOND_HOME)
