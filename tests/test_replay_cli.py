@@ -3,12 +3,16 @@ on bad input (one line on stderr, exit status 2, no traceback)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 from pathlib import Path
 
 import pytest
 
 from router.cli import main
+
+from .fake_replica import FakeReplica
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
@@ -183,3 +187,116 @@ def test_bad_input_is_one_clear_line_and_exit_2(
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert expected in last, err
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_live_replay_against_no_router_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    code = main(["replay", "--trace", "multi-tenant:duration=2", "--live", url])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [
+        next(line for line in err.splitlines() if line.startswith("kvroute replay: "))
+    ]
+    assert f"cannot reach the router at {url}" in err
+
+
+async def test_live_replay_flags_shape_the_requests_sent(tmp_path: Path) -> None:
+    replica = await FakeReplica("r0").start()
+    try:
+        argv = [
+            "replay",
+            "--trace",
+            "multi-tenant:tenants=2,rate=20,duration=1,system_tokens=256,prompt_tokens=64,"
+            "output_tokens=40",
+            "--live",
+            replica.url,
+            "--tokens-per-block",
+            "8",
+            "--max-prompt-tokens",
+            "20",
+            "--max-output-tokens",
+            "3",
+            "--concurrency",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+        code = await asyncio.to_thread(main, argv)
+    finally:
+        await replica.stop()
+    assert code == 0
+    summary = json.loads((tmp_path / "live_summary.json").read_text())
+    assert summary["tokens_per_block"] == 8 and summary["max_prompt_tokens"] == 20
+    bodies = [seen.body for seen in replica.seen]
+    assert len(bodies) == summary["sent"] > 5
+    assert all(body["max_tokens"] <= 3 for body in bodies)
+    # 64-token blocks as 8 words: a 256-token system prompt alone would be 32 words; capped at 20.
+    assert max(len(body["prompt"].split()) for body in bodies) == 20
+
+
+def test_replay_and_plan_help_explain_synthetic_specs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for command in ("replay", "plan"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        assert "multi-tenant  requests with a per-tenant system prompt" in out
+        assert "Example: 'multi-tenant:tenants=8,rate=4,duration=600'" in out
+
+
+def test_fidelity_fit_recovers_the_step_cost_and_prefill_rate_of_its_probes() -> None:
+    from dataclasses import replace
+
+    from simulator.cli_replay import _fit_latency
+    from simulator.engine.latency import TINY_CPU
+
+    truth = replace(TINY_CPU, peak_flops=4e9, mfu=1.0, step_overhead_s=0.05)
+    api = 0.2
+    probes = [
+        (n, api + truth.step_time(n, n * (n + 1) // 2, n), truth.step_overhead_s + 0.001 * k)
+        for k, n in enumerate((40, 400, 800, 1200, 1600))
+    ]
+    fit = _fit_latency(probes)
+    assert fit.model.step_overhead_s == pytest.approx(0.052)  # the median TPOT
+    assert fit.model.peak_flops * fit.model.mfu == pytest.approx(4e9, rel=1e-6)
+    assert fit.api_overhead_s == pytest.approx(api - 0.002, abs=1e-6)
+
+
+def test_fidelity_trace_shares_blocks_exactly_where_token_prefixes_are_equal() -> None:
+    from simulator.cli_replay import _tokenized_trace
+    from simulator.traces import Trace, TraceRequest
+    from simulator.traces.prompts import PromptBuilder
+
+    trace = Trace(
+        "t",
+        64,
+        (
+            TraceRequest(10.0, 64 * 3, 4, (1, 2, 3)),
+            TraceRequest(12.0, 64 * 3, 0, (1, 2, 9)),
+        ),
+    )
+
+    def encode(text: str) -> list[int]:  # two tokens a word: blocks do not align with words
+        return [t for word in text.split() for t in (ord(word[0]), ord(word[1]) * 7 + ord(word[2]))]
+
+    out = _tokenized_trace(trace, PromptBuilder(64, 20), encode, 32, 2.0)
+    one, two = out.requests
+    assert out.block_tokens == 32
+    assert (one.arrival_s, two.arrival_s) == (0.0, 4.0)  # from the first arrival, time x2
+    assert one.input_tokens == two.input_tokens == 120  # 60 words, 2 tokens each
+    assert (one.output_tokens, two.output_tokens) == (4, 1)
+    # 40 words (80 tokens) in common: the first two 32-token blocks are shared, no more.
+    shared = sum(a == b for a, b in zip(one.block_ids, two.block_ids, strict=True))
+    assert shared == 2 and one.block_ids[:2] == two.block_ids[:2]
