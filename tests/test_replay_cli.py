@@ -259,8 +259,8 @@ def test_replay_and_plan_help_explain_synthetic_specs(
 def test_fidelity_fit_recovers_the_step_cost_and_prefill_rate_of_its_probes() -> None:
     from dataclasses import replace
 
-    from simulator.cli_replay import _fit_latency
     from simulator.engine.latency import TINY_CPU
+    from simulator.fleet.calibration import fit_latency
 
     truth = replace(TINY_CPU, peak_flops=4e9, mfu=1.0, step_overhead_s=0.05)
     api = 0.2
@@ -268,14 +268,14 @@ def test_fidelity_fit_recovers_the_step_cost_and_prefill_rate_of_its_probes() ->
         (n, api + truth.step_time(n, n * (n + 1) // 2, n), truth.step_overhead_s + 0.001 * k)
         for k, n in enumerate((40, 400, 800, 1200, 1600))
     ]
-    fit = _fit_latency(probes)
+    fit = fit_latency(probes)
     assert fit.model.step_overhead_s == pytest.approx(0.052)  # the median TPOT
     assert fit.model.peak_flops * fit.model.mfu == pytest.approx(4e9, rel=1e-6)
     assert fit.api_overhead_s == pytest.approx(api - 0.002, abs=1e-6)
 
 
 def test_fidelity_trace_shares_blocks_exactly_where_token_prefixes_are_equal() -> None:
-    from simulator.cli_replay import _tokenized_trace
+    from simulator.fleet.calibration import tokenized_trace
     from simulator.traces import Trace, TraceRequest
     from simulator.traces.prompts import PromptBuilder
 
@@ -291,7 +291,7 @@ def test_fidelity_trace_shares_blocks_exactly_where_token_prefixes_are_equal() -
     def encode(text: str) -> list[int]:  # two tokens a word: blocks do not align with words
         return [t for word in text.split() for t in (ord(word[0]), ord(word[1]) * 7 + ord(word[2]))]
 
-    out = _tokenized_trace(trace, PromptBuilder(64, 20), encode, 32, 2.0)
+    out = tokenized_trace(trace, PromptBuilder(64, 20), encode, 32, 2.0)
     one, two = out.requests
     assert out.block_tokens == 32
     assert (one.arrival_s, two.arrival_s) == (0.0, 4.0)  # from the first arrival, time x2

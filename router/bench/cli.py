@@ -18,7 +18,9 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_index_bench(bench_sub)
     add_prefix_bench(bench_sub)
     add_tokenize_bench(bench_sub)
-    from simulator.cli_replay import add_fidelity_bench, add_replay_bench
+    from simulator.cli_replay import add_replay_bench
+
+    from .fidelity import add_fidelity_bench
 
     add_replay_bench(bench_sub)
     add_fidelity_bench(bench_sub)
