@@ -19,7 +19,8 @@ from .types import FleetView, ReplicaState
 
 
 def hash_key(key: str) -> int:
-    return xxhash.xxh3_64_intdigest(key.encode())
+    # surrogateescape: header values arrive decoded that way, and any byte string is a valid key.
+    return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogateescape"))
 
 
 class HashRing:

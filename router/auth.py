@@ -52,4 +52,4 @@ def _bearer(request: web.Request) -> bytes | None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
-    return token.strip().encode()
+    return token.strip().encode("utf-8", "surrogateescape")  # any bytes: compared, never shown

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.handle import ReplicaHandle
@@ -140,14 +141,15 @@ class Router:
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.limits.max_body_bytes)
-        app.router.add_post("/v1/completions", self._make_handler(parse_completion))
-        app.router.add_post("/v1/chat/completions", self._make_handler(parse_chat))
-        app.router.add_get("/v1/models", self.handle_models)
-        app.router.add_get("/health", self.handle_health)
-        app.router.add_get("/ready", self.handle_ready)
+        expect = {"expect_handler": _expect_handler}
+        app.router.add_post("/v1/completions", self._make_handler(parse_completion), **expect)
+        app.router.add_post("/v1/chat/completions", self._make_handler(parse_chat), **expect)
+        app.router.add_get("/v1/models", self.handle_models, **expect)
+        app.router.add_get("/health", self.handle_health, **expect)
+        app.router.add_get("/ready", self.handle_ready, **expect)
         if self.config.metrics.enabled:
-            app.router.add_get("/metrics", self.handle_metrics)
-        app.router.add_get("/admin/replicas", self.handle_admin_replicas)
+            app.router.add_get("/metrics", self.handle_metrics, **expect)
+        app.router.add_get("/admin/replicas", self.handle_admin_replicas, **expect)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -272,6 +274,8 @@ class Router:
             raise errors.body_too_large(max_body) from None
         except TimeoutError:
             raise errors.request_timeout("Sending the request body") from None
+        except (web.RequestPayloadError, HttpProcessingError) as exc:  # e.g. gzip that is not
+            raise errors.bad_request(f"The request body cannot be read: {exc}") from None
 
     async def _route_counted(
         self,
@@ -309,7 +313,9 @@ class Router:
         if not decision.ranked:
             raise errors.no_healthy_replica(self._retry_after_s)
 
-        request_id = request.headers.get("X-Request-Id") or self._new_request_id()
+        request_id = request.headers.get("X-Request-Id", "")
+        if not _usable_request_id(request_id):
+            request_id = self._new_request_id()
         transcript: StreamTranscript | None = None
         if parsed.stream and self.config.retry.resume_streams:
             transcript = StreamTranscript(chat=parsed.messages is not None)
@@ -753,6 +759,21 @@ class _Attempt:
             router.metrics.observe_resume("resumed")
             relayed = nxt
         return relayed
+
+
+def _usable_request_id(value: str) -> bool:
+    """A client's X-Request-Id worth passing on: short printable ASCII (it goes into headers)."""
+    return 0 < len(value) <= 200 and value.isascii() and value.isprintable()
+
+
+async def _expect_handler(request: web.Request) -> web.Response | None:
+    """Answer ``Expect: 100-continue``; refuse any other expectation with an OpenAI-shaped 417."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+    message = "Only 'Expect: 100-continue' is supported."
+    return errors.ApiError(417, message, param="Expect", code="expectation_failed").response()
 
 
 def _json(obj: object, status: int = 200) -> web.Response:

@@ -47,7 +47,8 @@ HOP_BY_HOP = frozenset(
 
 
 # The router sets its own X-Request-Id (the client's, or a new one) on every upstream request.
-_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id"}
+# Content-Encoding: the server has already decoded the body the router passes on.
+_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"content-encoding"}
 
 
 class UpstreamError(Exception):

@@ -82,7 +82,11 @@ class SimpleTokenizer:
         for message in messages:
             content = message.get("content")
             if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                content = "".join(
+                    p["text"]
+                    for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
             parts.append(f"<|{message.get('role', 'user')}|>\n{content or ''}\n")
         if continue_final_message:
             # Leave the final message open for the model to continue (no generation prompt).
