@@ -6,6 +6,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "") -> None:
@@ -57,3 +58,13 @@ def group_members(pgid: int) -> list[int]:
         for entry in os.listdir("/proc")
         if entry.isdigit() and (f := _stat_fields(entry)) and f[0] != "Z" and int(f[2]) == pgid
     ]
+
+
+def traces_dir() -> Path:
+    """Where the public traces are: $KVROUTE_TRACES, else ../shared/traces beside the checkout,
+    else /work/shared/traces (a clone elsewhere on the dev machines); the first that exists."""
+    repo = Path(__file__).resolve().parents[1]
+    candidates = [repo.parent / "shared" / "traces", Path("/work/shared/traces")]
+    if os.environ.get("KVROUTE_TRACES"):
+        candidates.insert(0, Path(os.environ["KVROUTE_TRACES"]))
+    return next((c for c in candidates if c.is_dir()), candidates[0])

@@ -13,8 +13,9 @@ import pytest
 from router.cli import main
 
 from .fake_replica import FakeReplica
+from .helpers import traces_dir
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = traces_dir()
 MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
 
 SUMMARY_KEYS = {

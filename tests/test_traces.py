@@ -17,7 +17,9 @@ import pytest
 
 from simulator.traces import FORMATS, SYNTHETIC_HELP, Trace, TraceError, detect_format, load_trace
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+from .helpers import traces_dir
+
+TRACES = traces_dir()
 MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
 AZURE_CODE = TRACES / "azure2023" / "AzureLLMInferenceTrace_code.csv"
 AZURE_CONV = TRACES / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
