@@ -824,12 +824,17 @@ def _cmd_bench_replay(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"kvroute bench replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print(section)
-    if not args.no_record:
-        with open(args.output_md, "a", encoding="utf-8") as f:
-            f.write("\n" + section)
-        print(f"appended to {args.output_md}", file=sys.stderr)
+    print_and_record(section, args.output_md, args.no_record)
     return 0
+
+
+def print_and_record(section: str, output_md: str, no_record: bool) -> None:
+    """Print a bench's Markdown section and, unless told not to, append it to ``output_md``."""
+    print(section)
+    if not no_record:
+        with open(output_md, "a", encoding="utf-8") as f:
+            f.write("\n" + section)
+        print(f"appended to {output_md}", file=sys.stderr)
 
 
 def _bench_args(args: argparse.Namespace, **over: Any) -> argparse.Namespace:

@@ -40,6 +40,20 @@ def test_serve_on_a_busy_port_says_so_without_a_traceback() -> None:
     assert "Traceback" not in result.stderr
 
 
+async def wait_ready(http: aiohttp.ClientSession, url: str, timeout_s: float = 20) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            async with http.get(url + "/ready") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        assert loop.time() < deadline, "router did not become ready"
+        await asyncio.sleep(0.05)
+
+
 async def test_serve_answers_then_stops_on_sigterm(start_replica: StartReplica) -> None:
     a = await start_replica("a")
     port = free_ports(1)[0]
@@ -50,17 +64,7 @@ async def test_serve_answers_then_stops_on_sigterm(start_replica: StartReplica) 
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as http:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 20
-            while True:
-                try:
-                    async with http.get(url + "/ready") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                assert loop.time() < deadline, "router did not become ready"
-                await asyncio.sleep(0.05)
+            await wait_ready(http, url)
             async with http.post(
                 url + "/v1/completions", json={"model": "tiny", "prompt": "x"}
             ) as resp:
@@ -88,17 +92,7 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_connections(
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as http:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 20
-            while True:
-                try:
-                    async with http.get(url + "/ready") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                assert loop.time() < deadline, "router did not become ready"
-                await asyncio.sleep(0.05)
+            await wait_ready(http, url)
             body = {"model": "tiny", "prompt": "gate", "stream": True}
             async with http.post(url + "/v1/completions", json=body) as stream:
                 first = await stream.content.readuntil(b"\n\n")
@@ -113,6 +107,7 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_connections(
                     writer.close()
                     return False
 
+                loop = asyncio.get_running_loop()
                 deadline = loop.time() + 10
                 while not await refuses():
                     assert loop.time() < deadline, "still accepting connections after SIGTERM"

@@ -44,15 +44,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from router.config import config_from_dict
-from router.runner import app_runner
-from router.server import Router
-
-from .conftest import RunningRouter, StartReplica
+from .conftest import RunningRouter, StartReplica, StartRouter
 from .fake_replica import FakeReplica
 from .helpers import wait_until
 
@@ -132,13 +127,12 @@ ServeRouter = Callable[..., Awaitable[RunningRouter]]
 
 
 @pytest.fixture
-async def serve_router() -> AsyncIterator[ServeRouter]:
-    """Routers in front of fake replicas, on free ports, run as ``kvroute serve`` runs them."""
-    runners: list[web.AppRunner] = []
+async def serve_router(start_router: StartRouter) -> ServeRouter:
+    """Routers in front of fake replicas (conftest's, run as ``kvroute serve`` runs them), with
+    this file's small limits and timeouts."""
 
     async def serve(replicas: list[FakeReplica], **overrides: Any) -> RunningRouter:
-        raw: dict[str, Any] = {
-            "replicas": [{"url": r.url, "name": r.name} for r in replicas],
+        defaults: dict[str, Any] = {
             # Probed once at start-up, then left alone: on a loaded box, probes that time out
             # would take replicas out of rotation and fail tests that are about other things.
             "health": {"interval_s": 60.0, "timeout_s": 5.0},
@@ -151,19 +145,12 @@ async def serve_router() -> AsyncIterator[ServeRouter]:
             "shutdown": {"drain_timeout_s": 1.0},
         }
         for key, value in overrides.items():
-            raw[key] = {**raw[key], **value} if isinstance(raw.get(key), dict) else value
-        router = Router(config_from_dict(raw))
-        runner = app_runner(router)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return RunningRouter(router, f"http://127.0.0.1:{port}")
+            defaults[key] = (
+                {**defaults[key], **value} if isinstance(defaults.get(key), dict) else value
+            )
+        return await start_router(replicas, **defaults)
 
-    yield serve
-    for runner in runners:
-        await runner.cleanup()
+    return serve
 
 
 class Target:

@@ -26,6 +26,7 @@ from simulator.cli_replay import (
     policy_name,
     positive_float,
     positive_int,
+    print_and_record,
     run_policy,
     wrapped,
 )
@@ -132,11 +133,7 @@ def _cmd_bench_fidelity(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"kvroute bench fidelity: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print(section)
-    if not args.no_record:
-        with open(args.output_md, "a", encoding="utf-8") as f:
-            f.write("\n" + section)
-        print(f"appended to {args.output_md}", file=sys.stderr)
+    print_and_record(section, args.output_md, args.no_record)
     return 0
 
 
