@@ -11,16 +11,22 @@ Layout, chosen for lookup latency, ingest rate and memory (measured by ``kvroute
   request gives both leading runs at once (held ⊆ held or predicted, so the AND is non-zero
   while any run goes on). A block no replica holds or is predicted to hold is not indexed.
 * *runs*: the indexed blocks, in chains as they were stored (an event's blocks, continued by the
-  next events of the chain, up to ``_MAX_RUN``): ``_runs[id]`` is the tuple of their router
-  hashes, ``_vals[id]`` their values as pieces ``(value, start, value, start, value, ...)``
-  (each value holds from its start, 0 for the first, to the next start or the run's end), and
-  ``_seg`` maps each router hash to its run id. :meth:`PrefixIndex.match` looks up one block,
-  then compares the request's next hashes with the run's next ones in C (a tuple slice compare):
-  all that are equal are those blocks, so their values are the run's pieces there. A request
-  over a shared prefix costs a dict lookup or two instead of one per block, and stays exact
-  whatever it is (nothing assumes that its hashes form a chain). Why it matters, measured on
-  the dev box (2 vCPU VM, 5M entries): a dict lookup that misses the caches costs ~0.5-1 us,
-  and 128 of them alone took ~60 us, more than the lookup budget.
+  next events of the chain, up to ``_MAX_RUN``): ``_runs[id]`` holds their router hashes
+  packed in one ``bytes`` (router/packed_runs.py), ``_vals[id]`` their values as pieces
+  ``(value, start, value, start, value, ...)`` (each value holds from its start, 0 for the
+  first, to the next start or the run's end), and ``_seg`` maps each router hash to its run id.
+  :meth:`PrefixIndex.match` looks up one block, then finds how far the request's next hashes
+  are the run's (``packed_runs.follow``): those blocks' values are the run's pieces there, and
+  their running AND (``packed_runs.walk``) gives where replicas drop out. A request over a
+  shared prefix costs a dict lookup or two instead of one per block, and stays exact whatever
+  it is (nothing assumes that its hashes form a chain). Why it matters, measured on the dev box
+  (2 vCPU VM, 5M entries): a dict lookup that misses the caches costs ~0.5-1 us, and 128 of
+  them alone took ~60 us, more than the lookup budget. A lookup's loops run in C (the
+  extension router/_speedups.c; pure-Python twins give the same results where it is not
+  built): ~30k instructions a lookup in the bench's index scaled to 200k entries (~99k on the
+  twins; ~77k with the tuple runs compared in Python before). At 5M entries about half of a
+  lookup's time is cache misses on the index's memory: the same lookup again at once takes
+  ~8 us instead of ~17.
 * ingest: an event of blocks new to the index extends its parent's run (or starts one); an event
   of indexed blocks that lie in a row in one run (a replica storing a prefix another one
   stored: the common case) only edits that run's pieces, with no per-block dict write. Values
@@ -38,7 +44,7 @@ Layout, chosen for lookup latency, ingest rate and memory (measured by ``kvroute
   router hash -> expiry. A real ``BlockStored`` of the block on that replica supersedes (deletes)
   its prediction, so a replica is never both holding and predicted for one block.
 
-Only ints, tuples of ints, dicts of ints and lists: after a young collection the garbage
+Only ints, bytes, tuples of ints, dicts of ints and lists: after a young collection the garbage
 collector tracks none of the index's millions of objects, so collections stay cheap.
 
 The router recomputes its own chained hashes from each ``BlockStored``'s ``token_ids``, chaining
@@ -55,19 +61,21 @@ from itertools import compress, islice, repeat
 from operator import ne
 from typing import NamedTuple
 
+from . import packed_runs
 from .block_hashing import chain_hashes, root_seed
+from .packed_runs import Run, W, find, unpack, word
 
 DEFAULT_MEDIUM = "GPU"
 
 EngineHash = int | bytes
 
-Run = tuple[int, ...]  # the router hashes of a run's blocks, in order
 Pieces = tuple[int, ...]  # (value, start, value, start, value, ...) along a run
 
 _MIN_SHIFT = 256  # replica indices below it need no re-encoding of the values (see _reshift)
 _MAX_RUN = 256  # blocks: events extend a run up to there (a lookup scans a run to find a block)
 _sink: deque[object] = deque(maxlen=0)
 _consume = _sink.extend  # runs an iterator in C, keeping nothing
+_tuple_new = tuple.__new__
 
 
 class PrefixMatch(NamedTuple):
@@ -287,27 +295,32 @@ class PrefixIndex:
         runs = self._runs
         vals = self._vals
         k = len(hashes)
+        packed = packed_runs.pack(hashes)
         rid = seg.get(hashes[0])
         if rid is None and k <= _MAX_RUN:  # new: normally all of them, after the parent's run
-            prid = seg.get(parent) if parent is not None else None
-            if prid is not None and (runs[prid][-1] != parent or len(runs[prid]) + k > _MAX_RUN):
-                prid = None
+            prid = None
+            if parent is not None:
+                prid = seg.get(parent)
+                if prid is not None and (
+                    not runs[prid].endswith(word(parent)) or len(runs[prid]) // W + k > _MAX_RUN
+                ):
+                    prid = None
             target = prid if prid is not None else self._new_id()
             before = len(seg)
             _consume(map(seg.setdefault, hashes, repeat(target)))
             if len(seg) - before == k:
                 both = rep.both
                 if prid is None:
-                    runs[target] = tuple(hashes)
+                    runs[target] = packed
                     vals[target] = (both,)
                 else:
                     run = runs[prid]
-                    runs[prid] = run + tuple(hashes)
+                    runs[prid] = run + packed
                     if vals[prid][-1] != both:
-                        vals[prid] = (*vals[prid], len(run), both)
+                        vals[prid] = (*vals[prid], len(run) // W, both)
                 return k
             # Some known already, or twice in the event: undo, then one by one.
-            own = set(runs[target])
+            own = set(unpack(runs[target]))
             for rh in hashes:
                 if seg.get(rh) == target and rh not in own:
                     del seg[rh]
@@ -315,11 +328,10 @@ class PrefixIndex:
                 self._free_id(target)
         elif rid is not None:
             run = runs[rid]
-            j = 0 if run[0] == hashes[0] else run.index(hashes[0])
-            if j + k <= len(run) and (
-                run == tuple(hashes) if k == len(run) else run[j : j + k] == tuple(hashes)
-            ):  # blocks in a row in one run: only its pieces change, if none is here yet
-                added = self._add_range(vals[rid], len(run), j, j + k, rep)
+            j = find(run, packed[:W])
+            if j >= 0 and run.startswith(packed, j * W):
+                # Blocks in a row in one run: only its pieces change, if none is here yet.
+                added = self._add_range(vals[rid], len(run) // W, j, j + k, rep)
                 if added is not None:
                     vals[rid] = added
                     return k
@@ -471,10 +483,15 @@ class PrefixIndex:
         Blocks it already holds by events are skipped. A prediction counts in :meth:`match`
         until ``now + ttl_s`` or until a BlockStored of that block on that replica replaces it;
         predicting a block again extends its expiry. Also purges what expired by ``now``.
+        ValueError for a hash outside [0, 2**64) (as :func:`block_hashes` never gives).
         """
         self.expire(now)
         if ttl_s <= 0 or not router_hashes:
             return
+        try:  # before any change: runs hold 64-bit hashes (as plain ints)
+            router_hashes = unpack(packed_runs.pack(router_hashes))
+        except OverflowError:
+            raise ValueError("router hashes must lie in [0, 2**64)") from None
         rep = self._replica(replica)
         ridx, bit, pbit = rep.index, rep.bit, rep.pbit
         expires = now + ttl_s
@@ -550,12 +567,12 @@ class PrefixIndex:
     def _new_id(self) -> int:
         if self._free_ids:
             return self._free_ids.pop()
-        self._runs.append(())
+        self._runs.append(b"")
         self._vals.append(())
         return len(self._runs) - 1
 
     def _free_id(self, rid: int) -> None:
-        self._runs[rid] = ()
+        self._runs[rid] = b""
         self._vals[rid] = ()
         self._free_ids.append(rid)
 
@@ -574,7 +591,7 @@ class PrefixIndex:
             else:
                 touched[rid] = None
         for rid in touched:
-            run = runs[rid]
+            run = unpack(runs[rid])
             out.update(zip(run, _expand(vals[rid], len(run)), strict=True))
         return out
 
@@ -600,7 +617,7 @@ class PrefixIndex:
                 touched[rid] = None
         only_predicted = 0
         for rid in touched:
-            run = runs[rid]
+            run = unpack(runs[rid])
             old = _expand(vals[rid], len(run))
             values = [new.get(rh, v) for rh, v in zip(run, old, strict=True)]
             for before, after in zip(old, values, strict=True):
@@ -616,7 +633,7 @@ class PrefixIndex:
             self._place(fresh, chain)
         self._pred_only += only_predicted
 
-    def _split(self, rid: int, run: Run, values: list[int]) -> None:
+    def _split(self, rid: int, run: list[int], values: list[int]) -> None:
         """Keep the blocks of run ``rid`` whose value is not 0, as runs of consecutive blocks
         (the longest keeps the id); the others leave the index."""
         seg = self._seg
@@ -643,11 +660,11 @@ class PrefixIndex:
             blocks = run[start:end]
             pieces = _pieces(values[start:end])
             if (start, end) == keep:
-                runs[rid] = blocks
+                runs[rid] = packed_runs.pack(blocks)
                 vals[rid] = pieces
             else:
                 other = self._new_id()
-                runs[other] = blocks
+                runs[other] = packed_runs.pack(blocks)
                 vals[other] = pieces
                 seg.update(zip(blocks, repeat(other)))
 
@@ -674,18 +691,19 @@ class PrefixIndex:
         rows += [(None, [rh]) for rh in fresh if rh not in seen]
         for before, row in rows:
             for start in range(0, len(row), _MAX_RUN):
-                blocks = tuple(row[start : start + _MAX_RUN])
+                blocks = row[start : start + _MAX_RUN]
                 values = [fresh[rh] for rh in blocks]
                 rid = seg.get(before) if before is not None and not start else None
-                if rid is not None:
+                if rid is not None and before is not None:
                     run = runs[rid]
-                    if run[-1] == before and len(run) + len(blocks) <= _MAX_RUN:
-                        vals[rid] = _joined(vals[rid], len(run), _pieces(values))
-                        runs[rid] = run + blocks
+                    n = len(run) // W
+                    if run.endswith(word(before)) and n + len(blocks) <= _MAX_RUN:
+                        vals[rid] = _joined(vals[rid], n, _pieces(values))
+                        runs[rid] = run + packed_runs.pack(blocks)
                         seg.update(zip(blocks, repeat(rid)))
                         continue
                 rid = self._new_id()
-                runs[rid] = blocks
+                runs[rid] = packed_runs.pack(blocks)
                 vals[rid] = _pieces(values)
                 seg.update(zip(blocks, repeat(rid)))
 
@@ -705,71 +723,28 @@ class PrefixIndex:
         heap = self._pred_heap
         if heap and heap[0][0] <= now:
             self.expire(now)
-        q = router_hashes if type(router_hashes) is tuple else tuple(router_hashes)
-        n = len(q)
+        q = router_hashes
         get = self._seg.get
-        runs = self._runs
-        vals = self._vals
         rid = get(q[0])
         if rid is None:
             return {}
+        n = len(q)
+        runs = self._runs
+        vals = self._vals
+        follow = packed_runs.follow
+        walk = packed_runs.walk
         run = runs[rid]
         ends: list[tuple[int, int]] = []  # (run length, replicas whose runs have it)
         alive = 0
         i = 0
         while True:
-            h = q[i]
-            j = 0 if run[0] == h else run.index(h)
-            span = len(run) - j  # how far the request may follow the run
-            if span > n - i:
-                span = n - i
-            if span > 1 and run[j + span - 1] != q[i + span - 1]:
-                # Where the request leaves the run, if its hashes chain (a later equal hash
-                # then means equal hashes before it): q[i+lo-1] is the run's, q[i+hi-1] not.
-                lo, hi = 1, span
-                while hi - lo > 1:
-                    mid = (lo + hi) >> 1
-                    if run[j + mid - 1] == q[i + mid - 1]:
-                        lo = mid
-                    else:
-                        hi = mid
-                span = lo
-            if span > 1 and (
-                run != q[i : i + span] if span == len(run) else run[j : j + span] != q[i : i + span]
-            ):  # they do not chain: the longest equal stretch, checking whole stretches
-                lo, hi = 1, span
-                while hi - lo > 1:
-                    mid = (lo + hi) >> 1
-                    if run[j : j + mid] == q[i : i + mid]:
-                        lo = mid
-                    else:
-                        hi = mid
-                span = lo
-            # The pieces over run[j:j + span], from the one that holds j.
-            pieces = vals[rid]
-            end = j + span
-            last = len(pieces) - 1
-            t = 0
-            while t < last and pieces[t + 1] <= j:
-                t += 2
-            at = i  # where the piece starts in the request
-            while True:
-                value = pieces[t]
-                if at:
-                    kept = alive & value
-                    if kept != alive:
-                        ends.append(
-                            (at, alive ^ kept)
-                        )  # no ~: bitwise ops on negative ints are slow
-                        alive = kept
-                        if not alive:
-                            break
-                else:
-                    alive = value
-                if t == last or pieces[t + 1] >= end:
-                    break
-                at = i + pieces[t + 1] - j
-                t += 2
+            # Where the block is in its run, and how far the request follows the run from
+            # there: exact whatever the request (no chain assumed).
+            j, span = follow(run, q, i, n - i)
+            if not span:  # equal to an indexed hash but no 64-bit int (say 5.0): not held
+                break
+            # The running AND of the values over run[j:j + span].
+            alive = walk(vals[rid], j, j + span, i, alive, ends)
             if not alive:
                 break
             i += span
@@ -781,33 +756,37 @@ class PrefixIndex:
             run = runs[rid]
         if alive:
             ends.append((i, alive))
+        if not ends:
+            return {}
         names = self._names
         bits = self._bits
         low = self._low
         shift = self._shift
         same = self._same
-        while len(same) <= ends[-1][0]:  # ends is not empty: the first block is indexed
-            same.append(PrefixMatch(len(same), len(same)))
+        if len(same) <= ends[-1][0]:
+            same += [PrefixMatch(k, k) for k in range(len(same), ends[-1][0] + 1)]
         out: dict[str, PrefixMatch] = {}
-        confirmed: dict[int, int] = {}
+        confirmed: dict[int, int] = {}  # replica index -> where its held run ended before
+        new = _tuple_new  # PrefixMatch(...) runs Python code, ~1 us
+        assign = packed_runs.assign_bits
         for length, ended in ends:
             held = ended & low
             ended >>= shift
             if held == ended:  # both runs of these replicas end here (no prediction involved)
-                pm = same[length]
-                while ended:  # measured faster than bin()/str.find and than 1 << top
-                    top = ended.bit_length() - 1
-                    out[names[top]] = pm
-                    ended ^= bits[top]
+                assign(out, ended, names, same[length])
                 continue
-            while held:
+            both = held & ended
+            if both:  # most of them, in C
+                assign(out, both, names, same[length])
+                held ^= both
+                ended ^= both
+            while held:  # a held run ends here, the run with predictions goes on
                 top = held.bit_length() - 1
                 confirmed[top] = length
                 held ^= bits[top]
-            while ended:  # a replica's held run ends at or before its run with predictions
+            while ended:  # a run with predictions ends here, its held run ended before
                 top = ended.bit_length() - 1
-                c = confirmed.get(top, 0)
-                out[names[top]] = same[length] if c == length else PrefixMatch(length, c)
+                out[names[top]] = new(PrefixMatch, (length, confirmed.get(top, 0)))
                 ended ^= bits[top]
         return out
 
@@ -817,7 +796,7 @@ class PrefixIndex:
         mask = 0
         if rid is not None:
             pieces = self._vals[rid]
-            at = self._runs[rid].index(router_hash)
+            at = find(self._runs[rid], word(router_hash))
             t = 0
             while t < len(pieces) - 1 and pieces[t + 1] <= at:
                 t += 2

@@ -5,15 +5,20 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from router import prefix_index
-from router.block_hashing import block_hashes, chain_hashes, root_seed
+from router import block_hashing, packed_runs, prefix_index
+from router.block_hashing import block_hashes, chain_hashes, extra_key, root_seed
 from router.prefix_index import PrefixIndex, PrefixMatch
 from simulator.engine import (
     AllBlocksCleared,
@@ -24,7 +29,41 @@ from simulator.engine import (
     EngineRequest,
 )
 
+speedups: ModuleType | None
+try:
+    from router import _speedups as speedups
+except ImportError:  # not built: test_speedups_are_built says so
+    speedups = None
+
 BS = 4
+NOT_BUILT = "router._speedups is not built: run `pip install -e .` (needs a C compiler)"
+
+# The C extension and the pure-Python twins that run where it is not built: same results.
+IMPLEMENTATIONS = ("c", "python")
+
+
+@contextmanager
+def implementation(name: str) -> Iterator[None]:
+    """Hash blocks and run the index's loops in C, or on the Python twins (as where the
+    extension is not built)."""
+    on = name == "c"
+    assert block_hashing.use_speedups(on) == on, NOT_BUILT
+    assert packed_runs.use_speedups(on) == on, NOT_BUILT
+    try:
+        yield
+    finally:  # back to the default
+        block_hashing.use_speedups()
+        packed_runs.use_speedups()
+
+
+class Index:
+    """An int-like that is no int (as numpy's integers)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
 
 
 def toks(n_blocks: int, start: int = 0) -> list[int]:
@@ -69,13 +108,177 @@ def test_extra_key_changes_every_block() -> None:
     assert lora == block_hashes(base, BS, extra_key="lora-a")
 
 
-def test_bad_tokens_and_block_size_raise() -> None:
-    with pytest.raises(OverflowError):
-        block_hashes([-1, 0, 0, 0], BS)
-    with pytest.raises(OverflowError):
-        block_hashes([2**32, 0, 0, 0], BS)
-    with pytest.raises(ValueError):
-        block_hashes([1, 2], 0)
+def test_an_adapter_and_a_salt_of_the_same_name_key_apart() -> None:
+    keys = {
+        extra_key(None, None),
+        extra_key("a", None),
+        extra_key(None, "a"),
+        extra_key("a", "a"),
+        extra_key("a", "b"),
+        extra_key("b", "a"),
+    }
+    assert len(keys) == 6 and extra_key(None, None) is None
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_bad_tokens_and_block_size_raise(impl: str) -> None:
+    with implementation(impl):
+        with pytest.raises(OverflowError):
+            block_hashes([-1, 0, 0, 0], BS)
+        with pytest.raises(OverflowError):
+            block_hashes([2**32, 0, 0, 0], BS)
+        with pytest.raises(TypeError):
+            block_hashes([1.5, 0, 0, 0], BS)  # type: ignore[list-item]
+        with pytest.raises(ValueError):
+            block_hashes([1, 2], 0)
+
+
+def test_speedups_are_built() -> None:
+    # Without the extension everything works on the Python twins, with hashing and lookups
+    # several times slower (see router/block_hashing.py): this makes a missing build visible.
+    assert speedups is not None, NOT_BUILT
+    assert block_hashing._chain is speedups.chain_hashes  # the defaults
+    assert packed_runs.pack is speedups.pack_u64
+    assert packed_runs.follow is speedups.follow
+    assert packed_runs.walk is speedups.walk
+    assert packed_runs.assign_bits is speedups.assign_bits
+
+
+def test_c_xxh3_is_xxhash_for_every_length() -> None:
+    # Every path of XXH3-64: 0-16, 17-128 and 129-240 bytes, and longer ones in stripes and
+    # 1024-byte blocks (block sizes up to 500+ tokens), with seeds that wrap.
+    assert speedups is not None, NOT_BUILT
+    rng = random.Random(9)
+    for length in [*range(2100), 4096, 5000, 10_000]:
+        data = rng.randbytes(length)
+        for seed in (0, 2**64 - 1, rng.getrandbits(64)):
+            assert speedups.xxh3_64(data, seed) == xxh3_64_intdigest(data, seed), (length, seed)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_chain_hashes_follow_the_definition_for_any_block_size(impl: str) -> None:
+    rng = random.Random(4)
+    with implementation(impl):
+        for block_size in (1, 2, 3, 4, 5, 16, 17, 32, 60, 61, 64, 128, 300):
+            tokens = [
+                rng.getrandbits(32) for _ in range(block_size * 3 + rng.randrange(block_size))
+            ]
+            parent = rng.getrandbits(64)
+            expected = []
+            h = parent
+            for b in range(len(tokens) // block_size):
+                block = tokens[b * block_size : (b + 1) * block_size]
+                h = xxh3_64_intdigest(b"".join(t.to_bytes(4, "little") for t in block), h)
+                expected.append(h)
+            assert chain_hashes(tokens, block_size, parent) == expected
+            assert chain_hashes(tuple(tokens), block_size, parent) == expected
+        assert chain_hashes([1, 2, 3], 4, 7) == []
+        edges: list[Any] = [0, 1, 2**30 - 1, 2**30, 2**31, 2**32 - 1, True, Index(7)]
+        packed = b"".join(t.__index__().to_bytes(4, "little") for t in edges)
+        assert chain_hashes(edges, 8, 9) == [xxh3_64_intdigest(packed, 9)]
+
+
+def test_packing_and_run_following_match_their_python_twins() -> None:
+    assert speedups is not None, NOT_BUILT
+    rng = random.Random(8)
+    odd: list[Any] = [-1, 2**64, 2**64 + 5, 5.0, "x", True]  # hashes no run holds
+    for _ in range(400):
+        run = [rng.getrandbits(64) for _ in range(rng.randint(1, 40))]
+        packed_run = packed_runs.pack_python(run)
+        assert speedups.pack_u64(run) == packed_run
+        assert speedups.pack_u64(tuple(run)) == packed_run
+        start = rng.randint(0, len(run))
+        q: list[Any] = [rng.getrandbits(64) for _ in range(rng.randint(0, 3))]
+        q += [*run[start : rng.randint(start, len(run))], rng.getrandbits(64)]
+        if rng.random() < 0.3:
+            q.insert(rng.randrange(len(q) + 1), rng.choice(odd))
+        for _ in range(6):
+            i = rng.randint(0, len(q))
+            limit = rng.randint(0, 45)
+            got = speedups.follow(packed_run, q, i, limit)
+            assert got == packed_runs.follow_python(packed_run, q, i, limit), (q, i, limit)
+    # Positions far out of range: no match, as the twin's range checks say.
+    run = [rng.getrandbits(64) for _ in range(5)]
+    for i, limit in ((2**70, 5), (-(2**70), 5), (0, 2**70), (0, -(2**70))):
+        got = speedups.follow(packed_runs.pack_python(run), run, i, limit)
+        assert got == packed_runs.follow_python(packed_runs.pack_python(run), run, i, limit)
+    # Ints of 0 to 3 digits (the C code reads small ones straight from their digits).
+    edges = [0, 1, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63, 2**64 - 1, True]
+    assert speedups.pack_u64(edges) == packed_runs.pack_python(edges)
+    assert speedups.follow(packed_runs.pack_python(edges), edges, 0, 99) == (0, len(edges))
+    cases: list[tuple[list[Any], type[Exception]]] = [
+        ([-1], OverflowError),
+        ([-(2**40)], OverflowError),
+        ([2**64], OverflowError),
+        ([2**90], OverflowError),
+        (["x"], TypeError),
+    ]
+    for bad, error in cases:
+        for pack in (speedups.pack_u64, packed_runs.pack_python):
+            with pytest.raises(error):
+                pack(bad)
+
+
+def test_walk_matches_its_python_twin() -> None:
+    assert speedups is not None, NOT_BUILT
+    rng = random.Random(12)
+    for _ in range(500):
+        n = rng.randint(1, 40)
+        starts = sorted(rng.sample(range(1, n), rng.randint(0, min(6, n - 1)))) if n > 1 else []
+        values = [rng.getrandbits(rng.choice([3, 70, 300])) | 1 for _ in range(len(starts) + 1)]
+        pieces = (values[0], *(x for pair in zip(starts, values[1:], strict=True) for x in pair))
+        j = rng.randrange(n)
+        end = rng.randint(j + 1, n)
+        i = rng.choice([0, 0, rng.randint(1, 50)])
+        alive = rng.getrandbits(300) | rng.choice([0, 2**400 - 1])
+        c_ends: list[tuple[int, int]] = [(0, 1)]
+        py_ends = list(c_ends)
+        got = speedups.walk(pieces, j, end, i, alive, c_ends)
+        assert got == packed_runs.walk_python(pieces, j, end, i, alive, py_ends)
+        assert c_ends == py_ends
+
+
+def test_walk_refuses_positions_that_would_overflow() -> None:
+    assert speedups is not None, NOT_BUILT
+    with pytest.raises(ValueError, match="positions"):
+        speedups.walk((7, 3, 5), 0, 10, sys.maxsize, 7, [])
+    with pytest.raises(ValueError, match="piece starts"):
+        speedups.walk((7, -3, 5), 0, 10, 1, 7, [])
+
+
+def test_assign_bits_matches_its_python_twin_in_order() -> None:
+    assert speedups is not None, NOT_BUILT
+    rng = random.Random(6)
+    names = [f"r{i}" for i in range(300)]
+    for count in (1, 7, 8, 9, 64, 200, 300):
+        for _ in range(20):
+            mask = rng.getrandbits(count) | rng.choice([0, 1, 1 << (count - 1)])
+            c_out: dict[str, PrefixMatch] = {"r5": PrefixMatch(0, 0)}
+            py_out = dict(c_out)
+            speedups.assign_bits(c_out, mask, names[:count], PrefixMatch(3, 2))
+            packed_runs.assign_bits_python(py_out, mask, names[:count], PrefixMatch(3, 2))
+            assert list(c_out.items()) == list(py_out.items())  # same order too
+    for assign in (speedups.assign_bits, packed_runs.assign_bits_python):
+        with pytest.raises(IndexError):  # a bit with no name
+            assign({}, 1 << 9, names[:8], PrefixMatch(1, 1))
+    ordered: OrderedDict[str, int] = OrderedDict()  # a dict subclass: its own __setitem__
+    speedups.assign_bits(ordered, 0b101, names[:3], 1)
+    assert list(ordered.items()) == [("r2", 1), ("r0", 1)]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_hashes_outside_64_bits_are_never_indexed(impl: str) -> None:
+    with implementation(impl):
+        idx = PrefixIndex()
+        t = toks(3)
+        idx.apply_stored("r", [1, 2, 3], None, t, BS)
+        rh = block_hashes(t, BS)
+        assert idx.match([*rh[:2], -1, rh[2]], 0.0) == {"r": PrefixMatch(2, 2)}
+        assert idx.match([rh[0], 2**64], 0.0) == {"r": PrefixMatch(1, 1)}
+        with pytest.raises(ValueError, match="2\\*\\*64"):
+            idx.predict("r", [rh[0], -5], now=0.0, ttl_s=1.0)
+        assert idx.predicted_entries == 0
+        assert idx.match(rh, 0.0) == {"r": PrefixMatch(3, 3)}
 
 
 # --- events -> match ---------------------------------------------------------------------------
@@ -286,6 +489,7 @@ ops = st.lists(
 )
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @settings(max_examples=150, deadline=None)
 @given(
     ops,
@@ -293,14 +497,22 @@ ops = st.lists(
     st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=30, max_size=30),
 )
 def test_match_equals_brute_force_model(
+    impl: str,
     events: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]],
     queries: list[tuple[int, ...]],
     steps: list[float],
 ) -> None:
-    check_against_model(events, queries, steps, REPLICAS)
+    with implementation(impl):
+        check_against_model(events, queries, steps, REPLICAS)
 
 
-def test_match_equals_brute_force_model_many_replicas() -> None:
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_match_equals_brute_force_model_many_replicas(impl: str) -> None:
+    with implementation(impl):
+        check_many_replicas()
+
+
+def check_many_replicas() -> None:
     # More replicas than the low half of the index's values first holds (256): it re-encodes.
     replicas = tuple(f"r{i}" for i in range(300))
     rng = random.Random(3)
@@ -321,15 +533,25 @@ def test_match_equals_brute_force_model_many_replicas() -> None:
     check_against_model(events, queries, steps, replicas)
 
 
-def test_match_equals_brute_force_model_short_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_match_equals_brute_force_model_short_runs(
+    impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Runs of at most 2 blocks and values re-encoded from the 5th replica on: more of the
     # index's run splitting, joining and re-encoding, against the same model.
     monkeypatch.setattr(prefix_index, "_MAX_RUN", 2)
     monkeypatch.setattr(prefix_index, "_MIN_SHIFT", 4)
-    test_match_equals_brute_force_model_many_replicas()
+    with implementation(impl):
+        check_many_replicas()
 
 
-def test_match_is_exact_for_requests_that_are_not_chains() -> None:
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_match_is_exact_for_requests_that_are_not_chains(impl: str) -> None:
+    with implementation(impl):
+        check_requests_that_are_not_chains()
+
+
+def check_requests_that_are_not_chains() -> None:
     # match skips along stored runs of blocks by comparing hashes; a request need not be a
     # chain: shuffled, repeated and unknown hashes get exactly the per-block answer.
     rng = random.Random(5)
@@ -501,6 +723,16 @@ def test_index_bench_small_run_records_a_section(
     assert text.startswith("# Benchmarks") and "## Prefix index, " in text
     assert "kvroute bench index --entries 3000 --replicas 8 --lookups 50" in text
     assert "| (block, replica) entries | 3,000 |" in text
+    assert "- hashing and lookup loops: C (router/_speedups.c)" in text
     args = parser.parse_args([*argv, "--output-md", str(out), "--no-record"])
     assert args.func(args) == 0
     assert out.read_text() == text
+    # On the Python twins, said so in the section; the defaults come back afterwards.
+    other = tmp_path / "twins.md"
+    args = parser.parse_args([*argv, "--no-speedups", "--output-md", str(other)])
+    assert args.func(args) == 0
+    assert "- hashing and lookup loops: pure Python (--no-speedups)" in other.read_text()
+    assert "| (block, replica) entries | 3,000 |" in other.read_text()
+    assert speedups is not None, NOT_BUILT
+    assert packed_runs.pack is speedups.pack_u64
+    assert block_hashing._chain is speedups.chain_hashes

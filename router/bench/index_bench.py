@@ -5,8 +5,12 @@ blocks, stored as BlockStored events of ``--event-blocks`` blocks each (each eve
 previous one's last engine hash, as vLLM's do). A ``--shared`` fraction of each replica's chains
 comes from a pool of hot prompts held by ``--copies`` replicas on average (each copy stored to a
 random depth), the rest are unique to the replica: the unique part is the memory worst case, the
-hot part makes lookups match many replicas at once. Lookups are 128-block prompts drawn from the
-hot pool with a random divergence point, plus a few predicted entries, timed one by one.
+hot part makes lookups match many replicas at once (copies of a hot prompt share their common
+prefix, so ~20 replicas match a lookup). Lookups are 128-block prompts drawn from the hot pool
+with a random divergence point, plus a few predicted entries, timed one by one; each prompt is
+hashed (timed apart) right before its lookup, as the router does, and the garbage collector is
+set as the router sets it (``runner.settle_heap``). ``--no-speedups`` runs hashing and the
+lookup loops on the pure-Python twins of the C extension, to compare.
 
 Memory is the RSS delta of this process (VmRSS, after ``gc.collect()``) from an empty index to
 the full one, divided by (block, replica) entries; it includes allocator slack and dict
@@ -24,10 +28,12 @@ import random
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import block_hashing, packed_runs
 from ..block_hashing import block_hashes
 from ..prefix_index import PrefixIndex
 from .argtypes import fraction, non_negative_int, positive_int
@@ -56,6 +62,7 @@ class Options:
     lookups: int = 2000
     predictions: int = 500
     seed: int = 0
+    speedups: bool = True
     output_md: str = "BENCHMARKS.md"
     record: bool = True
 
@@ -72,6 +79,7 @@ class Result:
     lookup_us: list[float]
     hash_us: list[float]
     matched_replicas: float
+    speedups: bool  # whether hashing and the lookup loops ran in C (router/_speedups.c)
 
     @property
     def ingest_rate(self) -> float:
@@ -109,7 +117,36 @@ def chain_tokens(doc: int, blocks: int, block_size: int) -> list[int]:
     return list(range(start, start + blocks * block_size))
 
 
+@contextmanager
+def router_heap() -> Iterator[None]:
+    """The garbage collector as the router runs it (``runner.settle_heap``: the startup heap
+    frozen, young collections every 20,000 allocations), put back as it was afterwards, so the
+    bench pays the collections the router pays: the index fills after the freeze, as there.
+    """
+    from ..runner import settle_heap  # the server's imports: only when a bench runs
+
+    thresholds = gc.get_threshold()
+    settle_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+
+
 def run_index_bench(options: Options) -> Result:
+    speedups = block_hashing.use_speedups(options.speedups)
+    if packed_runs.use_speedups(options.speedups) != speedups:  # pragma: no cover
+        raise RuntimeError("router._speedups is half built")
+    try:
+        with router_heap():
+            return _run_index_bench(options, speedups)
+    finally:  # back to the default
+        block_hashing.use_speedups()
+        packed_runs.use_speedups()
+
+
+def _run_index_bench(options: Options, speedups: bool) -> Result:
     o = options
     rng = random.Random(o.seed)
     getrandbits = rng.getrandbits
@@ -140,7 +177,9 @@ def run_index_bench(options: Options) -> Result:
                 unique_doc += 1
                 depth = o.chain_blocks
             depth = max(1, min(depth, per_replica - stored))
-            tokens = chain_tokens(doc, depth, bs)
+            # The doc's full chain cut at the depth: copies stored to different depths share
+            # their common prefix, as the hot pool is meant to.
+            tokens = chain_tokens(doc, o.chain_blocks, bs)[: depth * bs]
             engine = [getrandbits(64) for _ in range(depth)]
             events = [
                 (engine[i : i + eb], engine[i - 1] if i else None, tokens[i * bs : (i + eb) * bs])
@@ -161,6 +200,8 @@ def run_index_bench(options: Options) -> Result:
     rss_delta = rss_bytes() - rss0
 
     # Lookups: hot prompts with a random divergence point, some predicted on random replicas.
+    # Each is hashed and matched (each timed) in turn, as the router hashes a request's token
+    # ids and matches the hashes.
     prompts: list[list[int]] = []
     for _ in range(min(o.lookups, 2000)):
         doc = rng.randrange(hot_docs)
@@ -168,23 +209,22 @@ def run_index_bench(options: Options) -> Result:
         cut = rng.randint(o.chain_blocks // 2, o.chain_blocks)
         tokens[cut * bs :] = [getrandbits(31) for _ in range((o.chain_blocks - cut) * bs)]
         prompts.append(tokens)
-    hash_us: list[float] = []
-    queries: list[list[int]] = []
-    for tokens in prompts:
-        t0 = perf()
+    for tokens in prompts[: o.predictions]:
         hashes = block_hashes(tokens, bs)
-        hash_us.append((perf() - t0) * 1e6)
-        queries.append(hashes)
-    for i in range(min(o.predictions, len(queries))):
-        idx.predict(names[rng.randrange(o.replicas)], queries[i], now=0.0, ttl_s=1e9)
+        idx.predict(names[rng.randrange(o.replicas)], hashes, now=0.0, ttl_s=1e9)
+    hash_us: list[float] = []
     lookup_us: list[float] = []
     matched = 0
     match = idx.match
     for i in range(o.lookups):
-        q = queries[i % len(queries)]
+        tokens = prompts[i % len(prompts)]
         t0 = perf()
-        m = match(q, 1.0)
-        lookup_us.append((perf() - t0) * 1e6)
+        hashes = block_hashes(tokens, bs)
+        t1 = perf()
+        m = match(hashes, 1.0)
+        t2 = perf()
+        hash_us.append((t1 - t0) * 1e6)
+        lookup_us.append((t2 - t1) * 1e6)
         matched += len(m)
     return Result(
         entries=idx.entries,
@@ -197,6 +237,7 @@ def run_index_bench(options: Options) -> Result:
         lookup_us=lookup_us,
         hash_us=hash_us,
         matched_replicas=matched / max(1, o.lookups),
+        speedups=speedups,
     )
 
 
@@ -265,6 +306,14 @@ def markdown_section(command: str, date: str, res: Result, o: Options) -> str:
         f"replicas each (random depth), the rest unique; {o.lookups} timed lookups of hot "
         f"prompts with a random divergence point, {o.predictions} of them also predicted",
         "- memory is the process RSS delta (VmRSS after gc.collect()) from empty to full index",
+        "- hashing and lookup loops: "
+        + (
+            "C (router/_speedups.c)"
+            if res.speedups
+            else "pure Python" + ("" if o.speedups else " (--no-speedups)")
+        ),
+        "- garbage collector as the router sets it (runner.settle_heap); each lookup's prompt is "
+        "hashed right before it is looked up, as in the router",
         "",
         format_table(res, o),
     ]
@@ -342,6 +391,12 @@ def add_index_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--seed", type=int, default=d.seed, help="Random seed (default 0).")
     p.add_argument(
+        "--no-speedups",
+        action="store_true",
+        help="Hash and look up on the pure-Python twins of the C extension router/_speedups.c "
+        "(what runs where it is not built), to compare.",
+    )
+    p.add_argument(
         "--output-md",
         default=d.output_md,
         metavar="PATH",
@@ -365,6 +420,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         lookups=args.lookups,
         predictions=args.predictions,
         seed=args.seed,
+        speedups=not args.no_speedups,
         output_md=args.output_md,
         record=not args.no_record,
     )
