@@ -1,8 +1,8 @@
 """Active health probes: GET each replica's health path on an interval.
 
-A replica is taken out of rotation on a failed probe and put back on a passing one. When a
-replica first passes (or comes back), its /v1/models is read so the router knows which
-models it can route there.
+A replica is taken out of rotation on a failed probe and put back on a passing one. Each
+passing probe also reads its /v1/models, so the router knows which models it can route there,
+LoRA adapters loaded at runtime (``/v1/load_lora_adapter``) included.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ class ActiveProber:
         # What each replica's /v1/models says its models were loaded from ("root"): for a
         # replica on this machine, the model directory, where the router finds the tokenizer.
         self.model_roots: dict[str, list[str]] = {}
+        # LoRA adapters each replica serves (cards with a ``parent``): vLLM keys their KV blocks
+        # by adapter name, so the router hashes a request for one the same way.
+        self.lora_adapters: dict[str, frozenset[str]] = {}
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._task: asyncio.Task[None] | None = None
 
@@ -67,11 +70,14 @@ class ActiveProber:
         self._misses[state.replica_id] = misses
         healthy = passed or (state.healthy and misses < self._unhealthy_after)
         changed = healthy != state.healthy
-        if healthy and (changed or state.models is None):
+        if healthy:
             listed = await self._fetch_models(replica.base_url)
             if listed is not None:
-                models, roots = listed
+                models, roots, adapters = listed
                 self.model_roots[state.replica_id] = roots
+                if adapters != self.lora_adapters.get(state.replica_id, frozenset()):
+                    self.lora_adapters[state.replica_id] = adapters
+                    changed = True
                 if models != state.models:
                     state.models = models
                     changed = True
@@ -89,13 +95,16 @@ class ActiveProber:
             return False
         return response.status_code == 200
 
-    async def _fetch_models(self, base_url: str) -> tuple[frozenset[str], list[str]] | None:
+    async def _fetch_models(
+        self, base_url: str
+    ) -> tuple[frozenset[str], list[str], frozenset[str]] | None:
         try:
             response = await self._client.get(base_url + "/v1/models")
             data = response.json()["data"]
             models = frozenset(str(m["id"]) for m in data)
             roots = [str(m["root"]) for m in data if isinstance(m.get("root"), str)]
-            return models, roots
+            adapters = frozenset(str(m["id"]) for m in data if isinstance(m.get("parent"), str))
+            return models, roots, adapters
         except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 

@@ -196,7 +196,8 @@ class Config(_Section):
     shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
-    # Add X-Kvroute-Replica and X-Kvroute-Reason to every routed response.
+    # Add X-Kvroute-Replica, X-Kvroute-Reason and X-Kvroute-Prefix-Hit-Tokens to every routed
+    # response.
     decision_headers: bool = True
 
 

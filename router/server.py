@@ -27,6 +27,7 @@ from policies import FleetView, Policy, RouteRequest, build_policy
 from . import errors
 from .admission import Admission
 from .auth import Auth
+from .block_hashing import extra_key
 from .config import Config, replica_base_url, replica_name_from_url
 from .kv_subscriber import KVEventSubscribers
 from .metrics import RouterMetrics
@@ -117,6 +118,7 @@ class Router:
         )
         self.models: list[str] = list(config.models)
         self._model_set = frozenset(self.models)
+        self._lora_adapters: frozenset[str] = frozenset()  # from the replicas' /v1/models
         self._started_at = int(time.time())
         self._retry_after_s = max(1, math.ceil(config.health.interval_s))
         limits = config.limits
@@ -214,6 +216,7 @@ class Router:
                 handle.out_since = None
         if self.tokenizer is None and self.config.routing.tokenizer is None:
             self._discover_tokenizer()
+        self._lora_adapters = frozenset().union(*self.prober.lora_adapters.values())
         if self.config.models:
             return
         known: set[str] = set()
@@ -446,9 +449,13 @@ class Router:
     async def _prompt_blocks(self, parsed: ParsedRequest) -> PromptBlocks | None:
         """The prompt's exact token count and block hashes; None when they cannot be known."""
         block_size = self.block_size()
+        # vLLM keys a LoRA request's blocks by the adapter's name (the request's model) and
+        # the first block by the cache salt too; its KV events say so, the index keys alike.
+        lora = parsed.model if parsed.model in self._lora_adapters else None
+        key = extra_key(lora, parsed.cache_salt)
         if parsed.prompt_ids is not None:
             try:
-                return token_id_blocks(parsed.prompt_ids, block_size, parsed.cache_salt)
+                return token_id_blocks(parsed.prompt_ids, block_size, key)
             except OverflowError:
                 return None  # ids beyond uint32: the replica will reject the request
         tokenizer = self.tokenizer
@@ -462,7 +469,7 @@ class Router:
                     parsed.prompt_tokens * CHARS_PER_TOKEN,
                     parsed.add_special_tokens,
                     block_size,
-                    parsed.cache_salt,
+                    key,
                 )
             except ChatTemplateError as exc:
                 # The replica renders the template too and gives the client its own error.
@@ -471,7 +478,7 @@ class Router:
         if parsed.prompt_text is None:
             return None
         return await tokenizer.blocks(
-            parsed.prompt_text, parsed.add_special_tokens, block_size, parsed.cache_salt
+            parsed.prompt_text, parsed.add_special_tokens, block_size, key
         )
 
     async def _forward(
@@ -536,7 +543,12 @@ class Router:
 
         extra = [("X-Request-Id", request_id)]
         if self.config.decision_headers:
-            extra += (("X-Kvroute-Replica", replica_id), ("X-Kvroute-Reason", reason))
+            extra += (
+                ("X-Kvroute-Replica", replica_id),
+                ("X-Kvroute-Reason", reason),
+                # The prompt tokens the router expects that replica to have cached (index).
+                ("X-Kvroute-Prefix-Hit-Tokens", str(cached)),
+            )
         started = time.perf_counter()
         assert self._client is not None
         try:

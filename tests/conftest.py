@@ -113,7 +113,12 @@ async def start_emulated() -> AsyncIterator[StartEmulated]:
     """In-process emulated vLLM replicas (built-in tokenizer) publishing KV events over ZMQ."""
     runners: list[web.AppRunner] = []
 
-    async def start(num_blocks: int = 64, block_size: int = 16, kv_events: bool = True) -> Running:
+    async def start(
+        num_blocks: int = 64,
+        block_size: int = 16,
+        kv_events: bool = True,
+        lora_modules: dict[str, str] | None = None,
+    ) -> Running:
         port, events_port, replay_port = free_ports(3)
         options = ReplicaOptions(
             served_model_name="tiny",
@@ -132,6 +137,7 @@ async def start_emulated() -> AsyncIterator[StartEmulated]:
             }
             if kv_events
             else None,
+            lora_modules=lora_modules or {},
         )
         emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
         runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)

@@ -14,7 +14,7 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.block_hashing import block_hashes
+from router.block_hashing import block_hashes, extra_key
 from router.prompt_tokenizer import PromptTokenizer
 from simulator.replica.faults import FaultSpec
 from simulator.tokenizer import SimpleTokenizer
@@ -219,6 +219,43 @@ async def test_a_cache_salt_separates_prefixes_as_it_does_in_vllm(
     hits = replica.replica.engine.stats.prefix_cache_hits
     await client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
     assert replica.replica.engine.stats.prefix_cache_hits == hits
+
+
+async def test_a_lora_adapters_prefix_goes_where_that_adapter_cached_it(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    # vLLM keys a LoRA request's blocks by the adapter's name: the router learns the adapters
+    # from /v1/models (cards with a parent) and hashes requests naming one the same way.
+    replicas = [await start_emulated(lora_modules={"sql-lora": "/adapters/sql"}) for _ in range(2)]
+    r = await start_router(
+        [source(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
+        routing={"tokenizer": "builtin"},
+    )
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    models = await client.models.list()
+    assert {m.id for m in models.data} == {"tiny", "sql-lora"}
+    prompt = "Translate the question into SQL over the orders table. " * 8
+    ids = SimpleTokenizer().encode(prompt)
+    adapter = block_hashes(ids, 16, extra_key("sql-lora", None))
+    base = block_hashes(ids, 16)
+    raw = await client.completions.with_raw_response.create(
+        model="sql-lora", prompt=prompt, max_tokens=1
+    )
+    assert raw.parse().model == "sql-lora"
+    home = raw.headers["x-kvroute-replica"]
+
+    def confirmed(hashes: list[int]) -> int:
+        match = r.router.index.match(hashes, now=1e12).get(home)
+        return match.confirmed if match else 0
+
+    await wait_until(lambda: confirmed(adapter) == len(adapter), what="the adapter's blocks")
+    assert confirmed(base) == 0  # the base model's prompt shares none of them, as in vLLM
+    for _ in range(3):  # the adapter's requests follow its blocks; the router predicted the hit
+        raw = await client.completions.with_raw_response.create(
+            model="sql-lora", prompt=prompt, max_tokens=1
+        )
+        assert raw.headers["x-kvroute-replica"] == home
+        assert int(raw.headers["x-kvroute-prefix-hit-tokens"]) == len(adapter) * 16
 
 
 async def test_a_replica_that_answers_with_errors_does_not_attract_the_prefix(

@@ -32,6 +32,14 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default="tiny", help="The model name clients send.")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve, as vLLM's flag: requests naming one are served by the base "
+        "engine, with the adapter's name in their blocks' hash keys and KV events.",
+    )
     p.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
     p.add_argument(
         "--num-gpu-blocks-override", type=int, default=2048, help="KV capacity in blocks."
@@ -97,6 +105,17 @@ def _kv_config(text: str | None) -> dict[str, Any] | None:
     return config
 
 
+def _lora_modules(specs: list[str]) -> dict[str, str]:
+    """vLLM's ``--lora-modules name=path`` (a bare name is its own path)."""
+    modules: dict[str, str] = {}
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if not name or any(c.isspace() for c in name):
+            raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH")
+        modules[name] = path or name
+    return modules
+
+
 def run_replica_command(args: argparse.Namespace) -> int:
     try:
         faults = Faults()
@@ -109,6 +128,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
                 exit_after_s=args.exit_after_s,
             )
         )
+        lora_modules = _lora_modules(args.lora_modules)
         tokenizer = load_tokenizer(args.tokenizer)
         engine = EngineConfig(
             block_size=args.block_size,
@@ -130,6 +150,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
         kv_events=_kv_config(args.kv_events_config),
         event_layout=args.event_layout,
         model_path=args.tokenizer or "kvroute-emulated",
+        lora_modules=lora_modules,
     )
     replica = EmulatedReplica(options, tokenizer, faults)
     uvloop.run(_serve(replica, args.host, args.port))

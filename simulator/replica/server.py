@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -40,6 +40,9 @@ class ReplicaOptions:
     kv_events: dict[str, Any] | None = None  # vLLM's --kv-events-config
     event_layout: str = "map"
     model_path: str = "kvroute-emulated"
+    # LoRA adapters as vLLM's --lora-modules: name -> path. A request naming one is served
+    # by the base engine with the adapter's name in its blocks' hash keys and KV events.
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
 
 class BadRequest(Exception):
@@ -141,6 +144,7 @@ class EmulatedReplica:
         try:
             body = await _json_body(request)
             prompt_ids, max_tokens = self._prepare(body, chat)
+            lora_name = self._lora_name(body)
         except BadRequest as exc:
             return _error(str(exc), exc.status, exc.error_type, exc.param)
         prefix = "chatcmpl" if chat else "cmpl"
@@ -151,7 +155,14 @@ class EmulatedReplica:
             if salt is not None and not isinstance(salt, str):
                 raise ValueError("cache_salt must be a string")
             queue = self.runner.submit(
-                EngineRequest(request_id, prompt_ids, max_tokens, arrival, cache_salt=salt)
+                EngineRequest(
+                    request_id,
+                    prompt_ids,
+                    max_tokens,
+                    arrival,
+                    lora_name=lora_name,
+                    cache_salt=salt,
+                )
             )
         except ValueError as exc:
             return _error(str(exc), 400, "BadRequestError")
@@ -168,9 +179,17 @@ class EmulatedReplica:
             self.runner.abort(request_id)
             raise
 
+    def _lora_name(self, body: dict[str, Any]) -> str | None:
+        model = body.get("model")
+        return model if isinstance(model, str) and model in self.options.lora_modules else None
+
     def _prepare(self, body: dict[str, Any], chat: bool) -> tuple[list[int], int]:
         model = body.get("model")
-        if model is not None and model != self.options.served_model_name:
+        if (
+            model is not None
+            and model != self.options.served_model_name
+            and model not in self.options.lora_modules
+        ):
             raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
         if chat:
             messages = body.get("messages")
@@ -240,7 +259,7 @@ class EmulatedReplica:
         text = self.tokenizer.decode(token_ids)
         usage = _usage(last, len(token_ids))
         created = int(time.time())
-        model = self.options.served_model_name
+        model = self._lora_name(body) or self.options.served_model_name
         if chat:
             message = {
                 "role": "assistant",
@@ -295,7 +314,7 @@ class EmulatedReplica:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         created = int(time.time())
-        model = self.options.served_model_name
+        model = self._lora_name(body) or self.options.served_model_name
         kind = "chat.completion.chunk" if chat else "text_completion"
         drop_after = self.faults.spec.drop_after_chunks
 
@@ -380,7 +399,11 @@ class EmulatedReplica:
             "parent": None,
             "max_model_len": self.options.engine.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [card]})
+        adapters = [
+            {**card, "id": name, "root": path, "parent": self.options.served_model_name}
+            for name, path in self.options.lora_modules.items()
+        ]
+        return web.json_response({"object": "list", "data": [card, *adapters]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
