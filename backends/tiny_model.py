@@ -32,7 +32,7 @@ from typing import Any
 
 # Bump when anything below changes what is written: a directory built by another
 # version is rebuilt instead of reused.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 MARKER_NAME = "kvroute-tiny-model.json"
 _LOCK_NAME = ".kvroute-tiny-model.lock"
 
@@ -50,13 +50,22 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 # Only the three roles exist: anything else is an error, as with most real templates.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    # Retrieved documents and a reasoning switch, as RAG and reasoning models' templates have
+    # them: what vLLM passes from a request's documents / reasoning_effort must show.
+    "{% if documents %}{{ '<|system|>\\n' }}{% for doc in documents %}"
+    "{{ (doc['title'] ~ ': ' if doc['title'] is defined else '') ~ doc['text'] ~ '\\n' }}"
+    "{% endfor %}{{ eos_token + '\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
     "{{ raise_exception('Unsupported role: ' + message['role']) }}"
     "{% endif %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ 'think none\\n' }}"
+    "{% elif reasoning_effort is defined and reasoning_effort %}"
+    "{{ 'think ' ~ reasoning_effort ~ '\\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 _INSTALL_HINT = "install with pip install -e '.[vllm]'"

@@ -46,6 +46,9 @@ class ChatBody(_Common, kw_only=True):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    # Both reach the chat template as in vLLM (ChatCompletionRequest.build_chat_params).
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: str | None = None
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionBody)
@@ -145,6 +148,8 @@ def parse_chat(body: bytes) -> ParsedRequest:
         "continue_final_message": req.continue_final_message,
         "tools": req.tools,
         "chat_template_kwargs": req.chat_template_kwargs,
+        "documents": req.documents,
+        "reasoning_effort": req.reasoning_effort,
     }
     return ParsedRequest(
         req.model,

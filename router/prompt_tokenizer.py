@@ -103,6 +103,8 @@ def render_chat(tok: Tokenizer, messages: list[dict[str, Any]], options: dict[st
             continue_final_message=continue_final,
             tools=tools if isinstance(tools, list) else None,
             template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+            documents=options.get("documents"),
+            reasoning_effort=options.get("reasoning_effort"),
         )
     return tok.apply_chat_template(messages, generation, continue_final)
 

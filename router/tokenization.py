@@ -10,8 +10,11 @@ vLLM (0.32, transformers backend) turns a request into token ids like this, and 
   environment transformers uses (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``,
   ``raise_exception``, ``strftime_now``, a non-escaping ``tojson``), with ``bos_token``,
   ``eos_token`` and the special tokens of ``tokenizer_config.json``, ``add_generation_prompt``
-  (default true), ``continue_final_message`` and the request's ``chat_template_kwargs`` and
-  ``tools``; the rendered text is encoded with ``add_special_tokens`` false by default.
+  (default true), ``continue_final_message``, the request's ``chat_template_kwargs`` and
+  ``tools``, and its ``documents`` and ``reasoning_effort`` where given (which win over the same
+  keys in ``chat_template_kwargs``; ``reasoning_effort`` also sets ``enable_thinking`` to
+  whether it is not ``"none"``, unless ``chat_template_kwargs`` says); the rendered text is
+  encoded with ``add_special_tokens`` false by default.
 
 We use the ``tokenizers`` library on ``tokenizer.json`` directly (what transformers' fast
 tokenizers wrap) plus jinja2: both light, so the router does not need transformers or torch.
@@ -82,6 +85,8 @@ class HFTokenizerFiles:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, str]] | None = None,
+        reasoning_effort: str | None = None,
     ) -> str:
         """Render a conversation as vLLM does (see the module docstring)."""
         template = self._compiled_template()
@@ -92,7 +97,13 @@ class HFTokenizerFiles:
             conversation = _developer_as_system(conversation)
         # The request's own fields win over chat_template_kwargs, as in vLLM.
         extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
-        context = {**self._special, **extra}
+        if documents is not None:
+            extra["documents"] = documents
+        if reasoning_effort is not None:
+            if "enable_thinking" not in extra:
+                extra["enable_thinking"] = reasoning_effort != "none"
+            extra["reasoning_effort"] = reasoning_effort
+        context = {"documents": None, **self._special, **extra}  # None as transformers passes
         if tools is not None:
             tools = [_tool_as_vllm_dumps_it(t) for t in tools]
         tag = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -118,7 +129,6 @@ class HFTokenizerFiles:
                 template.render(
                     messages=conversation,
                     tools=tools,
-                    documents=None,
                     add_generation_prompt=add_generation_prompt,
                     **context,
                 )
@@ -184,12 +194,12 @@ class HFTokenizerFiles:
 
 
 # Arguments the template gets from the request itself, never from chat_template_kwargs.
+# (``documents`` may come from either: vLLM merges the request's over chat_template_kwargs'.)
 _RESERVED_KWARGS = frozenset(
     (
         "messages",
         "conversation",
         "tools",
-        "documents",
         "add_generation_prompt",
         "continue_final_message",
         "chat_template",

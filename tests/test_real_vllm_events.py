@@ -463,6 +463,30 @@ CHAT_CORPUS: list[dict[str, Any]] = [
 ]
 
 
+# Fields /tokenize does not take but chat completions pass to the template: compared with the
+# prompt token ids a real chat completion reports (return_token_ids).
+DOCS = [{"title": "KV cache", "text": "Keys and values kept per token."}, {"text": "No title."}]
+CHAT_GENERATE_CORPUS: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": "cite the documents"}], "documents": DOCS},
+    {
+        "messages": [{"role": "user", "content": "documents by template kwargs"}],
+        "chat_template_kwargs": {"documents": DOCS[:1]},
+    },
+    {
+        "messages": [{"role": "user", "content": "the request's documents win"}],
+        "documents": DOCS[1:],
+        "chat_template_kwargs": {"documents": DOCS[:1]},
+    },
+    {"messages": [{"role": "user", "content": "think a little"}], "reasoning_effort": "low"},
+    {"messages": [{"role": "user", "content": "do not think"}], "reasoning_effort": "none"},
+    {
+        "messages": [{"role": "user", "content": "the kwargs' switch wins"}],
+        "reasoning_effort": "high",
+        "chat_template_kwargs": {"enable_thinking": False},
+    },
+]
+
+
 def vllm_tokens(client: httpx.Client, body: dict[str, Any]) -> list[int]:
     response = client.post("/tokenize", json={"model": "tiny", **body})
     assert response.status_code == 200, response.text
@@ -505,6 +529,41 @@ async def test_router_tokenizes_chats_like_vllm(client: httpx.Client, index: int
     assert blocks is not None
     assert blocks.tokens == len(theirs)
     assert blocks.hashes == block_hashes(theirs, BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("index", range(len(CHAT_GENERATE_CORPUS)))
+async def test_router_renders_documents_and_reasoning_effort_like_vllm(
+    client: httpx.Client, index: int
+) -> None:
+    import json
+
+    from router.block_hashing import block_hashes
+    from router.config import config_from_dict
+    from router.openai_request import parse_chat
+    from router.server import Router
+
+    body = {"model": "tiny", "max_tokens": 1, **CHAT_GENERATE_CORPUS[index]}
+    response = client.post("/v1/chat/completions", json={**body, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    theirs = response.json()["prompt_token_ids"]
+    config = config_from_dict(
+        {
+            "replicas": [{"url": "http://127.0.0.1:9"}],
+            "routing": {"tokenizer": str(DEFAULT_TINY_MODEL_DIR), "block_size": BLOCK_SIZE},
+        }
+    )
+    router = Router(config)
+    blocks = await router._prompt_blocks(parse_chat(json.dumps(body).encode()))
+    assert blocks is not None
+    assert blocks.tokens == len(theirs)
+    assert blocks.hashes == block_hashes(theirs, BLOCK_SIZE)
+    # The template shows what the request asked for (so the comparison above means something).
+    assert router.tokenizer is not None
+    text = router.tokenizer.render_chat(
+        body["messages"], parse_chat(json.dumps(body).encode()).chat_options or {}
+    )
+    assert ("think" in text) == ("reasoning_effort" in body)
+    assert ("No title." in text or "Keys and values" in text) == ("documents" in str(body))
 
 
 async def test_long_prompts_are_tokenized_off_the_event_loop_with_the_same_result(

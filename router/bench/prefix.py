@@ -122,6 +122,7 @@ class Outcome:
     no_reuse: list[Row] = field(default_factory=list)
     kv_blocks: int = 0
     prompt_tokens: int = 0
+    machine: str = field(default_factory=machine_line)  # at the start: its load is others'
 
 
 # ---------------------------------------------------------------- the fleet
@@ -405,7 +406,7 @@ def report(outcome: Outcome, options: Options) -> str:
         "between targets",
         f"- peers: vllm-router {package_version('vllm-router') or 'not installed'}, "
         f"smg {package_version('smg') or 'not installed'}",
-        f"- {machine_line()}",
+        f"- {outcome.machine}",
     ]
     return "\n".join(parts)
 
