@@ -29,6 +29,7 @@ from .admission import Admission
 from .auth import Auth
 from .block_hashing import extra_key
 from .config import Config, replica_base_url, replica_name_from_url
+from .deadlines import Deadlines
 from .kv_subscriber import KVEventSubscribers
 from .metrics import RouterMetrics
 from .openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_chat, parse_completion
@@ -130,6 +131,9 @@ class Router:
         self._timeouts = Timeouts(t.first_byte_s, t.first_token_s, t.idle_s)
         # Replicas whose breaker is not closed: checked before each decision.
         self._tripped: dict[str, ReplicaHandle] = {}
+        # timeouts.total_s, checked on a tick of a tenth of it (at most 1 s): see deadlines.py.
+        total_s = config.timeouts.total_s
+        self._deadlines = Deadlines(min(1.0, total_s / 10)) if total_s else None
         self._checking: set[str] = set()  # replicas being checked after a dropped connection
         self._rng = random.Random()
         # Set when SIGTERM starts the drain: /ready says 503 so load balancers stop sending.
@@ -158,6 +162,8 @@ class Router:
 
     async def _on_startup(self, app: web.Application) -> None:
         self._client = UpstreamClient(self.config.timeouts.connect_s)
+        if self._deadlines is not None:
+            self._deadlines.start()
         self.kv_events.start_all()
         if self.tokenizer is not None:
             self.tokenizer.start()
@@ -169,6 +175,8 @@ class Router:
             self._exchange.start(self.metrics)
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        if self._deadlines is not None:
+            await self._deadlines.close()
         await self.prober.close()
         await self.scraper.close()
         await self.kv_events.close_all()
@@ -247,13 +255,17 @@ class Router:
         await self.admission.acquire()
         opened: list[web.StreamResponse] = []  # the client's stream, once one is open
         try:
-            total_s = self.config.timeouts.total_s
-            if not total_s:
+            deadlines = self._deadlines
+            if deadlines is None:
                 return await self._route_counted(request, parse, opened)
+            total_s = self.config.timeouts.total_s
+            task: asyncio.Task[object] = asyncio.current_task()  # type: ignore[assignment]
+            deadlines.track(task, time.monotonic() + total_s)
             try:
-                async with asyncio.timeout(total_s):
-                    return await self._route_counted(request, parse, opened)
-            except TimeoutError:
+                return await self._route_counted(request, parse, opened)
+            except asyncio.CancelledError:
+                if not deadlines.release(task):
+                    raise  # the client went away
                 if not opened:
                     raise errors.gateway_timeout(total_s) from None
                 # Too late for a status code: end the stream with an error event instead.
@@ -263,6 +275,8 @@ class Router:
                     await stream.write(sse_error(message, "timeout"))
                     await stream.write_eof()
                 return stream
+            finally:
+                deadlines.release(task)  # also when it ended another way
         finally:
             self.admission.release()
 
@@ -271,6 +285,8 @@ class Router:
         if request.content_length is not None and request.content_length > max_body:
             raise errors.body_too_large(max_body)
         try:
+            if request.content.is_eof():  # all of it came with the headers: nothing to wait for
+                return await request.read()
             async with asyncio.timeout(self.config.timeouts.client_body_s):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
