@@ -15,8 +15,8 @@
  * walk(pieces, j, end, i, alive, ends) -> alive: the running AND of a run's piece values over
  *     its blocks j:end (the request's from block i on), noting in ends where it loses
  *     replicas. Twin: packed_runs.walk_python.
- * assign_bits(out, mask, names, value): out[names[k]] = value for each bit k set in mask, from
- *     the highest. Twin: packed_runs.assign_bits_python.
+ * assemble(ends, low, shift, names, same, match_type) -> dict: a lookup's result per replica,
+ *     from where its runs (held, and held or predicted) end. Twin: packed_runs.assemble_python.
  *
  * XXH3-64 with a seed is written here from the xxHash specification
  * (doc/xxhash_spec.md in github.com/Cyan4973/xxHash: its constants and default secret are
@@ -702,41 +702,31 @@ static inline int lowest_bit(u64 x)
 #endif
 }
 
-static PyObject *assign_bits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The set bits of a non-negative int below 2**count into set[] (room for count), lowest first:
+ * how many, or -1 with an exception (IndexError for a bit >= count, as names[k] would raise). */
+static Py_ssize_t mask_bits(PyObject *mask, Py_ssize_t count, Py_ssize_t *set)
 {
-    (void)module;
-    if (nargs != 4 || !PyDict_Check(args[0]) || !PyLong_Check(args[1]) || !PyList_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "assign_bits(out: dict, mask: int, names: list, value)");
-        return NULL;
-    }
-    PyObject *out = args[0], *names = args[2], *value = args[3];
-    Py_ssize_t count = PyList_GET_SIZE(names);
-    Py_ssize_t on_stack[512];
-    Py_ssize_t *set = count <= 512 ? on_stack : PyMem_Malloc(sizeof(Py_ssize_t) * count);
-    if (set == NULL) {
-        return PyErr_NoMemory();
-    }
     Py_ssize_t found = 0, base = 0;
-    PyObject *rest = args[1];
-    Py_INCREF(rest);
 #if PY_VERSION_HEX < 0x030C0000
     /* 3.11: a non-negative exact int's digits, read in place */
-    if (PyLong_CheckExact(rest) && Py_SIZE(rest) >= 0) {
-        const digit *d = ((PyLongObject *)rest)->ob_digit;
-        for (Py_ssize_t k = 0; k < Py_SIZE(rest); k++, base += PyLong_SHIFT) {
+    if (PyLong_CheckExact(mask) && Py_SIZE(mask) >= 0) {
+        const digit *d = ((PyLongObject *)mask)->ob_digit;
+        for (Py_ssize_t k = 0; k < Py_SIZE(mask); k++, base += PyLong_SHIFT) {
             for (u64 chunk = d[k]; chunk; chunk &= chunk - 1) {
                 Py_ssize_t bit = base + lowest_bit(chunk);
                 if (bit >= count) {
                     PyErr_SetString(PyExc_IndexError, "a mask bit has no name");
-                    goto fail;
+                    return -1;
                 }
                 set[found++] = bit;
             }
         }
-        goto assign;
+        return found;
     }
 #endif
-    /* The set bits, lowest first, 64 at a time (int.to_bytes costs ~10x more to call). */
+    /* 64 bits at a time (int.to_bytes costs ~10x more to call). */
+    PyObject *rest = mask, *sixty_four = NULL;
+    Py_INCREF(rest);
     for (;;) {
         int more = PyObject_IsTrue(rest);
         if (more < 0) {
@@ -757,12 +747,10 @@ static PyObject *assign_bits(PyObject *module, PyObject *const *args, Py_ssize_t
             }
             set[found++] = base + low;
         }
-        PyObject *sixty_four = PyLong_FromLong(64);
-        if (sixty_four == NULL) {
+        if (sixty_four == NULL && (sixty_four = PyLong_FromLong(64)) == NULL) {
             goto fail;
         }
         PyObject *shifted = PyNumber_Rshift(rest, sixty_four);
-        Py_DECREF(sixty_four);
         Py_DECREF(rest);
         rest = shifted;
         if (rest == NULL) {
@@ -770,35 +758,131 @@ static PyObject *assign_bits(PyObject *module, PyObject *const *args, Py_ssize_t
         }
         base += 64;
     }
-#if PY_VERSION_HEX < 0x030C0000
-assign:
-#endif
-    while (found > 0) { /* highest first, as the Python twin */
-        Py_ssize_t k = set[--found];
-        if (k >= PyList_GET_SIZE(names)) {
-            PyErr_SetString(PyExc_IndexError, "the names changed during assign_bits");
-            goto fail;
-        }
-        PyObject *name = PyList_GET_ITEM(names, k);
-        Py_INCREF(name);
-        /* A dict subclass gets its own __setitem__ (PyDict_SetItem would bypass it). */
-        int rc = PyDict_CheckExact(out) ? PyDict_SetItem(out, name, value)
-                                        : PyObject_SetItem(out, name, value);
-        Py_DECREF(name);
-        if (rc < 0) {
-            goto fail;
-        }
-    }
     Py_DECREF(rest);
-    if (set != on_stack) {
-        PyMem_Free(set);
-    }
-    Py_RETURN_NONE;
+    Py_XDECREF(sixty_four);
+    return found;
 fail:
     Py_XDECREF(rest);
-    if (set != on_stack) {
-        PyMem_Free(set);
+    Py_XDECREF(sixty_four);
+    return -1;
+}
+
+/* match_type(a, b) for a tuple subclass (a NamedTuple), as tuple.__new__ makes it. */
+static PyObject *new_match(PyTypeObject *match_type, Py_ssize_t a, Py_ssize_t b)
+{
+    PyObject *x = PyLong_FromSsize_t(a), *y = PyLong_FromSsize_t(b);
+    PyObject *pair = x && y ? PyTuple_Pack(2, x, y) : NULL;
+    Py_XDECREF(x);
+    Py_XDECREF(y);
+    PyObject *args = pair ? PyTuple_Pack(1, pair) : NULL;
+    Py_XDECREF(pair);
+    if (args == NULL) {
+        return NULL;
     }
+    PyObject *m = PyTuple_Type.tp_new(match_type, args, NULL);
+    Py_DECREF(args);
+    return m;
+}
+
+static PyObject *assemble(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 6 || !PyList_Check(args[0]) || !PyLong_Check(args[1]) ||
+        !PyLong_Check(args[2]) || !PyList_Check(args[3]) || !PyList_Check(args[4]) ||
+        !PyType_Check(args[5]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[5], &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "assemble(ends: list, low: int, shift: int, "
+                                         "names: list, same: list, match_type: type)");
+        return NULL;
+    }
+    PyObject *ends = args[0], *low = args[1], *shift = args[2], *names = args[3];
+    PyObject *same = args[4];
+    PyTypeObject *match_type = (PyTypeObject *)args[5];
+    Py_ssize_t count = PyList_GET_SIZE(names);
+    Py_ssize_t room = count > 0 ? count : 1;
+    Py_ssize_t *set = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)room);
+    Py_ssize_t *confirmed = PyMem_Calloc((size_t)room, sizeof(Py_ssize_t));
+    PyObject *out = PyDict_New();
+    PyObject *item = NULL, *held = NULL, *both = NULL;
+    if (set == NULL || confirmed == NULL || out == NULL) {
+        if (out != NULL) {
+            PyErr_NoMemory();
+        }
+        goto fail;
+    }
+    for (Py_ssize_t e = 0; e < PyList_GET_SIZE(ends); e++) {
+        item = PyList_GET_ITEM(ends, e);
+        Py_INCREF(item);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_SetString(PyExc_TypeError, "ends holds (length, mask) pairs");
+            goto fail;
+        }
+        Py_ssize_t length = PyNumber_AsSsize_t(PyTuple_GET_ITEM(item, 0), PyExc_OverflowError);
+        if (length == -1 && PyErr_Occurred()) {
+            goto fail;
+        }
+        PyObject *mask = PyTuple_GET_ITEM(item, 1);
+        held = PyNumber_And(mask, low);
+        both = held ? PyNumber_Rshift(mask, shift) : NULL;
+        if (both == NULL) {
+            goto fail;
+        }
+        /* Held runs that end here first: a replica whose runs both end here has the same
+         * length twice (same[length], shared), else (length, where its held run ended). */
+        Py_ssize_t n = mask_bits(held, count, set);
+        if (n < 0) {
+            goto fail;
+        }
+        for (Py_ssize_t k = 0; k < n; k++) {
+            confirmed[set[k]] = length;
+        }
+        n = mask_bits(both, count, set);
+        if (n < 0) {
+            goto fail;
+        }
+        while (n > 0) { /* highest first, as the Python twin */
+            Py_ssize_t k = set[--n];
+            Py_ssize_t c = confirmed[k];
+            PyObject *value;
+            if (c == length) {
+                if (length < 0 || length >= PyList_GET_SIZE(same)) {
+                    PyErr_SetString(PyExc_IndexError, "same has no entry for that length");
+                    goto fail;
+                }
+                value = PyList_GET_ITEM(same, length);
+                Py_INCREF(value);
+            }
+            else if ((value = new_match(match_type, length, c)) == NULL) {
+                goto fail;
+            }
+            if (k >= PyList_GET_SIZE(names)) {
+                Py_DECREF(value);
+                PyErr_SetString(PyExc_IndexError, "the names changed during assemble");
+                goto fail;
+            }
+            PyObject *name = PyList_GET_ITEM(names, k);
+            Py_INCREF(name);
+            int rc = PyDict_SetItem(out, name, value);
+            Py_DECREF(name);
+            Py_DECREF(value);
+            if (rc < 0) {
+                goto fail;
+            }
+        }
+        Py_CLEAR(held);
+        Py_CLEAR(both);
+        Py_CLEAR(item);
+    }
+    PyMem_Free(set);
+    PyMem_Free(confirmed);
+    return out;
+fail:
+    Py_XDECREF(item);
+    Py_XDECREF(held);
+    Py_XDECREF(both);
+    Py_XDECREF(out);
+    PyMem_Free(set);
+    PyMem_Free(confirmed);
     return NULL;
 }
 
@@ -950,8 +1034,8 @@ static PyMethodDef methods[] = {
     {"pack_u64", pack_u64, METH_O, "Ints in [0, 2**64) as native uint64 bytes."},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
      "AND the values of the pieces over blocks j:end into alive, noting where it loses bits."},
-    {"assign_bits", (PyCFunction)(void (*)(void))assign_bits, METH_FASTCALL,
-     "out[names[k]] = value for each bit k set in mask, highest first."},
+    {"assemble", (PyCFunction)(void (*)(void))assemble, METH_FASTCALL,
+     "A lookup's result from where replicas' runs end (see packed_runs.assemble_python)."},
     {"follow", (PyCFunction)(void (*)(void))follow, METH_FASTCALL,
      "(j, n): where hashes[i] is in run, and how many hashes on are the run's (at most limit)."},
     {NULL, NULL, 0, NULL},

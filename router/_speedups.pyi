@@ -3,7 +3,7 @@
 from collections.abc import Sequence
 from typing import TypeVar
 
-_T = TypeVar("_T")
+_M = TypeVar("_M", bound=tuple[int, int])
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int, /) -> list[int]: ...
 def xxh3_64(data: bytes, seed: int, /) -> int: ...
@@ -12,4 +12,12 @@ def follow(run: bytes, hashes: Sequence[int], i: int, limit: int, /) -> tuple[in
 def walk(
     pieces: tuple[int, ...], j: int, end: int, i: int, alive: int, ends: list[tuple[int, int]], /
 ) -> int: ...
-def assign_bits(out: dict[str, _T], mask: int, names: list[str], value: _T, /) -> None: ...
+def assemble(
+    ends: list[tuple[int, int]],
+    low: int,
+    shift: int,
+    names: list[str],
+    same: list[_M],
+    match_type: type[_M],
+    /,
+) -> dict[str, _M]: ...

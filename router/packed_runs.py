@@ -8,10 +8,10 @@ memory (8 bytes a block, as a tuple's pointer).
 Four loops of a lookup or an event have C twins in router/_speedups.c that give the same
 results (used when built, see setup.py; the tests run both). Counted with valgrind on CPython
 3.11, in instructions, C vs Python: ``follow`` over 128 hashes (97 the run's) ~5k vs ~49k;
-``walk`` over 5 pieces ~11k vs ~18k (big-int ANDs either way); ``assign_bits`` for 8 groups of
-3 replicas ~13k vs ~41k; ``pack`` of an event's 16 hashes ~1.5k vs ~5k. A whole lookup in the
-bench's index (``kvroute bench index``, scaled to 200k entries): ~30k with C, ~99k on the
-Python twins, ~77k with the tuple runs before.
+``walk`` over 5 pieces ~11k vs ~18k (big-int ANDs either way); ``pack`` of an event's 16
+hashes ~1.5k vs ~5k. ``assemble`` builds a lookup's result: in Python it cost more than the
+rest of a lookup (timeit, warm, 200k entries: ~10 us of a 10-13 us lookup with ~40 replicas
+matched, 11 of them with predictions; follow and walk ~0.6 us each).
 
 Pure: no I/O, no asyncio, no clock.
 """
@@ -31,7 +31,8 @@ _ORDER = sys.byteorder
 # array("Q", ints) on CPython 3.11 (PyLong_AsUnsignedLong has a fast path, ...LongLong not).
 _TYPECODE = "L" if array("L").itemsize == W else "Q"
 
-_T = TypeVar("_T")
+_M = TypeVar("_M", bound=tuple[int, int])
+_tuple_new = tuple.__new__  # a NamedTuple's own __new__ runs Python code, ~1 us
 
 
 def pack_python(hashes: Sequence[int]) -> Run:
@@ -128,12 +129,32 @@ def walk_python(
         t += 2
 
 
-def assign_bits_python(out: dict[str, _T], mask: int, names: list[str], value: _T) -> None:
-    """``out[names[k]] = value`` for each bit ``k`` set in ``mask``, from the highest."""
-    while mask:  # measured faster than bin()/str.find
-        top = mask.bit_length() - 1
-        out[names[top]] = value
-        mask ^= 1 << top
+def assemble_python(
+    ends: list[tuple[int, int]],
+    low: int,
+    shift: int,
+    names: list[str],
+    same: list[_M],
+    match_type: type[_M],
+) -> dict[str, _M]:
+    """A lookup's result from ``ends`` (the request's block where replicas' runs end, and
+    their bits: held runs in ``low``, runs held or predicted above ``shift``): per replica,
+    ``match_type((blocks, confirmed))``, ``same[n]`` where both are ``n``."""
+    out: dict[str, _M] = {}
+    confirmed: dict[int, int] = {}  # replica index -> where its held run ended
+    for length, ended in ends:
+        held = ended & low
+        ended >>= shift
+        while held:  # measured faster than bin()/str.find
+            top = held.bit_length() - 1
+            confirmed[top] = length
+            held ^= 1 << top
+        while ended:
+            top = ended.bit_length() - 1
+            c = confirmed.get(top, 0)
+            out[names[top]] = same[length] if c == length else _tuple_new(match_type, (length, c))
+            ended ^= 1 << top
+    return out
 
 
 _native: ModuleType | None
@@ -143,22 +164,25 @@ except ImportError:  # not built (no C compiler at install time): the Python twi
     _native = None
 
 Walk = Callable[[tuple[int, ...], int, int, int, int, list[tuple[int, int]]], int]
+Assemble = Callable[
+    [list[tuple[int, int]], int, int, list[str], list[Any], type[Any]], dict[str, Any]
+]
 pack: Callable[[Sequence[int]], Run] = pack_python
 follow: Callable[[Run, Sequence[int], int, int], tuple[int, int]] = follow_python
 walk: Walk = walk_python
-assign_bits: Callable[[dict[str, Any], int, list[str], Any], None] = assign_bits_python
+assemble: Assemble = assemble_python
 
 
 def use_speedups(on: bool = True) -> bool:
-    """Run ``pack``, ``follow``, ``walk`` and ``assign_bits`` in C (router/_speedups.c, if
+    """Run ``pack``, ``follow``, ``walk`` and ``assemble`` in C (router/_speedups.c, if
     built) or as their Python twins: the same results. Returns whether C runs them now. C is
     the default; the twins are for comparisons."""
-    global pack, follow, walk, assign_bits
+    global pack, follow, walk, assemble
     if on and _native is not None:
         pack, follow, walk = _native.pack_u64, _native.follow, _native.walk
-        assign_bits = _native.assign_bits
+        assemble = _native.assemble
         return True
-    pack, follow, walk, assign_bits = pack_python, follow_python, walk_python, assign_bits_python
+    pack, follow, walk, assemble = pack_python, follow_python, walk_python, assemble_python
     return False
 
 

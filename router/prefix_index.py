@@ -75,7 +75,6 @@ _MIN_SHIFT = 256  # replica indices below it need no re-encoding of the values (
 _MAX_RUN = 256  # blocks: events extend a run up to there (a lookup scans a run to find a block)
 _sink: deque[object] = deque(maxlen=0)
 _consume = _sink.extend  # runs an iterator in C, keeping nothing
-_tuple_new = tuple.__new__
 
 
 class PrefixMatch(NamedTuple):
@@ -758,37 +757,10 @@ class PrefixIndex:
             ends.append((i, alive))
         if not ends:
             return {}
-        names = self._names
-        bits = self._bits
-        low = self._low
-        shift = self._shift
         same = self._same
         if len(same) <= ends[-1][0]:
             same += [PrefixMatch(k, k) for k in range(len(same), ends[-1][0] + 1)]
-        out: dict[str, PrefixMatch] = {}
-        confirmed: dict[int, int] = {}  # replica index -> where its held run ended before
-        new = _tuple_new  # PrefixMatch(...) runs Python code, ~1 us
-        assign = packed_runs.assign_bits
-        for length, ended in ends:
-            held = ended & low
-            ended >>= shift
-            if held == ended:  # both runs of these replicas end here (no prediction involved)
-                assign(out, ended, names, same[length])
-                continue
-            both = held & ended
-            if both:  # most of them, in C
-                assign(out, both, names, same[length])
-                held ^= both
-                ended ^= both
-            while held:  # a held run ends here, the run with predictions goes on
-                top = held.bit_length() - 1
-                confirmed[top] = length
-                held ^= bits[top]
-            while ended:  # a run with predictions ends here, its held run ended before
-                top = ended.bit_length() - 1
-                out[names[top]] = new(PrefixMatch, (length, confirmed.get(top, 0)))
-                ended ^= bits[top]
-        return out
+        return packed_runs.assemble(ends, self._low, self._shift, self._names, same, PrefixMatch)
 
     def replicas_holding(self, router_hash: int) -> frozenset[str]:
         """Replicas that hold this block according to events (predictions not included)."""

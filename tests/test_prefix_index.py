@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -141,7 +140,7 @@ def test_speedups_are_built() -> None:
     assert packed_runs.pack is speedups.pack_u64
     assert packed_runs.follow is speedups.follow
     assert packed_runs.walk is speedups.walk
-    assert packed_runs.assign_bits is speedups.assign_bits
+    assert packed_runs.assemble is speedups.assemble
 
 
 def test_c_xxh3_is_xxhash_for_every_length() -> None:
@@ -246,24 +245,43 @@ def test_walk_refuses_positions_that_would_overflow() -> None:
         speedups.walk((7, -3, 5), 0, 10, 1, 7, [])
 
 
-def test_assign_bits_matches_its_python_twin_in_order() -> None:
+def random_ends(rng: random.Random, count: int, shift: int) -> tuple[list[tuple[int, int]], int]:
+    """Where replicas' runs end along a request, as a lookup finds them: each replica's held
+    run ends at or before its run with predictions (or it has no held run at all)."""
+    ends: dict[int, int] = {}
+    longest = 0
+    for k in rng.sample(range(count), rng.randint(0, count)):
+        both = rng.randint(1, 60)
+        held = rng.choice([None, both, rng.randint(1, both)])
+        ends[both] = ends.get(both, 0) | 1 << (k + shift)
+        if held is not None:
+            ends[held] = ends.get(held, 0) | 1 << k
+        longest = max(longest, both)
+    return sorted(ends.items()), longest
+
+
+def test_assemble_matches_its_python_twin_in_order() -> None:
     assert speedups is not None, NOT_BUILT
     rng = random.Random(6)
     names = [f"r{i}" for i in range(300)]
     for count in (1, 7, 8, 9, 64, 200, 300):
-        for _ in range(20):
-            mask = rng.getrandbits(count) | rng.choice([0, 1, 1 << (count - 1)])
-            c_out: dict[str, PrefixMatch] = {"r5": PrefixMatch(0, 0)}
-            py_out = dict(c_out)
-            speedups.assign_bits(c_out, mask, names[:count], PrefixMatch(3, 2))
-            packed_runs.assign_bits_python(py_out, mask, names[:count], PrefixMatch(3, 2))
+        shift = max(count, rng.choice([count, 256, 300]))
+        low = (1 << shift) - 1
+        for _ in range(30):
+            ends, longest = random_ends(rng, count, shift)
+            same = [PrefixMatch(k, k) for k in range(longest + 1)]
+            c_out = speedups.assemble(ends, low, shift, names[:count], same, PrefixMatch)
+            py_out = packed_runs.assemble_python(ends, low, shift, names[:count], same, PrefixMatch)
             assert list(c_out.items()) == list(py_out.items())  # same order too
-    for assign in (speedups.assign_bits, packed_runs.assign_bits_python):
+            assert all(type(m) is PrefixMatch for m in c_out.values())
+            assert all(m.confirmed <= m.blocks for m in c_out.values())
+            # Where both runs end together, the shared PrefixMatch of that length.
+            assert all(m is same[m.blocks] for m in c_out.values() if m.confirmed == m.blocks)
+    for assemble in (speedups.assemble, packed_runs.assemble_python):
         with pytest.raises(IndexError):  # a bit with no name
-            assign({}, 1 << 9, names[:8], PrefixMatch(1, 1))
-    ordered: OrderedDict[str, int] = OrderedDict()  # a dict subclass: its own __setitem__
-    speedups.assign_bits(ordered, 0b101, names[:3], 1)
-    assert list(ordered.items()) == [("r2", 1), ("r0", 1)]
+            assemble([(1, 1 << 9)], 0, 0, names[:8], [PrefixMatch(0, 0)] * 2, PrefixMatch)
+    with pytest.raises(TypeError):
+        speedups.assemble([(1, 2, 3)], 0, 0, names, [], PrefixMatch)  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
