@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from health.breaker import BreakerSettings, CircuitBreaker
 from policies import ReplicaState
@@ -18,14 +17,10 @@ class ReplicaHandle:
     breaker_settings: BreakerSettings = field(default_factory=BreakerSettings)
     state: ReplicaState = field(init=False)
     breaker: CircuitBreaker = field(init=False)
-    host_port: tuple[str, int] = field(init=False)
     # Unix time the replica left rotation (unhealthy or ejected); None while in rotation.
     out_since: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.breaker = CircuitBreaker(self.breaker_settings)
-        parts = urlsplit(self.base_url)
-        default_port = 443 if parts.scheme == "https" else 80
-        self.host_port = (parts.hostname or "127.0.0.1", parts.port or default_port)
         # Unknown until the first probe passes: no traffic to a replica not known to be up.
         self.state = ReplicaState(replica_id=self.name, healthy=False)

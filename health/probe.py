@@ -88,6 +88,10 @@ class ActiveProber:
             state.healthy = healthy
         return changed
 
+    async def responds(self, base_url: str) -> bool:
+        """Whether the replica answers its health path now (within the probe timeout)."""
+        return await self._get_ok(base_url + self._path)
+
     async def _get_ok(self, url: str) -> bool:
         try:
             response = await self._client.get(url)

@@ -400,20 +400,22 @@ class Router:
             handle.state.ejected = not breaker.allows(now)
 
     async def _check_alive(self, handle: ReplicaHandle) -> None:
-        """Out of rotation at once if the replica no longer accepts connections."""
-        host, port = handle.host_port
-        try:
-            async with asyncio.timeout(self.config.timeouts.connect_s):
-                _, writer = await asyncio.open_connection(host, port)
-        except (OSError, TimeoutError) as exc:
-            if handle.state.healthy:
-                handle.state.healthy = False
-                handle.out_since = time.time()
-                log.warning("replica %s is down (%s): out of rotation", handle.name, exc)
-                if self._client is not None:
-                    self._client.abandon_waiting(handle.base_url, "the replica is down")
+        """Out of rotation at once if the replica no longer answers its health check.
+
+        An HTTP check, not a bare connect: a SIGKILLed vLLM keeps its listening socket (the
+        kernel still completes connections) until its multi-GB address space is torn down, 1-2 s
+        on a loaded box, but it answers nothing from the moment it dies.
+        """
+        if await self.prober.responds(handle.base_url):
             return
-        writer.close()
+        if handle.state.healthy:
+            handle.state.healthy = False
+            handle.out_since = time.time()
+            log.warning(
+                "replica %s is down (no answer to its health check): out of rotation", handle.name
+            )
+            if self._client is not None:
+                self._client.abandon_waiting(handle.base_url, "the replica is down")
 
     def _eject(self, handle: ReplicaHandle, kind: str) -> None:
         if handle.out_since is None:

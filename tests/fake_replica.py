@@ -39,6 +39,8 @@ class FakeReplica:
     client_gone: asyncio.Event = field(default_factory=asyncio.Event)
     first_chunk_sent: asyncio.Event = field(default_factory=asyncio.Event)
     healthy: bool = True
+    # Health checks get no answer at all (a SIGKILLed vLLM whose listening socket lingers).
+    mute: bool = False
     health_checks: int = 0
     running: int = 0
     url: str = ""
@@ -65,6 +67,8 @@ class FakeReplica:
 
     async def _health(self, request: web.Request) -> web.Response:
         self.health_checks += 1
+        if self.mute:
+            await asyncio.Event().wait()  # until the client gives up
         return web.json_response({}, status=200 if self.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:

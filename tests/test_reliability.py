@@ -271,3 +271,29 @@ async def test_api_keys_guard_the_api_and_a_separate_key_guards_admin_endpoints(
             assert [(row["name"], row["breaker"]) for row in rows] == [("a", "closed")]
         async with http.get(r.url + "/health") as resp:
             assert resp.status == 200  # probes need no key
+
+
+async def test_a_replica_that_drops_a_stream_and_stops_answering_leaves_rotation_at_once(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    # Like a SIGKILLed vLLM: its connections drop and its socket still accepts, but it answers
+    # nothing. The dropped stream triggers a health check that times out: out of rotation
+    # without waiting for the next probe (a minute away here).
+    a = await start_replica("a")
+    b = await start_replica("b")
+    r = await start_router([a, b], policy={"name": "round_robin"}, health={"interval_s": 60.0})
+    await wait_until(
+        lambda: all(h.state.healthy for h in r.router.replicas.values()), what="both healthy"
+    )
+    a.mute = True
+    checks = a.health_checks
+    handle = r.router.replicas["a"]
+    async with aiohttp.ClientSession() as http:
+        for _ in range(2):  # round robin: one of two lands on a
+            body = {"model": "tiny", "prompt": "break", "stream": True, "max_tokens": 10}
+            async with http.post(r.url + "/v1/completions", json=body) as resp:
+                text = (await resp.read()).decode()
+            assert text.rstrip().endswith("data: [DONE]")  # resumed on b when it broke on a
+    await wait_until(lambda: not handle.state.healthy, what="a out of rotation")
+    assert a.health_checks == checks + 1 and handle.out_since is not None
+    assert r.router.replicas["b"].state.healthy
