@@ -105,13 +105,26 @@ class KvAware(Policy):
         """Expected time to first token on ``replica``, in prefill-token equivalents, plus the
         fleet's cost of prefilling again the ``held_elsewhere`` prefix tokens another replica
         with room holds (``decide`` passes it; 0 leaves the plain expected TTFT)."""
-        cached = request.prefix_tokens.get(replica.replica_id, 0) if request.prefix_tokens else 0
-        uncached = max(1, request.prompt_tokens - cached)
-        refill = self.refill_weight * max(0, min(held_elsewhere, request.prompt_tokens) - cached)
-        foreign_waiting = max(0, (replica.reported_waiting or 0) - replica.prefilling)
-        queued = replica.prefill_tokens + foreign_waiting * self.waiting_request_tokens
-        decoding = max(0, replica.in_flight - replica.prefilling)
-        cost = uncached + queued + self.decode_weight * decoding + refill
+        # Conditional expressions, not max()/min(): this runs per replica per request.
+        prompt = request.prompt_tokens
+        prefix = request.prefix_tokens
+        cached = prefix.get(replica.replica_id, 0) if prefix else 0
+        uncached = prompt - cached
+        if uncached < 1:
+            uncached = 1
+        cost = float(uncached + replica.prefill_tokens)
+        if held_elsewhere:
+            refill = (held_elsewhere if held_elsewhere < prompt else prompt) - cached
+            if refill > 0:
+                cost += self.refill_weight * refill
+        waiting = replica.reported_waiting
+        if waiting:
+            foreign_waiting = waiting - replica.prefilling
+            if foreign_waiting > 0:
+                cost += foreign_waiting * self.waiting_request_tokens
+        decoding = replica.in_flight - replica.prefilling
+        if decoding > 0:
+            cost += self.decode_weight * decoding
         usage = replica.reported_kv_usage
         if usage is not None and usage >= self.kv_high:
             cost += self.kv_pressure_weight * uncached
@@ -125,22 +138,29 @@ class KvAware(Policy):
             return NO_HEALTHY_REPLICA
         prefix = request.prefix_tokens or {}
         bound = load_bound(sum(r.in_flight for r in eligible), len(eligible), self.eps)
-        held = self.held_with_room(request, eligible, bound)
-        costs = {r.replica_id: self.cost(r, request, held) for r in eligible}
-        ranked = sorted(eligible, key=lambda r: costs[r.replica_id])
-        best = costs[ranked[0].replica_id]
-        margin = max(float(self.margin_tokens), self.margin_ratio * best)
-        ties = [r for r in ranked if costs[r.replica_id] <= best + margin]
-        longest = max((prefix.get(r.replica_id, 0) for r in eligible), default=0)
-        if len(ties) > 1:
+        held = self.held_with_room(request, eligible, bound) if prefix else 0
+        cost = self.cost
+        costs = [(cost(r, request, held), k) for k, r in enumerate(eligible)]
+        costs.sort()  # by cost, then fleet order (as a stable sort by cost)
+        ranked = [eligible[k] for _, k in costs]
+        best = costs[0][0]
+        margin = self.margin_ratio * best
+        if margin < self.margin_tokens:
+            margin = float(self.margin_tokens)
+        limit = best + margin
+        ties = [eligible[k] for c, k in costs if c <= limit]
+        longest = max(prefix.values(), default=0) if prefix else 0
+        if longest:
+            longest = max(prefix.get(r.replica_id, 0) for r in eligible)
+        if len(ties) > 1 and prefix:
             ties = _warm_ties(ties, eligible, prefix, bound)
         if len(ties) == 1:
             chosen = ties[0]
             held = prefix.get(chosen.replica_id, 0)
             reason = AFFINITY if held > 0 and held >= longest else LEAST_COST
         else:
-            chosen, reason = self._break_tie(ties, eligible, request, fleet)
-        if prefix.get(chosen.replica_id, 0) < longest:
+            chosen, reason = self._break_tie(ties, eligible, request, fleet, bound)
+        if longest and prefix.get(chosen.replica_id, 0) < longest:
             reason = LOAD_OVER_AFFINITY
         rest = tuple(r.replica_id for r in ranked if r is not chosen)
         return Decision((chosen.replica_id, *rest), reason)
@@ -160,6 +180,7 @@ class KvAware(Policy):
         eligible: list[ReplicaState],
         request: RouteRequest,
         fleet: FleetView,
+        bound: int,
     ) -> tuple[ReplicaState, str]:
         key = self._key(request)
         if key is None:
@@ -168,8 +189,6 @@ class KvAware(Policy):
             return (a if _load(a) <= _load(b) else b), NO_PREFIX
         ring = self._ring.synced(fleet)
         by_id = {r.replica_id: r for r in ties}
-        total = sum(r.in_flight for r in eligible)
-        bound = load_bound(total, len(eligible), self.eps)
         homes: list[ReplicaState] = []
         full: list[ReplicaState] = []
         for replica_id in ring.walk(key):
