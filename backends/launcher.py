@@ -11,6 +11,7 @@ import json
 import socket
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,57 +135,73 @@ def ensure_tiny_model() -> Path:
 class LaunchedFleet:
     def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
-        self.replicas: list[LaunchedReplica] = []
         ports = free_ports(3 * spec.count)
-        for i in range(spec.count):
-            port, events_port, replay_port = ports[3 * i : 3 * i + 3]
-            name = f"{spec.engine}-{i}"
-            env: dict[str, str] = {}
-            if spec.engine == "vllm":
-                argv, env = vllm_command(spec, port, events_port, replay_port)
-            else:
-                argv = emulated_command(spec, port, events_port, replay_port)
-            url = f"http://{spec.host}:{port}"
-            process = ManagedProcess(
-                name,
-                argv,
-                env=env,
-                log_path=Path(spec.log_dir) / f"{name}.log",
-                health_url=url + "/health",
-                max_restarts=spec.max_restarts,
-            )
-            self.replicas.append(
-                LaunchedReplica(
-                    name,
-                    url,
-                    f"tcp://{spec.host}:{events_port}" if spec.kv_events else None,
-                    f"tcp://{spec.host}:{replay_port}" if spec.kv_events else None,
-                    process,
-                )
-            )
+        self.replicas: list[LaunchedReplica] = [
+            self._replica(i, ports[3 * i : 3 * i + 3]) for i in range(spec.count)
+        ]
+
+    def _replica(self, i: int, ports: list[int]) -> LaunchedReplica:
+        spec = self.spec
+        port, events_port, replay_port = ports
+        name = f"{spec.engine}-{i}"
+        env: dict[str, str] = {}
+        if spec.engine == "vllm":
+            argv, env = vllm_command(spec, port, events_port, replay_port)
+        else:
+            argv = emulated_command(spec, port, events_port, replay_port)
+        url = f"http://{spec.host}:{port}"
+        process = ManagedProcess(
+            name,
+            argv,
+            env=env,
+            log_path=Path(spec.log_dir) / f"{name}.log",
+            health_url=url + "/health",
+            max_restarts=spec.max_restarts,
+        )
+        return LaunchedReplica(
+            name,
+            url,
+            f"tcp://{spec.host}:{events_port}" if spec.kv_events else None,
+            f"tcp://{spec.host}:{replay_port}" if spec.kv_events else None,
+            process,
+        )
 
     def start(self) -> None:
-        """Start every replica, wait until all are ready (in parallel), then watch them."""
+        """Start every replica, wait until all are ready (in parallel), then watch them.
+
+        A port the OS called free can be taken before the replica binds it (by any process's
+        outgoing connection): a replica that exits saying its address is in use is started
+        again once on fresh ports.
+        """
         for replica in self.replicas:
             replica.process.start()
-        errors: list[LaunchError] = []
+        failed = self._wait_ready(range(len(self.replicas)))
+        retry = [i for i, exc in failed.items() if "address already in use" in str(exc).lower()]
+        for i in retry:
+            self.replicas[i] = self._replica(i, free_ports(3))
+            self.replicas[i].process.start()
+        failed = {i: e for i, e in failed.items() if i not in retry} | self._wait_ready(retry)
+        if failed:
+            self.stop()
+            raise failed[min(failed)]
+        for replica in self.replicas:
+            replica.process.watch(self.spec.startup_timeout_s)
 
-        def wait(replica: LaunchedReplica) -> None:
+    def _wait_ready(self, indices: Iterable[int]) -> dict[int, LaunchError]:
+        errors: dict[int, LaunchError] = {}
+
+        def wait(i: int) -> None:
             try:
-                replica.process.wait_ready(self.spec.startup_timeout_s)
+                self.replicas[i].process.wait_ready(self.spec.startup_timeout_s)
             except LaunchError as exc:
-                errors.append(exc)
+                errors[i] = exc
 
-        threads = [threading.Thread(target=wait, args=(r,)) for r in self.replicas]
+        threads = [threading.Thread(target=wait, args=(i,)) for i in indices]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        if errors:
-            self.stop()
-            raise errors[0]
-        for replica in self.replicas:
-            replica.process.watch(self.spec.startup_timeout_s)
+        return errors
 
     def stop(self, grace_s: float = 10.0) -> None:
         threads = [threading.Thread(target=r.process.stop, args=(grace_s,)) for r in self.replicas]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,29 @@ def test_fleet_starts_restarts_a_killed_replica_and_stops(tmp_path: Path) -> Non
         assert not alive(pid), f"replica process {pid} outlived stop()"
 
 
+def test_a_replica_whose_port_was_taken_meanwhile_starts_on_another(tmp_path: Path) -> None:
+    fleet = LaunchedFleet(_spec(tmp_path, count=1))
+    taken = int(fleet.replicas[0].url.rsplit(":", 1)[1])
+    squatter = socket.socket()  # takes the port between the pick and the replica's bind
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    squatter.bind(("127.0.0.1", taken))
+    squatter.listen()
+    try:
+        fleet.start()
+        try:
+            url = fleet.replicas[0].url
+            assert not url.endswith(f":{taken}")
+            assert httpx.get(url + "/health").status_code == 200
+            # The first try said why it stopped, in one line (the log is appended to).
+            log = (tmp_path / "logs" / "emulated-0.log").read_text()
+            assert f"kvroute replica: cannot listen on 127.0.0.1:{taken}" in log
+            assert "Traceback" not in log
+        finally:
+            fleet.stop(grace_s=5)
+    finally:
+        squatter.close()
+
+
 def test_serve_launches_its_replicas_routes_and_cleans_up(tmp_path: Path) -> None:
     (port,) = free_ports(1)
     config = tmp_path / "kvroute.yaml"
@@ -63,7 +87,7 @@ def test_serve_launches_its_replicas_routes_and_cleans_up(tmp_path: Path) -> Non
     )  # fmt: skip
     try:
         wait_until_sync(lambda: _ready(port) or router.poll() is not None, 60, "the router")
-        assert router.poll() is None
+        assert router.poll() is None, router.stderr.read() if router.stderr else ""
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         seen = set()
         for _ in range(4):

@@ -153,7 +153,11 @@ def run_replica_command(args: argparse.Namespace) -> int:
         lora_modules=lora_modules,
     )
     replica = EmulatedReplica(options, tokenizer, faults)
-    uvloop.run(_serve(replica, args.host, args.port))
+    try:
+        uvloop.run(_serve(replica, args.host, args.port))
+    except OSError as exc:  # the port is taken, the address is not ours, ...
+        print(f"kvroute replica: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
