@@ -47,8 +47,10 @@ HOP_BY_HOP = frozenset(
 
 
 # The router sets its own X-Request-Id (the client's, or a new one) on every upstream request.
-# Content-Encoding: the server has already decoded the body the router passes on.
-_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"content-encoding"}
+# Content-Encoding: the server has already decoded the body the router passes on. Expect: the
+# router answered the client's 100-continue itself and sends the whole body at once; passed on,
+# it has the replica send an interim "100 Continue" the client would get as the answer.
+_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"content-encoding", b"expect"}
 
 
 class UpstreamError(Exception):

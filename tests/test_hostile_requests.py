@@ -1085,6 +1085,31 @@ async def test_non_utf8_expect_header_is_not_a_500(
     assert answer.status is not None and answer.status < 500, answer
 
 
+async def test_expect_100_continue_gets_the_replicas_answer_after_one_interim_response(
+    start_replica: StartReplica, serve_router: ServeRouter
+) -> None:
+    # The router answers the 100-continue itself; the replica must not see the expectation
+    # (its own interim 100 would reach the client as the answer).
+    _, port = await _one_router(start_replica, serve_router)
+    data = request_bytes(COMPLETIONS, OK_BODY, [(b"Expect", b"100-continue")])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(ANSWER_DEADLINE_S):
+            raw = await reader.read(65536)
+            while b"\r\n\r\n{" not in raw:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    break
+                raw += chunk
+    finally:
+        writer.close()
+    assert raw.count(b"100 Continue") == 1, raw[:300]
+    answer = parse_response(raw, complete=True)
+    assert answer is not None and answer.status == 200, raw[:300]
+
+
 async def test_non_utf8_bearer_key_is_401(
     start_replica: StartReplica, serve_router: ServeRouter
 ) -> None:
