@@ -149,9 +149,7 @@ class KvAware(Policy):
             margin = float(self.margin_tokens)
         limit = best + margin
         ties = [eligible[k] for c, k in costs if c <= limit]
-        longest = max(prefix.values(), default=0) if prefix else 0
-        if longest:
-            longest = max(prefix.get(r.replica_id, 0) for r in eligible)
+        longest = max([prefix.get(r.replica_id, 0) for r in eligible]) if prefix else 0
         if len(ties) > 1 and prefix:
             ties = _warm_ties(ties, eligible, prefix, bound)
         if len(ties) == 1:

@@ -557,29 +557,11 @@ static inline int exact_u64(PyObject *item, u64 *out)
     return 1;
 }
 
-/* Whether item == the run hash w, as Python compares them: 1, 0, or -1 on an error. */
+/* Whether item == the run hash w, as Python compares them: 1, 0, or -1 on an error. Only for
+ * items that are not exact ints (exact_u64 settles those): int subclasses, floats, ... */
 static inline int equals_word(PyObject *item, u64 w)
 {
-    u64 v;
-    if (fast_u64(item, &v)) {
-        return v == w;
-    }
-    if (PyLong_CheckExact(item)) { /* a negative int, or 2**64 and above: no hash */
-#if ULONG_MAX == 0xFFFFFFFFFFFFFFFFULL
-        v = PyLong_AsUnsignedLong(item);
-#else
-        v = PyLong_AsUnsignedLongLong(item);
-#endif
-        if (v == (u64)-1 && PyErr_Occurred()) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
-                return -1;
-            }
-            PyErr_Clear();
-            return 0;
-        }
-        return v == w;
-    }
-    PyObject *hash = PyLong_FromUnsignedLongLong(w); /* anything else: its own == */
+    PyObject *hash = PyLong_FromUnsignedLongLong(w);
     if (hash == NULL) {
         return -1;
     }

@@ -21,12 +21,10 @@ Layout, chosen for lookup latency, ingest rate and memory (measured by ``kvroute
   shared prefix costs a dict lookup or two instead of one per block, and stays exact whatever
   it is (nothing assumes that its hashes form a chain). Why it matters, measured on the dev box
   (2 vCPU VM, 5M entries): a dict lookup that misses the caches costs ~0.5-1 us, and 128 of
-  them alone took ~60 us, more than the lookup budget. A lookup's loops run in C (the
-  extension router/_speedups.c; pure-Python twins give the same results where it is not
-  built): ~30k instructions a lookup in the bench's index scaled to 200k entries (~99k on the
-  twins; ~77k with the tuple runs compared in Python before). At 5M entries about half of a
-  lookup's time is cache misses on the index's memory: the same lookup again at once takes
-  ~8 us instead of ~17.
+  them alone took ~60 us, more than the lookup budget. A lookup's loops and the assembly of
+  its result run in C (the extension router/_speedups.c; pure-Python twins give the same
+  results where it is not built, 2-3x slower). At 5M entries much of a lookup's time is cache
+  misses on the index's memory: the same lookup repeated warm takes ~5 us.
 * ingest: an event of blocks new to the index extends its parent's run (or starts one); an event
   of indexed blocks that lie in a row in one run (a replica storing a prefix another one
   stored: the common case) only edits that run's pieces, with no per-block dict write. Values
