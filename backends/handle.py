@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from health.breaker import BreakerSettings, CircuitBreaker
-from policies import ReplicaState
+from kvroute.health.breaker import BreakerSettings, CircuitBreaker
+from kvroute.policies import ReplicaState
 
 
 @dataclass(slots=True)

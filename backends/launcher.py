@@ -71,7 +71,7 @@ def free_ports(count: int, host: str = "") -> list[int]:
 
 def emulated_command(spec: LaunchSpec, port: int, events_port: int, replay_port: int) -> list[str]:
     argv = [
-        sys.executable, "-m", "router.cli", "replica",
+        sys.executable, "-m", "kvroute.cli", "replica",
         "--host", spec.host,
         "--port", str(port),
         "--served-model-name", spec.model,

@@ -102,7 +102,14 @@ class ManagedProcess:
         log_file.flush()
         self._set_state(ProcessState.STARTING)
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "backends.reaper", str(self.stop_grace_s), "--", *self.argv],
+            [
+                sys.executable,
+                "-m",
+                "kvroute.backends.reaper",
+                str(self.stop_grace_s),
+                "--",
+                *self.argv,
+            ],
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=log_file,

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import httpx
 
-from policies import ReplicaState
+from kvroute.policies import ReplicaState
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from policies import DEFAULT_POLICY, PolicyConfigError, build_policy
+from kvroute.policies import DEFAULT_POLICY, PolicyConfigError, build_policy
 
 
 class ConfigError(Exception):

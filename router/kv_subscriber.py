@@ -41,15 +41,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from simulator.engine import (
+from kvroute.kvcore.block_hashing import extra_key
+from kvroute.simulator.engine import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     MalformedEventBatch,
     decode_event_batch,
 )
-
-from .block_hashing import extra_key
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ import sys
 
 import msgspec
 
-from backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet, LaunchSpec
+from kvroute.backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet, LaunchSpec
+from kvroute.kvcore.tokenizer import BUILTIN
 
 from .config import Config, ReplicaConfig, RoutingConfig
-from .tokenization import BUILTIN
 
 
 def launch_spec(config: Config) -> LaunchSpec:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Sequence
 
-from policies import ReplicaState
+from kvroute.policies import ReplicaState
 
 _SLOT_BYTES = 8  # int64
 _FIELDS = 4  # in-flight requests, in-flight tokens, prefilling requests, their prefill tokens

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from health.scrape import ReplicaReport
-from policies import ReplicaState
+from kvroute.health.scrape import ReplicaReport
+from kvroute.policies import ReplicaState
 
 from .kv_subscriber import SubscriberStats
 

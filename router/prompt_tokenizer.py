@@ -14,48 +14,20 @@ import asyncio
 import logging
 import multiprocessing
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from typing import Any
 
-from simulator.tokenizer import SimpleTokenizer, Tokenizer
-
-from .block_hashing import block_hashes
-from .tokenization import BUILTIN, HFTokenizerFiles
+from kvroute.kvcore.tokenizer import (
+    PromptBlocks,
+    Tokenizer,
+    load_tokenizer,
+    prompt_blocks,
+    render_chat,
+)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PromptBlocks:
-    """What routing needs from a prompt: its exact token count and full-block hashes."""
-
-    tokens: int
-    hashes: list[int]
-
-
-def load_tokenizer_spec(spec: str) -> Tokenizer:
-    """``"builtin"`` (the emulated replica's own tokenizer) or a HF tokenizer path."""
-    if spec == BUILTIN:
-        return SimpleTokenizer()
-    return HFTokenizerFiles(spec)
-
-
-def prompt_blocks(
-    tokenizer: Tokenizer,
-    text: str,
-    add_special_tokens: bool,
-    block_size: int,
-    extra_key: str | None,
-) -> PromptBlocks:
-    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return PromptBlocks(len(ids), block_hashes(ids, block_size, extra_key))
-
-
-def token_id_blocks(ids: Sequence[int], block_size: int, extra_key: str | None) -> PromptBlocks:
-    return PromptBlocks(len(ids), block_hashes(ids, block_size, extra_key))
 
 
 # -- the worker processes --------------------------------------------------------------
@@ -68,7 +40,7 @@ def _init_worker(spec: str) -> None:
     # Ctrl-C reaches the whole process group: the router shuts its pool down, the workers
     # must not die mid-prompt with a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_tokenizer = load_tokenizer_spec(spec)
+    _worker_tokenizer = load_tokenizer(spec)
 
 
 def _encode_in_worker(
@@ -90,31 +62,12 @@ def _chat_in_worker(
     return prompt_blocks(_worker_tokenizer, text, add_special_tokens, block_size, extra_key)
 
 
-def render_chat(tok: Tokenizer, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
-    """The chat template applied as vLLM applies it (raises ChatTemplateError)."""
-    generation = bool(options.get("add_generation_prompt", True))
-    continue_final = bool(options.get("continue_final_message", False))
-    if isinstance(tok, HFTokenizerFiles):
-        tools = options.get("tools")
-        kwargs = options.get("chat_template_kwargs")
-        return tok.apply_chat_template(
-            messages,
-            add_generation_prompt=generation,
-            continue_final_message=continue_final,
-            tools=tools if isinstance(tools, list) else None,
-            template_kwargs=kwargs if isinstance(kwargs, dict) else None,
-            documents=options.get("documents"),
-            reasoning_effort=options.get("reasoning_effort"),
-        )
-    return tok.apply_chat_template(messages, generation, continue_final)
-
-
 class PromptTokenizer:
     """The router's tokenizer: inline for short prompts, a process pool for long ones."""
 
     def __init__(self, spec: str, inline_chars: int = 4096, processes: int = 1) -> None:
         self.spec = spec
-        self.tokenizer = load_tokenizer_spec(spec)
+        self.tokenizer = load_tokenizer(spec)
         self.inline_chars = inline_chars
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None

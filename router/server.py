@@ -18,23 +18,29 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backends.handle import ReplicaHandle
-from health.breaker import BreakerSettings, BreakerState
-from health.probe import ActiveProber
-from health.scrape import MetricsScraper
-from policies import FleetView, Policy, RouteRequest, build_policy
+from kvroute.backends.handle import ReplicaHandle
+from kvroute.health.breaker import BreakerSettings, BreakerState
+from kvroute.health.probe import ActiveProber
+from kvroute.health.scrape import MetricsScraper
+from kvroute.kvcore.block_hashing import extra_key
+from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.kvcore.tokenizer import (
+    ChatTemplateError,
+    PromptBlocks,
+    TokenizerError,
+    token_id_blocks,
+)
+from kvroute.policies import FleetView, Policy, RouteRequest, build_policy
 
 from . import errors
 from .admission import Admission
 from .auth import Auth
-from .block_hashing import extra_key
 from .config import Config, replica_base_url, replica_name_from_url
 from .deadlines import Deadlines
 from .kv_subscriber import KVEventSubscribers
 from .metrics import RouterMetrics
 from .openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_chat, parse_completion
-from .prefix_index import PrefixIndex
-from .prompt_tokenizer import PromptBlocks, PromptTokenizer, token_id_blocks
+from .prompt_tokenizer import PromptTokenizer
 from .proxy import (
     Relayed,
     Timeouts,
@@ -44,7 +50,6 @@ from .proxy import (
     sse_error,
 )
 from .resume import StreamTranscript, continuation_body, resume_blocker
-from .tokenization import ChatTemplateError, TokenizerError
 from .upstream_client import UpstreamClient
 from .workers import MetricsExchange, WorkerContext
 

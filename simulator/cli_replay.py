@@ -19,14 +19,14 @@ import textwrap
 import time
 from typing import Any
 
-from policies import DEFAULT_POLICY, POLICIES, PolicyConfigError, build_policy
-from policies.registry import policy_parameters
-from simulator.engine.latency import (
+from kvroute.policies import DEFAULT_POLICY, POLICIES, PolicyConfigError, build_policy
+from kvroute.policies.registry import policy_parameters
+from kvroute.simulator.engine.latency import (
     DEFAULT_PRESET,
     PRESETS,
     latency_preset,
 )
-from simulator.fleet import (
+from kvroute.simulator.fleet import (
     ENGINE_MODELS,
     FleetConfig,
     SimResult,
@@ -39,9 +39,9 @@ from simulator.fleet import (
     prepare,
     simulate,
 )
-from simulator.fleet.report import markdown_report
-from simulator.fleet.summary import format_table, summarize
-from simulator.fleet.units import scaled
+from kvroute.simulator.fleet.report import markdown_report
+from kvroute.simulator.fleet.summary import format_table, summarize
+from kvroute.simulator.fleet.units import scaled
 
 EXIT_USAGE = 2
 
@@ -164,7 +164,7 @@ def _multipliers(text: str) -> list[float]:
 
 def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``replay`` and ``plan`` on the ``kvroute`` command line."""
-    from simulator.traces import FORMATS, SYNTHETIC_HELP
+    from kvroute.simulator.traces import FORMATS, SYNTHETIC_HELP
 
     replay = sub.add_parser(
         "replay",
@@ -388,7 +388,7 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load_trace(args: argparse.Namespace, time_scale: float) -> Any:
-    from simulator.traces import TraceError, load_trace
+    from kvroute.simulator.traces import TraceError, load_trace
 
     try:
         trace = load_trace(
@@ -580,7 +580,7 @@ def _write_outputs(
         f.write("\n")
     plots: list[str] = []
     if not args.no_plots:
-        from simulator.fleet.plots import write_plots
+        from kvroute.simulator.fleet.plots import write_plots
 
         plots = write_plots(results, args.out)
     duration = units.duration_s
@@ -604,7 +604,7 @@ def _write_outputs(
 
 def _replay_live(args: argparse.Namespace, trace: Any) -> int:
     # Imported here: the live replayer pulls in aiohttp, which simulations do not need.
-    from simulator.traces.live import LiveReplayError, replay_live
+    from kvroute.simulator.traces.live import LiveReplayError, replay_live
 
     try:
         replay_live(

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from backends.launcher import free_ports
-from router.config import config_from_dict
-from router.runner import app_runner
-from router.server import Router
-from simulator.engine import EngineConfig, latency_preset
-from simulator.replica.faults import Faults
-from simulator.replica.server import EmulatedReplica, ReplicaOptions
-from simulator.tokenizer import SimpleTokenizer
+from kvroute.backends.launcher import free_ports
+from kvroute.kvcore.tokenizer import SimpleTokenizer
+from kvroute.router.config import config_from_dict
+from kvroute.router.runner import app_runner
+from kvroute.router.server import Router
+from kvroute.simulator.engine import EngineConfig, latency_preset
+from kvroute.simulator.replica.faults import Faults
+from kvroute.simulator.replica.server import EmulatedReplica, ReplicaOptions
 
 from .fake_replica import FakeReplica
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from router.bench import overhead, processes
-from router.bench.loadgen import LoadError, LoadResult, parse_wrk, percentile, wrk_script
-from router.bench.overhead import TARGETS, Row
-from router.cli import build_parser
+from kvroute.bench import overhead, processes
+from kvroute.bench.loadgen import LoadError, LoadResult, parse_wrk, percentile, wrk_script
+from kvroute.bench.overhead import TARGETS, Row
+from kvroute.cli import build_parser
 
 WRK_OK = """\
 Running 2s test @ http://127.0.0.1:9301/v1/completions

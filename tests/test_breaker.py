@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from health.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from kvroute.health.breaker import BreakerSettings, BreakerState, CircuitBreaker
 
 SETTINGS = BreakerSettings(
     consecutive_failures=3,

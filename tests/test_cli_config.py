@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from policies import POLICIES
-from router.cli import build_parser, config_from_args
-from router.config import ConfigError, load_config
+from kvroute.cli import build_parser, config_from_args
+from kvroute.policies import POLICIES
+from kvroute.router.config import ConfigError, load_config
 
 VALID_CONFIG = """\
 listen:

@@ -10,7 +10,7 @@ import sys
 
 import aiohttp
 
-from backends.launcher import free_ports
+from kvroute.backends.launcher import free_ports
 
 from .conftest import StartReplica
 
@@ -24,7 +24,7 @@ def test_serve_on_a_busy_port_says_so_without_a_traceback() -> None:
             [
                 sys.executable,
                 "-m",
-                "router.cli",
+                "kvroute.cli",
                 "serve",
                 "--replica",
                 "http://127.0.0.1:9",
@@ -58,7 +58,7 @@ async def test_serve_answers_then_stops_on_sigterm(start_replica: StartReplica) 
     a = await start_replica("a")
     port = free_ports(1)[0]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.cli", "serve", "--replica", a.url, "--port", str(port),
+        sys.executable, "-m", "kvroute.cli", "serve", "--replica", a.url, "--port", str(port),
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -86,7 +86,7 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_connections(
     a = await start_replica("a")
     port = free_ports(1)[0]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.cli", "serve", "--replica", a.url, "--port", str(port),
+        sys.executable, "-m", "kvroute.cli", "serve", "--replica", a.url, "--port", str(port),
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"

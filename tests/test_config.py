@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import Config, ConfigError, ListenConfig, load_config
+from kvroute.router.config import Config, ConfigError, ListenConfig, load_config
 
 FULL_CONFIG = """\
 # A complete router config: every section, non-default values.

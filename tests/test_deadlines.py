@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.deadlines import Deadlines
+from kvroute.router.deadlines import Deadlines
 
 
 async def test_a_task_past_its_deadline_is_cancelled_and_told_so() -> None:

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def drill(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "router.cli", "drill", *args],
+        [sys.executable, "-m", "kvroute.cli", "drill", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -16,9 +16,9 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.launcher import free_ports
-from simulator.engine import decode_event_batch
-from simulator.tokenizer import SimpleTokenizer
+from kvroute.backends.launcher import free_ports
+from kvroute.kvcore.tokenizer import SimpleTokenizer
+from kvroute.simulator.engine import decode_event_batch
 
 from .conftest import Running
 
@@ -252,7 +252,7 @@ def test_exit_fault_ends_the_replica_process() -> None:
         [
             sys.executable,
             "-m",
-            "router.cli",
+            "kvroute.cli",
             "replica",
             "--port",
             str(port),

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.engine import (
+from kvroute.simulator.engine import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -19,7 +19,7 @@ from simulator.engine import (
     StepOutput,
     latency_preset,
 )
-from simulator.engine.block_pool import Block, BlockPool
+from kvroute.simulator.engine.block_pool import Block, BlockPool
 
 TINY = latency_preset("tiny-cpu")
 

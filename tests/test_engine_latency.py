@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.engine import (
+from kvroute.simulator.engine import (
     PRESETS,
     Engine,
     EngineConfig,

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from simulator.engine import EngineRequest
-from simulator.engine.hashing import extend_block_hashes
-from simulator.engine.kv_cache_manager import KVCacheManager
-from simulator.engine.request import Sequence, new_sequence
+from kvroute.simulator.engine import EngineRequest
+from kvroute.simulator.engine.hashing import extend_block_hashes
+from kvroute.simulator.engine.kv_cache_manager import KVCacheManager
+from kvroute.simulator.engine.request import Sequence, new_sequence
 
 pytestmark = [
     pytest.mark.vllm,

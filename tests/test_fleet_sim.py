@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from policies import build_policy
-from simulator.engine.latency import PRESETS, latency_preset
-from simulator.fleet import (
+from kvroute.policies import build_policy
+from kvroute.simulator.engine.latency import PRESETS, latency_preset
+from kvroute.simulator.fleet import (
     FleetConfig,
     SimResult,
     engine_config,
@@ -19,8 +19,8 @@ from simulator.fleet import (
     prepare,
     simulate,
 )
-from simulator.fleet.steptime import DecodeTimer
-from simulator.traces.model import Trace, TraceRequest
+from kvroute.simulator.fleet.steptime import DecodeTimer
+from kvroute.simulator.traces.model import Trace, TraceRequest
 
 H100 = latency_preset("llama-3.1-8b-h100")
 

@@ -8,9 +8,9 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import FleetView, ReplicaState, RouteRequest, build_policy
-from policies.hash_ring import load_bound
-from policies.kv_aware import (
+from kvroute.policies import FleetView, ReplicaState, RouteRequest, build_policy
+from kvroute.policies.hash_ring import load_bound
+from kvroute.policies.kv_aware import (
     AFFINITY,
     HOME,
     LOAD_OVER_AFFINITY,
@@ -37,7 +37,7 @@ def request(
 
 
 def test_is_the_default_policy() -> None:
-    from policies import DEFAULT_POLICY
+    from kvroute.policies import DEFAULT_POLICY
 
     assert DEFAULT_POLICY == "kv_aware"
     assert isinstance(build_policy(DEFAULT_POLICY), KvAware)

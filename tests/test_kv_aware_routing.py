@@ -14,10 +14,10 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.block_hashing import block_hashes, extra_key
-from router.prompt_tokenizer import PromptTokenizer
-from simulator.replica.faults import FaultSpec
-from simulator.tokenizer import SimpleTokenizer
+from kvroute.kvcore.block_hashing import block_hashes, extra_key
+from kvroute.kvcore.tokenizer import SimpleTokenizer
+from kvroute.router.prompt_tokenizer import PromptTokenizer
+from kvroute.simulator.replica.faults import FaultSpec
 
 from .conftest import Running, StartEmulated, StartRouter
 from .helpers import wait_until

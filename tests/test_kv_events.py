@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.engine import (
+from kvroute.simulator.engine import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -12,16 +12,16 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from backends.launcher import free_ports
-from router.kv_subscriber import KVEventSubscriber, KVEventSubscribers
-from simulator.engine import (
+from kvroute.backends.launcher import free_ports
+from kvroute.router.kv_subscriber import KVEventSubscriber, KVEventSubscribers
+from kvroute.simulator.engine import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     decode_event_batch,
     encode_event_batch,
 )
-from simulator.replica.kv_publisher import KVEventPublisher
+from kvroute.simulator.replica.kv_publisher import KVEventPublisher
 
 from .conftest import Running
 

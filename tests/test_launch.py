@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from backends.launcher import LaunchedFleet, LaunchSpec, free_ports
-from backends.process import ProcessState
+from kvroute.backends.launcher import LaunchedFleet, LaunchSpec, free_ports
+from kvroute.backends.process import ProcessState
 
 from .helpers import alive, children_of, wait_until_sync
 
@@ -82,7 +82,7 @@ def test_serve_launches_its_replicas_routes_and_cleans_up(tmp_path: Path) -> Non
         f"  preset: tiny-cpu\n  log_dir: {tmp_path / 'logs'}\n"
     )
     router = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
+        [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -98,7 +98,7 @@ def test_serve_launches_its_replicas_routes_and_cleans_up(tmp_path: Path) -> Non
             seen.add(raw.headers["x-kvroute-replica"])
         assert seen <= {"emulated-0", "emulated-1"} and seen
         children = children_of(router.pid)  # the replicas' reapers, the tokenizer's pool
-        reapers = [p for p in children if b"backends.reaper" in _cmdline(p)]
+        reapers = [p for p in children if b"kvroute.backends.reaper" in _cmdline(p)]
         assert len(reapers) == 2
     finally:
         router.send_signal(signal.SIGTERM)
@@ -129,7 +129,7 @@ def _ready(port: int) -> bool:
 def test_demo_compares_policies_side_by_side(tmp_path: Path) -> None:
     result = subprocess.run(
         [
-            sys.executable, "-m", "router.cli", "demo", "--replicas", "2", "--tenants", "2",
+            sys.executable, "-m", "kvroute.cli", "demo", "--replicas", "2", "--tenants", "2",
             "--conversations", "2", "--turns", "2", "--max-tokens", "4", "--log-dir", str(tmp_path),
         ],
         capture_output=True, text=True, timeout=240,

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from backends.launcher import free_ports
-from simulator.tokenizer import SimpleTokenizer
-from simulator.traces import Trace, TraceRequest, load_trace
-from simulator.traces.live import LiveReplayError, replay_live, replay_live_async
-from simulator.traces.prompts import PromptBuilder
+from kvroute.backends.launcher import free_ports
+from kvroute.kvcore.tokenizer import SimpleTokenizer
+from kvroute.simulator.traces import Trace, TraceRequest, load_trace
+from kvroute.simulator.traces.live import LiveReplayError, replay_live, replay_live_async
+from kvroute.simulator.traces.prompts import PromptBuilder
 
 from .conftest import Running, StartEmulated, StartRouter
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import (
+from kvroute.policies import (
     POLICIES,
     Decision,
     FleetView,
@@ -29,7 +29,7 @@ from policies import (
     RouteRequest,
     build_policy,
 )
-from policies.hash_ring import load_bound
+from kvroute.policies.hash_ring import load_bound
 
 
 def fleet_of(n: int, **state: object) -> list[ReplicaState]:
@@ -310,7 +310,7 @@ def test_consistent_hash_same_key_same_replica_under_even_load() -> None:
 HOMES_SCRIPT = """
 import itertools
 import json
-from policies import build_policy, FleetView, ReplicaState, RouteRequest
+from kvroute.policies import build_policy, FleetView, ReplicaState, RouteRequest
 fleet = FleetView([ReplicaState(f"r{i}") for i in range(8)])
 p = build_policy("consistent_hash")
 print(json.dumps([p.decide(RouteRequest(1, 0, routing_key=f"k{i}"), fleet).chosen

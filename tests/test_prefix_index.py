@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from router import block_hashing, packed_runs, prefix_index
-from router.block_hashing import block_hashes, chain_hashes, extra_key, root_seed
-from router.prefix_index import PrefixIndex, PrefixMatch
-from simulator.engine import (
+from kvroute.kvcore import block_hashing, packed_runs, prefix_index
+from kvroute.kvcore.block_hashing import block_hashes, chain_hashes, extra_key, root_seed
+from kvroute.kvcore.prefix_index import PrefixIndex, PrefixMatch
+from kvroute.simulator.engine import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -30,12 +30,12 @@ from simulator.engine import (
 
 speedups: ModuleType | None
 try:
-    from router import _speedups as speedups
+    from kvroute.kvcore import _speedups as speedups
 except ImportError:  # not built: test_speedups_are_built says so
     speedups = None
 
 BS = 4
-NOT_BUILT = "router._speedups is not built: run `pip install -e .` (needs a C compiler)"
+NOT_BUILT = "kvroute.kvcore._speedups is not built: run `pip install -e .` (needs a C compiler)"
 
 # The C extension and the pure-Python twins that run where it is not built: same results.
 IMPLEMENTATIONS = ("c", "python")
@@ -134,7 +134,7 @@ def test_bad_tokens_and_block_size_raise(impl: str) -> None:
 
 def test_speedups_are_built() -> None:
     # Without the extension everything works on the Python twins, with hashing and lookups
-    # several times slower (see router/block_hashing.py): this makes a missing build visible.
+    # several times slower (see kvcore/block_hashing.py): this makes a missing build visible.
     assert speedups is not None, NOT_BUILT
     assert block_hashing._chain is speedups.chain_hashes  # the defaults
     assert packed_runs.pack is speedups.pack_u64
@@ -728,7 +728,7 @@ def test_index_tracks_engine_prefix_cache() -> None:
 def test_index_bench_small_run_records_a_section(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from router.bench.index_bench import add_index_bench
+    from kvroute.bench.index_bench import add_index_bench
 
     out = tmp_path / "B.md"
     parser = argparse.ArgumentParser(prog="kvroute")
@@ -741,7 +741,7 @@ def test_index_bench_small_run_records_a_section(
     assert text.startswith("# Benchmarks") and "## Prefix index, " in text
     assert "kvroute bench index --entries 3000 --replicas 8 --lookups 50" in text
     assert "| (block, replica) entries | 3,000 |" in text
-    assert "- hashing and lookup loops: C (router/_speedups.c)" in text
+    assert "- hashing and lookup loops: C (kvcore/_speedups.c)" in text
     args = parser.parse_args([*argv, "--output-md", str(out), "--no-record"])
     assert args.func(args) == 0
     assert out.read_text() == text

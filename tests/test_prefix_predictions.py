@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.prefix_index import PrefixIndex
+from kvroute.kvcore.prefix_index import PrefixIndex
 
 
 def test_unpredict_withdraws_only_predictions_of_that_replica() -> None:

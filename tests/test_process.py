@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.launcher import free_ports
-from backends.process import LaunchError, ManagedProcess, ProcessState
+from kvroute.backends.launcher import free_ports
+from kvroute.backends.process import LaunchError, ManagedProcess, ProcessState
 
 from .helpers import group_members, wait_until_sync
 

@@ -22,7 +22,12 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from zmq.utils.monitor import recv_monitor_message
 
-from backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet, LaunchedReplica, LaunchSpec
+from kvroute.backends.launcher import (
+    DEFAULT_TINY_MODEL_DIR,
+    LaunchedFleet,
+    LaunchedReplica,
+    LaunchSpec,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -499,7 +504,7 @@ def vllm_tokens(client: httpx.Client, body: dict[str, Any]) -> list[int]:
 def test_router_tokenizes_completion_prompts_like_vllm(
     client: httpx.Client, index: int, add_special_tokens: bool
 ) -> None:
-    from router.tokenization import HFTokenizerFiles
+    from kvroute.kvcore.tokenizer import HFTokenizerFiles
 
     prompt = COMPLETION_CORPUS[index]
     ours = HFTokenizerFiles(DEFAULT_TINY_MODEL_DIR).encode(prompt, add_special_tokens)
@@ -512,10 +517,10 @@ async def test_router_tokenizes_chats_like_vllm(client: httpx.Client, index: int
     """Through the router's own request path: body parsing, options, template, hashing."""
     import json
 
-    from router.block_hashing import block_hashes
-    from router.config import config_from_dict
-    from router.openai_request import parse_chat
-    from router.server import Router
+    from kvroute.kvcore.block_hashing import block_hashes
+    from kvroute.router.config import config_from_dict
+    from kvroute.router.openai_request import parse_chat
+    from kvroute.router.server import Router
 
     body = {"model": "tiny", **CHAT_CORPUS[index]}
     config = config_from_dict(
@@ -537,10 +542,10 @@ async def test_router_renders_documents_and_reasoning_effort_like_vllm(
 ) -> None:
     import json
 
-    from router.block_hashing import block_hashes
-    from router.config import config_from_dict
-    from router.openai_request import parse_chat
-    from router.server import Router
+    from kvroute.kvcore.block_hashing import block_hashes
+    from kvroute.router.config import config_from_dict
+    from kvroute.router.openai_request import parse_chat
+    from kvroute.router.server import Router
 
     body = {"model": "tiny", "max_tokens": 1, **CHAT_GENERATE_CORPUS[index]}
     response = client.post("/v1/chat/completions", json={**body, "return_token_ids": True})
@@ -569,8 +574,8 @@ async def test_router_renders_documents_and_reasoning_effort_like_vllm(
 async def test_long_prompts_are_tokenized_off_the_event_loop_with_the_same_result(
     client: httpx.Client,
 ) -> None:
-    from router.block_hashing import block_hashes
-    from router.prompt_tokenizer import PromptTokenizer
+    from kvroute.kvcore.block_hashing import block_hashes
+    from kvroute.router.prompt_tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer(str(DEFAULT_TINY_MODEL_DIR), inline_chars=100, processes=1)
     try:

@@ -23,12 +23,12 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet, LaunchSpec
-from backends.process import ProcessState
-from health.scrape import parse_vllm_metrics
-from router.config import config_from_dict
-from router.server import Router
-from simulator.engine import BlockStored, decode_event_batch
+from kvroute.backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet, LaunchSpec
+from kvroute.backends.process import ProcessState
+from kvroute.health.scrape import parse_vllm_metrics
+from kvroute.router.config import config_from_dict
+from kvroute.router.server import Router
+from kvroute.simulator.engine import BlockStored, decode_event_batch
 
 pytestmark = pytest.mark.vllm
 

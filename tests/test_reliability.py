@@ -15,7 +15,7 @@ import aiohttp
 import openai
 import pytest
 
-from simulator.replica.faults import FaultSpec
+from kvroute.simulator.replica.faults import FaultSpec
 
 from .conftest import Running, StartEmulated, StartReplica, StartRouter
 from .helpers import wait_until

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import main
+from kvroute.cli import main
 
 from .fake_replica import FakeReplica
 from .helpers import traces_dir
@@ -260,8 +260,8 @@ def test_replay_and_plan_help_explain_synthetic_specs(
 def test_fidelity_fit_recovers_the_step_cost_and_prefill_rate_of_its_probes() -> None:
     from dataclasses import replace
 
-    from simulator.engine.latency import TINY_CPU
-    from simulator.fleet.calibration import fit_latency
+    from kvroute.simulator.engine.latency import TINY_CPU
+    from kvroute.simulator.fleet.calibration import fit_latency
 
     truth = replace(TINY_CPU, peak_flops=4e9, mfu=1.0, step_overhead_s=0.05)
     api = 0.2
@@ -276,9 +276,9 @@ def test_fidelity_fit_recovers_the_step_cost_and_prefill_rate_of_its_probes() ->
 
 
 def test_fidelity_trace_shares_blocks_exactly_where_token_prefixes_are_equal() -> None:
-    from simulator.fleet.calibration import tokenized_trace
-    from simulator.traces import Trace, TraceRequest
-    from simulator.traces.prompts import PromptBuilder
+    from kvroute.simulator.fleet.calibration import tokenized_trace
+    from kvroute.simulator.traces import Trace, TraceRequest
+    from kvroute.simulator.traces.prompts import PromptBuilder
 
     trace = Trace(
         "t",

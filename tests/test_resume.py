@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from router.resume import StreamTranscript, continuation_body, resume_blocker
+from kvroute.router.resume import StreamTranscript, continuation_body, resume_blocker
 
 
 def sse(obj: Any) -> bytes:

@@ -7,8 +7,8 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.block_hashing import block_hashes
-from simulator.tokenizer import SimpleTokenizer
+from kvroute.kvcore.block_hashing import block_hashes
+from kvroute.kvcore.tokenizer import SimpleTokenizer
 
 from .conftest import Running, StartRouter
 from .helpers import wait_until

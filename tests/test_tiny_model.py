@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from backends import tiny_model
-from backends.tiny_model import (
+from kvroute.backends import tiny_model
+from kvroute.backends.tiny_model import (
     MARKER_NAME,
     add_make_tiny_model_command,
     is_complete,

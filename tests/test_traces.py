@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from simulator.traces import FORMATS, SYNTHETIC_HELP, Trace, TraceError, detect_format, load_trace
+from kvroute.simulator.traces import (
+    FORMATS,
+    SYNTHETIC_HELP,
+    Trace,
+    TraceError,
+    detect_format,
+    load_trace,
+)
 
 from .helpers import traces_dir
 
@@ -545,7 +552,7 @@ def test_bad_synthetic_specs_are_clear_errors(spec: str, expected: str) -> None:
 
 
 def test_synthetic_help_documents_every_generator_and_option() -> None:
-    from simulator.traces.synthetic import COMMON, KINDS
+    from kvroute.simulator.traces.synthetic import COMMON, KINDS
 
     for kind, spec in KINDS.items():
         assert kind in SYNTHETIC_HELP

@@ -11,9 +11,9 @@ import sys
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.launcher import free_ports
-from policies import ReplicaState
-from router.loadboard import LoadBoard
+from kvroute.backends.launcher import free_ports
+from kvroute.policies import ReplicaState
+from kvroute.router.loadboard import LoadBoard
 
 from .conftest import StartReplica
 from .helpers import children_of, wait_until
@@ -46,7 +46,7 @@ async def test_two_workers_serve_one_port_and_report_all_requests(
     b = await start_replica("b")
     port = free_ports(1)[0]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.cli", "serve", "--workers", "2", "--port", str(port),
+        sys.executable, "-m", "kvroute.cli", "serve", "--workers", "2", "--port", str(port),
         "--replica", a.url, "--replica", b.url, "--policy", "round_robin",
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

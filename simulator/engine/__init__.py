@@ -6,9 +6,7 @@ a roofline step-latency model (``latency``) and vLLM's KV events with their exac
 (``events``). ``Engine`` ties them together; nothing here does I/O or reads a clock.
 """
 
-from .config import EngineConfig
-from .engine import Engine
-from .events import (
+from kvroute.kvcore.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -18,6 +16,9 @@ from .events import (
     decode_event_batch,
     encode_event_batch,
 )
+
+from .config import EngineConfig
+from .engine import Engine
 from .latency import DEFAULT_PRESET, PRESETS, LatencyModel, latency_preset
 from .outputs import EngineStats, RequestOutput, StepOutput
 from .request import EngineRequest

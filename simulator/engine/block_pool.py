@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from .events import (
+from kvroute.kvcore.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .events import KVEvent
+from kvroute.kvcore.kv_events import KVEvent
 
 
 @dataclass

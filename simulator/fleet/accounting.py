@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies import ReplicaState, RouteRequest
+from kvroute.policies import ReplicaState, RouteRequest
 
 
 @dataclass(slots=True)

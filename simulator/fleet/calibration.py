@@ -2,7 +2,7 @@
 
 ``tokenized_trace`` turns a trace into the token blocks a real tokenizer produced, so simulated
 engines can cache exactly what real ones can; ``fit_latency`` fits ``TINY_CPU``'s roofline to
-requests sent alone. ``kvroute bench fidelity`` (router/bench/fidelity.py) does the measuring.
+requests sent alone. ``kvroute bench fidelity`` (kvroute/bench/fidelity.py) does the measuring.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from simulator.engine.latency import TINY_CPU, LatencyModel
-from simulator.traces.model import Trace, TraceRequest
-from simulator.traces.prompts import PromptBuilder
+from kvroute.simulator.engine.latency import TINY_CPU, LatencyModel
+from kvroute.simulator.traces.model import Trace, TraceRequest
+from kvroute.simulator.traces.prompts import PromptBuilder
 
 Probe = tuple[int, float, float]  # (prompt tokens, TTFT s, TPOT s) of one request alone
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from simulator.engine.config import EngineConfig
-from simulator.engine.latency import LatencyModel
+from kvroute.simulator.engine.config import EngineConfig
+from kvroute.simulator.engine.latency import LatencyModel
 
 ENGINE_MODELS = ("fast", "exact")
 

@@ -9,10 +9,16 @@ block-id prefixes give equal token prefixes and equal engine block hashes.
 
 from __future__ import annotations
 
-from router.block_hashing import block_hashes
-from simulator.engine import AllBlocksCleared, BlockRemoved, BlockStored, Engine, EngineRequest
-from simulator.engine.config import EngineConfig
-from simulator.engine.outputs import StepOutput
+from kvroute.kvcore.block_hashing import block_hashes
+from kvroute.simulator.engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Engine,
+    EngineRequest,
+)
+from kvroute.simulator.engine.config import EngineConfig
+from kvroute.simulator.engine.outputs import StepOutput
 
 from .kv_units import IndexOp
 from .protocol import StepReport

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from simulator.engine.config import EngineConfig
+from kvroute.simulator.engine.config import EngineConfig
 
 from .kv_units import Unit, UnitPool
 from .protocol import StepReport

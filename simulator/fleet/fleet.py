@@ -22,8 +22,8 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
-from policies import FleetView, Policy, ReplicaState, RouteRequest
-from router.prefix_index import PrefixIndex
+from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
 
 from .accounting import Dispatch, dispatched, finished, prefill_done
 from .config import FleetConfig

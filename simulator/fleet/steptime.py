@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from simulator.engine.latency import LatencyModel
+from kvroute.simulator.engine.latency import LatencyModel
 
 
 class DecodeTimer:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from router.block_hashing import chain_hashes, root_seed
-from simulator.traces.model import Trace, TraceRequest
+from kvroute.kvcore.block_hashing import chain_hashes, root_seed
+from kvroute.simulator.traces.model import Trace, TraceRequest
 
 _MAX_KEY = 2**32 - 1
 

@@ -12,8 +12,8 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from simulator.engine import PRESETS, EngineConfig, latency_preset
-from simulator.tokenizer import load_tokenizer
+from kvroute.kvcore.tokenizer import load_tokenizer
+from kvroute.simulator.engine import PRESETS, EngineConfig, latency_preset
 
 from .faults import Faults, FaultSpec
 from .server import EmulatedReplica, ReplicaOptions

@@ -18,7 +18,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from simulator.engine import KVEvent, encode_event_batch
+from kvroute.simulator.engine import KVEvent, encode_event_batch
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from simulator.engine import Engine, EngineRequest, KVEvent, RequestOutput
+from kvroute.simulator.engine import Engine, EngineRequest, KVEvent, RequestOutput
 
 log = logging.getLogger(__name__)
 

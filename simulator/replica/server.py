@@ -19,8 +19,8 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from simulator.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from simulator.tokenizer import Tokenizer
+from kvroute.kvcore.tokenizer import Tokenizer
+from kvroute.simulator.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 
 from .faults import Faults, FaultSpec
 from .kv_publisher import KVEventPublisher

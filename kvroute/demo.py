@@ -11,12 +11,9 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from backends.launcher import LaunchedFleet, LaunchSpec
-from backends.process import LaunchError
-from simulator.tokenizer import HFTokenizer, SimpleTokenizer, Tokenizer
-from simulator.workload import Conversation, multi_tenant_chat
-
-from .bench.chat_load import (
+from kvroute.backends.launcher import LaunchedFleet, LaunchSpec
+from kvroute.backends.process import LaunchError
+from kvroute.bench.chat_load import (
     RunResult,
     percentile,
     record_counters,
@@ -24,9 +21,11 @@ from .bench.chat_load import (
     reset_prefix_caches,
     run_conversations,
 )
-from .config import config_from_dict
-from .launching import routing_for_launch
-from .server import Router
+from kvroute.kvcore.tokenizer import HFTokenizerFiles, SimpleTokenizer, Tokenizer
+from kvroute.router.config import config_from_dict
+from kvroute.router.launching import routing_for_launch
+from kvroute.router.server import Router
+from kvroute.simulator.workload import Conversation, multi_tenant_chat
 
 DEFAULT_POLICIES = "round_robin,kv_aware"
 
@@ -95,7 +94,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    from policies import POLICIES
+    from kvroute.policies import POLICIES
 
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -216,9 +215,9 @@ async def _run_policy(
 def _demo_tokenizer(engine: str) -> Tokenizer:
     """The tokenizer the replicas will use, to size their KV caches to the workload."""
     if engine == "vllm":
-        from backends.launcher import ensure_tiny_model
+        from kvroute.backends.launcher import ensure_tiny_model
 
-        return HFTokenizer(str(ensure_tiny_model()))
+        return HFTokenizerFiles(str(ensure_tiny_model()))
     return SimpleTokenizer()
 
 

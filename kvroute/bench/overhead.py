@@ -25,10 +25,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from policies import DEFAULT_POLICY
-
-from . import processes
-from .loadgen import Load, LoadError, LoadResult, find_wrk, run_load, wrk_version
+from kvroute.bench import processes
+from kvroute.bench.loadgen import Load, LoadError, LoadResult, find_wrk, run_load, wrk_version
+from kvroute.policies import DEFAULT_POLICY
 
 HOST = "127.0.0.1"
 INSTALL_HINT = "install with: pip install -e '.[bench]'"
@@ -125,7 +124,7 @@ def find_executable(name: str, peer_bin_dir: str | None) -> str | None:
 
 def kvroute_argv() -> list[str]:
     exe = find_executable("kvroute", None)
-    return [exe] if exe else [sys.executable, "-m", "router.cli"]
+    return [exe] if exe else [sys.executable, "-m", "kvroute.cli"]
 
 
 def package_version(dist: str, executable: str | None = None) -> str | None:
@@ -197,7 +196,7 @@ def stub_argv(port: int, model: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "router.bench.stub_upstream",
+        "kvroute.bench.stub_upstream",
         "--host",
         HOST,
         "--port",

@@ -9,9 +9,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from policies import DEFAULT_POLICY, POLICIES
-
-from .config import Config, ConfigError, ReplicaConfig, config_from_dict, load_config
+from kvroute.policies import DEFAULT_POLICY, POLICIES
+from kvroute.router.config import Config, ConfigError, ReplicaConfig, config_from_dict, load_config
 
 EXIT_CONFIG_ERROR = 2
 
@@ -47,13 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_serve(sub)
     _add_check_config(sub)
-    from backends.tiny_model import add_make_tiny_model_command
-    from simulator.cli_replay import add_replay_parsers
-    from simulator.replica.cli import add_replica_command
-
-    from .bench.cli import add_bench
-    from .demo import add_demo_command
-    from .drill.run import add_drill_command
+    from kvroute.backends.tiny_model import add_make_tiny_model_command
+    from kvroute.bench.cli import add_bench
+    from kvroute.demo import add_demo_command
+    from kvroute.drill.run import add_drill_command
+    from kvroute.simulator.cli_replay import add_replay_parsers
+    from kvroute.simulator.replica.cli import add_replica_command
 
     add_demo_command(sub)
     add_replica_command(sub)
@@ -185,15 +183,14 @@ def _parse_kv_events(spec: str) -> tuple[str, str, str | None]:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    from .runner import check_can_listen
+    from kvroute.router.runner import check_can_listen
 
     problem = check_can_listen(config.listen.host, config.listen.port)
     if problem:
         print(f"kvroute: {problem}", file=sys.stderr)
         return 1
-    from backends.process import LaunchError
-
-    from .launching import start_launched_replicas
+    from kvroute.backends.process import LaunchError
+    from kvroute.router.launching import start_launched_replicas
 
     try:
         config, fleet = start_launched_replicas(config)
@@ -202,11 +199,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     try:
         if config.listen.workers > 1:
-            from .workers import run_workers
+            from kvroute.router.workers import run_workers
 
             run_workers(config)
         else:
-            from .runner import run
+            from kvroute.router.runner import run
 
             run(config)
     finally:

@@ -33,10 +33,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import block_hashing, packed_runs
-from ..block_hashing import block_hashes
-from ..prefix_index import PrefixIndex
-from .argtypes import fraction, non_negative_int, positive_int
+from kvroute.bench.argtypes import fraction, non_negative_int, positive_int
+from kvroute.kvcore import block_hashing, packed_runs
+from kvroute.kvcore.block_hashing import block_hashes
+from kvroute.kvcore.prefix_index import PrefixIndex
 
 MD_HEADER = (
     "# Benchmarks\n\n"
@@ -83,7 +83,7 @@ class Result:
     # short task several times over).
     floor_us: list[float]
     matched_replicas: float
-    speedups: bool  # whether hashing and the lookup loops ran in C (router/_speedups.c)
+    speedups: bool  # whether hashing and the lookup loops ran in C (kvcore/_speedups.c)
 
     @property
     def ingest_rate(self) -> float:
@@ -127,7 +127,7 @@ def router_heap() -> Iterator[None]:
     frozen, young collections every 20,000 allocations), put back as it was afterwards, so the
     bench pays the collections the router pays: the index fills after the freeze, as there.
     """
-    from ..runner import settle_heap  # the server's imports: only when a bench runs
+    from kvroute.router.runner import settle_heap  # the server's imports: only when a bench runs
 
     thresholds = gc.get_threshold()
     settle_heap()
@@ -164,7 +164,7 @@ def calibrate_spin(target_us: float) -> int:
 def run_index_bench(options: Options) -> Result:
     speedups = block_hashing.use_speedups(options.speedups)
     if packed_runs.use_speedups(options.speedups) != speedups:  # pragma: no cover
-        raise RuntimeError("router._speedups is half built")
+        raise RuntimeError("kvroute.kvcore._speedups is half built")
     try:
         with router_heap():
             return _run_index_bench(options, speedups)
@@ -347,7 +347,7 @@ def markdown_section(command: str, date: str, res: Result, o: Options) -> str:
         "- memory is the process RSS delta (VmRSS after gc.collect()) from empty to full index",
         "- hashing and lookup loops: "
         + (
-            "C (router/_speedups.c)"
+            "C (kvcore/_speedups.c)"
             if res.speedups
             else "pure Python" + ("" if o.speedups else " (--no-speedups)")
         ),
@@ -432,7 +432,7 @@ def add_index_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--no-speedups",
         action="store_true",
-        help="Hash and look up on the pure-Python twins of the C extension router/_speedups.c "
+        help="Hash and look up on the pure-Python twins of the C extension kvcore/_speedups.c "
         "(what runs where it is not built), to compare.",
     )
     p.add_argument(

@@ -12,7 +12,7 @@ Layout, chosen for lookup latency, ingest rate and memory (measured by ``kvroute
   while any run goes on). A block no replica holds or is predicted to hold is not indexed.
 * *runs*: the indexed blocks, in chains as they were stored (an event's blocks, continued by the
   next events of the chain, up to ``_MAX_RUN``): ``_runs[id]`` holds their router hashes
-  packed in one ``bytes`` (router/packed_runs.py), ``_vals[id]`` their values as pieces
+  packed in one ``bytes`` (kvcore/packed_runs.py), ``_vals[id]`` their values as pieces
   ``(value, start, value, start, value, ...)`` (each value holds from its start, 0 for the
   first, to the next start or the run's end), and ``_seg`` maps each router hash to its run id.
   :meth:`PrefixIndex.match` looks up one block, then finds how far the request's next hashes
@@ -22,7 +22,7 @@ Layout, chosen for lookup latency, ingest rate and memory (measured by ``kvroute
   it is (nothing assumes that its hashes form a chain). Why it matters, measured on the dev box
   (2 vCPU VM, 5M entries): a dict lookup that misses the caches costs ~0.5-1 us, and 128 of
   them alone took ~60 us, more than the lookup budget. A lookup's loops and the assembly of
-  its result run in C (the extension router/_speedups.c; pure-Python twins give the same
+  its result run in C (the extension kvcore/_speedups.c; pure-Python twins give the same
   results where it is not built, 2-3x slower). At 5M entries much of a lookup's time is cache
   misses on the index's memory: the same lookup repeated warm takes ~5 us.
 * ingest: an event of blocks new to the index extends its parent's run (or starts one); an event
@@ -59,9 +59,9 @@ from itertools import compress, islice, repeat
 from operator import ne
 from typing import NamedTuple
 
-from . import packed_runs
-from .block_hashing import chain_hashes, root_seed
-from .packed_runs import Run, W, find, unpack, word
+from kvroute.kvcore import packed_runs
+from kvroute.kvcore.block_hashing import chain_hashes, root_seed
+from kvroute.kvcore.packed_runs import Run, W, find, unpack, word
 
 DEFAULT_MEDIUM = "GPU"
 

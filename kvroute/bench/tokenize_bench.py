@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..prompt_tokenizer import PromptTokenizer
-from .argtypes import positive_int
+from kvroute.bench.argtypes import positive_int
+from kvroute.router.prompt_tokenizer import PromptTokenizer
 
 WORDS = [
     "the",
@@ -136,7 +136,7 @@ def add_tokenize_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 def _cmd_tokenize(args: argparse.Namespace) -> int:
     spec = args.tokenizer
     if spec is None:
-        from backends.launcher import ensure_tiny_model
+        from kvroute.backends.launcher import ensure_tiny_model
 
         spec = str(ensure_tiny_model())
     try:

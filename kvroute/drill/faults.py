@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from backends.process import ManagedProcess
+from kvroute.backends.process import ManagedProcess
 
 SCENARIOS = ("kill", "stall", "slow", "flap", "error-burst")
 # Flapping: this long down (longer than a drill config's first_byte_s), then this long up, over and over while the fault lasts.

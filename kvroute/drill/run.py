@@ -17,14 +17,13 @@ import msgspec
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.launcher import free_ports
-from backends.process import LaunchError
-
-from ..bench.processes import StartError, managed
-from ..config import Config, ConfigError, load_config, resolve_secret
-from ..launching import start_launched_replicas
-from .faults import SCENARIOS, DrillError, Target, clear, inject
-from .load import Outcome, run_load
+from kvroute.backends.launcher import free_ports
+from kvroute.backends.process import LaunchError
+from kvroute.bench.processes import StartError, managed
+from kvroute.drill.faults import SCENARIOS, DrillError, Target, clear, inject
+from kvroute.drill.load import Outcome, run_load
+from kvroute.router.config import Config, ConfigError, load_config, resolve_secret
+from kvroute.router.launching import start_launched_replicas
 
 POLL_S = 0.05
 
@@ -89,7 +88,7 @@ def _with_router(config: Config, options: DrillOptions, target: Target) -> Drill
     with tempfile.TemporaryDirectory(prefix="kvroute-drill-") as tmp:
         path = Path(tmp) / "router.yaml"
         path.write_text(yaml.safe_dump(msgspec.to_builtins(config)))
-        argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
+        argv = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)]
         try:
             with managed("router", argv, Path(tmp), url + "/ready", timeout_s=60):
                 return asyncio.run(_drive(config, options, target, url))

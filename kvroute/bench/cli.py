@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .argtypes import non_negative_int, positive_int
-from .index_bench import add_index_bench
-from .prefix import add_prefix_bench
-from .tokenize_bench import add_tokenize_bench
+from kvroute.bench.argtypes import non_negative_int, positive_int
+from kvroute.bench.index_bench import add_index_bench
+from kvroute.bench.prefix import add_prefix_bench
+from kvroute.bench.tokenize_bench import add_tokenize_bench
 
 
 def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -18,16 +18,15 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_index_bench(bench_sub)
     add_prefix_bench(bench_sub)
     add_tokenize_bench(bench_sub)
-    from simulator.cli_replay import add_replay_bench
-
-    from .fidelity import add_fidelity_bench
+    from kvroute.bench.fidelity import add_fidelity_bench
+    from kvroute.simulator.cli_replay import add_replay_bench
 
     add_replay_bench(bench_sub)
     add_fidelity_bench(bench_sub)
 
 
 def _target_list(text: str) -> tuple[str, ...]:
-    from .overhead import TARGETS
+    from kvroute.bench.overhead import TARGETS
 
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in TARGETS]
@@ -40,7 +39,7 @@ def _target_list(text: str) -> tuple[str, ...]:
 
 
 def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .overhead import DEFAULT_TARGETS, TARGETS
+    from kvroute.bench.overhead import DEFAULT_TARGETS, TARGETS
 
     p = sub.add_parser(
         "overhead",
@@ -115,9 +114,9 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _cmd_overhead(args: argparse.Namespace) -> int:
-    from .loadgen import LoadError
-    from .overhead import Options, run_overhead
-    from .processes import StartError
+    from kvroute.bench.loadgen import LoadError
+    from kvroute.bench.overhead import Options, run_overhead
+    from kvroute.bench.processes import StartError
 
     options = Options(
         concurrency=args.concurrency,

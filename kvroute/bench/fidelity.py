@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from policies import DEFAULT_POLICY
-from simulator.cli_replay import (
+from kvroute.policies import DEFAULT_POLICY
+from kvroute.simulator.cli_replay import (
     EXIT_USAGE,
     UsageError,
     percent,
@@ -30,16 +30,16 @@ from simulator.cli_replay import (
     run_policy,
     wrapped,
 )
-from simulator.engine.latency import latency_preset
-from simulator.fleet import FleetConfig, SimResult, engine_config, percentile, prepare
-from simulator.fleet.calibration import (
+from kvroute.simulator.engine.latency import latency_preset
+from kvroute.simulator.fleet import FleetConfig, SimResult, engine_config, percentile, prepare
+from kvroute.simulator.fleet.calibration import (
     CalibrationError,
     LatencyFit,
     Probe,
     fit_latency,
     tokenized_trace,
 )
-from simulator.traces import Trace
+from kvroute.simulator.traces import Trace
 
 if TYPE_CHECKING:
     import aiohttp
@@ -140,10 +140,10 @@ def _cmd_bench_fidelity(args: argparse.Namespace) -> int:
 def _bench_fidelity(args: argparse.Namespace) -> str:
     # Imported here, not at the top: launching and tokenizing pull in heavy modules that every
     # other `kvroute` command would otherwise load too.
-    from backends.launcher import ensure_tiny_model
-    from router.tokenization import HFTokenizerFiles
-    from simulator.traces import TraceError, load_trace
-    from simulator.traces.prompts import PromptBuilder
+    from kvroute.backends.launcher import ensure_tiny_model
+    from kvroute.kvcore.tokenizer import HFTokenizerFiles
+    from kvroute.simulator.traces import TraceError, load_trace
+    from kvroute.simulator.traces.prompts import PromptBuilder
 
     block = 32  # vLLM's CPU attention backend takes multiples of 32 only
     try:
@@ -201,11 +201,10 @@ def _fidelity_live(
     import contextlib
     from pathlib import Path
 
-    from backends.launcher import LaunchedFleet, LaunchSpec
-    from backends.process import LaunchError
-
-    from . import processes
-    from .overhead import kvroute_argv
+    from kvroute.backends.launcher import LaunchedFleet, LaunchSpec
+    from kvroute.backends.process import LaunchError
+    from kvroute.bench import processes
+    from kvroute.bench.overhead import kvroute_argv
 
     host = "127.0.0.1"
     with contextlib.ExitStack() as stack:
@@ -256,9 +255,8 @@ async def _fidelity_measure(
 ) -> tuple[dict[str, Any], list[Probe]]:
     import aiohttp
 
-    from simulator.traces.live import replay_live_async
-
-    from .chat_load import reset_prefix_caches
+    from kvroute.bench.chat_load import reset_prefix_caches
+    from kvroute.simulator.traces.live import replay_live_async
 
     sizes = [n for n in _PROBE_TOKENS if n + 2 * _PROBE_OUTPUT_TOKENS <= context]
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
@@ -301,8 +299,8 @@ async def _fidelity_measure(
 
 def _probe_prompt(tokens: int, salt: int) -> str:
     """A prompt of about ``tokens`` tiny-model tokens that shares nothing with any other."""
-    from simulator.traces import TraceRequest
-    from simulator.traces.prompts import PromptBuilder
+    from kvroute.simulator.traces import TraceRequest
+    from kvroute.simulator.traces.prompts import PromptBuilder
 
     words = max(1, round(tokens / 2.9))  # the tiny BPE spends ~2.9 tokens per 3-letter word
     return PromptBuilder(1, 1).prompt(TraceRequest(0.0, words, 1, ()), salt=10**6 + salt)
@@ -354,7 +352,7 @@ def _fidelity_report(
     fit: LatencyFit,
     runs: list[tuple[str, SimResult, float]],
 ) -> str:
-    from .overhead import package_version
+    from kvroute.bench.overhead import package_version
 
     def ms(value: float | None) -> str:
         return "n/a" if value is None or math.isnan(value) else f"{value * 1000:.0f}"

@@ -34,18 +34,16 @@ from pathlib import Path
 
 import aiohttp
 
-from backends.launcher import (
+from kvroute.backends.launcher import (
     DEFAULT_TINY_MODEL_DIR,
     LaunchedFleet,
     LaunchedReplica,
     LaunchSpec,
     ensure_tiny_model,
 )
-from simulator.workload import Conversation, multi_tenant_chat
-
-from . import processes
-from .argtypes import positive_int
-from .chat_load import (
+from kvroute.bench import processes
+from kvroute.bench.argtypes import positive_int
+from kvroute.bench.chat_load import (
     RunResult,
     percentile,
     record_counters,
@@ -53,7 +51,8 @@ from .chat_load import (
     reset_prefix_caches,
     run_conversations,
 )
-from .overhead import find_executable, kvroute_argv, machine_line, package_version
+from kvroute.bench.overhead import find_executable, kvroute_argv, machine_line, package_version
+from kvroute.simulator.workload import Conversation, multi_tenant_chat
 
 HOST = "127.0.0.1"
 MODEL = "tiny"
@@ -266,7 +265,7 @@ def no_reuse_workload(options: Options) -> list[Conversation]:
 
 
 def run_bench(options: Options) -> Outcome:
-    from router.tokenization import HFTokenizerFiles
+    from kvroute.kvcore.tokenizer import HFTokenizerFiles
 
     conversations = multi_tenant_chat(
         options.tenants,

@@ -82,7 +82,7 @@ def chain_hashes_python(token_ids: Sequence[int], block_size: int, parent: int) 
 
 _native: ModuleType | None
 try:
-    from . import _speedups as _native
+    from kvroute.kvcore import _speedups as _native
 except ImportError:  # not built (no C compiler at install time): the Python loop
     _native = None
 
@@ -90,7 +90,7 @@ _chain: ChainHashes = chain_hashes_python
 
 
 def use_speedups(on: bool = True) -> bool:
-    """Hash in C (router/_speedups.c, if built) or with the Python loop: the same hashes.
+    """Hash in C (kvcore/_speedups.c, if built) or with the Python loop: the same hashes.
     Returns whether C hashes now. C is the default; the Python loop is for comparisons."""
     global _chain
     _chain = _native.chain_hashes if on and _native is not None else chain_hashes_python

@@ -3,8 +3,8 @@
 The built-in tokenizer needs no files or packages: words (with their leading whitespace)
 are cut into pieces of at most four characters, about one token per four characters as
 with real BPE vocabularies, and each piece maps to a stable id by hashing. Decoding
-generated ids yields pronounceable filler words. ``HFTokenizer`` reads real tokenizer files,
-chat template included, exactly as vLLM does (router/tokenization.py), for replicas that
+generated ids yields pronounceable filler words. ``hf.HFTokenizerFiles`` reads real tokenizer files,
+chat template included, exactly as vLLM does, for replicas that
 mimic a real model.
 """
 
@@ -12,32 +12,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import xxhash
-
-from router.tokenization import HFTokenizerFiles as HFTokenizer
 
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 _FIRST_ID = 3
 _PIECE = 4
 _WORDS = re.compile(r"\s*\S+|\s+")
 _SYLLABLES = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]
-
-
-class Tokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def decode(self, token_ids: Sequence[int]) -> str: ...
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        continue_final_message: bool = False,
-    ) -> str: ...
 
 
 class SimpleTokenizer:
@@ -94,8 +77,3 @@ class SimpleTokenizer:
         if add_generation_prompt:
             parts.append("<|assistant|>\n")
         return "".join(parts)
-
-
-def load_tokenizer(path: str | None, vocab_size: int = 32000) -> Tokenizer:
-    """HF tokenizer files (read as vLLM reads them), or the built-in tokenizer."""
-    return HFTokenizer(path) if path else SimpleTokenizer(vocab_size)

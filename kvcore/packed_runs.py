@@ -1,11 +1,11 @@
 """Runs of router block hashes packed as native uint64 bytes, and the lookup loops over them.
 
-The prefix index (router/prefix_index.py) keeps each run of blocks it indexes as one ``bytes``
+The prefix index (kvcore/prefix_index.py) keeps each run of blocks it indexes as one ``bytes``
 of their hashes: a lookup compares them as contiguous memory, where a tuple of ints made it
 load each block's int object (scattered over a heap of millions), and a run costs the same
 memory (8 bytes a block, as a tuple's pointer).
 
-Four loops of a lookup or an event have C twins in router/_speedups.c that give the same
+Four loops of a lookup or an event have C twins in kvcore/_speedups.c that give the same
 results (used when built, see setup.py; the tests run both). Counted with valgrind on CPython
 3.11, in instructions, C vs Python: ``follow`` over 128 hashes (97 the run's) ~5k vs ~49k;
 ``walk`` over 5 pieces ~11k vs ~18k (big-int ANDs either way); ``pack`` of an event's 16
@@ -159,7 +159,7 @@ def assemble_python(
 
 _native: ModuleType | None
 try:
-    from . import _speedups as _native
+    from kvroute.kvcore import _speedups as _native
 except ImportError:  # not built (no C compiler at install time): the Python twins
     _native = None
 
@@ -174,7 +174,7 @@ assemble: Assemble = assemble_python
 
 
 def use_speedups(on: bool = True) -> bool:
-    """Run ``pack``, ``follow``, ``walk`` and ``assemble`` in C (router/_speedups.c, if
+    """Run ``pack``, ``follow``, ``walk`` and ``assemble`` in C (kvcore/_speedups.c, if
     built) or as their Python twins: the same results. Returns whether C runs them now. C is
     the default; the twins are for comparisons."""
     global pack, follow, walk, assemble

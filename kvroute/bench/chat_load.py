@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from simulator.workload import Conversation
+from kvroute.simulator.workload import Conversation
 
 
 @dataclass
