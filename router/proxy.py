@@ -75,45 +75,59 @@ def retryable_status(status: int) -> bool:
     return status >= 500 or status in (408, 429)
 
 
+@dataclass(slots=True)
+class ClientExchange:
+    """The client's side of one request, shared by every try at it (retries and resumes)."""
+
+    request: web.Request
+    headers: Iterable[tuple[bytes, bytes]]  # the client's headers passed on to replicas
+    expect_stream: bool
+    # Tracks a stream that may be resumed elsewhere (whole SSE events, text sent so far).
+    transcript: StreamTranscript | None
+    # The client's stream once open, so the caller can still end it well-formed if it gives
+    # up (a total timeout) while a relay is under way, and continuations write into it.
+    stream: web.StreamResponse | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamCall:
+    """One try on one replica."""
+
+    base_url: str
+    body: bytes
+    upstream_headers: bytes  # raw header lines added to the client's
+    response_headers: list[tuple[str, str]]  # added to the replica's answer
+    retry_status: bool  # raise UpstreamUnavailable for a retryable status instead of relaying
+    resume: bool = False  # continue the client's open stream (a continuation)
+
+
 async def relay(
     client: UpstreamClient,
-    request: web.Request,
-    base_url: str,
-    body: bytes,
-    extra_upstream_headers: bytes,
-    extra_response_headers: list[tuple[str, str]],
+    exchange: ClientExchange,
+    call: UpstreamCall,
     timeouts: Timeouts,
     on_first_byte: Callable[[int], None] | None = None,
-    *,
-    client_headers: Iterable[tuple[bytes, bytes]] | None = None,
-    expect_stream: bool = False,
-    retry_status: bool = False,
-    transcript: StreamTranscript | None = None,
-    resume_into: web.StreamResponse | None = None,
-    opened: list[web.StreamResponse] | None = None,
 ) -> Relayed:
-    """Send ``body`` to the replica and relay the answer to ``request``'s client.
+    """Send ``call.body`` to the replica and relay the answer to the exchange's client.
 
     ``on_first_byte(status)`` is called once the replica has answered: the first chunk of a
     stream (its first token: the prefill is done), or the headers of a whole response.
     Raises ``UpstreamUnavailable`` only while nothing has been sent to the client yet, and for
-    a 5xx or 429 answer when ``retry_status`` (the caller will try another replica).
-    ``client_headers``: the client's headers to pass on (default: all but hop-by-hop ones).
-    ``resume_into``: a client stream already open (a continuation); ``transcript`` tracks it.
-    ``opened``: a new client stream is appended here as soon as it is open, so the caller can
-    still end it well-formed if it gives up (a total timeout) while the relay is under way.
+    a 5xx, 408 or 429 answer when ``call.retry_status`` (the caller will try another replica).
     A streamed request's headers must come within ``first_byte_s`` (vLLM sends them at once);
     a non-streamed one's come with the whole answer, within ``first_token_s``.
     """
+    request = exchange.request
+    expect_stream = exchange.expect_stream
     headers_timeout_s = timeouts.first_byte_s if expect_stream else timeouts.first_token_s
     started = time.perf_counter()
     try:
         upstream = await client.post(
-            base_url,
+            call.base_url,
             request.raw_path.encode(),
-            request.raw_headers if client_headers is None else client_headers,
-            extra_upstream_headers,
-            body,
+            exchange.headers,
+            call.upstream_headers,
+            call.body,
             headers_timeout_s,
         )
     except UpstreamError as exc:
@@ -122,7 +136,7 @@ async def relay(
         raise UpstreamUnavailable(kind, str(exc)) from None
     try:
         status = upstream.status
-        if (retry_status and retryable_status(status)) or (resume_into and status >= 400):
+        if (call.retry_status and retryable_status(status)) or (call.resume and status >= 400):
             # A continuation's error cannot be spliced into the client's stream either.
             raise UpstreamUnavailable(f"http_{status}", f"answered HTTP {status}", status)
         streaming = (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
@@ -141,17 +155,17 @@ async def relay(
                 data = await upstream.read(timeouts.first_token_s)
             except UpstreamError as exc:
                 raise UpstreamUnavailable(exc.kind, str(exc)) from None
-            headers = _response_headers(upstream, extra_response_headers)
+            headers = _response_headers(upstream, call.response_headers)
             response = web.Response(body=data, status=status, headers=headers)
             return Relayed(response, status, time.perf_counter() - started)
         ttfb_s = time.perf_counter() - started
-        stream = resume_into
+        stream = exchange.stream if call.resume else None
         if stream is None:
-            headers = _response_headers(upstream, extra_response_headers)
+            headers = _response_headers(upstream, call.response_headers)
             stream = web.StreamResponse(status=status, headers=headers)
             await stream.prepare(request)
-            if opened is not None:
-                opened.append(stream)
+            exchange.stream = stream
+        transcript = exchange.transcript
         if transcript is None or status >= 400:
             return await _relay_raw(upstream, stream, first, status, ttfb_s, timeouts.idle_s)
         return await _relay_events(

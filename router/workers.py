@@ -1,11 +1,11 @@
-"""Several router processes on one port, for more than one core's worth of traffic.
+"""What several router processes on one port share, for more than one core's worth of traffic.
 
 Python runs one event loop per core, so ``--workers N`` forks N processes that each run
 the whole router and accept on the same port (SO_REUSEPORT: the kernel spreads
 connections). They share in-flight load through a ``LoadBoard`` and publish their
 counters to each other through small files, so every worker routes by the fleet's whole
 load and every /metrics scrape reports the whole router. Each worker probes health on its
-own. The supervisor restarts a worker that dies and stops them all on SIGINT/SIGTERM.
+own. The supervisor (``supervisor.py``) starts, restarts and stops them.
 """
 
 from __future__ import annotations
@@ -13,20 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import os
-import shutil
-import signal
-import sys
-import tempfile
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import msgspec
 
-from .config import Config
+from kvroute.policies import ReplicaState
+
 from .loadboard import LoadBoard
 from .metrics import RouterMetrics, Snapshot
 
@@ -34,7 +29,6 @@ log = logging.getLogger(__name__)
 
 # How often each worker publishes its counters for the others' /metrics.
 PUBLISH_INTERVAL_S = 1.0
-RESTART_BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +37,22 @@ class WorkerContext:
     count: int
     board: LoadBoard
     metrics_dir: Path
+
+
+class WorkerLoad:
+    """This worker's row of the load board, as the dispatch ledger's shared load."""
+
+    def __init__(self, context: WorkerContext) -> None:
+        self._board = context.board
+        self._worker = context.index
+
+    def add(
+        self, replica: int, requests: int, tokens: int, prefilling: int, prefill_tokens: int
+    ) -> None:
+        self._board.add(self._worker, replica, requests, tokens, prefilling, prefill_tokens)
+
+    def totals_into(self, states: Sequence[ReplicaState]) -> None:
+        self._board.totals_into(states)
 
 
 class MetricsExchange:
@@ -85,57 +95,3 @@ class MetricsExchange:
             await asyncio.gather(self._task, return_exceptions=True)
         with contextlib.suppress(OSError):
             self.publish(metrics)  # the last counts survive the worker
-
-
-def _worker_main(config: Config, context: WorkerContext) -> None:
-    from .runner import run  # imported here: the supervisor needs no event loop
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when to stop
-    run(config, context)
-
-
-def run_workers(config: Config) -> None:
-    """Start ``config.listen.workers`` workers and supervise them until SIGINT/SIGTERM."""
-    count = config.listen.workers
-    ctx = multiprocessing.get_context("fork")  # the board's shared memory is inherited
-    board = LoadBoard(count, len(config.replicas))
-    metrics_dir = Path(tempfile.mkdtemp(prefix="kvroute-metrics-"))
-    stopping = False
-
-    def stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-
-    def spawn(index: int) -> BaseProcess:
-        context = WorkerContext(index, count, board, metrics_dir)
-        process = ctx.Process(
-            target=_worker_main, args=(config, context), name=f"kvroute-worker-{index}"
-        )
-        process.start()
-        return process
-
-    processes = [spawn(i) for i in range(count)]
-    print(f"kvroute supervisor: {count} workers", file=sys.stderr, flush=True)
-    try:
-        while not stopping:
-            time.sleep(0.2)
-            for i, process in enumerate(processes):
-                if not process.is_alive() and not stopping:
-                    print(
-                        f"kvroute worker {i} exited with {process.exitcode}; restarting",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    board.clear_row(i)
-                    time.sleep(RESTART_BACKOFF_S)
-                    processes[i] = spawn(i)
-    finally:
-        for process in processes:
-            if process.is_alive() and process.pid is not None:
-                os.kill(process.pid, signal.SIGTERM)
-        for process in processes:
-            process.join()
-        shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -558,7 +558,7 @@ async def test_router_renders_documents_and_reasoning_effort_like_vllm(
         }
     )
     router = Router(config)
-    blocks = await router._prompt_blocks(parse_chat(json.dumps(body).encode()))
+    blocks = await router.keys.blocks(parse_chat(json.dumps(body).encode()))
     assert blocks is not None
     assert blocks.tokens == len(theirs)
     assert blocks.hashes == block_hashes(theirs, BLOCK_SIZE)

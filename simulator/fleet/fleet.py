@@ -1,11 +1,11 @@
 """The discrete-event fleet: a trace's requests through a router's policy onto N engine models.
 
-Virtual time only. At each arrival the simulated router does what ``router/server.py`` does:
-looks the prompt's block hashes up in the same ``PrefixIndex``, builds the same ``RouteRequest``
-(``prefix_tokens`` from the index, the session as routing key), asks the same policy object
-for a decision over a ``FleetView`` of ``ReplicaState`` s, records a prediction for the chosen
-replica and counts the request in flight and its uncached prompt as queued prefill. Engines
-report first tokens (prefill done, prediction renewed), finishes (out of flight) and KV events,
+Virtual time only. At each arrival the simulated router calls the live router's own dispatch
+ledger (``kvcore.ledger``): the prompt's block hashes looked up in the same ``PrefixIndex``,
+the same policy object deciding over a ``FleetView`` of ``ReplicaState`` s, a prediction for
+the chosen replica, the request counted in flight and its uncached prompt as queued prefill.
+Engines report first tokens (``first_token``: prefill done, prediction renewed), finishes
+(``finish``: out of flight) and KV events,
 which reach the index ``event_lag_s`` later; every ``scrape_interval_s`` the replicas' queue
 depth and KV usage are read, as the router scrapes ``/metrics``. A failed replica's unfinished
 requests go back through the policy at once and resume elsewhere from the tokens already
@@ -22,10 +22,10 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
+from kvroute.kvcore.ledger import Dispatch, DispatchLedger
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
 
-from .accounting import Dispatch, dispatched, finished, prefill_done
 from .config import FleetConfig
 from .exact_engine import ExactEngine
 from .fast_engine import FastEngine
@@ -77,6 +77,9 @@ class _Fleet:
         self.view = FleetView(self.states, membership_version=1)
         self.engines = [make_engine(config, trace.block_tokens) for _ in range(n)]
         self.index = PrefixIndex()
+        self.ledger = DispatchLedger(
+            policy, self.view, self.index, prediction_ttl_s=config.prediction_ttl_s
+        )
         self.ibt = self.engines[0].index_block_tokens
         self.heap: list[tuple[float, int, int, int, object]] = []
         self._order = 0
@@ -173,32 +176,22 @@ class _Fleet:
     def _route(self, flight: _Flight, t: float) -> None:
         request = flight.request
         extra = flight.delivered
-        engine = self.engines[0]
-        hashes = engine.route_hashes(request)
-        prefix_tokens: dict[str, int] | None = None
-        if hashes:
-            ibt = self.ibt
-            matches = self.index.match(hashes, t)
-            prefix_tokens = {rid: m.blocks * ibt for rid, m in matches.items()}
         route_request = RouteRequest(
             request.input_tokens + extra,
             request.output_tokens - extra,
             None,
             request.session_id,
-            hashes,
-            prefix_tokens,
+            self.engines[0].route_hashes(request),
         )
-        self.view.now = t
-        decision = self.policy.decide(route_request, self.view)
-        if not decision.ranked:
+        ledger = self.ledger
+        route = ledger.route(route_request, t, self.ibt)
+        if not route.ranked:
             del self.flights[request.index]  # no replica left: the request fails
             return
-        self.result.reasons[decision.reason] += 1
-        r = self.number[decision.chosen]
-        state = self.states[r]
-        flight.dispatch = dispatched(state, route_request, r)
-        if hashes:
-            self.index.predict(self.names[r], hashes, t, self.config.prediction_ttl_s)
+        self.result.reasons[route.reason] += 1
+        chosen = route.ranked[0]
+        r = self.number[chosen]
+        flight.dispatch = ledger.dispatch(route, chosen, t)
         self.result.routed_requests[r] += 1
         self.result.routed_tokens[r] += route_request.prompt_tokens
         self._enqueue(r, request, extra, t)
@@ -238,21 +231,17 @@ class _Fleet:
         for index, queried, hit in report.lookups:
             res.queried_tokens[index] += queried
             res.hit_tokens[index] += hit
-        state = self.states[r]
-        hashes_of = self.engines[r].route_hashes
+        ledger = self.ledger
         for index, at in report.first_tokens:
             flight = self.flights[index]
             if math.isnan(res.first_token_s[index]):
                 res.first_token_s[index] = at
             assert flight.dispatch is not None
-            if prefill_done(state, flight.dispatch):
-                hashes = hashes_of(flight.request)
-                if hashes:  # cached there now: keep the prediction until events confirm it
-                    self.index.predict(self.names[r], hashes, at, self.config.prediction_ttl_s)
+            ledger.first_token(flight.dispatch, at)
         for index, at in report.finished:
             flight = self.flights.pop(index)
             assert flight.dispatch is not None
-            finished(state, flight.dispatch)
+            ledger.finish(flight.dispatch, at)
             res.finish_s[index] = at
             res.replica[index] = r
         if report.index_ops:
@@ -298,11 +287,7 @@ class _Fleet:
         for index, generated in left.items():
             flight = self.flights[index]
             assert flight.dispatch is not None
-            if flight.dispatch.prefilling:
-                hashes = self.engines[r].route_hashes(flight.request)
-                if hashes:
-                    self.index.unpredict(self.names[r], hashes)
-            finished(state, flight.dispatch)
+            self.ledger.finish(flight.dispatch, t)  # withdraws a prediction still prefilling
             flight.delivered += generated
             self.result.reroutes[index] += 1
             self._route(flight, t)

@@ -1,0 +1,174 @@
+"""The dispatch ledger: the routing step that every front end shares.
+
+A request's life as the router sees it, in four calls:
+
+* ``route(request, now)``: look the prompt's block hashes up in the prefix index, fill in what
+  each replica holds, and ask the policy; a ``Route`` carries the ranking and the reason.
+* ``dispatch(route, replica, now)``: the request is sent to ``replica`` (the policy's choice,
+  or the next in its ranking on a retry); the prompt is predicted cached there until the
+  replica's KV events say so, and it counts as in flight with its uncached prompt as queued
+  prefill. The ``Dispatch`` it returns is what the front end hands back below.
+* ``first_token(dispatch, now, ok)``: the replica answered. ``ok``: its prefill is done and
+  the prompt is cached there (the prediction is renewed); not ok: it refused, nothing was
+  cached (the prediction is withdrawn). Either way it is no longer queued prefill.
+* ``finish(dispatch, now)``: it left the replica (done, failed or cancelled); one still
+  prefilling withdraws its prediction first.
+
+The HTTP router, the endpoint picker and the simulator call these and nothing else: no front
+end touches ``in_flight`` counters or predictions. Pure: no I/O, no clock (``now`` is passed
+in: monotonic seconds live, virtual seconds in the simulator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
+
+
+class SharedLoad(Protocol):
+    """Load that other processes add too (the router's worker board): written at every
+    change, read back into the fleet's states before each decision."""
+
+    def add(
+        self, replica: int, requests: int, tokens: int, prefilling: int, prefill_tokens: int
+    ) -> None: ...
+
+    def totals_into(self, states: Sequence[ReplicaState]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The policy's decision for one request, with the request as the policy saw it."""
+
+    request: RouteRequest  # prefix_tokens filled in from the index
+    ranked: tuple[str, ...]  # best first; empty when no replica may take it
+    reason: str
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """One request sent to one replica, tracked until it finishes there."""
+
+    replica: str
+    reason: str
+    ranked: tuple[str, ...]
+    request: RouteRequest
+    cached_tokens: int  # prompt tokens the index expects the replica to hold
+    cost: int  # prompt + max output tokens: in flight while it runs
+    prefill: int  # uncached prompt tokens: queued prefill until its first token
+    slot: int  # the replica's position in the fleet
+    prefilling: bool = True
+    open: bool = True
+
+
+class DispatchLedger:
+    """Decisions, predictions and the router's own load, in one place (see the module doc)."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        fleet: FleetView,
+        index: PrefixIndex,
+        *,
+        prediction_ttl_s: float,
+        shared: SharedLoad | None = None,
+    ) -> None:
+        self.policy = policy
+        self.index = index
+        self.prediction_ttl_s = prediction_ttl_s
+        self._shared = shared
+        self.fleet = fleet
+        self._slots: dict[str, int] = {}
+        self.set_fleet(fleet)
+
+    def set_fleet(self, fleet: FleetView) -> None:
+        """Replicas joined or left (bump the view's ``membership_version``)."""
+        self.fleet = fleet
+        self._slots = {s.replica_id: i for i, s in enumerate(fleet.replicas)}
+
+    def state(self, replica: str) -> ReplicaState:
+        return self.fleet.replicas[self._slots[replica]]
+
+    # -- the four calls ---------------------------------------------------------------
+
+    def route(self, request: RouteRequest, now: float, block_tokens: int) -> Route:
+        """The policy's ranking for ``request``, prefix matches from the index filled in."""
+        hashes = request.block_hashes
+        if hashes:
+            matches = self.index.match(hashes, now)
+            prefix = {rid: m.blocks * block_tokens for rid, m in matches.items()}
+            r = request
+            request = RouteRequest(
+                r.prompt_tokens, r.max_tokens, r.model, r.routing_key, hashes, prefix
+            )
+        fleet = self.fleet
+        if self._shared is not None:
+            self._shared.totals_into(fleet.replicas)
+        fleet.now = now
+        decision = self.policy.decide(request, fleet)
+        return Route(request, decision.ranked, decision.reason)
+
+    def dispatch(self, route: Route, replica: str, now: float, reason: str = "") -> Dispatch:
+        """``route``'s request goes to ``replica``: predict its prompt there, count its load."""
+        request = route.request
+        slot = self._slots[replica]
+        prefix = request.prefix_tokens
+        cached = min(prefix.get(replica, 0), request.prompt_tokens) if prefix else 0
+        d = Dispatch(
+            replica,
+            reason or route.reason,
+            route.ranked,
+            request,
+            cached,
+            request.token_cost,
+            max(1, request.prompt_tokens - cached),
+            slot,
+        )
+        if request.block_hashes:
+            # Until its events arrive, count the prompt as cached there, so the next request
+            # with this prefix follows it.
+            self.index.predict(replica, request.block_hashes, now, self.prediction_ttl_s)
+        state = self.fleet.replicas[slot]
+        state.in_flight += 1
+        state.in_flight_tokens += d.cost
+        state.prefilling += 1
+        state.prefill_tokens += d.prefill
+        if self._shared is not None:
+            self._shared.add(slot, 1, d.cost, 1, d.prefill)
+        return d
+
+    def first_token(self, d: Dispatch, now: float, ok: bool = True) -> bool:
+        """The replica answered (``ok``) or refused; False if this was counted already."""
+        if not d.prefilling:
+            return False
+        d.prefilling = False
+        state = self.fleet.replicas[d.slot]
+        state.prefilling -= 1
+        state.prefill_tokens -= d.prefill
+        if self._shared is not None:
+            self._shared.add(d.slot, 0, 0, -1, -d.prefill)
+        hashes = d.request.block_hashes
+        if hashes:
+            if ok:
+                # However long it queued, the prompt is cached there now: keep the prediction
+                # until the replica's events confirm it.
+                self.index.predict(d.replica, hashes, now, self.prediction_ttl_s)
+            else:
+                self.index.unpredict(d.replica, hashes)  # nothing was cached there
+        return True
+
+    def finish(self, d: Dispatch, now: float) -> None:
+        """The request left its replica: done, failed or cancelled (idempotent)."""
+        if not d.open:
+            return
+        self.first_token(d, now, ok=False)  # a no-op once the replica answered
+        d.open = False
+        state = self.fleet.replicas[d.slot]
+        state.in_flight -= 1
+        state.in_flight_tokens -= d.cost
+        if self._shared is not None:
+            self._shared.add(d.slot, -1, -d.cost, 0, 0)

@@ -1,0 +1,102 @@
+"""One try of one request on one replica: dispatch in the ledger, relay, record the outcome."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kvroute.kvcore.ledger import DispatchLedger, Route
+
+from .metrics import RouterMetrics
+from .proxy import ClientExchange, Relayed, Timeouts, UpstreamCall, UpstreamUnavailable, relay
+from .registry import ReplicaRegistry
+from .upstream_client import UpstreamClient
+
+
+@dataclass(frozen=True, slots=True)
+class Try:
+    """What one try sends: the body (a continuation's differs), why this replica, and how."""
+
+    body: bytes
+    request_id: str
+    reason: str
+    retry_status: bool  # a retryable answer raises instead of reaching the client
+    resume: bool = False  # write into the client's open stream
+
+
+log = logging.getLogger(__name__)
+
+
+class Forwarder:
+    def __init__(
+        self,
+        ledger: DispatchLedger,
+        registry: ReplicaRegistry,
+        metrics: RouterMetrics,
+        timeouts: Timeouts,
+        decision_headers: bool,
+    ) -> None:
+        self.ledger = ledger
+        self.registry = registry
+        self.metrics = metrics
+        self.timeouts = timeouts
+        self.decision_headers = decision_headers
+        self.client: UpstreamClient | None = None  # opened with the app
+
+    async def forward(
+        self, exchange: ClientExchange, route: Route, replica_id: str, attempt: Try
+    ) -> Relayed | None:
+        """Relay to one replica; None when it failed before the first byte."""
+        handle = self.registry.handles[replica_id]
+        ledger = self.ledger
+        dispatch = ledger.dispatch(route, replica_id, time.monotonic(), attempt.reason)
+        self.registry.dispatched(handle)
+        metrics = self.metrics
+
+        def answered(status: int) -> None:
+            ok = status < 400
+            if ledger.first_token(dispatch, time.monotonic(), ok) and ok:
+                prompt = dispatch.request.prompt_tokens
+                metrics.observe_routed(replica_id, prompt, dispatch.cached_tokens)
+
+        extra = [("X-Request-Id", attempt.request_id)]
+        if self.decision_headers:
+            extra += (
+                ("X-Kvroute-Replica", replica_id),
+                ("X-Kvroute-Reason", dispatch.reason),
+                # The prompt tokens the router expects that replica to have cached (index).
+                ("X-Kvroute-Prefix-Hit-Tokens", str(dispatch.cached_tokens)),
+            )
+        call = UpstreamCall(
+            handle.base_url,
+            attempt.body,
+            b"X-Request-Id: " + attempt.request_id.encode() + b"\r\n",
+            extra,
+            attempt.retry_status,
+            attempt.resume,
+        )
+        started = time.perf_counter()
+        assert self.client is not None
+        try:
+            relayed = await relay(self.client, exchange, call, self.timeouts, answered)
+        except UpstreamUnavailable as exc:
+            metrics.observe_upstream_error(replica_id, exc.kind)
+            if exc.kind == "connect":
+                self.registry.connect_failed(handle)
+            if exc.kind != "ejected" and (exc.status or 500) >= 500:
+                self.registry.record(handle, False, exc.kind)  # transport errors and 5xx only
+            log.warning("replica %s failed before first byte: %s", replica_id, exc)
+            return None
+        finally:
+            ledger.finish(dispatch, time.monotonic())
+        if relayed.broken is not None:
+            metrics.observe_upstream_error(replica_id, "broken_stream")
+            self.registry.record(handle, False, "broken_stream")
+        elif relayed.status not in (408, 429):
+            self.registry.record(handle, relayed.status < 500)
+        elapsed = time.perf_counter() - started
+        metrics.observe_request(
+            replica_id, relayed.status, dispatch.reason, relayed.ttfb_s, elapsed
+        )
+        return relayed

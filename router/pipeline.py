@@ -1,0 +1,294 @@
+"""A request's path through the router: parse, tokenize, route, try replicas, relay, resume.
+
+``RequestPipeline.serve`` reads on one screen; each step is a call into the component that
+owns it: ``PromptKeys`` (tokens and block hashes), the ``DispatchLedger`` (the decision),
+``try_in_order`` (retries over the ranking) and the ``Forwarder`` (one try on one replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import msgspec
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from kvroute.kvcore.ledger import DispatchLedger, Route
+from kvroute.policies import RouteRequest
+
+from . import errors
+from .admission import Admission
+from .attempts import RetryPlan, try_in_order
+from .auth import Auth
+from .config import Config
+from .deadlines import Deadlines
+from .forward import Forwarder, Try
+from .metrics import RouterMetrics
+from .openai_request import ParsedRequest
+from .prompt_keys import PromptKeys
+from .proxy import ClientExchange, Relayed, end_broken_stream, sse_error
+from .registry import ReplicaRegistry
+from .resume import StreamTranscript, continuation_body, resume_blocker
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Session-ID"
+
+
+class ModelCatalog:
+    """The models the router serves: configured, else what the replicas list."""
+
+    def __init__(self, configured: list[str]) -> None:
+        self.configured = bool(configured)
+        self.names: list[str] = list(configured)
+        self.known = frozenset(configured)
+
+    def update(self, names: set[str]) -> None:
+        if not self.configured:
+            self.names = sorted(names)
+            self.known = frozenset(names)
+
+    def check(self, model: str) -> None:
+        if self.known and model not in self.known:
+            raise errors.model_not_found(model, self.names)
+
+
+class RequestPipeline:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        auth: Auth,
+        admission: Admission,
+        deadlines: Deadlines | None,
+        catalog: ModelCatalog,
+        keys: PromptKeys,
+        ledger: DispatchLedger,
+        registry: ReplicaRegistry,
+        forwarder: Forwarder,
+        metrics: RouterMetrics,
+        retry_after_s: int,
+    ) -> None:
+        self.config = config
+        self.auth = auth
+        self.admission = admission
+        self.deadlines = deadlines
+        self.catalog = catalog
+        self.keys = keys
+        self.ledger = ledger
+        self.registry = registry
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.retry_after_s = retry_after_s
+        r = config.retry
+        self.retry = RetryPlan(r.max_attempts, r.budget_s, r.backoff_base_s, r.backoff_max_s)
+        # Request ids: a random per-process prefix and a counter (uuid4 costs more per request).
+        self._id_prefix = os.urandom(6).hex()
+        self._ids = itertools.count(1)
+
+    def handler(
+        self, parse: Callable[[bytes], ParsedRequest]
+    ) -> Callable[[web.Request], asyncio.Future[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            try:
+                return await self.admit(request, parse)
+            except errors.ApiError as exc:
+                self.metrics.observe_rejected(exc.status, exc.code or exc.error_type)
+                return exc.response()
+
+        return handle  # type: ignore[return-value]
+
+    async def admit(
+        self, request: web.Request, parse: Callable[[bytes], ParsedRequest]
+    ) -> web.StreamResponse:
+        """Authenticate, admit (bounded concurrency) and bound the whole request's time."""
+        self.auth.check_client(request)
+        # Counted from here: tokenizing a long prompt is work the limit must bound too.
+        await self.admission.acquire()
+        exchange = ClientExchange(request, self._client_headers(request), False, None)
+        try:
+            if self.deadlines is None:
+                return await self.serve(exchange, parse)
+            return await self._within_total_timeout(exchange, parse, self.deadlines)
+        finally:
+            self.admission.release()
+
+    async def serve(
+        self, exchange: ClientExchange, parse: Callable[[bytes], ParsedRequest]
+    ) -> web.StreamResponse:
+        """The request's path: parse, tokenize, route, try replicas in order, resume."""
+        arrived = time.monotonic()
+        request = exchange.request
+        body = await self._read_body(request)
+        parsed = parse(body)
+        self.catalog.check(parsed.model)
+        route = await self._route(request, parsed)
+        exchange.expect_stream = parsed.stream
+        if parsed.stream and self.config.retry.resume_streams:
+            exchange.transcript = StreamTranscript(chat=parsed.messages is not None)
+        request_id = self._request_id(request)
+        tried: set[str] = set()
+        relayed = await self._try_replicas(exchange, route, tried, body, request_id, arrived)
+        if relayed is None:
+            if not tried:  # every ranked replica was ejected or down by now
+                raise errors.no_healthy_replica(self.retry_after_s)
+            raise errors.upstream_unavailable(self.retry_after_s)
+        transcript = exchange.transcript
+        if relayed.broken is not None and relayed.resumable and transcript is not None:
+            chat = parsed.messages is not None
+            relayed = await self._resume(exchange, route, tried, body, request_id, chat, relayed)
+        return relayed.response
+
+    async def _route(self, request: web.Request, parsed: ParsedRequest) -> Route:
+        blocks = await self.keys.blocks(parsed)
+        route_request = RouteRequest(
+            blocks.tokens if blocks is not None else parsed.prompt_tokens,
+            parsed.max_tokens,
+            parsed.model,
+            request.headers.get(SESSION_HEADER) or parsed.user,
+            blocks.hashes if blocks is not None else [],
+        )
+        now = time.monotonic()
+        self.registry.before_decision(now)
+        route = self.ledger.route(route_request, now, self.keys.block_size())
+        if not route.ranked:
+            raise errors.no_healthy_replica(self.retry_after_s)
+        return route
+
+    async def _try_replicas(
+        self,
+        exchange: ClientExchange,
+        route: Route,
+        tried: set[str],
+        body: bytes,
+        request_id: str,
+        started: float,
+        resume: bool = False,
+    ) -> Relayed | None:
+        """The ranked replicas in order until one answers (retries before the first byte)."""
+
+        async def try_one(replica: str, attempt: int, last: bool) -> Relayed | None:
+            tried.add(replica)
+            reason = "resume" if resume else ("retry" if attempt else route.reason)
+            # A continuation's error cannot be relayed into the open stream: always retry it.
+            try_ = Try(body, request_id, reason, retry_status=not last or resume, resume=resume)
+            return await self.forwarder.forward(exchange, route, replica, try_)
+
+        def retried() -> None:
+            self.metrics.observe_retry("resume" if resume else "retry")
+
+        def pick() -> str | None:
+            return self.registry.candidate(route.ranked, tried)
+
+        return await try_in_order(self.retry, started, pick, try_one, retried)
+
+    async def _resume(
+        self,
+        exchange: ClientExchange,
+        route: Route,
+        tried: set[str],
+        body: bytes,
+        request_id: str,
+        chat: bool,
+        relayed: Relayed,
+    ) -> Relayed:
+        """Continue a broken stream on other replicas, spliced into the client's stream."""
+        transcript = exchange.transcript
+        assert transcript is not None
+        max_resumes = self.config.retry.max_resumes
+        original = msgspec.json.decode(body)
+        blocker = resume_blocker(original, chat) if isinstance(original, dict) else "not JSON"
+        while relayed.broken is not None and relayed.resumable:
+            stream, broken = relayed.response, relayed.broken
+            if blocker is not None or transcript.resumes >= max_resumes:
+                why = blocker or f"retry.max_resumes ({max_resumes}) reached"
+                self.metrics.observe_resume("impossible")
+                return await end_broken_stream(
+                    stream, relayed.status, relayed.ttfb_s, f"{broken}; not resumed: {why}"
+                )
+            new_body = continuation_body(original, chat, transcript)
+            if new_body is None:  # every token it asked for was sent: end it as vLLM would
+                self.metrics.observe_resume("completed")
+                await stream.write(transcript.length_finish())
+                await stream.write_eof()
+                return Relayed(stream, relayed.status, relayed.ttfb_s)
+            transcript.start_continuation()
+            log.info("resuming a broken stream (%s) elsewhere", broken)
+            nxt = await self._try_replicas(
+                exchange, route, tried, new_body, request_id, time.monotonic(), resume=True
+            )
+            if nxt is None:
+                self.metrics.observe_resume("failed")
+                return await end_broken_stream(
+                    stream, relayed.status, relayed.ttfb_s, f"{broken}; no replica could resume it"
+                )
+            self.metrics.observe_resume("resumed")
+            relayed = nxt
+        return relayed
+
+    # -- edges of the path ------------------------------------------------------------
+
+    async def _within_total_timeout(
+        self,
+        exchange: ClientExchange,
+        parse: Callable[[bytes], ParsedRequest],
+        deadlines: Deadlines,
+    ) -> web.StreamResponse:
+        total_s = self.config.timeouts.total_s
+        task: asyncio.Task[object] = asyncio.current_task()  # type: ignore[assignment]
+        deadlines.track(task, time.monotonic() + total_s)
+        try:
+            return await self.serve(exchange, parse)
+        except asyncio.CancelledError:
+            if not deadlines.release(task):
+                raise  # the client went away
+            stream = exchange.stream
+            if stream is None:
+                raise errors.gateway_timeout(total_s) from None
+            # Too late for a status code: end the stream with an error event instead.
+            message = f"The request did not finish within the router's limit of {total_s:g}s."
+            with contextlib.suppress(ConnectionResetError):
+                await stream.write(sse_error(message, "timeout"))
+                await stream.write_eof()
+            return stream
+        finally:
+            deadlines.release(task)  # also when it ended another way
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        max_body = self.config.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > max_body:
+            raise errors.body_too_large(max_body)
+        try:
+            if request.content.is_eof():  # all of it came with the headers: nothing to wait for
+                return await request.read()
+            async with asyncio.timeout(self.config.timeouts.client_body_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise errors.body_too_large(max_body) from None
+        except TimeoutError:
+            raise errors.request_timeout("Sending the request body") from None
+        except (web.RequestPayloadError, HttpProcessingError) as exc:  # e.g. gzip that is not
+            raise errors.bad_request(f"The request body cannot be read: {exc}") from None
+
+    def _client_headers(self, request: web.Request) -> tuple[tuple[bytes, bytes], ...]:
+        """Headers passed on to replicas: with router API keys, never the client's key."""
+        if not self.auth.clients_need_key:
+            return request.raw_headers
+        return tuple(h for h in request.raw_headers if h[0].lower() != b"authorization")
+
+    def _request_id(self, request: web.Request) -> str:
+        request_id = request.headers.get("X-Request-Id", "")
+        if usable_request_id(request_id):
+            return request_id
+        return f"kvr-{self._id_prefix}-{next(self._ids):x}"
+
+
+def usable_request_id(value: str) -> bool:
+    """A client's X-Request-Id worth passing on: short printable ASCII (it goes into headers)."""
+    return 0 < len(value) <= 200 and value.isascii() and value.isprintable()

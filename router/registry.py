@@ -1,0 +1,187 @@
+"""The replicas the router routes to, and the one answer to "may this replica take traffic now?".
+
+Each ``ReplicaHandle`` owns its ``ReplicaState`` (what policies read) and its circuit breaker.
+The registry keeps them in one place with the outcomes of live traffic: it records each
+outcome on the replica's breaker, ejects and reinstates replicas, stamps when they left
+rotation, and checks a replica at once when a dropped connection may mean it died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+from kvroute.backends.handle import ReplicaHandle
+from kvroute.health.breaker import BreakerSettings, BreakerState
+from kvroute.policies import FleetView
+
+from .config import Config, replica_base_url, replica_name_from_url
+
+log = logging.getLogger(__name__)
+
+# Failures that may mean the replica process is gone (see ``ReplicaRegistry._check_alive``).
+CONNECTION_FAILURES = frozenset({"broken_stream", "protocol"})
+
+
+class RegistryHooks(Protocol):
+    """What the registry asks of the rest of the router (metrics, the upstream client, probes)."""
+
+    def ejected(self, handle: ReplicaHandle, kind: str) -> None: ...
+
+    def abandon_waiting(self, handle: ReplicaHandle, why: str) -> int: ...
+
+    async def responds(self, handle: ReplicaHandle) -> bool: ...
+
+
+def breaker_settings(config: Config) -> BreakerSettings:
+    b = config.breaker
+    return BreakerSettings(
+        b.consecutive_failures,
+        b.failure_rate,
+        b.min_requests,
+        b.window_s,
+        b.cooldown_s,
+        b.max_cooldown_s,
+        b.half_open_requests,
+        b.close_after_successes,
+    )
+
+
+class ReplicaRegistry:
+    def __init__(self, config: Config, hooks: RegistryHooks) -> None:
+        self.breakers_enabled = config.breaker.enabled
+        self._hooks = hooks
+        settings = breaker_settings(config)
+        self.handles: dict[str, ReplicaHandle] = {}
+        for position, replica in enumerate(config.replicas):
+            name = replica.name or replica_name_from_url(replica.url)
+            self.handles[name] = ReplicaHandle(
+                name, replica_base_url(replica.url), position, settings
+            )
+        self.fleet = FleetView([h.state for h in self.handles.values()], membership_version=1)
+        # Replicas whose breaker is not closed: reinstated when their cool-down is over.
+        self._tripped: dict[str, ReplicaHandle] = {}
+        self._checking: set[str] = set()  # replicas being checked after a dropped connection
+
+    def __iter__(self) -> Iterator[ReplicaHandle]:
+        return iter(self.handles.values())
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def in_rotation(self) -> int:
+        return sum(1 for r in self.fleet.replicas if r.healthy and not r.ejected)
+
+    # -- may it take traffic? ---------------------------------------------------------
+
+    def may_take(self, handle: ReplicaHandle, now: float) -> bool:
+        """Healthy by its probes and let through by its breaker (half-open: a trial slot)."""
+        return handle.state.healthy and handle.breaker.allows(now)
+
+    def candidate(self, ranked: tuple[str, ...], tried: set[str]) -> str | None:
+        """The best replica not tried yet that may take traffic now, else any that may."""
+        now = time.monotonic()
+        fallback = None
+        for replica_id in ranked:
+            if not self.may_take(self.handles[replica_id], now):
+                continue
+            if replica_id not in tried:
+                return replica_id
+            if fallback is None:
+                fallback = replica_id
+        return fallback
+
+    def before_decision(self, now: float) -> None:
+        """Ejected replicas whose cool-down is over take trial requests again (half-open)."""
+        if not self._tripped:
+            return
+        for handle in self._tripped.values():
+            if handle.state.ejected and handle.breaker.allows(now):
+                handle.state.ejected = False
+
+    def dispatched(self, handle: ReplicaHandle) -> None:
+        """A request is on its way to ``handle``: a half-open breaker counts its trial."""
+        handle.breaker.dispatched()
+        if handle.breaker.state is BreakerState.HALF_OPEN:
+            handle.state.ejected = not handle.breaker.allows(time.monotonic())
+
+    # -- outcomes ---------------------------------------------------------------------
+
+    def connect_failed(self, handle: ReplicaHandle) -> None:
+        """Out of rotation until a probe passes again."""
+        self.mark_down(handle)
+
+    def mark_down(self, handle: ReplicaHandle) -> None:
+        if handle.state.healthy:
+            handle.out_since = time.time()
+        handle.state.healthy = False
+
+    def record(self, handle: ReplicaHandle, ok: bool, kind: str = "") -> None:
+        """One outcome of live traffic on a replica, for its breaker."""
+        if kind in CONNECTION_FAILURES and handle.name not in self._checking:
+            # A dropped connection may be a dead replica: find out now, not at the next probe.
+            self._checking.add(handle.name)
+            task = asyncio.create_task(self._check_alive(handle))
+            task.add_done_callback(lambda _: self._checking.discard(handle.name))
+        if not self.breakers_enabled:
+            return
+        now = time.monotonic()
+        breaker = handle.breaker
+        if kind == "stalled":
+            opened = breaker.trip(now, "sent nothing within timeouts.first_byte_s")
+        else:
+            opened = breaker.record(now, ok, kind)
+        if opened:
+            self._eject(handle, kind or "failure")
+        elif breaker.state is BreakerState.CLOSED:
+            if self._tripped.pop(handle.name, None) is not None:
+                log.info("replica %s is back in rotation", handle.name)
+                if handle.state.healthy:
+                    handle.out_since = None
+            handle.state.ejected = False
+        else:
+            handle.state.ejected = not breaker.allows(now)
+
+    async def _check_alive(self, handle: ReplicaHandle) -> None:
+        """Out of rotation at once if the replica no longer answers its health check.
+
+        An HTTP check, not a bare connect: a SIGKILLed vLLM keeps its listening socket (the
+        kernel still completes connections) until its multi-GB address space is torn down, 1-2 s
+        on a loaded box, but it answers nothing from the moment it dies.
+        """
+        if await self._hooks.responds(handle):
+            return
+        if handle.state.healthy:
+            self.mark_down(handle)
+            log.warning(
+                "replica %s is down (no answer to its health check): out of rotation", handle.name
+            )
+            self._hooks.abandon_waiting(handle, "the replica is down")
+
+    def _eject(self, handle: ReplicaHandle, kind: str) -> None:
+        if handle.out_since is None:
+            handle.out_since = time.time()
+        handle.state.ejected = True
+        self._tripped[handle.name] = handle
+        reason = handle.breaker.last_reason
+        self._hooks.ejected(handle, kind)
+        abandoned = self._hooks.abandon_waiting(handle, f"ejected: {reason}")
+        log.warning(
+            "replica %s ejected for %.1fs: %s (%d waiting requests sent elsewhere)",
+            handle.name,
+            handle.breaker.open_until - handle.breaker.opened_at,
+            reason,
+            abandoned,
+        )
+
+    def probed(self) -> None:
+        """A probe changed something: stamp who left rotation and who came back."""
+        for handle in self.handles.values():
+            out = not handle.state.healthy or handle.state.ejected
+            if out and handle.out_since is None:
+                handle.out_since = time.time()
+            elif not out:
+                handle.out_since = None
