@@ -184,7 +184,7 @@ def training_text(seed: int, sentences: int = 4000) -> list[str]:
 def _build(out: Path, seed: int) -> None:
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     _build_tokenizer(seed).save_pretrained(out)
     _build_model(seed).save_pretrained(out)
     _normalise_files(out)
@@ -209,7 +209,7 @@ def _build_tokenizer(seed: int) -> Any:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A:0", pair=f"{BOS} $A:0 {BOS} $B:1", special_tokens=[(BOS, bos_id)]
     )
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
@@ -244,8 +244,8 @@ def _build_model(seed: int) -> Any:
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return model.to(torch.bfloat16)
+        model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    return model.to(torch.bfloat16)  # type: ignore[arg-type]
 
 
 def _normalise_files(out: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from datetime import datetime
 
 import aiohttp
 import msgspec
@@ -217,7 +218,7 @@ def _demo_tokenizer(engine: str) -> Tokenizer:
     if engine == "vllm":
         from kvroute.backends.launcher import ensure_tiny_model
 
-        return HFTokenizerFiles(str(ensure_tiny_model()))
+        return HFTokenizerFiles(str(ensure_tiny_model()), clock=datetime.now)
     return SimpleTokenizer()
 
 

@@ -28,7 +28,7 @@ class RetryPlan:
 
     def backoff_s(self, retry: int) -> float:
         """Full jitter: a random wait up to the exponential bound for this retry (1, 2, ...)."""
-        bound = min(self.backoff_max_s, self.backoff_base_s * 2 ** (retry - 1))
+        bound = min(self.backoff_max_s, self.backoff_base_s * 2.0 ** (retry - 1))
         return self.rng.random() * bound
 
 

@@ -42,7 +42,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvroute.kvcore.block_hashing import extra_key
-from kvroute.simulator.engine import (
+from kvroute.kvcore.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

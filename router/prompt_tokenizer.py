@@ -17,6 +17,7 @@ import signal
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from datetime import datetime
 from typing import Any
 
 from kvroute.kvcore.tokenizer import (
@@ -40,7 +41,7 @@ def _init_worker(spec: str) -> None:
     # Ctrl-C reaches the whole process group: the router shuts its pool down, the workers
     # must not die mid-prompt with a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_tokenizer = load_tokenizer(spec)
+    _worker_tokenizer = load_tokenizer(spec, clock=datetime.now)
 
 
 def _encode_in_worker(
@@ -67,7 +68,7 @@ class PromptTokenizer:
 
     def __init__(self, spec: str, inline_chars: int = 4096, processes: int = 1) -> None:
         self.spec = spec
-        self.tokenizer = load_tokenizer(spec)
+        self.tokenizer = load_tokenizer(spec, clock=datetime.now)
         self.inline_chars = inline_chars
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None

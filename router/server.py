@@ -139,16 +139,17 @@ class Router:
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.limits.max_body_bytes)
-        expect = {"expect_handler": _expect_handler}
         handler = self.pipeline.handler
-        app.router.add_post("/v1/completions", handler(parse_completion), **expect)
-        app.router.add_post("/v1/chat/completions", handler(parse_chat), **expect)
-        app.router.add_get("/v1/models", self.handle_models, **expect)
-        app.router.add_get("/health", self.handle_health, **expect)
-        app.router.add_get("/ready", self.handle_ready, **expect)
+        routes = app.router
+        expect = _expect_handler
+        routes.add_post("/v1/completions", handler(parse_completion), expect_handler=expect)
+        routes.add_post("/v1/chat/completions", handler(parse_chat), expect_handler=expect)
+        routes.add_get("/v1/models", self.handle_models, expect_handler=expect)
+        routes.add_get("/health", self.handle_health, expect_handler=expect)
+        routes.add_get("/ready", self.handle_ready, expect_handler=expect)
         if self.config.metrics.enabled:
-            app.router.add_get("/metrics", self.handle_metrics, **expect)
-        app.router.add_get("/admin/replicas", self.handle_admin_replicas, **expect)
+            routes.add_get("/metrics", self.handle_metrics, expect_handler=expect)
+        routes.add_get("/admin/replicas", self.handle_admin_replicas, expect_handler=expect)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app

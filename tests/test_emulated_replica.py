@@ -14,11 +14,11 @@ import openai
 import pytest
 import zmq
 import zmq.asyncio
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.backends.launcher import free_ports
+from kvroute.backends.process import free_ports
+from kvroute.kvcore.stats import parse_metrics
 from kvroute.kvcore.tokenizer import SimpleTokenizer
-from kvroute.simulator.engine import decode_event_batch
+from kvroute.kvcore.kv_events import decode_event_batch
 
 from .conftest import Running
 
@@ -32,12 +32,7 @@ def _client(url: str) -> openai.AsyncOpenAI:
 async def _metrics(url: str) -> dict[str, float]:
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
         text = await resp.text()
-    return {
-        s.name: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if not s.labels.get("le")
-    }
+    return {s.name: s.value for s in parse_metrics(text).samples if not s.labels.get("le")}
 
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 20

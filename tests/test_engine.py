@@ -8,14 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvroute.kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvroute.simulator.engine import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     Engine,
     EngineConfig,
     EngineRequest,
-    KVEvent,
     StepOutput,
     latency_preset,
 )

@@ -12,18 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.simulator.engine import (
+from kvroute.kvcore.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    Engine,
-    EngineConfig,
-    EngineRequest,
     KVEvent,
     MalformedEventBatch,
     decode_event_batch,
     encode_event_batch,
 )
+from kvroute.simulator.engine import Engine, EngineConfig, EngineRequest
 
 H1 = 0xDEADBEEF01234567
 H2 = 0x1122334455667788

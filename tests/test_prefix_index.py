@@ -18,15 +18,9 @@ from xxhash import xxh3_64_intdigest
 
 from kvroute.kvcore import block_hashing, packed_runs, prefix_index
 from kvroute.kvcore.block_hashing import block_hashes, chain_hashes, extra_key, root_seed
+from kvroute.kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.kvcore.prefix_index import PrefixIndex, PrefixMatch
-from kvroute.simulator.engine import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Engine,
-    EngineConfig,
-    EngineRequest,
-)
+from kvroute.simulator.engine import Engine, EngineConfig, EngineRequest
 
 speedups: ModuleType | None
 try:

@@ -28,7 +28,7 @@ from kvroute.backends.process import ProcessState
 from kvroute.health.scrape import parse_vllm_metrics
 from kvroute.router.config import config_from_dict
 from kvroute.router.server import Router
-from kvroute.simulator.engine import BlockStored, decode_event_batch
+from kvroute.kvcore.kv_events import BlockStored, decode_event_batch
 
 pytestmark = pytest.mark.vllm
 

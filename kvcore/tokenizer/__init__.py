@@ -16,6 +16,7 @@ from kvroute.kvcore.tokenizer.builtin import BOS_ID, EOS_ID, UNK_ID, SimpleToken
 from kvroute.kvcore.tokenizer.hf import (
     BUILTIN,
     ChatTemplateError,
+    Clock,
     HFTokenizerFiles,
     TokenizerError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "EOS_ID",
     "UNK_ID",
     "ChatTemplateError",
+    "Clock",
     "HFTokenizerFiles",
     "PromptBlocks",
     "SimpleTokenizer",
@@ -61,12 +63,15 @@ class PromptBlocks:
     hashes: list[int]
 
 
-def load_tokenizer(spec: str | None, vocab_size: int = 32000) -> Tokenizer:
+def load_tokenizer(
+    spec: str | None, vocab_size: int = 32000, clock: Clock | None = None
+) -> Tokenizer:
     """``"builtin"`` or None (the emulated replica's own tokenizer), else HF tokenizer files
-    (a directory or a ``tokenizer.json``) read exactly as vLLM reads them."""
+    (a directory or a ``tokenizer.json``) read exactly as vLLM reads them; ``clock`` is what
+    a chat template's ``strftime_now`` reads (the caller's wall clock)."""
     if spec is None or spec == BUILTIN:
         return SimpleTokenizer(vocab_size)
-    return HFTokenizerFiles(spec)
+    return HFTokenizerFiles(spec, clock)
 
 
 def prompt_blocks(

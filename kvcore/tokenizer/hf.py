@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
-from datetime import datetime
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 BUILTIN = "builtin"
+
+# What ``strftime_now`` in a chat template reads: e.g. ``datetime.datetime.now``.
+Clock = Callable[[], Any]
 
 
 class TokenizerError(Exception):
@@ -44,7 +46,10 @@ class ChatTemplateError(ValueError):
 class HFTokenizerFiles:
     """A HuggingFace tokenizer directory (or a ``tokenizer.json``) read without transformers."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, clock: Clock | None = None) -> None:
+        # The wall clock is read by the front end, never here (kvcore is pure): templates
+        # that print today's date (``strftime_now``) need one passed in.
+        self._clock = clock
         from tokenizers import Tokenizer as RustTokenizer
 
         path = Path(path).expanduser()
@@ -153,7 +158,7 @@ class HFTokenizerFiles:
         if self._template is None:
             if self.chat_template is None:
                 raise ChatTemplateError(f"the tokenizer at {self.path} has no chat template")
-            self._template = _jinja_environment().from_string(self.chat_template)
+            self._template = _jinja_environment(self._clock).from_string(self.chat_template)
             self._content_format = _content_format(self.chat_template)
         return self._template
 
@@ -340,7 +345,7 @@ def _generation_extension() -> Any:
     return GenerationTag
 
 
-def _jinja_environment() -> Any:
+def _jinja_environment(clock: Clock | None) -> Any:
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -364,7 +369,11 @@ def _jinja_environment() -> Any:
         )
 
     def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
+        if clock is None:
+            raise jinja2.exceptions.TemplateError(
+                "this chat template calls strftime_now, and the tokenizer was given no clock"
+            )
+        return clock().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,

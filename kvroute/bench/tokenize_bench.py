@@ -92,6 +92,7 @@ async def measure(spec: str, lengths: Sequence[int], concurrent: int, processes:
 
             stall_inline = await _max_stall(asyncio.ensure_future(run_all(inline)))
             stall_offload = await _max_stall(asyncio.ensure_future(run_all(offload)))
+            assert one is not None  # the inline path never breaks
             lines.append(
                 Line(chars, one.tokens, inline_ms, stall_inline * 1000, stall_offload * 1000)
             )

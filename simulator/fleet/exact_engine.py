@@ -10,13 +10,8 @@ block-id prefixes give equal token prefixes and equal engine block hashes.
 from __future__ import annotations
 
 from kvroute.kvcore.block_hashing import block_hashes
-from kvroute.simulator.engine import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Engine,
-    EngineRequest,
-)
+from kvroute.kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.simulator.engine import Engine, EngineRequest
 from kvroute.simulator.engine.config import EngineConfig
 from kvroute.simulator.engine.outputs import StepOutput
 

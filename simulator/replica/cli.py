@@ -7,6 +7,7 @@ import asyncio
 import json
 import signal
 import sys
+from datetime import datetime
 from typing import Any
 
 import uvloop
@@ -53,7 +54,8 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "--kv-events-config",
         metavar="JSON",
         help='As vLLM: {"enable_kv_cache_events": true, "publisher": "zmq", '
-        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}',
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}. '
+        "ipc:// endpoints are bound as Unix sockets; tcp://*:P is bound on --host only.",
     )
     p.add_argument(
         "--event-layout",
@@ -129,7 +131,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
             )
         )
         lora_modules = _lora_modules(args.lora_modules)
-        tokenizer = load_tokenizer(args.tokenizer)
+        tokenizer = load_tokenizer(args.tokenizer, clock=datetime.now)
         engine = EngineConfig(
             block_size=args.block_size,
             num_blocks=args.num_gpu_blocks_override,
@@ -148,6 +150,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
         engine=engine,
         time_scale=args.time_scale,
         kv_events=_kv_config(args.kv_events_config),
+        kv_bind_host=args.host,
         event_layout=args.event_layout,
         model_path=args.tokenizer or "kvroute-emulated",
         lora_modules=lora_modules,

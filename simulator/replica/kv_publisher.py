@@ -3,8 +3,10 @@
 Live: PUB frames ``[topic, seq (8 bytes big-endian, from 0), payload]``. Replay: a ROUTER
 socket takes ``[client, b"", start_seq]`` and answers each buffered batch with
 ``[client, b"", topic, seq, payload]``, then the end marker ``[client, b"", b"", END_SEQ, b""]``.
-Like vLLM, an endpoint with a wildcard host (``tcp://*:P``) is bound and any other is
-connected to; the replay endpoint is always bound.
+Like vLLM, an ``ipc://`` endpoint or one with a wildcard host (``tcp://*:P``) is bound and any
+other is connected to; the replay endpoint is always bound. Unlike vLLM, a wildcard TCP endpoint
+can be bound on one address only (``bind_host``: the replica's own --host), so a replica that
+serves on loopback does not publish what its cache holds on every interface.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from kvroute.simulator.engine import KVEvent, encode_event_batch
+from kvroute.kvcore.kv_events import KVEvent, encode_event_batch
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,16 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _bind(sock: zmq.asyncio.Socket, endpoint: str, host: str | None) -> None:
+    """Bind ``endpoint``; a wildcard TCP one on ``host`` alone when that is a single address."""
+    if host and host not in ("0.0.0.0", "::") and endpoint.startswith("tcp://*:"):
+        if ":" in host:  # IPv6
+            sock.ipv6 = True
+            host = f"[{host}]"
+        endpoint = f"tcp://{host}:{endpoint.removeprefix('tcp://*:')}"
+    sock.bind(endpoint)
 
 
 class KVEventPublisher:
@@ -38,18 +50,19 @@ class KVEventPublisher:
         layout: str = "map",
         buffer_steps: int = 10_000,
         data_parallel_rank: int = 0,
+        bind_host: str | None = None,
     ) -> None:
         self._context = zmq.asyncio.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(100_000)
         if _binds(endpoint):
-            self._pub.bind(endpoint)
+            _bind(self._pub, endpoint, bind_host)
         else:
             self._pub.connect(endpoint)
         self._replay: zmq.asyncio.Socket | None = None
         if replay_endpoint:
             self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.bind(replay_endpoint)
+            _bind(self._replay, replay_endpoint, bind_host)
         self._topic = topic.encode()
         self._layout = layout
         self._rank = data_parallel_rank

@@ -8,7 +8,8 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from kvroute.simulator.engine import Engine, EngineRequest, KVEvent, RequestOutput
+from kvroute.kvcore.kv_events import KVEvent
+from kvroute.simulator.engine import Engine, EngineRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,120 @@
+"""The fast prefix index equals the reference model (kvcore/reference_index.py) on any history.
+
+Random histories of KV events and predictions (several replicas and media, chains that
+extend each other, engine hashes reused for other content, unknown parents, removals of
+unknown blocks, clears, withdrawals and expiries), the same calls on both indexes; after each
+call every lookup, count and statistic must agree. Both hashing implementations run.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from xxhash import xxh3_64_intdigest
+
+from kvroute.kvcore import block_hashing, packed_runs
+from kvroute.kvcore.block_hashing import block_hashes
+from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.kvcore.reference_index import ReferenceIndex
+
+BS = 4
+REPLICAS = ("a", "b", "c")
+MEDIA = ("GPU", "CPU")
+# Three documents of six blocks; a chain is a document's blocks [start, end).
+DOCS = [[d * 1000 + i for i in range(6 * BS)] for d in range(3)]
+
+chains = st.tuples(st.integers(0, 2), st.integers(0, 5), st.integers(1, 6)).map(
+    lambda t: (t[0], t[1], max(t[1] + 1, t[2]))
+)
+calls = st.lists(
+    st.one_of(
+        # stored: replica, medium, chain, engine-hash salt (another salt: a second engine
+        # hash for the same blocks), content shift (another document under the same engine
+        # hashes: an engine hash reused for other content)
+        st.tuples(
+            st.just("stored"),
+            st.sampled_from(REPLICAS),
+            st.sampled_from(MEDIA),
+            chains,
+            st.integers(0, 1),
+            st.sampled_from([0, 0, 1]),
+        ),
+        st.tuples(st.just("removed"), st.sampled_from(REPLICAS), st.sampled_from(MEDIA), chains),
+        st.tuples(st.just("cleared"), st.sampled_from(REPLICAS)),
+        st.tuples(
+            st.just("predict"), st.sampled_from(REPLICAS), chains, st.sampled_from([0, 1, 3])
+        ),
+        st.tuples(st.just("unpredict"), st.sampled_from(REPLICAS), chains),
+        st.tuples(st.just("time"), st.sampled_from([0.5, 1.0, 2.5])),
+    ),
+    min_size=5,
+    max_size=40,
+)
+
+
+def engine_hash(replica: str, doc: int, block: int, salt: int) -> int | bytes:
+    h = xxh3_64_intdigest(f"{replica}/{doc}/{block}/{salt}".encode()) or 1
+    return h.to_bytes(8, "little") if replica == "c" else h  # c sends digest bytes
+
+
+def apply(idx: PrefixIndex | ReferenceIndex, call: tuple[object, ...], now: float) -> None:
+    kind = call[0]
+    if kind == "stored":
+        _, rep, medium, (doc, start, end), salt, shift = call
+        ehs = [engine_hash(rep, doc, b, salt) for b in range(start, end)]  # type: ignore[arg-type]
+        parent = engine_hash(rep, doc, start - 1, salt) if start else None  # type: ignore[arg-type]
+        tokens = DOCS[(doc + shift) % len(DOCS)][start * BS : end * BS]  # type: ignore[index,operator]
+        idx.apply_stored(rep, ehs, parent, tokens, BS, medium)  # type: ignore[arg-type]
+    elif kind == "removed":
+        _, rep, medium, (doc, start, end) = call
+        ehs = [engine_hash(rep, doc, b, 0) for b in range(start, end)]  # type: ignore[arg-type]
+        idx.apply_removed(rep, ehs, medium)  # type: ignore[arg-type]
+    elif kind == "cleared":
+        idx.clear_replica(call[1])  # type: ignore[arg-type]
+    elif kind == "predict":
+        _, rep, (doc, start, end), ttl = call
+        hashes = block_hashes(DOCS[doc][: end * BS], BS)  # type: ignore[index]
+        idx.predict(rep, hashes, now, ttl)  # type: ignore[arg-type]
+    elif kind == "unpredict":
+        _, rep, (doc, start, end) = call
+        idx.unpredict(rep, block_hashes(DOCS[doc][: end * BS], BS))  # type: ignore[arg-type,index]
+
+
+@pytest.mark.parametrize("speedups", [True, False], ids=["c", "python"])
+@settings(max_examples=200, deadline=None)
+@given(history=calls)
+@example(  # an engine hash reused for other content, then a second hash for the same block
+    history=[
+        ("stored", "a", "GPU", (0, 0, 3), 0, 0),
+        ("stored", "a", "GPU", (0, 0, 2), 0, 1),
+        ("stored", "a", "CPU", (1, 0, 2), 1, 0),
+        ("removed", "a", "GPU", (0, 0, 1)),
+    ]
+)
+def test_fast_index_equals_reference(speedups: bool, history: list[tuple[object, ...]]) -> None:
+    block_hashing.use_speedups(speedups)
+    packed_runs.use_speedups(speedups)
+    try:
+        fast, ref = PrefixIndex(), ReferenceIndex()
+        queries = [block_hashes(doc, BS) for doc in DOCS]
+        queries.append([*queries[0][:2], *queries[1][2:]])  # not a chain
+        now = 0.0
+        for call in history:
+            if call[0] == "time":
+                now += call[1]  # type: ignore[operator]
+                continue
+            apply(fast, call, now)
+            apply(ref, call, now)
+            for q in queries:
+                assert fast.match(q, now) == ref.match(q, now), call
+            assert fast.entries == ref.entries
+            assert fast.blocks == ref.blocks
+            assert fast.predicted_entries == ref.predicted_entries
+            assert fast.stats == ref.stats
+            assert set(fast.replicas) == set(ref.replicas)
+            for h in queries[0][:3]:
+                assert fast.replicas_holding(h) == ref.replicas_holding(h)
+    finally:
+        block_hashing.use_speedups(True)
+        packed_runs.use_speedups(True)
