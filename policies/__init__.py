@@ -1,4 +1,8 @@
-"""Routing policies: pure, synchronous decisions shared by the router and the simulator."""
+"""Routing policies: pure, synchronous decisions shared by the router and the simulator.
+
+One small module per policy behind ``Policy.decide(request, fleet)``, built by name from the
+registry; the cost model, power-of-two choices and bounded-load hashing live here.
+"""
 
 from .registry import DEFAULT_POLICY, POLICIES, PolicyConfigError, build_policy
 from .types import Decision, FleetView, Policy, ReplicaState, RouteRequest

@@ -1,1 +1,3 @@
-"""The async router: API, forwarding, metrics and the command line."""
+"""The async shell: the aiohttp app, the request pipeline, attempts and retries, the upstream
+client, streaming and resume, the KV-event subscriber, metrics and admission.
+"""

@@ -117,14 +117,13 @@ async def relay(
     A streamed request's headers must come within ``first_byte_s`` (vLLM sends them at once);
     a non-streamed one's come with the whole answer, within ``first_token_s``.
     """
-    request = exchange.request
     expect_stream = exchange.expect_stream
     headers_timeout_s = timeouts.first_byte_s if expect_stream else timeouts.first_token_s
     started = time.perf_counter()
     try:
         upstream = await client.post(
             call.base_url,
-            request.raw_path.encode(),
+            exchange.request.raw_path.encode(),
             exchange.headers,
             call.upstream_headers,
             call.body,
@@ -159,12 +158,8 @@ async def relay(
             response = web.Response(body=data, status=status, headers=headers)
             return Relayed(response, status, time.perf_counter() - started)
         ttfb_s = time.perf_counter() - started
-        stream = exchange.stream if call.resume else None
-        if stream is None:
-            headers = _response_headers(upstream, call.response_headers)
-            stream = web.StreamResponse(status=status, headers=headers)
-            await stream.prepare(request)
-            exchange.stream = stream
+        stream = exchange.stream if call.resume else await _open_stream(exchange, upstream, call)
+        assert stream is not None
         transcript = exchange.transcript
         if transcript is None or status >= 400:
             return await _relay_raw(upstream, stream, first, status, ttfb_s, timeouts.idle_s)
@@ -174,6 +169,17 @@ async def relay(
     finally:
         # Closing an unfinished response is how the replica learns the client has gone.
         upstream.close()
+
+
+async def _open_stream(
+    exchange: ClientExchange, upstream: UpstreamResponse, call: UpstreamCall
+) -> web.StreamResponse:
+    """The client's stream, with the replica's status and headers (and the router's)."""
+    headers = _response_headers(upstream, call.response_headers)
+    stream = web.StreamResponse(status=upstream.status, headers=headers)
+    await stream.prepare(exchange.request)
+    exchange.stream = stream
+    return stream
 
 
 async def _relay_raw(

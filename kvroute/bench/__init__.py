@@ -1,1 +1,3 @@
-"""Benchmarks run by ``kvroute bench``."""
+"""Benchmarks run by ``kvroute bench``: router overhead, prefix routing, index, tokenization,
+replay speed and simulator fidelity; each prints its command and appends to BENCHMARKS.md.
+"""
