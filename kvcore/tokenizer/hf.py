@@ -80,6 +80,25 @@ class HFTokenizerFiles:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids without special tokens added (how a rendered chat prompt is encoded)."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def split_tokens(self) -> dict[str, int]:
+        """Special tokens the chat template emits that split a text where they stand: matched
+        as they are written (not normalized), taking no whitespace around them."""
+        template = self.chat_template or ""
+        wanted = {self.bos_token, self.eos_token}
+        found = {}
+        for token_id, added in self._tok.get_added_tokens_decoder().items():
+            if not added.special or added.normalized or added.lstrip or added.rstrip:
+                continue
+            if added.single_word or not added.content:
+                continue
+            if added.content in template or added.content in wanted:
+                found[added.content] = token_id
+        return found
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
@@ -373,7 +392,7 @@ def _jinja_environment(clock: Clock | None) -> Any:
             raise jinja2.exceptions.TemplateError(
                 "this chat template calls strftime_now, and the tokenizer was given no clock"
             )
-        return clock().strftime(fmt)
+        return str(clock().strftime(fmt))
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,

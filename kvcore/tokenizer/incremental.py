@@ -1,0 +1,327 @@
+"""Incremental exact tokenization: a long conversation costs only its new turn.
+
+An agent's conversation grows by a few hundred tokens a turn on top of 50-150k, and the
+rendered chat template of turn N+1 starts with the rendered text of turn N up to its last
+message. Its token ids do too, up to a *cut point*: a place right after a special token
+(``</s>``, ``<|im_end|>``, ``<|eot_id|>``...). HF tokenizers split a text at special tokens
+first and tokenize the pieces between them independently, so the ids up to a cut point do not
+depend on what follows.
+
+``PrefixTokenCache`` keeps, for rendered prefixes that end at cut points, their token ids and
+the router hashes of their full blocks, keyed by the prefix's length and an xxh3-128 hash of
+its text, bounded in bytes with LRU eviction. For a new text it finds the longest cached
+prefix (checking only lengths it holds entries of), tokenizes only the rest, hashes only the
+new blocks, and stores the text up to its last cut point for the next turn.
+
+A piece after a cut point is tokenized as ``special + piece`` with the special token's id
+dropped, so it is tokenized as it is inside the whole text: behind a special token, never as
+the start of the input (SentencePiece-style tokenizers mark the start, ``Metaspace`` with
+``prepend_scheme: first``). Special tokens that strip neighbouring whitespace or are normalized
+are never cut at. ``check_cuts`` tests a tokenizer on probe texts when the cache is built: one
+that does not tokenize at its cut points as the pieces do gets no cache (full tokenization,
+and the reason says why). Exactness is property-tested against full tokenization with the
+tiny model's tokenizer and real ones (tests/test_incremental_tokenization.py).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from xxhash import xxh3_128_digest
+
+from kvroute.kvcore.block_hashing import chain_hashes, root_seed
+
+# A prefix shorter than this is not worth an entry (its tokenization is cheap).
+MIN_PREFIX_CHARS = 2048
+
+Encode = Callable[[str], Sequence[int]]  # text -> ids, without special tokens added
+HashKey = tuple[int, str | None]  # (block size, extra key)
+
+
+@dataclass(slots=True)
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    evicted: int = 0
+    cached_tokens: int = 0  # tokens taken from the cache instead of tokenized
+
+
+Pieces = tuple[Sequence[int], Sequence[int]]  # ids up to the last cut point, and after it
+
+
+@dataclass(slots=True)
+class Plan:
+    """A text, its longest cached prefix and its last cut point: what is left to tokenize
+    (``tokenize_plan``, which may run in another process) before ``commit``."""
+
+    text: str
+    start: int  # the cached prefix's end (0: nothing cached)
+    after: str  # the special token it ends with ("" at the start)
+    after_id: int
+    last: int  # the text's last cut point (>= start)
+    last_token: str
+    last_id: int
+    entry: _Entry | None = None
+
+    @property
+    def uncached_chars(self) -> int:
+        return len(self.text) - self.start
+
+
+def tokenize_plan(encode: Encode, plan: Plan) -> Pieces:
+    """The ids of the plan's text from its cached prefix to its last cut point, and after it."""
+    text = plan.text
+    if not plan.last_token:  # no special token in the text: nothing cached, nothing to cut
+        return [], encode(text)
+    mid = encode_piece(encode, text, plan.start, plan.last, plan.after, plan.after_id)
+    return mid, encode_piece(encode, text, plan.last, len(text), plan.last_token, plan.last_id)
+
+
+@dataclass(slots=True)
+class _Entry:
+    length: int  # of the prefix, in characters
+    ids: array[int]  # the prefix's token ids ('I')
+    after: str  # the special token it ends with
+    hashes: dict[HashKey, array[int]] = field(default_factory=dict)  # full blocks ('Q')
+
+    @property
+    def size(self) -> int:
+        return 4 * len(self.ids) + sum(8 * len(h) for h in self.hashes.values())
+
+
+class PrefixTokenCache:
+    def __init__(
+        self,
+        encode: Encode,
+        split_tokens: dict[str, int],
+        max_bytes: int,
+        min_prefix_chars: int = MIN_PREFIX_CHARS,
+    ) -> None:
+        self._encode = encode
+        self._split = dict(split_tokens)
+        self.max_bytes = max_bytes
+        self.min_prefix_chars = min_prefix_chars
+        self._entries: OrderedDict[tuple[int, bytes], _Entry] = OrderedDict()
+        self._lengths: dict[int, int] = {}  # prefix length -> entries of that length
+        self.bytes = 0
+        self.stats = CacheStats()
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    def plan(self, text: str) -> Plan:
+        """Where ``text``'s cached prefix ends and what is left to tokenize (no tokenization:
+        a hash of the text up to each cached length that is one of its cut points)."""
+        start, entry = self._longest_cached(text)
+        last, last_token = self._last_cut(text, start)
+        after = entry.after if entry is not None else ""
+        if last == start:
+            last_token = after
+        return Plan(
+            text,
+            start,
+            after,
+            self._split.get(after, -1),
+            last,
+            last_token,
+            self._split.get(last_token, -1),
+            entry,
+        )
+
+    def commit(
+        self, plan: Plan, pieces: Pieces, block_size: int, extra_key: str | None
+    ) -> tuple[int, list[int]]:
+        """The plan's text's token count and the router hashes of its full blocks, from the
+        pieces ``tokenize_plan`` gave; its prefix up to the last cut point is stored."""
+        mid, tail = pieces
+        entry = plan.entry
+        head = _extended(plan, mid)
+        key = (block_size, extra_key)
+        known = entry.hashes.get(key) if entry is not None else None
+        hashes = _hashes(head, tail, block_size, extra_key, known)
+        full = array("Q", hashes[: len(head) // block_size])
+        if plan.last > plan.start and plan.last >= self.min_prefix_chars:
+            self._store(plan.text, _Entry(plan.last, head, plan.last_token, {key: full}))
+        elif entry is not None and known is None:
+            self._add_hashes(entry, key, full)
+        return len(head) + len(tail), hashes
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s ids (no special tokens added), as full tokenization gives them."""
+        plan = self.plan(text)
+        mid, tail = tokenize_plan(self._encode, plan)
+        head = _extended(plan, mid)
+        if plan.last > plan.start and plan.last >= self.min_prefix_chars:
+            self._store(plan.text, _Entry(plan.last, head, plan.last_token))
+        out = head.tolist()
+        out.extend(tail)
+        return out
+
+    def blocks(self, text: str, block_size: int, extra_key: str | None) -> tuple[int, list[int]]:
+        """``text``'s token count and the router hashes of its full blocks, exactly as
+        ``block_hashes(full tokenization, block_size, extra_key)`` gives them."""
+        plan = self.plan(text)
+        return self.commit(plan, tokenize_plan(self._encode, plan), block_size, extra_key)
+
+    # -- lookups ----------------------------------------------------------------------
+
+    def _longest_cached(self, text: str) -> tuple[int, _Entry | None]:
+        """The longest cached prefix of ``text`` that ends at one of its cut points."""
+        n = len(text)
+        if n >= self.min_prefix_chars:
+            for length in sorted(self._lengths, reverse=True):
+                if length > n or not self._cut_ends_at(text, length):
+                    continue
+                key = (length, _digest(text, length))
+                entry = self._entries.get(key)
+                if entry is not None:
+                    self._entries.move_to_end(key)
+                    self.stats.hits += 1
+                    self.stats.cached_tokens += len(entry.ids)
+                    return length, entry
+        self.stats.misses += 1
+        return 0, None
+
+    def _cut_ends_at(self, text: str, at: int) -> bool:
+        return any(text.endswith(token, 0, at) for token in self._split)
+
+    def _last_cut(self, text: str, start: int) -> tuple[int, str]:
+        """The end of the text's last special token at or after ``start`` (a cut point), and
+        that token; (start, "") when there is none after ``start``."""
+        best, best_token = start, ""
+        for token in self._split:
+            at = text.rfind(token, max(0, start - len(token)))
+            end = at + len(token)
+            if at >= 0 and (end > best or (end == best and len(token) > len(best_token))):
+                best, best_token = end, token
+        return best, best_token
+
+    # -- storage ----------------------------------------------------------------------
+
+    def _store(self, text: str, entry: _Entry) -> None:
+        size = entry.size
+        if size > self.max_bytes:
+            return
+        key = (entry.length, _digest(text, entry.length))
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._forget(old)
+        self._entries[key] = entry
+        self._lengths[entry.length] = self._lengths.get(entry.length, 0) + 1
+        self.bytes += size
+        self.stats.stored += 1
+        self._evict()
+
+    def _add_hashes(self, entry: _Entry, key: HashKey, hashes: array[int]) -> None:
+        entry.hashes[key] = hashes
+        self.bytes += 8 * len(hashes)
+        self._evict()
+
+    def _evict(self) -> None:
+        while self.bytes > self.max_bytes and self._entries:
+            _, gone = self._entries.popitem(last=False)
+            self._forget(gone)
+            self.stats.evicted += 1
+
+    def _forget(self, entry: _Entry) -> None:
+        self.bytes -= entry.size
+        if self._lengths[entry.length] == 1:
+            del self._lengths[entry.length]
+        else:
+            self._lengths[entry.length] -= 1
+
+
+def _extended(plan: Plan, mid: Sequence[int]) -> array[int]:
+    """The ids up to the plan's last cut point: the cached prefix's, then ``mid``."""
+    cached = plan.entry.ids if plan.entry is not None else array("I")
+    if not len(mid):
+        return cached
+    head = array("I", cached)
+    head.extend(mid)
+    return head
+
+
+def _hashes(
+    head: array[int],
+    tail: Sequence[int],
+    block_size: int,
+    extra_key: str | None,
+    known: array[int] | None,
+) -> list[int]:
+    """Router hashes of the full blocks of ``head + tail``; those of ``known`` are reused."""
+    done = known.tolist() if known is not None else []
+    rest = head[len(done) * block_size :].tolist()
+    rest.extend(tail)
+    parent = done[-1] if done else root_seed(extra_key)
+    done.extend(chain_hashes(rest, block_size, parent))
+    return done
+
+
+def _digest(text: str, length: int) -> bytes:
+    return xxh3_128_digest(text[:length].encode("utf-8", "surrogatepass"))
+
+
+def encode_piece(
+    encode: Encode, text: str, start: int, end: int, after: str, after_id: int
+) -> Sequence[int]:
+    """``text[start:end]`` tokenized as it is inside ``text``: behind the special token
+    ``after`` (id ``after_id``) that ends at ``start``, or from the start (``after`` "")."""
+    if not after:
+        return encode(text[:end])
+    if start == end:
+        return []
+    ids = encode(after + text[start:end])
+    if not ids or ids[0] != after_id:
+        raise AssertionError(f"special token {after!r} was not tokenized alone")
+    return ids[1:]
+
+
+# Probe texts for check_cuts: what comes after a special token in chat templates.
+_PROBES = (
+    "\n",
+    "\nuser\nHello, world!",
+    " leading space",
+    "  two spaces\n\n",
+    "assistant\n<think>\n\n</think>\n\nOK",
+    "日本語のテキスト 😀",
+    "x",
+    "\t tab",
+)
+
+
+def check_cuts(encode: Encode, split_tokens: dict[str, int]) -> str | None:
+    """Why tokenizing at these special tokens would differ from whole texts, or None.
+
+    For each token and probe texts before and after it: the whole text's ids must be the ids
+    of the part before it (ending with it) followed by those of the part after it tokenized
+    behind it.
+    """
+    for token, token_id in split_tokens.items():
+        for before in ("Hi", "a b\n", "xxx"):
+            for after in _PROBES:
+                whole = list(encode(before + token + after))
+                head = list(encode(before + token))
+                tail = list(encode(token + after))
+                if not tail or tail[0] != token_id or whole != head + tail[1:]:
+                    return (
+                        f"{token!r} does not split texts: "
+                        f"{before + token + after!r} tokenizes differently as a whole"
+                    )
+    return None
+
+
+def prefix_cache_for(
+    split_tokens: dict[str, int], encode: Encode, max_bytes: int
+) -> tuple[PrefixTokenCache | None, str]:
+    """A cache for a tokenizer, or None and why not (its special tokens do not split texts)."""
+    if not split_tokens:
+        return None, "its chat template emits no special token to cut at"
+    problem = check_cuts(encode, split_tokens)
+    if problem is not None:
+        return None, problem
+    return PrefixTokenCache(encode, split_tokens, max_bytes), ""
