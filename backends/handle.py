@@ -19,6 +19,9 @@ class ReplicaHandle:
     breaker: CircuitBreaker = field(init=False)
     # Unix time the replica left rotation (unhealthy or ejected); None while in rotation.
     out_since: float | None = field(init=False, default=None)
+    # Why the last health probe failed while the replica is out ("connection refused to
+    # host:port", a timeout, an HTTP status and its text); None while healthy.
+    down_reason: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.breaker = CircuitBreaker(self.breaker_settings)

@@ -3,19 +3,26 @@
 Launching happens before the router serves (and, with several workers, in the supervisor
 before it forks), so the router itself only ever sees a list of replica URLs with their
 KV-event endpoints: launched replicas become static ones once they run.
+
+KV events say which prompts' blocks a replica holds, so by default (``kv_events_bind: ipc``)
+they stay on this host and this user: each replica binds Unix sockets (``ipc://``) in a
+directory of mode 0700 that the fleet creates and removes on stop, and the router connects to
+them. ``tcp`` binds TCP ports instead, for subscribers on other hosts (vLLM binds a TCP
+endpoint only as ``tcp://*:P``, every interface; the emulated replica binds it on its --host).
 """
 
 from __future__ import annotations
 
 import json
-import socket
+import shutil
 import sys
+import tempfile
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .process import LaunchError, ManagedProcess
+from .process import LaunchError, ManagedProcess, free_ports
 
 DEFAULT_TINY_MODEL_DIR = Path.home() / ".cache" / "kvroute" / "tiny-model"
 KV_TOPIC = "kv-events"
@@ -44,6 +51,9 @@ class LaunchSpec:
     # The ZMQ topic KV events are published under. kvroute subscribes to every topic; some
     # peers (vllm-router 0.1.17's kv_aware) only take events published under "".
     kv_topic: str = KV_TOPIC
+    # "ipc": KV events on Unix sockets in a private directory (this host, this user only);
+    # "tcp": on TCP ports, for subscribers elsewhere.
+    kv_events_bind: str = "ipc"
 
 
 @dataclass
@@ -55,21 +65,21 @@ class LaunchedReplica:
     process: ManagedProcess
 
 
-def free_ports(count: int, host: str = "") -> list[int]:
-    """Ports the OS says are free now (held open together so they are distinct)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+@dataclass(frozen=True)
+class KVEndpoints:
+    """One replica's KV-event endpoints: as it binds them, and as the router connects."""
+
+    bind_events: str
+    bind_replay: str
+    events: str
+    replay: str
 
 
-def emulated_command(spec: LaunchSpec, port: int, events_port: int, replay_port: int) -> list[str]:
+# Unix socket paths longer than this do not fit sockaddr_un (108 bytes with the NUL).
+_MAX_IPC_PATH = 107
+
+
+def emulated_command(spec: LaunchSpec, port: int, kv: KVEndpoints | None) -> list[str]:
     argv = [
         sys.executable, "-m", "kvroute.cli", "replica",
         "--host", spec.host,
@@ -83,30 +93,30 @@ def emulated_command(spec: LaunchSpec, port: int, events_port: int, replay_port:
     ]  # fmt: skip
     if spec.tokenizer:
         argv += ["--tokenizer", spec.tokenizer]
-    if spec.kv_events:
+    if kv is not None:
         argv += [
             "--kv-events-config",
-            kv_events_config_json(events_port, replay_port, spec.kv_topic),
+            kv_events_config_json(kv.bind_events, kv.bind_replay, spec.kv_topic),
         ]
     return argv + list(spec.extra_args)
 
 
-def kv_events_config_json(events_port: int, replay_port: int, topic: str = KV_TOPIC) -> str:
-    # vLLM binds an endpoint only when it has a wildcard host ("tcp://*:P"); with a concrete
-    # host it connects out instead. The replica binds; the router connects to host:P.
+def kv_events_config_json(events: str, replay: str, topic: str = KV_TOPIC) -> str:
+    # vLLM binds an endpoint only when it is ipc:// or has a wildcard host ("tcp://*:P"); with
+    # a concrete host it connects out instead. The replica binds; the router connects.
     return json.dumps(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{events_port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
+            "endpoint": events,
+            "replay_endpoint": replay,
             "topic": topic,
         }
     )
 
 
 def vllm_command(
-    spec: LaunchSpec, port: int, events_port: int, replay_port: int
+    spec: LaunchSpec, port: int, kv: KVEndpoints | None
 ) -> tuple[list[str], dict[str, str]]:
     from .vllm_args import vllm_server_command
 
@@ -118,8 +128,8 @@ def vllm_command(
         block_size=spec.block_size,
         num_gpu_blocks=spec.num_gpu_blocks,
         max_num_seqs=spec.max_num_seqs,
-        kv_events_endpoint=f"tcp://*:{events_port}" if spec.kv_events else None,
-        kv_replay_endpoint=f"tcp://*:{replay_port}" if spec.kv_events else None,
+        kv_events_endpoint=kv.bind_events if kv is not None else None,
+        kv_replay_endpoint=kv.bind_replay if kv is not None else None,
         topic=spec.kv_topic,
         host=spec.host,
         extra_args=spec.extra_args,
@@ -135,20 +145,30 @@ def ensure_tiny_model() -> Path:
 class LaunchedFleet:
     def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
+        # The replicas' KV-event sockets: mkdtemp makes it mode 0700, owned by this user.
+        self.kv_dir: Path | None = None
+        if spec.kv_events and spec.kv_events_bind == "ipc":
+            self.kv_dir = Path(tempfile.mkdtemp(prefix="kvroute-kv-"))
         ports = free_ports(3 * spec.count)
-        self.replicas: list[LaunchedReplica] = [
-            self._replica(i, ports[3 * i : 3 * i + 3]) for i in range(spec.count)
-        ]
+        try:
+            self.replicas: list[LaunchedReplica] = [
+                self._replica(i, ports[3 * i : 3 * i + 3]) for i in range(spec.count)
+            ]
+        except LaunchError:
+            if self.kv_dir is not None:
+                shutil.rmtree(self.kv_dir, ignore_errors=True)
+            raise
 
     def _replica(self, i: int, ports: list[int]) -> LaunchedReplica:
         spec = self.spec
         port, events_port, replay_port = ports
         name = f"{spec.engine}-{i}"
         env: dict[str, str] = {}
+        kv = self._kv_endpoints(name, events_port, replay_port)
         if spec.engine == "vllm":
-            argv, env = vllm_command(spec, port, events_port, replay_port)
+            argv, env = vllm_command(spec, port, kv)
         else:
-            argv = emulated_command(spec, port, events_port, replay_port)
+            argv = emulated_command(spec, port, kv)
         url = f"http://{spec.host}:{port}"
         process = ManagedProcess(
             name,
@@ -161,9 +181,30 @@ class LaunchedFleet:
         return LaunchedReplica(
             name,
             url,
-            f"tcp://{spec.host}:{events_port}" if spec.kv_events else None,
-            f"tcp://{spec.host}:{replay_port}" if spec.kv_events else None,
+            kv.events if kv is not None else None,
+            kv.replay if kv is not None else None,
             process,
+        )
+
+    def _kv_endpoints(self, name: str, events_port: int, replay_port: int) -> KVEndpoints | None:
+        if not self.spec.kv_events:
+            return None
+        if self.kv_dir is None:  # tcp: the replica binds the port, the router connects to host:P
+            host = self.spec.host
+            return KVEndpoints(
+                f"tcp://*:{events_port}",
+                f"tcp://*:{replay_port}",
+                f"tcp://{host}:{events_port}",
+                f"tcp://{host}:{replay_port}",
+            )
+        events, replay = self.kv_dir / f"{name}.events", self.kv_dir / f"{name}.replay"
+        if len(str(replay).encode()) > _MAX_IPC_PATH:
+            raise LaunchError(
+                f"{name}: the KV-event socket path {replay} is too long for a Unix socket: set "
+                "TMPDIR to a shorter directory, or launch.kv_events_bind: tcp"
+            )
+        return KVEndpoints(
+            f"ipc://{events}", f"ipc://{replay}", f"ipc://{events}", f"ipc://{replay}"
         )
 
     def start(self) -> None:
@@ -209,3 +250,5 @@ class LaunchedFleet:
             thread.start()
         for thread in threads:
             thread.join()
+        if self.kv_dir is not None:  # the sockets outlive a killed replica: remove them too
+            shutil.rmtree(self.kv_dir, ignore_errors=True)

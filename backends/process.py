@@ -1,8 +1,14 @@
-"""One replica process: started in its own process group, logged to a file, watched,
-restarted with backoff when it dies, and stopped with its whole group.
+"""Child processes in their own process group, and one replica process built on them.
 
-Synchronous (a watcher thread per process) so the same code serves a single router
-process and the multi-worker supervisor, which has no event loop.
+The one home of the process-group helpers: ``free_ports`` for a child to listen on,
+``spawn_group`` (start a command as the leader of a new session, so of its own process group),
+``signal_group`` and ``stop_group`` (SIGTERM the whole group, a grace period, then SIGKILL what is
+left), used by the launcher, the benches' routers and stubs, the drill's faults and the tests.
+
+``ManagedProcess`` is one replica: started in its own process group, logged to a file,
+watched, restarted with backoff when it dies, and stopped with its whole group. Synchronous (a
+watcher thread per process) so the same code serves a single router process and the
+multi-worker supervisor, which has no event loop.
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ import enum
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -37,6 +45,66 @@ class ProcessState(enum.Enum):
 
 class LaunchError(RuntimeError):
     """A replica did not become ready; the message includes the end of its log."""
+
+
+def free_ports(count: int, host: str = "") -> list[int]:
+    """``count`` distinct ports the OS says are free now, bound all at once so they differ.
+
+    ``host`` "" (the default) binds every interface, so a port is free whichever address the
+    child listens on. A small race remains: another process may take one before the child does.
+    """
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+
+
+def spawn_group(
+    argv: Sequence[str],
+    *,
+    stdout: IO[bytes] | int | None = None,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as the leader of a new session, so of its own process group (its group id
+    is its pid): ``signal_group`` and ``stop_group`` then reach it and everything it starts.
+    stdin is /dev/null; stderr goes where stdout goes."""
+    return subprocess.Popen(
+        list(argv),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``; False when the group is gone (or not ours)."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def stop_group(popen: subprocess.Popen[bytes], grace_s: float, reap_s: float = 5.0) -> bool:
+    """Stop the group ``popen`` leads (see ``spawn_group``): SIGTERM, up to ``grace_s`` for the
+    leader to exit, then SIGKILL to the group, which also reaches helpers the leader left behind,
+    and up to ``reap_s`` to reap the leader. True when the leader exited within the grace."""
+    exited = True
+    if popen.poll() is None:
+        signal_group(popen.pid, signal.SIGTERM)
+        try:
+            popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            exited = False
+    signal_group(popen.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        popen.wait(timeout=reap_s)
+    return exited
 
 
 def _die_with_parent() -> None:
@@ -101,20 +169,11 @@ class ManagedProcess:
         )
         log_file.flush()
         self._set_state(ProcessState.STARTING)
-        self.popen = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvroute.backends.reaper",
-                str(self.stop_grace_s),
-                "--",
-                *self.argv,
-            ],
-            env=self.env,
-            stdin=subprocess.DEVNULL,
+        reaper = [sys.executable, "-m", "kvroute.backends.reaper", str(self.stop_grace_s), "--"]
+        self.popen = spawn_group(  # its own process group: we stop it and all its children
+            [*reaper, *self.argv],
             stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: we stop it and all its children
+            env=self.env,
             preexec_fn=_die_with_parent,
         )
         log_file.close()
@@ -186,14 +245,8 @@ class ManagedProcess:
         if self.popen is None:
             return
         self._set_state(ProcessState.DRAINING)
-        self._kill_group(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            log.warning("replica %s did not exit within %gs; killing it", self.name, grace_s)
-        self._kill_group(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=5)
+        if not stop_group(self.popen, grace_s):
+            log.warning("replica %s did not exit within %gs; killed it", self.name, grace_s)
         self._set_state(ProcessState.STOPPED)
 
     def kill(self) -> None:
@@ -202,7 +255,5 @@ class ManagedProcess:
             self._kill_group(signal.SIGKILL)
 
     def _kill_group(self, sig: int) -> None:
-        if self.popen is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, sig)
+        if self.popen is not None:
+            signal_group(self.popen.pid, sig)

@@ -56,9 +56,10 @@ def vllm_server_command(
     """Return ``(argv, env_additions)`` for one vLLM OpenAI-compatible server.
 
     ``num_gpu_blocks`` fixes the number of KV blocks (None: as many as
-    ``kv_cache_space_gib`` holds). ``kv_events_endpoint`` (e.g. ``tcp://*:5557``) turns on
-    ZMQ KV events; vLLM binds it when the host is a wildcard (``*``) and connects out
-    otherwise. ``kv_replay_endpoint`` (always bound) serves replays of missed batches.
+    ``kv_cache_space_gib`` holds). ``kv_events_endpoint`` (e.g. ``ipc:///run/kv/r0.events``
+    or ``tcp://*:5557``) turns on ZMQ KV events; vLLM binds it when it is ``ipc://`` or its host
+    is a wildcard (``*``, every interface) and connects out otherwise. ``kv_replay_endpoint``
+    (always bound) serves replays of missed batches.
     ``max_model_len`` (None: the model's, cut to what ``num_gpu_blocks`` hold) must fit into
     ``num_gpu_blocks - 1`` blocks (vLLM keeps one back). ``env_additions`` are
     meant to be laid over the caller's environment.

@@ -1,16 +1,20 @@
 """Active health probes: GET each replica's health path on an interval.
 
-A replica is taken out of rotation on a failed probe and put back on a passing one. Each
-passing probe also reads its /v1/models, so the router knows which models it can route there,
-LoRA adapters loaded at runtime (``/v1/load_lora_adapter``) included.
+A replica is taken out of rotation on a failed probe and put back on a passing one; why it is
+out (connection refused, timeout, the HTTP status and its text) is kept on the replica as
+``down_reason`` for /admin/replicas and the startup line. Each passing probe also reads its
+/v1/models, so the router knows which models it can route there, LoRA adapters loaded at
+runtime (``/v1/load_lora_adapter``) included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -25,6 +29,9 @@ class Probeable(Protocol):
 
     @property
     def state(self) -> ReplicaState: ...
+
+    # Why the replica is out of rotation (set by the prober, None while healthy).
+    down_reason: str | None
 
 
 class ActiveProber:
@@ -52,6 +59,7 @@ class ActiveProber:
         # LoRA adapters each replica serves (cards with a ``parent``): vLLM keys their KV blocks
         # by adapter name, so the router hashes a request for one the same way.
         self.lora_adapters: dict[str, frozenset[str]] = {}
+        self._timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._task: asyncio.Task[None] | None = None
 
@@ -65,11 +73,13 @@ class ActiveProber:
     async def _probe(self, replica: Probeable) -> bool:
         """Probe one replica; True when what the router knows about it changed."""
         state = replica.state
-        passed = await self._get_ok(replica.base_url + self._path)
+        failure = await self._check(replica.base_url + self._path)
+        passed = failure is None
         misses = 0 if passed else self._misses.get(state.replica_id, 0) + 1
         self._misses[state.replica_id] = misses
         healthy = passed or (state.healthy and misses < self._unhealthy_after)
         changed = healthy != state.healthy
+        replica.down_reason = None if healthy else failure
         if healthy:
             listed = await self._fetch_models(replica.base_url)
             if listed is not None:
@@ -90,14 +100,18 @@ class ActiveProber:
 
     async def responds(self, base_url: str) -> bool:
         """Whether the replica answers its health path now (within the probe timeout)."""
-        return await self._get_ok(base_url + self._path)
+        return await self._check(base_url + self._path) is None
 
-    async def _get_ok(self, url: str) -> bool:
+    async def _check(self, url: str) -> str | None:
+        """None when ``GET url`` answers 200, else why not, in words a user can act on."""
         try:
             response = await self._client.get(url)
-        except (httpx.HTTPError, OSError):
-            return False
-        return response.status_code == 200
+        except (httpx.HTTPError, OSError) as exc:
+            return describe_failure(url, exc, self._timeout_s)
+        if response.status_code == 200:
+            return None
+        text = " ".join(response.text.split())[:200]
+        return f"GET {url} answered {response.status_code}" + (f": {text}" if text else "")
 
     async def _fetch_models(
         self, base_url: str
@@ -128,3 +142,23 @@ class ActiveProber:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self._client.aclose()
+
+
+def describe_failure(url: str, exc: BaseException, timeout_s: float) -> str:
+    """A failed request to a replica as one line naming its address: refused, timed out, ..."""
+    parts = urlsplit(url)
+    where = parts.netloc
+    if isinstance(exc, httpx.ConnectTimeout):
+        return f"timeout: no connection to {where} within {timeout_s:g}s"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"timeout: GET {url} got no answer within {timeout_s:g}s"
+    cause: BaseException | None = exc
+    while cause is not None:  # httpx wraps the OS error, sometimes twice
+        if isinstance(cause, ConnectionRefusedError):
+            return f"connection refused to {where}"
+        if isinstance(cause, socket.gaierror):
+            return f"cannot resolve {parts.hostname}: {cause.strerror}"
+        if isinstance(cause, OSError) and cause.strerror:
+            return f"cannot connect to {where}: {cause.strerror}"
+        cause = cause.__cause__ or cause.__context__
+    return f"GET {url} failed: {exc or type(exc).__name__}"

@@ -1,7 +1,7 @@
 """Read each replica's own /metrics: queue depth, KV usage, prefix-cache hits, block size.
 
 vLLM's /metrics page is large (histograms with many buckets), so only the lines of the few
-families we use are handed to prometheus-client's parser; the router stays cheap at one scrape
+families we use are parsed (``kvcore.stats.parse_metrics``); the router stays cheap at one scrape
 per replica per interval. What is read goes into ``ReplicaState.reported_*`` (the policy's fresh
 load signals) and into ``ReplicaReport`` (exported, so operators can compare the replicas'
 reported prefix-cache hits with what the router predicted).
@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.kvcore.stats import MetricsPage, parse_metrics
 
 from .probe import Probeable
 
@@ -32,7 +33,6 @@ WANTED = (
     "vllm:gpu_prefix_cache_hits",
     "vllm:cache_config_info",
 )
-_PREFIXES = tuple(name.encode() for name in WANTED)
 
 
 @dataclass(slots=True)
@@ -48,35 +48,38 @@ class ReplicaReport:
 
 
 def parse_vllm_metrics(text: bytes) -> ReplicaReport:
-    """The fields of ``ReplicaReport`` from a vLLM /metrics page (missing ones stay None)."""
-    lines = [line for line in text.split(b"\n") if line.startswith(_PREFIXES)]
+    """The fields of ``ReplicaReport`` from a vLLM /metrics page (missing ones stay None).
+
+    Gauges and counters are summed over a replica's label sets (engine index, model name).
+    """
+    page = parse_metrics(text, only=WANTED)
     report = ReplicaReport()
-    sums: dict[str, float] = {}
-    series: dict[str, int] = {}
-    for family in text_string_to_metric_families(b"\n".join(lines).decode() + "\n"):
-        for sample in family.samples:
-            name = sample.name.removesuffix("_total")
-            if name == "vllm:cache_config_info":
-                size = sample.labels.get("block_size")
-                if size and size.isdigit():
-                    report.block_size = int(size)
-                continue
-            # Summed over label sets (engine index, model name) of one replica.
-            sums[name] = sums.get(name, 0.0) + sample.value
-            series[name] = series.get(name, 0) + 1
-    if "vllm:num_requests_waiting" in sums:
-        report.waiting = int(sums["vllm:num_requests_waiting"])
-    if "vllm:num_requests_running" in sums:
-        report.running = int(sums["vllm:num_requests_running"])
+    for labels, _ in page.series("vllm:cache_config_info"):
+        size = labels.get("block_size")
+        if size and size.isdigit():
+            report.block_size = int(size)
+    if "vllm:num_requests_waiting" in page:
+        report.waiting = int(page.sum("vllm:num_requests_waiting"))
+    if "vllm:num_requests_running" in page:
+        report.running = int(page.sum("vllm:num_requests_running"))
     for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-        if name in sums:  # a fraction per engine: the mean over data-parallel engines
-            report.kv_usage = sums[name] / series[name]
+        series = page.series(name)
+        if series:  # a fraction per engine: the mean over data-parallel engines
+            report.kv_usage = sum(value for _, value in series) / len(series)
             break
-    report.prefix_queries = sums.get(
-        "vllm:prefix_cache_queries", sums.get("vllm:gpu_prefix_cache_queries")
+    report.prefix_queries = _first_sum(
+        page, "vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"
     )
-    report.prefix_hits = sums.get("vllm:prefix_cache_hits", sums.get("vllm:gpu_prefix_cache_hits"))
+    report.prefix_hits = _first_sum(page, "vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
     return report
+
+
+def _first_sum(page: MetricsPage, *names: str) -> float | None:
+    """The sum of the first of ``names`` the page has (older vLLM names come last)."""
+    for name in names:
+        if name in page:
+            return page.sum(name)
+    return None
 
 
 class MetricsScraper:

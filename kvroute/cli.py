@@ -199,7 +199,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     try:
         if config.listen.workers > 1:
-            from kvroute.router.workers import run_workers
+            from kvroute.router.supervisor import run_workers
 
             run_workers(config)
         else:
@@ -214,8 +214,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.file)
+    fleet = [f"{len(config.replicas)} replicas"] if config.replicas or not config.launch else []
+    if config.launch is not None:  # started by serve: they count as much as the listed ones
+        fleet.append(f"{config.launch.count} launched replicas, engine {config.launch.engine}")
     print(
-        f"{args.file}: OK ({len(config.replicas)} replicas, policy {config.policy.name}, "
+        f"{args.file}: OK ({' + '.join(fleet)}, policy {config.policy.name}, "
         f"listen {config.listen.host}:{config.listen.port})"
     )
     return 0

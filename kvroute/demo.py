@@ -16,7 +16,6 @@ from kvroute.backends.launcher import LaunchedFleet, LaunchSpec
 from kvroute.backends.process import LaunchError
 from kvroute.bench.chat_load import (
     RunResult,
-    percentile,
     record_counters,
     replica_counters,
     reset_prefix_caches,
@@ -234,7 +233,7 @@ def render_table(results: list[RunResult], args: argparse.Namespace, kv_blocks: 
         balance = r.load_imbalance
         lines.append(
             f"{r.label:<18}{r.requests:>9}{r.errors:>8}{r.hit_rate:>10.1%}"
-            f"{percentile(r.ttfts, 0.5) * 1000:>9.0f}ms{percentile(r.ttfts, 0.99) * 1000:>9.0f}ms"
+            f"{r.ttft_s(0.5) * 1000:>9.0f}ms{r.ttft_s(0.99) * 1000:>9.0f}ms"
             f"{balance:>15.2f}{r.wall_s:>7.1f}s"
         )
     lines.append("")

@@ -1,13 +1,19 @@
 """The router's configuration: YAML on disk, validated into typed structs on load.
 
-Every problem is reported as one ``ConfigError`` naming the key path and the reason, so
-``kvroute check-config`` and ``kvroute serve`` can print it and exit 2 without a traceback.
+Every problem in a file is found, each naming its key path and the reason (an unknown key with
+the closest valid one), and reported together as one ``ConfigError``, so ``kvroute
+check-config`` and ``kvroute serve`` can print them all and exit 2 without a traceback.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import re
+import types
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,7 +25,24 @@ from kvroute.policies import DEFAULT_POLICY, PolicyConfigError, build_policy
 
 
 class ConfigError(Exception):
-    """A configuration that cannot be used; the message names the key and the reason."""
+    """A configuration that cannot be used: one or more problems, each "key.path: reason".
+
+    ``source`` (the file) prefixes the message; one problem reads as one line, several as a
+    count and then one indented line each.
+    """
+
+    def __init__(self, *problems: str, source: str | None = None) -> None:
+        self.problems = list(problems)
+        self.source = source
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        prefix = f"{self.source}: " if self.source else ""
+        if len(self.problems) == 1:
+            return prefix + self.problems[0]
+        return f"{prefix}{len(self.problems)} problems:" + "".join(
+            f"\n  {p}" for p in self.problems
+        )
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -58,6 +81,11 @@ class LaunchConfig(_Section):
     preset: str = "llama-3.1-8b-h100"  # emulated: latency model
     time_scale: float = 1.0  # emulated: >1 runs slower than the modelled hardware
     kv_events: bool = True
+    # Where launched replicas publish KV events: "ipc" (default) on Unix sockets in a directory
+    # only this user can open, so other users of the host cannot read which prompts' blocks a
+    # replica holds; "tcp" on TCP ports (emulated replicas bind them on launch.host; vLLM binds
+    # every interface) for subscribers elsewhere.
+    kv_events_bind: str = "ipc"
     host: str = "127.0.0.1"
     log_dir: str = "kvroute-logs"
     startup_timeout_s: float = 300.0
@@ -165,6 +193,8 @@ class RoutingConfig(_Section):
     # Prompts longer than this (characters) are tokenized in worker processes, off the event loop.
     tokenize_inline_chars: int = 4096
     tokenizer_processes: int = 1
+    # Token ids of long conversations' rendered prefixes kept for their next turn (MiB; 0: off).
+    tokenizer_cache_mb: int = 256
     # The replicas' KV block size in tokens; null: launch.block_size, else read from each
     # replica's vllm:cache_config_info.
     block_size: int | None = None
@@ -219,7 +249,7 @@ def load_config(path: str | Path) -> Config:
     try:
         return config_from_dict(raw)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(*exc.problems, source=str(path)) from None
 
 
 def _describe_yaml_error(exc: yaml.YAMLError) -> str:
@@ -231,56 +261,180 @@ def _describe_yaml_error(exc: yaml.YAMLError) -> str:
 
 
 def config_from_dict(raw: Any) -> Config:
-    try:
-        config = msgspec.convert(raw, Config)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(_describe_validation_error(str(exc))) from None
-    validate(config)
+    """Validate a parsed config; every problem found is reported in one ``ConfigError``.
+
+    Keys and types are checked key by key (an unknown key or a wrong type does not hide the
+    next one); what passes is then checked for what types alone cannot express, with the keys
+    that failed left at their defaults.
+    """
+    problems: list[str] = []
+    usable = _check_struct(raw, Config, "", problems)
+    config = None if usable is _BAD else msgspec.convert(usable, Config)
+    if config is not None:
+        # The replicas that passed keep their place in the file for the problems below.
+        listed = raw.get("replicas")
+        keys = [
+            f"replicas[{i}]"
+            for i, item in enumerate(listed if isinstance(listed, list) else [])
+            if _check_struct(item, ReplicaConfig, "", []) is not _BAD
+        ]
+        problems += _semantic_problems(config, keys)
+    if problems or config is None:
+        raise ConfigError(*sorted(problems, key=_file_order(raw)))
     return config
 
 
-def _describe_validation_error(message: str) -> str:
-    """msgspec says 'Expected `int`, got `str` - at `$.listen.port`'; say it as 'listen.port: ...'."""
+def _file_order(raw: Any) -> Callable[[str], tuple[int, int]]:
+    """Sort key for problems: in the order of their top-level key (and list index) in the file."""
+    positions = {key: i for i, key in enumerate(raw)} if isinstance(raw, dict) else {}
+
+    def order(problem: str) -> tuple[int, int]:
+        match = re.match(r"([^.\[:]*)(?:\[(\d+)\])?", problem)
+        top, index = (match.group(1), match.group(2)) if match else ("", None)
+        return positions.get(top, -1), int(index) if index is not None else -1
+
+    return order
+
+
+class _Bad:
+    """A value that failed its check (its problem is already recorded)."""
+
+
+_BAD = _Bad()
+
+
+def _check_struct(raw: Any, cls: type[msgspec.Struct], where: str, problems: list[str]) -> Any:
+    """``raw`` without unknown keys and badly typed values (each recorded in ``problems``), or
+    _BAD when no ``cls`` can be made from it (not a mapping, or a required key unusable)."""
+    here = where or "top level"
+    if not isinstance(raw, dict):
+        problems.append(f"{here}: expected 'object', got '{_json_type(raw)}'")
+        return _BAD
+    fields = {f.name: f for f in msgspec.structs.fields(cls)}
+    usable: dict[str, Any] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            problems.append(f"{here}: keys must be strings, got {key!r}")
+            continue
+        path = f"{where}.{key}" if where else key
+        if key not in fields:
+            problems.append(f"{path}: unknown key{_did_you_mean(key, list(fields))}")
+            continue
+        checked = _check_value(value, fields[key].type, path, problems)
+        if checked is not _BAD:
+            usable[key] = checked
+    complete = True
+    for name, field in fields.items():
+        if field.required and name not in usable:
+            complete = False
+            if name not in raw:
+                problems.append(f"{where}.{name}: missing; this key is required")
+    return usable if complete else _BAD
+
+
+def _check_value(value: Any, kind: Any, path: str, problems: list[str]) -> Any:
+    """``value`` if it has type ``kind`` (structs checked key by key), else _BAD."""
+    if isinstance(kind, types.UnionType) and value is None and type(None) in typing.get_args(kind):
+        return None
+    struct = _struct_in(kind)
+    if struct is not None:
+        return _check_struct(value, struct, path, problems)
+    if typing.get_origin(kind) is list and _struct_in(typing.get_args(kind)[0]) is not None:
+        if not isinstance(value, list):
+            problems.append(f"{path}: expected 'array', got '{_json_type(value)}'")
+            return _BAD
+        item = typing.get_args(kind)[0]
+        items = [_check_value(v, item, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        return [v for v in items if v is not _BAD]
+    try:
+        msgspec.convert(value, kind)
+    except msgspec.ValidationError as exc:
+        problems.append(_describe_validation_error(str(exc), path))
+        return _BAD
+    return value
+
+
+def _struct_in(kind: Any) -> type[msgspec.Struct] | None:
+    """The struct type of ``kind`` (``Struct`` or ``Struct | None``), else None."""
+    for option in typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,):
+        if isinstance(option, type) and issubclass(option, msgspec.Struct):
+            return option
+    return None
+
+
+def _json_type(value: Any) -> str:
+    """The YAML value's type in msgspec's words ('object', 'array', 'str', ...)."""
+    if isinstance(value, dict):
+        return "object"
+    if isinstance(value, list):
+        return "array"
+    return "null" if value is None else type(value).__name__
+
+
+def _did_you_mean(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean '{close[0]}'?)"
+    return f" (valid keys: {', '.join(valid)})"
+
+
+def _describe_validation_error(message: str, path: str = "") -> str:
+    """msgspec says 'Expected `int`, got `str` - at `$[1]`'; say it as 'models[1]: ...'.
+
+    ``path`` is the key msgspec's ``$`` stands for.
+    """
     reason, _, where = message.partition(" - at ")
     if where.startswith("`key` in "):
         # A mapping key of the wrong type, e.g. '1: 2' where names are expected.
-        key = where.removeprefix("`key` in ").strip("`").removeprefix("$").lstrip(".")
-        return f"{key or 'top level'}: keys must be strings"
+        key = path + where.removeprefix("`key` in ").strip("`").removeprefix("$")
+        return f"{key.lstrip('.') or 'top level'}: keys must be strings"
     reason = reason.replace("`", "'")
     reason = reason[0].lower() + reason[1:] if reason else reason
-    key = where.strip("`").removeprefix("$").lstrip(".")
+    key = (path + where.strip("`").removeprefix("$")).lstrip(".")
     return f"{key}: {reason}" if key else f"top level: {reason}"
 
 
-def validate(config: Config) -> None:
-    """Checks that types alone cannot express."""
-    _check_port("listen.port", config.listen.port)
+def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
+    """Checks that types alone cannot express; ``replica_keys`` name the replicas' places."""
+    problems: list[str] = []
+
+    def check(fn: Callable[..., object], *args: Any) -> None:
+        try:
+            fn(*args)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+
+    check(_check_port, "listen.port", config.listen.port)
     if not 1 <= config.listen.workers <= 64:
-        raise ConfigError(f"listen.workers: must be 1-64, got {config.listen.workers}")
+        problems.append(f"listen.workers: must be 1-64, got {config.listen.workers}")
     names: set[str] = set()
-    for i, replica in enumerate(config.replicas):
-        key = f"replicas[{i}]"
-        check_replica_url(replica.url, f"{key}.url")
+    for key, replica in zip(replica_keys, config.replicas, strict=True):
+        try:
+            check_replica_url(replica.url, f"{key}.url")
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            continue  # no name can be derived from it
         if replica.name is not None and not replica.name.strip():
-            raise ConfigError(
+            problems.append(
                 f"{key}.name: must not be empty (leave it out to name the replica by its URL)"
             )
+            continue
         name = replica.name or replica_name_from_url(replica.url)
         if name in names:
-            raise ConfigError(f"{key}.name: duplicate replica name {name!r}")
+            problems.append(f"{key}.name: duplicate replica name {name!r}")
         names.add(name)
     if config.launch is not None:
-        _validate_launch(config.launch)
+        problems += _launch_problems(config.launch)
         block_size = config.routing.block_size
         if block_size is not None and block_size != config.launch.block_size:
-            raise ConfigError(
+            problems.append(
                 f"routing.block_size: {block_size} differs from launch.block_size "
                 f"{config.launch.block_size}; the router must cut prompts into the replicas' blocks"
             )
     for i, model in enumerate(config.models):
         if not model:
-            raise ConfigError(f"models[{i}]: must not be empty")
-    _validate_routing(config.routing)
+            problems.append(f"models[{i}]: must not be empty")
+    problems += _routing_problems(config.routing)
     for section, fields in (
         (
             "timeouts",
@@ -297,61 +451,74 @@ def validate(config: Config) -> None:
         for field in fields:
             value = getattr(getattr(config, section), field)
             if not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"{section}.{field}: must be a finite number > 0, got {value}")
+                problems.append(f"{section}.{field}: must be a finite number > 0, got {value}")
     for section, field in (("timeouts", "total_s"), ("retry", "backoff_base_s")):
         value = getattr(getattr(config, section), field)
         if not (math.isfinite(value) and value >= 0):
-            raise ConfigError(f"{section}.{field}: must be a finite number >= 0, got {value}")
+            problems.append(f"{section}.{field}: must be a finite number >= 0, got {value}")
     if config.limits.max_body_bytes <= 0:
-        raise ConfigError(f"limits.max_body_bytes: must be > 0, got {config.limits.max_body_bytes}")
+        problems.append(f"limits.max_body_bytes: must be > 0, got {config.limits.max_body_bytes}")
     for field in ("max_concurrent_requests", "max_queued_requests"):
         if getattr(config.limits, field) < 0:
-            raise ConfigError(f"limits.{field}: must be >= 0 (0 means none)")
-    _validate_retry(config.retry)
-    _validate_breaker(config.breaker)
-    _validate_auth(config.auth)
+            problems.append(f"limits.{field}: must be >= 0 (0 means none)")
+    problems += _retry_problems(config.retry)
+    problems += _breaker_problems(config.breaker)
+    check(_validate_auth, config.auth)
     if config.health.unhealthy_after < 1:
-        raise ConfigError(
+        problems.append(
             f"health.unhealthy_after: must be >= 1, got {config.health.unhealthy_after}"
         )
     if not config.health.path.startswith("/"):
-        raise ConfigError(f"health.path: must start with '/', got {config.health.path!r}")
+        problems.append(f"health.path: must start with '/', got {config.health.path!r}")
     try:
         build_policy(config.policy.name, config.policy.params)
     except PolicyConfigError as exc:
         key = "policy.name" if "unknown policy" in str(exc) else "policy.params"
-        raise ConfigError(f"{key}: {exc}") from None
+        problems.append(f"{key}: {exc}")
+    return problems
 
 
 ENGINES = ("emulated", "vllm")
+KV_EVENTS_BINDS = ("ipc", "tcp")
 
 
-def _validate_retry(retry: RetryConfig) -> None:
+def _retry_problems(retry: RetryConfig) -> list[str]:
+    problems = []
     if not 1 <= retry.max_attempts <= 10:
-        raise ConfigError(f"retry.max_attempts: must be 1-10, got {retry.max_attempts}")
+        problems.append(f"retry.max_attempts: must be 1-10, got {retry.max_attempts}")
     if not 0 <= retry.max_resumes <= 10:
-        raise ConfigError(f"retry.max_resumes: must be 0-10, got {retry.max_resumes}")
+        problems.append(f"retry.max_resumes: must be 0-10, got {retry.max_resumes}")
+    return problems
 
 
-def _validate_breaker(breaker: BreakerConfig) -> None:
+def _breaker_problems(breaker: BreakerConfig) -> list[str]:
+    problems = []
     for field in ("consecutive_failures", "min_requests", "half_open_requests"):
         if getattr(breaker, field) < 1:
-            raise ConfigError(f"breaker.{field}: must be >= 1, got {getattr(breaker, field)}")
+            problems.append(f"breaker.{field}: must be >= 1, got {getattr(breaker, field)}")
     if breaker.close_after_successes < 1:
-        raise ConfigError(
+        problems.append(
             f"breaker.close_after_successes: must be >= 1, got {breaker.close_after_successes}"
         )
     if not 0 < breaker.failure_rate <= 1:
-        raise ConfigError(f"breaker.failure_rate: must be in (0, 1], got {breaker.failure_rate}")
+        problems.append(f"breaker.failure_rate: must be in (0, 1], got {breaker.failure_rate}")
     if breaker.max_cooldown_s < breaker.cooldown_s:
-        raise ConfigError("breaker.max_cooldown_s: must be >= breaker.cooldown_s")
+        problems.append("breaker.max_cooldown_s: must be >= breaker.cooldown_s")
+    return problems
 
 
 def _validate_auth(auth: AuthConfig) -> None:
-    for i, key in enumerate(auth.api_keys):
-        resolve_secret(key, f"auth.api_keys[{i}]")
+    problems = []
+    keys = [(f"auth.api_keys[{i}]", key) for i, key in enumerate(auth.api_keys)]
     if auth.admin_api_key is not None:
-        resolve_secret(auth.admin_api_key, "auth.admin_api_key")
+        keys.append(("auth.admin_api_key", auth.admin_api_key))
+    for where, key in keys:
+        try:
+            resolve_secret(key, where)
+        except ConfigError as exc:
+            problems += exc.problems
+    if problems:
+        raise ConfigError(*problems)
 
 
 def resolve_secret(value: str, key: str) -> str:
@@ -367,49 +534,62 @@ def resolve_secret(value: str, key: str) -> str:
     return value
 
 
-def _validate_routing(routing: RoutingConfig) -> None:
+def _routing_problems(routing: RoutingConfig) -> list[str]:
+    problems = []
     tokenizer = routing.tokenizer
     if tokenizer is not None and tokenizer != "builtin":
         path = Path(tokenizer).expanduser()
         if not (path / "tokenizer.json").is_file() and not (
             path.is_file() and path.name.endswith(".json")
         ):
-            raise ConfigError(
+            problems.append(
                 f"routing.tokenizer: {tokenizer!r} is not a tokenizer.json file or a directory "
                 "holding one (use 'builtin' for the emulated replica's tokenizer)"
             )
     if routing.block_size is not None and routing.block_size < 1:
-        raise ConfigError(f"routing.block_size: must be >= 1, got {routing.block_size}")
+        problems.append(f"routing.block_size: must be >= 1, got {routing.block_size}")
     if routing.tokenize_inline_chars < 0:
-        raise ConfigError("routing.tokenize_inline_chars: must be >= 0")
+        problems.append("routing.tokenize_inline_chars: must be >= 0")
     if not 0 <= routing.tokenizer_processes <= 64:
-        raise ConfigError(
+        problems.append(
             f"routing.tokenizer_processes: must be 0-64, got {routing.tokenizer_processes}"
         )
+    if not 0 <= routing.tokenizer_cache_mb <= 1 << 20:
+        problems.append(
+            f"routing.tokenizer_cache_mb: must be 0-{1 << 20} (MiB), got {routing.tokenizer_cache_mb}"
+        )
     if not (math.isfinite(routing.prediction_ttl_s) and routing.prediction_ttl_s >= 0):
-        raise ConfigError(
+        problems.append(
             f"routing.prediction_ttl_s: must be a finite number >= 0, got {routing.prediction_ttl_s}"
         )
+    return problems
 
 
-def _validate_launch(launch: LaunchConfig) -> None:
+def _launch_problems(launch: LaunchConfig) -> list[str]:
+    problems = []
     if launch.engine not in ENGINES:
-        raise ConfigError(
+        problems.append(
             f"launch.engine: must be one of {', '.join(ENGINES)}, got {launch.engine!r}"
         )
     for key in ("count", "block_size", "num_gpu_blocks", "max_num_seqs"):
         if getattr(launch, key) < 1:
-            raise ConfigError(f"launch.{key}: must be >= 1, got {getattr(launch, key)}")
+            problems.append(f"launch.{key}: must be >= 1, got {getattr(launch, key)}")
     if launch.engine == "vllm" and launch.block_size % 32:
-        raise ConfigError(
+        problems.append(
             f"launch.block_size: vLLM on CPU needs a multiple of 32, got {launch.block_size}"
         )
     for key in ("time_scale", "startup_timeout_s"):
         value = getattr(launch, key)
         if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"launch.{key}: must be a finite number > 0, got {value}")
+            problems.append(f"launch.{key}: must be a finite number > 0, got {value}")
     if not launch.model:
-        raise ConfigError("launch.model: must not be empty")
+        problems.append("launch.model: must not be empty")
+    if launch.kv_events_bind not in KV_EVENTS_BINDS:
+        problems.append(
+            f"launch.kv_events_bind: must be one of {', '.join(KV_EVENTS_BINDS)}, "
+            f"got {launch.kv_events_bind!r}"
+        )
+    return problems
 
 
 def _check_port(key: str, port: int) -> None:

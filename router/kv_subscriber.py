@@ -97,8 +97,14 @@ _COUNTERS = tuple(
 
 
 def _binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard host (or ipc/inproc) binds, anything else connects."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    """Whether the router binds ``endpoint`` rather than connecting to it.
+
+    A wildcard TCP host binds: the publisher was given this router's address and dials out. vLLM
+    always binds ipc:// (and inproc://) endpoints itself, so the router connects to those.
+    """
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return False
+    return "*" in endpoint or "::" in endpoint
 
 
 def _split(frames: list[bytes]) -> tuple[int, bytes] | None:

@@ -44,7 +44,12 @@ class PromptKeys:
     def _load(self, spec: str) -> PromptTokenizer | None:
         routing = self._routing
         try:
-            return PromptTokenizer(spec, routing.tokenize_inline_chars, routing.tokenizer_processes)
+            return PromptTokenizer(
+                spec,
+                routing.tokenize_inline_chars,
+                routing.tokenizer_processes,
+                routing.tokenizer_cache_mb << 20,
+            )
         except TokenizerError as exc:
             log.warning("cannot use the tokenizer at %s (routing on load alone): %s", spec, exc)
             return None

@@ -11,24 +11,36 @@ a round trip to another process costs more than encoding them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import signal
+from array import array
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from kvroute.kvcore.tokenizer import (
+    HFTokenizerFiles,
     PromptBlocks,
     Tokenizer,
     load_tokenizer,
     prompt_blocks,
     render_chat,
 )
+from kvroute.kvcore.tokenizer.incremental import (
+    Pieces,
+    Plan,
+    PrefixTokenCache,
+    prefix_cache_for,
+    tokenize_plan,
+)
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 # -- the worker processes --------------------------------------------------------------
@@ -51,6 +63,13 @@ def _encode_in_worker(
     return prompt_blocks(_worker_tokenizer, text, add_special_tokens, block_size, extra_key)
 
 
+def _plan_in_worker(plan: Plan) -> Pieces:
+    """The uncached part of a conversation (the plan carries no cached ids across)."""
+    assert isinstance(_worker_tokenizer, HFTokenizerFiles)
+    mid, tail = tokenize_plan(_worker_tokenizer.encode_plain, plan)
+    return array("I", mid), array("I", tail)
+
+
 def _chat_in_worker(
     messages: list[dict[str, Any]],
     options: dict[str, Any],
@@ -66,13 +85,24 @@ def _chat_in_worker(
 class PromptTokenizer:
     """The router's tokenizer: inline for short prompts, a process pool for long ones."""
 
-    def __init__(self, spec: str, inline_chars: int = 4096, processes: int = 1) -> None:
+    def __init__(
+        self, spec: str, inline_chars: int = 4096, processes: int = 1, cache_bytes: int = 0
+    ) -> None:
         self.spec = spec
         self.tokenizer = load_tokenizer(spec, clock=datetime.now)
         self.inline_chars = inline_chars
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None
         self.offloaded = 0  # prompts encoded in the pool
+        # Long conversations: only each turn's new messages are tokenized (kvcore incremental).
+        self.prefix_cache: PrefixTokenCache | None = None
+        tok = self.tokenizer
+        if cache_bytes > 0 and isinstance(tok, HFTokenizerFiles):
+            self.prefix_cache, why = prefix_cache_for(
+                tok.split_tokens(), tok.encode_plain, cache_bytes
+            )
+            if self.prefix_cache is None:
+                log.warning("conversations are tokenized whole each turn (%s): %s", spec, why)
 
     def render_chat(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
         """The chat template applied as vLLM applies it (raises ChatTemplateError)."""
@@ -98,6 +128,9 @@ class PromptTokenizer:
         extra_key: str | None,
     ) -> PromptBlocks | None:
         """A chat's blocks: rendering and encoding both leave the loop when it is long."""
+        cache = self.prefix_cache
+        if cache is not None and not add_special_tokens and size_chars >= cache.min_prefix_chars:
+            return await self._incremental(cache, messages, options, block_size, extra_key)
         if size_chars <= self.inline_chars or self.processes < 1:
             text = self.render_chat(messages, options)
             return prompt_blocks(self.tokenizer, text, add_special_tokens, block_size, extra_key)
@@ -105,7 +138,31 @@ class PromptTokenizer:
             _chat_in_worker, messages, options, add_special_tokens, block_size, extra_key
         )
 
-    async def _offload(self, fn: Callable[..., PromptBlocks], *args: Any) -> PromptBlocks | None:
+    async def _incremental(
+        self,
+        cache: PrefixTokenCache,
+        messages: list[dict[str, Any]],
+        options: dict[str, Any],
+        block_size: int,
+        extra_key: str | None,
+    ) -> PromptBlocks | None:
+        """Only what the cache does not hold is tokenized: on the loop when that is short (a
+        new turn), in the pool otherwise (a conversation seen for the first time). Rendering
+        stays on the loop: it is cheap next to tokenizing (0.4 ms for 220 KB)."""
+        plan = cache.plan(self.render_chat(messages, options))
+        pieces: Pieces | None
+        if plan.uncached_chars <= self.inline_chars or self.processes < 1:
+            assert isinstance(self.tokenizer, HFTokenizerFiles)
+            pieces = tokenize_plan(self.tokenizer.encode_plain, plan)
+        else:
+            shipped = dataclasses.replace(plan, entry=None)  # the cached ids stay here
+            pieces = await self._offload(_plan_in_worker, shipped)
+            if pieces is None:
+                return None
+        tokens, hashes = cache.commit(plan, pieces, block_size, extra_key)
+        return PromptBlocks(tokens, hashes)
+
+    async def _offload(self, fn: Callable[..., T], *args: Any) -> T | None:
         pool = self._ensure_pool()
         self.offloaded += 1
         loop = asyncio.get_running_loop()

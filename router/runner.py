@@ -59,6 +59,14 @@ async def serve_forever(config: Config, context: WorkerContext | None = None) ->
         file=sys.stderr,
         flush=True,
     )
+    for handle in router.replicas.values():  # say which replica is out and why, not just a count
+        if not handle.state.healthy:
+            print(
+                f"kvroute{worker}: replica {handle.name} is down: "
+                f"{handle.down_reason or 'no health probe yet'}",
+                file=sys.stderr,
+                flush=True,
+            )
     try:
         await stop.wait()
     finally:

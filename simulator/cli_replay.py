@@ -19,6 +19,7 @@ import textwrap
 import time
 from typing import Any
 
+from kvroute.kvcore.stats import percentile
 from kvroute.policies import DEFAULT_POLICY, POLICIES, PolicyConfigError, build_policy
 from kvroute.policies.registry import policy_parameters
 from kvroute.simulator.engine.latency import (
@@ -34,13 +35,13 @@ from kvroute.simulator.fleet import (
     UnitTrace,
     engine_config,
     infinite_cache_hit_rate,
-    percentile,
     pooled_lru_hit_rate,
     prepare,
     simulate,
 )
+from kvroute.simulator.fleet.bounds import prefill_alone_s
 from kvroute.simulator.fleet.report import markdown_report
-from kvroute.simulator.fleet.summary import format_table, summarize
+from kvroute.simulator.fleet.summary import format_table, replay_warnings, summarize
 from kvroute.simulator.fleet.units import scaled
 
 EXIT_USAGE = 2
@@ -529,6 +530,8 @@ def _replay(args: argparse.Namespace) -> int:
             f"replicas of {args.preset}, {config.kv_capacity_tokens:,} KV tokens each",
             file=sys.stderr,
         )
+    own_prefill = prefill_alone_s(units, config.engine, cached=False)
+    prefixes, notes = _prefix_source(args)
     results: list[SimResult] = []
     summaries: list[dict[str, Any]] = []
     for name in policies:
@@ -541,7 +544,13 @@ def _replay(args: argparse.Namespace) -> int:
                 pooled_lru_hit_rate=pooled,
                 slo=args.slo or Slo(),
                 wall_s=wall,
-                extra={"preset": args.preset, "engine_model": args.engine_model},
+                extra={
+                    "preset": args.preset,
+                    "engine_model": args.engine_model,
+                    "prefixes": prefixes,
+                    "notes": notes,
+                    "warnings": replay_warnings(result, own_prefill),
+                },
             )
         )
     print(format_table(summaries))
@@ -549,9 +558,34 @@ def _replay(args: argparse.Namespace) -> int:
         f"bounds: infinite cache {percent(infinite)}, pooled LRU of the fleet's capacity "
         f"{percent(pooled)} (token-weighted hit rates)"
     )
+    for note in notes:
+        print(f"note: {note}")
+    for summary in summaries:
+        who = f" ({summary['policy']})" if len(summaries) > 1 else ""
+        for warning in summary["warnings"]:
+            print(f"WARNING{who}: {warning}")
     _write_outputs(args, trace, units, config, results, summaries)
     print(f"wrote {os.path.join(args.out, 'summary.json')} and report.md")
     return 0
+
+
+# Traces whose prefixes kvroute makes up: their hit rates describe its model, not the workload.
+_SYNTHETIC_PREFIXES = {
+    "azure": "hit rates rest on synthetic prefixes: the Azure 2023 trace has arrival times and "
+    "token counts but no prompt content, so a reuse model decides which prompts share a prefix "
+    "(apps' system prompts, follow-up turns; set with --format azure:apps=N,followup=P,...; "
+    "see docs/traces.md)",
+    "synthetic": "hit rates rest on the generator's prefixes (a synthetic workload)",
+}
+
+
+def _prefix_source(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """Where the trace's prefix sharing comes from ("trace" or "synthetic"), and notes on it."""
+    from kvroute.simulator.traces import detect_format
+
+    fmt = (args.format or detect_format(args.trace)).partition(":")[0].strip().lower()
+    note = _SYNTHETIC_PREFIXES.get(fmt)
+    return ("synthetic", [note]) if note else ("trace", [])
 
 
 def _prepare_out(out: str) -> None:
@@ -654,6 +688,8 @@ def _plan(args: argparse.Namespace) -> int:
         gpus = latency.num_gpus
         row["gpus"] = row["replicas"] * gpus if row["replicas"] else None
         row["cost_per_million_tokens_usd"] = _cost(args.gpu_price, row, gpus)
+        if row["unreachable"]:
+            row["why"] = _why_unreachable(args, trace_k, row["largest_tried"])
     print(_plan_table(args, rows))
     if args.out:
         with open(os.path.join(args.out, "plan.json"), "w") as f:
@@ -677,9 +713,11 @@ def _plan_one(args: argparse.Namespace, units: UnitTrace, k: float) -> dict[str,
             and (args.slo.tpot_s is None or math.isnan(tpot) or tpot <= args.slo.tpot_s)
         )
         tried[n] = {
+            "replicas": n,
             "ttft_s": ttft,
             "tpot_s": tpot,
             "hit_rate": result.hit_rate(),
+            "requests": result.requests,
             "completed": result.completed,
             "rejected": sum(result.rejected),
             "ok": ok,
@@ -688,7 +726,7 @@ def _plan_one(args: argparse.Namespace, units: UnitTrace, k: float) -> dict[str,
             print(
                 f"  {k:g}x rate, {n} replicas: TTFT p{q * 100:g} {ttft:.3f} s, TPOT "
                 f"p{q * 100:g} {tpot * 1000:.1f} ms, {'meets' if ok else 'misses'} the SLO "
-                f"({wall:.1f} s)",
+                f"(simulated in {wall:.1f} s)",
                 file=sys.stderr,
             )
         return ok
@@ -699,15 +737,20 @@ def _plan_one(args: argparse.Namespace, units: UnitTrace, k: float) -> dict[str,
         if low and _saturated(tried[low], tried[high]):
             # Twice the replicas changed nothing: what misses is a single request's own time
             # (a long prompt's prefill), which no fleet size shortens.
+            before = ", ".join(_slo_values(args, tried[low]))
             unreachable = (
-                f"TTFT {tried[high]['ttft_s']:.3f} s / TPOT {tried[high]['tpot_s'] * 1000:.1f} ms "
-                f"at {low} and {high} replicas: more replicas do not help"
+                f"no fleet size meets the SLO: the search stopped at {high} replicas (limit: "
+                f"--max-replicas {args.max_replicas}): {'; '.join(_slo_misses(args, tried[high]))}"
+                f", as at {low} replicas ({before}): more replicas do not help"
             )
             high = 0
             break
         low = high
         if high >= args.max_replicas:
-            unreachable = f"not met with --max-replicas {args.max_replicas}"
+            unreachable = (
+                f"no fleet of up to {high} replicas meets the SLO: the search stopped at the limit,"
+                f" --max-replicas {high}: {'; '.join(_slo_misses(args, tried[high]))}"
+            )
             high = 0
             break
         high = min(2 * high, args.max_replicas)
@@ -732,7 +775,89 @@ def _plan_one(args: argparse.Namespace, units: UnitTrace, k: float) -> dict[str,
         "tokens": tokens,
         "simulated": sorted(tried),
         "unreachable": unreachable,
+        # What the largest fleet tried measured, when none met the SLO.
+        "largest_tried": tried[max(tried)] if unreachable else None,
     }
+
+
+def _slo_values(args: argparse.Namespace, tried: dict[str, Any]) -> list[str]:
+    """The SLO metrics that have a target, as measured on one fleet."""
+    q = f"p{args.slo_quantile * 100:g}"
+    values = []
+    if args.slo.ttft_s is not None:
+        values.append(f"TTFT {q} {_opt(tried['ttft_s'], 1, ' s')}")
+    if args.slo.tpot_s is not None:
+        values.append(f"TPOT {q} {_opt(tried['tpot_s'], 1000, ' ms')}")
+    return values
+
+
+def _slo_misses(args: argparse.Namespace, tried: dict[str, Any]) -> list[str]:
+    """What kept one fleet from meeting the SLO, with the measured values and the targets."""
+    q = f"p{args.slo_quantile * 100:g}"
+    misses = []
+    if tried["completed"] < tried["requests"]:
+        misses.append(f"{tried['requests'] - tried['completed']:,} requests did not finish")
+    ttft, tpot = tried["ttft_s"], tried["tpot_s"]
+    if args.slo.ttft_s is not None and not ttft <= args.slo.ttft_s:
+        misses.append(f"TTFT {q} {_opt(ttft, 1, ' s')} > {args.slo.ttft_s:g} s")
+    if args.slo.tpot_s is not None and not (math.isnan(tpot) or tpot <= args.slo.tpot_s):
+        misses.append(f"TPOT {q} {_opt(tpot, 1000, ' ms')} > {args.slo.tpot_s * 1000:g} ms")
+    return misses
+
+
+def _why_unreachable(
+    args: argparse.Namespace, units: UnitTrace, largest: dict[str, Any]
+) -> list[str]:
+    """Why no fleet size tried meets the SLO, from what one request costs alone on a replica."""
+    config = _fleet_config(args, 1, [])
+    engine = config.engine
+    q = args.slo_quantile
+    why = []
+    if largest["rejected"]:
+        why.append(
+            f"{largest['rejected']:,} requests need more KV cache than one replica holds "
+            f"({config.kv_capacity_tokens:,} tokens; --kv-capacity-tokens): they fail at any "
+            "fleet size"
+        )
+    # The fleet turns away what one replica cannot hold: the rest is what the quantile is over.
+    fits = [
+        -(-(r.input_tokens + r.output_tokens - 1) // engine.block_size) <= engine.num_blocks
+        for r in units.requests
+    ]
+    bound = [
+        b for b, ok in zip(prefill_alone_s(units, engine, cached=True), fits, strict=True) if ok
+    ]
+    ttft_slo = args.slo.ttft_s
+    if ttft_slo is None or largest["ttft_s"] <= ttft_slo or not bound:
+        return why
+    floor = percentile(bound, q)
+    alone = (
+        f"prefill alone on an idle replica of {args.preset} with every reusable prefix cached "
+        f"(a lower bound on TTFT at any fleet size)"
+    )
+    if floor > ttft_slo:
+        over = sum(b > ttft_slo for b in bound)
+        scratch = prefill_alone_s(units, engine, cached=False)
+        longest = max(range(len(units.requests)), key=lambda i: units.requests[i].input_tokens)
+        why.append(
+            f"{over:,} of {len(bound):,} requests ({over / len(bound):.1%}) take longer than "
+            f"{ttft_slo:g} s for {alone}: its p{q * 100:g} is {floor:.2f} s, so no fleet size "
+            f"gets TTFT p{q * 100:g} within {ttft_slo:g} s. The longest prompt, "
+            f"{units.requests[longest].input_tokens:,} tokens, takes {scratch[longest]:.1f} s "
+            "to prefill from scratch"
+        )
+    elif largest["replicas"] >= args.max_replicas:
+        why.append(
+            f"{alone} has a p{q * 100:g} of {floor:.2f} s: a fleet larger than "
+            f"{args.max_replicas} replicas may meet the SLO (raise --max-replicas)"
+        )
+    else:
+        why.append(
+            f"{alone} has a p{q * 100:g} of {floor:.2f} s, within the SLO: the rest is prefill "
+            "of prefixes the chosen replicas did not have cached and steps shared with other "
+            "requests, which more replicas did not reduce"
+        )
+    return why
 
 
 def _saturated(before: dict[str, Any], after: dict[str, Any]) -> bool:
@@ -762,37 +887,51 @@ def _plan_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
             for k, v in (("TTFT", args.slo.ttft_s), ("TPOT", args.slo.tpot_s))
             if v is not None
         ),
-        f"{'rate':>8}{'req/s':>9}{'replicas':>10}{'GPUs':>7}{'TTFT ' + q:>12}{'TPOT ' + q:>12}"
+        f"{'rate':>8}{'req/s':>9}{'replicas':>12}{'GPUs':>7}{'TTFT ' + q:>12}{'TPOT ' + q:>12}"
         f"{'hit rate':>10}{'$/M tokens':>12}",
     ]
+    notes = False
     for r in rows:
         cost = r["cost_per_million_tokens_usd"]
+        # No fleet met the SLO: the largest one tried, marked, with what it measured.
+        shown = r["largest_tried"] or r
+        replicas = f"{shown['replicas']} (miss)" if r["largest_tried"] else str(r["replicas"])
         lines.append(
             f"{r['rate_multiplier']:>7g}x{(r['rate_rps'] or 0):>9.2f}"
-            f"{(r['replicas'] or 0) if r['replicas'] else '> max':>10}{(r['gpus'] or 0):>7}"
-            f"{_opt(r['ttft_s'], 1, 's'):>12}{_opt(r['tpot_s'], 1000, 'ms'):>12}"
-            f"{_opt(r['hit_rate'], 100, '%'):>10}{('-' if cost is None else f'{cost:.4f}'):>12}"
+            f"{replicas:>12}{(r['gpus'] or '-'):>7}"
+            f"{_opt(shown['ttft_s'], 1, 's'):>12}{_opt(shown['tpot_s'], 1000, 'ms'):>12}"
+            f"{_opt(shown['hit_rate'], 100, '%'):>10}{('-' if cost is None else f'{cost:.4f}'):>12}"
         )
         if r["unreachable"]:
-            lines.append(f"{'':>8} unreachable: {r['unreachable']}")
+            notes = True
+            lines.append(_indented(r["unreachable"]))
+            lines += [_indented(f"why: {reason}") for reason in r.get("why", [])]
+    if notes:
+        lines.append("(miss): no fleet met the SLO; the row shows the largest one simulated")
     return "\n".join(lines)
+
+
+def _indented(text: str) -> str:
+    return textwrap.fill(
+        text, width=100, initial_indent=" " * 9, subsequent_indent=" " * 11, break_on_hyphens=False
+    )
 
 
 def _opt(v: float | None, scale: float, unit: str) -> str:
     if v is None or math.isnan(v):
         return "-"
-    return f"{v * scale:.{3 if unit == 's' else 1}f}{unit}"
+    return f"{v * scale:.{3 if unit.strip() == 's' else 1}f}{unit}"
 
 
 # -- bench replay -------------------------------------------------------------------------
 
-DEFAULT_BENCH_TRACE = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    "shared",
-    "traces",
-    "mooncake",
-    "conversation_trace.jsonl",
-)
+
+def _default_bench_trace() -> str | None:
+    """The Mooncake trace under $KVROUTE_TRACES (laid out as README.md's "Traces" says)."""
+    root = os.environ.get("KVROUTE_TRACES")
+    return os.path.join(root, "mooncake", "conversation_trace.jsonl") if root else None
+
+
 WORKING_SET_KV_TOKENS = 16_000_000  # per replica x 8 > the conversation trace's 93.6M tokens
 
 
@@ -810,7 +949,14 @@ def add_replay_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "and appends it to BENCHMARKS.md."
         ),
     )
-    p.add_argument("--trace", default=DEFAULT_BENCH_TRACE, metavar="FILE")
+    default = _default_bench_trace()
+    p.add_argument(
+        "--trace",
+        default=default,
+        required=default is None,
+        metavar="FILE",
+        help="Mooncake's conversation_trace.jsonl (default: under $KVROUTE_TRACES, if set).",
+    )
     p.add_argument("--repeat", type=positive_int, default=2, help="Runs of the 16-replica case.")
     p.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET, metavar="NAME")
     p.add_argument("--output-md", default="BENCHMARKS.md", help="Where to append the results.")
@@ -866,7 +1012,9 @@ def _bench_replay(args: argparse.Namespace) -> str:
         f"## Simulator, {started}",
         "",
         "```",
-        f"kvroute bench replay --repeat {args.repeat}"
+        # The trace's own path stays out: it is one machine's (README.md, "Traces", says where).
+        "kvroute bench replay --trace path/to/conversation_trace.jsonl "
+        f"--repeat {args.repeat}"
         + (f" --preset {args.preset}" if args.preset != DEFAULT_PRESET else ""),
         "```",
         "",

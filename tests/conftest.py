@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvroute.backends.launcher import free_ports
+from kvroute.backends.process import free_ports
 from kvroute.kvcore.tokenizer import SimpleTokenizer
 from kvroute.router.config import config_from_dict
 from kvroute.router.runner import app_runner

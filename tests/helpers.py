@@ -60,11 +60,15 @@ def group_members(pgid: int) -> list[int]:
     ]
 
 
-def traces_dir() -> Path:
-    """Where the public traces are: $KVROUTE_TRACES, else ../shared/traces beside the checkout,
-    else /work/shared/traces (a clone elsewhere on the dev machines); the first that exists."""
-    repo = Path(__file__).resolve().parents[1]
-    candidates = [repo.parent / "shared" / "traces", Path("/work/shared/traces")]
-    if os.environ.get("KVROUTE_TRACES"):
-        candidates.insert(0, Path(os.environ["KVROUTE_TRACES"]))
-    return next((c for c in candidates if c.is_dir()), candidates[0])
+DATA = Path(__file__).parent / "data"  # small excerpts of the public traces (see its README)
+MOONCAKE = DATA / "mooncake_conversation_600.jsonl"
+AZURE_CODE = DATA / "azure2023_code_1000.csv"
+AZURE_CONV = DATA / "azure2023_conv_1000.csv"
+CLAUDE_CODE = DATA / "claude_code_sessions_10.tar.xz"
+
+
+def full_traces_dir() -> Path | None:
+    """$KVROUTE_TRACES: where the whole public traces are, for the few tests that check figures
+    published for the full files; None when unset (those tests then skip, saying why)."""
+    value = os.environ.get("KVROUTE_TRACES")
+    return Path(value) if value else None

@@ -8,7 +8,8 @@ import json
 import aiohttp
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.kvcore.stats import parse_metrics
 
 from .conftest import StartReplica, StartRouter
 from .helpers import wait_until
@@ -414,9 +415,7 @@ async def test_metrics_count_requests_per_replica(
             assert resp.status == 200
             text = await resp.text()
     samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
+        (s.name, tuple(sorted(s.labels.items()))): s.value for s in parse_metrics(text).samples
     }
     for name in ("a", "b"):
         key = (

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.bench import overhead, processes
-from kvroute.bench.loadgen import LoadError, LoadResult, parse_wrk, percentile, wrk_script
+from kvroute.bench.loadgen import LoadError, LoadResult, parse_wrk, wrk_script
 from kvroute.bench.overhead import TARGETS, Row
 from kvroute.cli import build_parser
 
@@ -82,14 +82,6 @@ def test_wrk_script_posts_the_body_verbatim() -> None:
     assert 'wrk.method = "POST"' in script
     assert 'wrk.headers["Content-Type"] = "application/json"' in script
     assert 'wrk.body = [=[{"prompt": "a]]b"}]=]' in script
-
-
-def test_percentile_nearest_rank() -> None:
-    values = [float(v) for v in range(1, 101)]
-    assert percentile(values, 50) == 50.0
-    assert percentile(values, 99) == 99.0
-    assert percentile([7.0], 99) == 7.0
-    assert percentile([], 50) == 0.0
 
 
 def _row(name: str, rps: float, p99: float, non_2xx: int = 0) -> Row:

@@ -40,10 +40,14 @@ timeouts:
 
 # (id, file content, a fragment stderr must contain: the key path, or what is wrong with the file)
 BAD_FILES: list[tuple[str, str | bytes | None, str]] = [
-    ("unknown_top", "replica: []\n", "unknown field 'replica'"),
-    ("unknown_nested", "listen:\n  prot: 8000\n", "listen: object contains unknown field 'prot'"),
+    ("unknown_top", "replica: []\n", "replica: unknown key (did you mean 'replicas'?)"),
+    (
+        "unknown_nested",
+        "listen:\n  prot: 8000\n",
+        "listen.prot: unknown key (did you mean 'port'?)",
+    ),
     ("wrong_type", 'listen:\n  port: "x"\n', "listen.port: expected 'int', got 'str'"),
-    ("missing_url", "replicas:\n  - name: a\n", "replicas[0]: object missing required field 'url'"),
+    ("missing_url", "replicas:\n  - name: a\n", "replicas[0].url: missing; this key is required"),
     ("no_scheme", "replicas:\n  - url: localhost:8001\n", "replicas[0].url:"),
     ("ftp", "replicas:\n  - url: http://a:1\n  - url: ftp://b:2\n", "replicas[1].url:"),
     ("with_path", "replicas:\n  - url: http://a:8001/v1\n", "replicas[0].url:"),
@@ -67,6 +71,22 @@ BAD_FILES: list[tuple[str, str | bytes | None, str]] = [
     ("non_utf8", b"models: [caf\xe9]\n", "not UTF-8"),
     ("missing_file", None, "cannot read"),
 ]
+
+# A typo next to a negative number and a bad URL: all three must be reported, in file order.
+SEVERAL_PROBLEMS = """\
+listen:
+  prot: 8000
+health:
+  interval_s: -1
+replicas:
+  - url: localhost:8001
+"""
+SEVERAL_PROBLEMS_OUT = [
+    "  listen.prot: unknown key (did you mean 'port'?)",
+    "  health.interval_s: must be a finite number > 0, got -1.0",
+    "  replicas[0].url: 'localhost:8001' is not an http(s) URL with a host",
+]
+REPO = Path(__file__).resolve().parent.parent
 
 SERVE_FLAGS = ["--config", "--replica", "--policy", "--host", "--port", "--model"]
 
@@ -126,6 +146,11 @@ def results(workdir: Path) -> dict[str, Result]:
     ipv6 = workdir / "ipv6.yaml"
     ipv6.write_text("replicas:\n  - url: 'http://[::1'\n", encoding="utf-8")
     jobs["ipv6"] = [exe, "check-config", str(ipv6)]
+    several = workdir / "several.yaml"
+    several.write_text(SEVERAL_PROBLEMS, encoding="utf-8")
+    jobs["several"] = [exe, "check-config", str(several)]
+    jobs["serve_several"] = [exe, "serve", "--config", str(several), "--port", "0"]
+    jobs["launching"] = [exe, "check-config", str(REPO / "configs" / "emulated-fleet.yaml")]
     jobs["help"] = [exe, "--help"]
     jobs["serve_help"] = [exe, "serve", "--help"]
     jobs["check_config_help"] = [exe, "check-config", "--help"]
@@ -171,6 +196,26 @@ def test_check_config_error_is_one_line(results: dict[str, Result], case_id: str
 
 def test_check_config_invalid_yaml_error_is_one_line(results: dict[str, Result]) -> None:
     assert len(results["invalid_yaml"].stderr.strip().splitlines()) == 1
+
+
+def test_check_config_lists_every_problem(results: dict[str, Result], workdir: Path) -> None:
+    result = results["several"]
+    assert_config_error(result, "")
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == f"kvroute: config error: {workdir / 'several.yaml'}: 3 problems:"
+    assert lines[1:] == SEVERAL_PROBLEMS_OUT
+
+
+def test_serve_with_a_bad_config_prints_the_same_list(results: dict[str, Result]) -> None:
+    serve, check = results["serve_several"], results["several"]
+    assert_config_error(serve, "3 problems")
+    assert serve.stderr == check.stderr
+
+
+def test_check_config_counts_launched_replicas(results: dict[str, Result]) -> None:
+    result = results["launching"]
+    assert result.returncode == 0, result
+    assert "OK (4 launched replicas, engine emulated, policy kv_aware" in result.stdout
 
 
 def test_check_config_malformed_ipv6_url(results: dict[str, Result]) -> None:

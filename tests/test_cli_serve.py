@@ -10,7 +10,7 @@ import sys
 
 import aiohttp
 
-from kvroute.backends.launcher import free_ports
+from kvroute.backends.process import free_ports
 
 from .conftest import StartReplica
 
@@ -38,6 +38,27 @@ def test_serve_on_a_busy_port_says_so_without_a_traceback() -> None:
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def test_serve_names_each_replica_that_is_down_and_why() -> None:
+    gone, port = free_ports(2)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvroute.cli", "serve", "--replica", f"http://127.0.0.1:{gone}",
+        "--port", str(port), stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stderr is not None
+    try:
+        async with asyncio.timeout(20):  # both lines come once it listens
+            listening = (await process.stderr.readline()).decode()
+            down = (await process.stderr.readline()).decode()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            await process.wait()
+    assert "0/1 replicas healthy" in listening, listening
+    assert down == (
+        f"kvroute: replica 127.0.0.1:{gone} is down: connection refused to 127.0.0.1:{gone}\n"
+    )
 
 
 async def wait_ready(http: aiohttp.ClientSession, url: str, timeout_s: float = 20) -> None:

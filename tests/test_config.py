@@ -122,14 +122,23 @@ def test_utf8_bom_is_accepted(tmp_path: Path) -> None:
 
 BAD_CONFIGS = [
     # unknown keys
-    ("unknown_top", "replica:\n  - url: http://a:1\n", ["top level", "unknown field 'replica'"]),
-    ("unknown_nested", "listen:\n  prot: 8000\n", ["listen", "unknown field 'prot'"]),
+    (
+        "unknown_top",
+        "replica:\n  - url: http://a:1\n",
+        ["replica: unknown key (did you mean 'replicas'?)"],
+    ),
+    ("unknown_nested", "listen:\n  prot: 8000\n", ["listen.prot: unknown key", "'port'?"]),
     (
         "unknown_in_list_item",
         "replicas:\n  - url: http://a:1\n  - url: http://b:1\n    nmae: b\n",
-        ["replicas[1]", "unknown field 'nmae'"],
+        ["replicas[1].nmae: unknown key (did you mean 'name'?)"],
     ),
-    ("unknown_policy_key", "policy:\n  nme: random\n", ["policy", "unknown field 'nme'"]),
+    ("unknown_policy_key", "policy:\n  nme: random\n", ["policy.nme: unknown key", "'name'?"]),
+    (
+        "unknown_far_from_any",
+        "health:\n  zzz: 1\n",
+        ["health.zzz: unknown key (valid keys: path, interval_s, timeout_s, unhealthy_after)"],
+    ),
     # wrong types
     ("port_str", 'listen:\n  port: "x"\n', ["listen.port", "expected 'int', got 'str'"]),
     ("port_float", "listen:\n  port: 80.5\n", ["listen.port", "expected 'int'"]),
@@ -144,7 +153,7 @@ BAD_CONFIGS = [
     ("top_list", "- a\n- b\n", ["top level", "expected 'object', got 'array'"]),
     ("top_scalar", "hello\n", ["top level", "expected 'object', got 'str'"]),
     # replicas
-    ("missing_url", "replicas:\n  - name: a\n", ["replicas[0]", "missing required field 'url'"]),
+    ("missing_url", "replicas:\n  - name: a\n", ["replicas[0].url: missing; this key is required"]),
     (
         "no_scheme",
         "replicas:\n  - url: localhost:8000\n",
@@ -210,6 +219,11 @@ BAD_CONFIGS = [
     ),
     ("health_path", "health:\n  path: healthz\n", ["health.path", "must start with '/'"]),
     ("empty_model", "models: [llama, '']\n", ["models[1]", "must not be empty"]),
+    (
+        "kv_events_bind",
+        "launch:\n  kv_events_bind: public\n",
+        ["launch.kv_events_bind: must be one of ipc, tcp, got 'public'"],
+    ),
     # policy
     (
         "policy_unknown",
@@ -251,6 +265,39 @@ def test_bad_config_names_key_and_reason(tmp_path: Path, text: str, fragments: l
     message = load_error(tmp_path, text)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_every_problem_is_listed_with_its_key_path_in_file_order(tmp_path: Path) -> None:
+    # A typo must not hide the negative number after it, nor a bad type the bad URL.
+    path = write(
+        tmp_path,
+        "listen:\n  prot: 8000\nhealth:\n  interval_s: -1\nreplicas:\n  - url: ftp://a:1\n"
+        "  - name: b\n  - url: http://c:1\n    nmae: c\nmodels: [llama, 3]\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.problems == [
+        "listen.prot: unknown key (did you mean 'port'?)",
+        "health.interval_s: must be a finite number > 0, got -1.0",
+        "replicas[0].url: 'ftp://a:1' is not an http(s) URL with a host",
+        "replicas[1].url: missing; this key is required",
+        "replicas[2].nmae: unknown key (did you mean 'name'?)",
+        "models[1]: expected 'str', got 'int'",
+    ]
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"{path}: 6 problems:"
+    assert lines[1:] == [f"  {p}" for p in err.value.problems]
+
+
+def test_a_bad_replica_does_not_shift_the_others_key_paths(tmp_path: Path) -> None:
+    # The first replica fails its type check; the second's problem keeps its own index.
+    path = write(tmp_path, "replicas:\n  - url: 12\n  - url: http://a:1/v1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.problems == [
+        "replicas[0].url: expected 'str', got 'int'",
+        "replicas[1].url: 'http://a:1/v1' must be a base URL like http://host:port",
+    ]
 
 
 def test_key_path_comes_first(tmp_path: Path) -> None:

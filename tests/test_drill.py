@@ -6,9 +6,19 @@ import os
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
+
+from kvroute.backends.process import free_ports
+from kvroute.bench.processes import Child, start, stop
+from kvroute.drill import run as drill_run
+from kvroute.drill.faults import DrillError
+
+from .conftest import StartRouter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,6 +87,62 @@ def test_a_drill_that_cannot_run_says_why() -> None:
     assert "--at must be within" in result.stderr and "Traceback" not in result.stderr
     result = drill("--config", "no-such.yaml", "--scenario", "kill")
     assert result.returncode == 2 and "cannot read" in result.stderr
+
+
+@pytest.fixture
+def router_process(tmp_path: Path) -> Iterator[Child]:
+    """Stands in for the drill's router process (the router itself runs in-process)."""
+    child = start("router", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path)
+    yield child
+    stop(child, grace_s=1)
+
+
+async def test_drill_fails_fast_naming_launched_replicas_that_refuse_connections(
+    start_router: StartRouter, router_process: Child
+) -> None:
+    (port,) = free_ports(1)  # nothing listens there: the replica died after it was launched
+    router = await start_router([{"url": f"http://127.0.0.1:{port}", "name": "emulated-0"}])
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(DrillError) as err:
+            await drill_run._wait_router_ready(
+                http, router.url, router_process, frozenset({"emulated-0"})
+            )
+    assert time.monotonic() - started < drill_run.LAUNCHED_REFUSED_GRACE_S + 5
+    message = str(err.value)
+    assert "every replica this drill launched stopped accepting connections" in message
+    assert (
+        f"emulated-0 (http://127.0.0.1:{port}): connection refused to 127.0.0.1:{port}" in message
+    )
+
+
+async def test_drill_names_configured_replicas_it_waits_for(
+    start_router: StartRouter,
+    router_process: Child,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A listed replica may be a vLLM still loading (it refuses connections meanwhile): the drill
+    # waits, but says at once which replica it waits for and why, and names it if it gives up.
+    monkeypatch.setattr(drill_run, "READY_TIMEOUT_S", 1.0)
+    (port,) = free_ports(1)
+    router = await start_router([f"http://127.0.0.1:{port}"])
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(DrillError) as err:
+            await drill_run._wait_router_ready(http, router.url, router_process, frozenset())
+    named = f"127.0.0.1:{port} (http://127.0.0.1:{port}): connection refused to 127.0.0.1:{port}"
+    assert str(err.value) == f"the router has no healthy replica after 1 s:\n  {named}"
+    waiting = capsys.readouterr().err
+    assert "waiting for a replica to accept connections" in waiting and named in waiting
+
+
+async def test_drill_says_when_its_router_exits(start_router: StartRouter, tmp_path: Path) -> None:
+    router = await start_router([f"http://127.0.0.1:{free_ports(1)[0]}"])
+    child = start("router", [sys.executable, "-c", "print('cannot listen'); exit(1)"], tmp_path)
+    child.popen.wait()
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(DrillError, match="the router exited with status 1:\ncannot listen"):
+            await drill_run._wait_router_ready(http, router.url, child, frozenset())
 
 
 @pytest.mark.vllm

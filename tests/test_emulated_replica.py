@@ -16,9 +16,9 @@ import zmq
 import zmq.asyncio
 
 from kvroute.backends.process import free_ports
+from kvroute.kvcore.kv_events import decode_event_batch
 from kvroute.kvcore.stats import parse_metrics
 from kvroute.kvcore.tokenizer import SimpleTokenizer
-from kvroute.kvcore.kv_events import decode_event_batch
 
 from .conftest import Running
 

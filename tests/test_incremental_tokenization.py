@@ -248,3 +248,29 @@ def test_the_cache_stays_within_its_bytes_and_evicts_oldest_first(tiny: HFTokeni
         assert cache.bytes <= cache.max_bytes
     assert cache.stats.evicted > 0
     assert 0 < cache.entries < 40
+
+
+async def test_the_routers_tokenizer_offloads_a_new_conversation_then_tokenizes_turns_inline(
+    tiny: HFTokenizerFiles,
+) -> None:
+    from kvroute.kvcore.tokenizer import prompt_blocks
+    from kvroute.router.prompt_tokenizer import PromptTokenizer
+
+    router_tok = PromptTokenizer(tiny.path, inline_chars=4096, processes=1, cache_bytes=64 << 20)
+    try:
+        rng = random.Random(3)
+        conversation: list[dict[str, Any]] = [{"role": "system", "content": filler(rng, 8000)}]
+        for _ in range(4):
+            conversation.append({"role": "user", "content": filler(rng, 300)})
+            text = render_chat(tiny, conversation, {})
+            got = await router_tok.chat_blocks(conversation, {}, len(text), False, BS, None)
+            assert got == prompt_blocks(tiny, text, False, BS, None)
+            conversation.append({"role": "assistant", "content": filler(rng, 200)})
+        cache = router_tok.prefix_cache
+        assert cache is not None
+        # The first turn went to the worker process whole; the next three hit the cache and
+        # tokenized only their new messages, on the event loop.
+        assert router_tok.offloaded == 1
+        assert (cache.stats.misses, cache.stats.hits) == (1, 3)
+    finally:
+        router_tok.close()

@@ -12,9 +12,9 @@ from typing import Any
 
 import aiohttp
 import openai
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.kvcore.block_hashing import block_hashes, extra_key
+from kvroute.kvcore.stats import parse_metrics
 from kvroute.kvcore.tokenizer import SimpleTokenizer
 from kvroute.router.prompt_tokenizer import PromptTokenizer
 from kvroute.simulator.replica.faults import FaultSpec
@@ -40,11 +40,7 @@ def tenant_messages(tenant: int, question: str) -> list[Any]:
 async def router_samples(url: str) -> dict[tuple[str, str | None], float]:
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
         text = await resp.text()
-    return {
-        (s.name, s.labels.get("replica")): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    return {(s.name, s.labels.get("replica")): s.value for s in parse_metrics(text).samples}
 
 
 async def test_kv_aware_keeps_tenants_on_their_replica_and_predicts_their_hits(

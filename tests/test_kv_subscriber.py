@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -12,15 +14,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvroute.backends.launcher import free_ports
-from kvroute.router.kv_subscriber import KVEventSubscriber, KVEventSubscribers
-from kvroute.simulator.engine import (
+from kvroute.backends.process import free_ports
+from kvroute.kvcore.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     decode_event_batch,
     encode_event_batch,
 )
+from kvroute.router.kv_subscriber import KVEventSubscriber, KVEventSubscribers
 from kvroute.simulator.replica.kv_publisher import KVEventPublisher
 
 from .conftest import Running
@@ -96,10 +98,16 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> Non
 
 
 class Source:
-    """A publisher on free ports and the addresses a subscriber uses."""
+    """A publisher on free ports (or Unix sockets in ``ipc_dir``) and the addresses a
+    subscriber uses."""
 
-    def __init__(self, replay: bool = True, buffer_steps: int = 10_000) -> None:
+    ipc_dir: Path | None = None
+
+    def __init__(
+        self, replay: bool = True, buffer_steps: int = 10_000, ipc_dir: Path | None = None
+    ) -> None:
         self.events_port, self.replay_port = free_ports(2)
+        self.ipc_dir = ipc_dir
         self.replay = replay
         self.buffer_steps = buffer_steps
         self.published: list[int] = []  # block id of each batch, by seq
@@ -107,8 +115,10 @@ class Source:
 
     def _new_publisher(self) -> KVEventPublisher:
         pub = KVEventPublisher(
-            f"tcp://*:{self.events_port}",
-            f"tcp://*:{self.replay_port}" if self.replay else None,
+            self.endpoint if self.ipc_dir else f"tcp://*:{self.events_port}",
+            (self.replay_endpoint if self.ipc_dir else f"tcp://*:{self.replay_port}")
+            if self.replay
+            else None,
             topic="kv",
             buffer_steps=self.buffer_steps,
         )
@@ -122,11 +132,17 @@ class Source:
 
     @property
     def endpoint(self) -> str:
+        if self.ipc_dir:
+            return f"ipc://{self.ipc_dir}/events"
         return f"tcp://127.0.0.1:{self.events_port}"
 
     @property
     def replay_endpoint(self) -> str | None:
-        return f"tcp://127.0.0.1:{self.replay_port}" if self.replay else None
+        if not self.replay:
+            return None
+        if self.ipc_dir:
+            return f"ipc://{self.ipc_dir}/replay"
+        return f"tcp://127.0.0.1:{self.replay_port}"
 
     def publish(self, count: int, base: int) -> list[int]:
         ids = [base + i for i in range(count)]
@@ -235,6 +251,44 @@ async def test_gap_is_repaired_from_replay(sources, subscribe) -> None:
     # The replay sent the 5 missing batches and whatever followed them up to its request.
     assert sub.stats.replayed_batches - replayed_before >= 5
     assert sub.stats.last_seq == len(source.published) - 1
+
+
+async def test_ipc_endpoints_are_connected_to_and_replayed_from(
+    sources, subscribe, tmp_path: Path
+) -> None:
+    # Launched replicas bind Unix sockets (vLLM always binds ipc://): the router must connect to
+    # them; binding the same path would take it over from the replica and hear nothing.
+    source = sources(ipc_dir=tmp_path)
+    sink = Recorder()
+    sub = subscribe(source, sink)
+    await source.sync(sink)
+    source.pub.paused = True  # buffered for replay, never sent live: a gap
+    source.publish(3, 2000)
+    source.pub.paused = False
+    source.publish(5, 3000)
+    await wait_until(lambda: len(sink.stored_ids()) >= len(source.published))
+    assert sink.stored_ids() == source.published
+    assert sub.stats.connected and sub.stats.gaps == 1 and sub.stats.replayed_batches >= 3
+
+
+async def test_a_wildcard_tcp_endpoint_binds_only_the_replicas_host() -> None:
+    # The emulated replica binds tcp://*:P on its --host, not on every interface.
+    events_port, replay_port = free_ports(2)
+    for bind_host, exposed in ((None, True), ("127.0.0.1", False)):
+        pub = KVEventPublisher(
+            f"tcp://*:{events_port}", f"tcp://*:{replay_port}", bind_host=bind_host
+        )
+        try:
+            for port in (events_port, replay_port):
+                with socket.socket() as other:  # another loopback address: in use if bound on *
+                    try:
+                        other.bind(("127.0.0.2", port))
+                        bound_everywhere = False
+                    except OSError:
+                        bound_everywhere = True
+                assert bound_everywhere == exposed, (bind_host, port)
+        finally:
+            await pub.close()
 
 
 async def test_gap_without_replay_endpoint_resyncs(sources, subscribe) -> None:

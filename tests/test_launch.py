@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from kvroute.backends.launcher import LaunchedFleet, LaunchSpec, free_ports
-from kvroute.backends.process import ProcessState
+from kvroute.backends.launcher import LaunchedFleet, LaunchSpec
+from kvroute.backends.process import ProcessState, free_ports
 
 from .helpers import alive, children_of, wait_until_sync
 
@@ -27,6 +30,17 @@ def _spec(tmp_path: Path, count: int = 2) -> LaunchSpec:
     )  # fmt: skip
 
 
+def _private_socket_dir(endpoints: list[str]) -> Path:
+    """The one directory holding these ipc:// sockets, checked to be this user's alone."""
+    paths = [Path(e.removeprefix("ipc://")) for e in endpoints]
+    assert all(e.startswith("ipc://") for e in endpoints), endpoints
+    assert all(stat.S_ISSOCK(p.stat().st_mode) for p in paths), endpoints
+    (directory,) = {p.parent for p in paths}
+    info = directory.stat()
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+    return directory
+
+
 def test_fleet_starts_restarts_a_killed_replica_and_stops(tmp_path: Path) -> None:
     fleet = LaunchedFleet(_spec(tmp_path))
     fleet.start()
@@ -36,6 +50,10 @@ def test_fleet_starts_restarts_a_killed_replica_and_stops(tmp_path: Path) -> Non
             assert [m["id"] for m in models["data"]] == ["tiny"]
             assert replica.kv_events and replica.kv_replay
             assert (tmp_path / "logs" / f"{replica.name}.log").exists()
+        # KV events stay on this host and user: Unix sockets in a 0700 directory.
+        kv_dir = _private_socket_dir(
+            [e for r in fleet.replicas for e in (r.kv_events or "", r.kv_replay or "")]
+        )
         victim = fleet.replicas[0].process
         old_pid = victim.pid
         victim.kill()
@@ -48,6 +66,24 @@ def test_fleet_starts_restarts_a_killed_replica_and_stops(tmp_path: Path) -> Non
         fleet.stop(grace_s=5)
     for pid in pids:
         assert not alive(pid), f"replica process {pid} outlived stop()"
+    assert not kv_dir.exists(), "the KV-event sockets outlived stop()"
+
+
+def test_kv_events_bind_tcp_exposes_them_on_the_launch_host_only(tmp_path: Path) -> None:
+    fleet = LaunchedFleet(replace(_spec(tmp_path, count=1), kv_events_bind="tcp"))
+    fleet.start()
+    try:
+        replica = fleet.replicas[0]
+        assert fleet.kv_dir is None
+        for endpoint in (replica.kv_events, replica.kv_replay):
+            assert endpoint and endpoint.startswith("tcp://127.0.0.1:"), endpoint
+            port = int(endpoint.rsplit(":", 1)[1])
+            with socket.socket() as other:  # another loopback address: free unless bound on *
+                other.bind(("127.0.0.2", port))
+            with socket.socket() as subscriber:
+                subscriber.connect(("127.0.0.1", port))
+    finally:
+        fleet.stop(grace_s=5)
 
 
 def test_a_replica_whose_port_was_taken_meanwhile_starts_on_another(tmp_path: Path) -> None:
@@ -97,6 +133,11 @@ def test_serve_launches_its_replicas_routes_and_cleans_up(tmp_path: Path) -> Non
             assert raw.parse().usage.completion_tokens == 3  # type: ignore[union-attr]
             seen.add(raw.headers["x-kvroute-replica"])
         assert seen <= {"emulated-0", "emulated-1"} and seen
+        # The router hears the replicas' KV events over their private Unix sockets: a prompt
+        # of several 16-token blocks is stored, and the batch reaches the router.
+        client.completions.create(model="tiny", prompt="Hello there " * 40, max_tokens=1)
+        wait_until_sync(lambda: _kv_batches(port) > 0, 10, "a KV event batch at the router")
+        kv_dir = _private_socket_dir(_kv_endpoints(port))
         children = children_of(router.pid)  # the replicas' reapers, the tokenizer's pool
         reapers = [p for p in children if b"kvroute.backends.reaper" in _cmdline(p)]
         assert len(reapers) == 2
@@ -108,6 +149,20 @@ def test_serve_launches_its_replicas_routes_and_cleans_up(tmp_path: Path) -> Non
     wait_until_sync(
         lambda: not any(os.path.exists(f"/proc/{p}") for p in children), 10, "children to stop"
     )
+    assert not kv_dir.exists(), "the KV-event sockets outlived the router"
+
+
+def _metrics(port: int) -> str:
+    return httpx.get(f"http://127.0.0.1:{port}/metrics").text
+
+
+def _kv_batches(port: int) -> float:
+    lines = re.findall(r"^kvroute_kv_event_batches_total\{.*\} (\S+)$", _metrics(port), re.M)
+    return sum(float(v) for v in lines)
+
+
+def _kv_endpoints(port: int) -> list[str]:
+    return re.findall(r'^kvroute_kv_event_connected\{endpoint="([^"]+)"', _metrics(port), re.M)
 
 
 def _cmdline(pid: int) -> bytes:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvroute.backends.launcher import free_ports
+from kvroute.backends.process import free_ports
 from kvroute.kvcore.tokenizer import SimpleTokenizer
 from kvroute.simulator.traces import Trace, TraceRequest, load_trace
 from kvroute.simulator.traces.live import LiveReplayError, replay_live, replay_live_async

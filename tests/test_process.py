@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kvroute.backends.launcher import free_ports
-from kvroute.backends.process import LaunchError, ManagedProcess, ProcessState
+from kvroute.backends.process import (
+    LaunchError,
+    ManagedProcess,
+    ProcessState,
+    free_ports,
+    signal_group,
+    spawn_group,
+    stop_group,
+)
 
 from .helpers import group_members, wait_until_sync
 
@@ -95,3 +103,36 @@ def test_replica_dies_with_the_launcher_even_on_sigkill(tmp_path: Path) -> None:
     wait_until_sync(
         lambda: not group_members(child), 10, "the replica to exit after its launcher was killed"
     )
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    ports = free_ports(20)
+    assert len(set(ports)) == 20
+    for host in ("", "127.0.0.1"):
+        (port,) = free_ports(1, host)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_spawned_group_is_stopped_whole_even_when_it_ignores_sigterm(tmp_path: Path) -> None:
+    # A leader that ignores SIGTERM, with a grandchild in its group.
+    script = (
+        "import signal, subprocess, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "subprocess.Popen(['sleep', '300'])\n"
+        "time.sleep(300)\n"
+    )
+    with (tmp_path / "leader.log").open("wb") as log:
+        popen = spawn_group([sys.executable, "-c", script], stdout=log)
+    assert os.getpgid(popen.pid) == popen.pid != os.getpgrp()
+    wait_until_sync(lambda: len(group_members(popen.pid)) == 2, 10, "the leader and its sleep")
+    assert not stop_group(popen, grace_s=0.5)  # it did not exit within the grace: killed
+    assert popen.returncode == -signal.SIGKILL
+    wait_until_sync(lambda: not group_members(popen.pid), 10, "the whole group to be gone")
+
+
+def test_stop_group_on_a_leader_that_exits_on_sigterm(tmp_path: Path) -> None:
+    popen = spawn_group(["sleep", "300"], stdout=subprocess.DEVNULL)
+    assert signal_group(popen.pid, signal.SIGSTOP) and signal_group(popen.pid, signal.SIGCONT)
+    assert stop_group(popen, grace_s=5)
+    assert popen.returncode == -signal.SIGTERM

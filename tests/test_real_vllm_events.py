@@ -19,7 +19,6 @@ import httpx
 import msgspec
 import pytest
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 from zmq.utils.monitor import recv_monitor_message
 
 from kvroute.backends.launcher import (
@@ -28,6 +27,7 @@ from kvroute.backends.launcher import (
     LaunchedReplica,
     LaunchSpec,
 )
+from kvroute.kvcore.stats import parse_metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -183,13 +183,12 @@ def complete(client: httpx.Client, prompt: str, max_tokens: int = 1) -> dict[str
 
 
 def metrics(client: httpx.Client) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Sample name -> [(labels, value)], parsed with prometheus_client's parser."""
+    """Sample name -> [(labels, value)], parsed as the router and the benches parse them."""
     response = client.get("/metrics")
     response.raise_for_status()
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    for sample in parse_metrics(response.text).samples:
+        samples.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
     return samples
 
 
@@ -529,7 +528,7 @@ async def test_router_tokenizes_chats_like_vllm(client: httpx.Client, index: int
             "routing": {"tokenizer": str(DEFAULT_TINY_MODEL_DIR), "block_size": BLOCK_SIZE},
         }
     )
-    blocks = await Router(config)._prompt_blocks(parse_chat(json.dumps(body).encode()))
+    blocks = await Router(config).keys.blocks(parse_chat(json.dumps(body).encode()))
     theirs = vllm_tokens(client, body)
     assert blocks is not None
     assert blocks.tokens == len(theirs)

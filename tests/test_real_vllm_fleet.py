@@ -26,9 +26,9 @@ from aiohttp import web
 from kvroute.backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet, LaunchSpec
 from kvroute.backends.process import ProcessState
 from kvroute.health.scrape import parse_vllm_metrics
+from kvroute.kvcore.kv_events import BlockStored, decode_event_batch
 from kvroute.router.config import config_from_dict
 from kvroute.router.server import Router
-from kvroute.kvcore.kv_events import BlockStored, decode_event_batch
 
 pytestmark = pytest.mark.vllm
 

@@ -273,6 +273,41 @@ async def test_api_keys_guard_the_api_and_a_separate_key_guards_admin_endpoints(
             assert resp.status == 200  # probes need no key
 
 
+async def test_admin_replicas_says_why_each_replica_is_down(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    from kvroute.backends.process import free_ports
+
+    (gone,) = free_ports(1)  # nothing listens there
+    sick = await start_replica("sick")
+    sick.healthy = False  # answers its health check with 503
+    mute = await start_replica("mute")
+    mute.mute = True  # accepts, answers nothing
+    r = await start_router([f"http://127.0.0.1:{gone}", sick, mute], health={"timeout_s": 0.3})
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.completions.create(model="tiny", prompt="x")
+    assert err.value.status_code == 503
+
+    async def reasons() -> dict[str, Any]:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(r.url + "/admin/replicas") as resp,
+        ):
+            rows = (await resp.json())["replicas"]
+        assert all("breaker_reason" in row and "out_since" in row for row in rows)
+        return {row["name"]: row["down_reason"] for row in rows}
+
+    assert await reasons() == {
+        f"127.0.0.1:{gone}": f"connection refused to 127.0.0.1:{gone}",
+        "sick": f"GET {sick.url}/health answered 503: {{}}",
+        "mute": f"timeout: GET {mute.url}/health got no answer within 0.3s",
+    }
+    sick.healthy = True
+    await wait_until(lambda: r.router.replicas["sick"].state.healthy, what="sick back")
+    assert (await reasons())["sick"] is None  # cleared once it passes a probe
+
+
 async def test_a_replica_that_drops_a_stream_and_stops_answering_leaves_rotation_at_once(
     start_replica: StartReplica, start_router: StartRouter
 ) -> None:

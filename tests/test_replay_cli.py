@@ -1,5 +1,5 @@
-"""``kvroute replay`` and ``kvroute plan`` end to end, on a slice of the real Mooncake trace and
-on bad input (one line on stderr, exit status 2, no traceback)."""
+"""``kvroute replay`` and ``kvroute plan`` end to end, on excerpts of the public traces
+(tests/data) and on bad input (one line on stderr, exit status 2, no traceback)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,14 @@ import asyncio
 import json
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvroute.cli import main
 
 from .fake_replica import FakeReplica
-from .helpers import traces_dir
-
-TRACES = traces_dir()
-MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
+from .helpers import AZURE_CONV, MOONCAKE
 
 SUMMARY_KEYS = {
     "policy",
@@ -35,12 +33,7 @@ SUMMARY_KEYS = {
     "wall_s",
 }
 
-needs_mooncake = pytest.mark.skipif(
-    not MOONCAKE.is_file(), reason=f"the Mooncake trace is not at {MOONCAKE}"
-)
 
-
-@needs_mooncake
 def test_replay_compares_policies_on_a_mooncake_slice_and_writes_the_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -90,7 +83,6 @@ def test_replay_compares_policies_on_a_mooncake_slice_and_writes_the_report(
     assert "100%" in captured.err
 
 
-@needs_mooncake
 def test_plan_finds_the_smallest_fleet_meeting_the_slo(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -127,16 +119,119 @@ def test_plan_finds_the_smallest_fleet_meeting_the_slo(
     assert "$/M tokens" in captured.out
 
 
-@needs_mooncake
-def test_plan_says_when_no_fleet_size_can_meet_the_slo(
+def test_plan_says_where_it_stopped_and_why_no_fleet_size_meets_the_slo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The slice holds prompts whose prefill alone takes seconds: no fleet gets p99 under 1 s.
+    args = ["plan", "--trace", str(MOONCAKE), "--max-requests", "100", "--out", str(tmp_path)]
+    code = main([*args, "--slo", "ttft=1", "--rate-multipliers", "2"])
+    captured = capsys.readouterr()
+    out = " ".join(captured.out.split())  # the explanation is wrapped to the terminal
+    assert code == 0
+    # The row shows the largest fleet simulated, not "> max", and says it missed.
+    row = next(line for line in captured.out.splitlines() if line.strip().startswith("1x"))
+    assert row.split()[2:4] == ["64", "(miss)"] and "> max" not in captured.out
+    stopped = (
+        "no fleet size meets the SLO: the search stopped at 64 replicas (limit: --max-replicas "
+        "1024): TTFT p99 6.517 s > 1 s, as at 32 replicas (TTFT p99 6.517 s): more replicas do "
+        "not help"
+    )
+    assert out.count(stopped) == 2  # one per rate
+    assert (
+        "why: 18 of 100 requests (18.0%) take longer than 1 s for prefill alone on an idle "
+        "replica of llama-3.1-8b-h100 with every reusable prefix cached (a lower bound on TTFT "
+        "at any fleet size): its p99 is 6.52 s, so no fleet size gets TTFT p99 within 1 s. The "
+        "longest prompt, 120,633 tokens, takes 11.0 s to prefill from scratch"
+    ) in out
+    # Progress lines label their wall time.
+    progress = "1x rate, 64 replicas: TTFT p99 6.517 s, TPOT p99 11.2 ms, misses the SLO"
+    assert f"{progress} (simulated in " in captured.err
+    row_json = json.loads((tmp_path / "plan.json").read_text())["rows"][0]
+    assert row_json["replicas"] is None and row_json["simulated"][-1] == 64
+    assert row_json["largest_tried"]["replicas"] == 64
+    assert row_json["largest_tried"]["ttft_s"] == pytest.approx(6.517, abs=0.001)
+    assert row_json["unreachable"].startswith("no fleet size meets the SLO")
+    assert row_json["why"][0].startswith("18 of 100 requests")
+
+
+def test_plan_at_its_replica_limit_says_a_larger_fleet_may_do(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # The slice holds a prompt whose prefill alone takes seconds: no fleet gets p99 under 1 s.
-    args = ["plan", "--trace", str(MOONCAKE), "--max-requests", "100", "--quiet"]
-    code = main([*args, "--slo", "ttft=1", "--rate-multipliers", "2"])
-    out = capsys.readouterr().out
+    args = ["plan", "--trace", str(MOONCAKE), "--max-requests", "100", "--max-replicas", "2"]
+    code = main([*args, "--quiet", "--slo", "ttft=8,tpot=0.1", "--rate-multipliers", "4"])
+    out = " ".join(capsys.readouterr().out.split())
     assert code == 0
-    assert out.count("unreachable: ") == 2 and "more replicas do not help" in out
+    assert (
+        "no fleet of up to 2 replicas meets the SLO: the search stopped at the limit, "
+        "--max-replicas 2: TTFT p99 11.250 s > 8 s; TPOT p99 332.4 ms > 100 ms"
+    ) in out
+    assert "a fleet larger than 2 replicas may meet the SLO (raise --max-replicas)" in out
+    assert "more replicas do not help" not in out and "no fleet size" not in out
+
+
+def _replay(tmp_path: Path, trace: Path, *extra: str) -> tuple[dict[str, Any], str]:
+    """Run ``kvroute replay`` quietly: its summary.json and report.md."""
+    out = tmp_path / "run"
+    argv = ["replay", "--trace", str(trace), "--out", str(out), "--no-plots", "--quiet", *extra]
+    assert main(argv) == 0
+    return json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
+
+
+def test_replay_of_a_fleet_that_keeps_up_warns_of_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    summary, report = _replay(tmp_path, MOONCAKE, "--max-requests", "300", "--replicas", "8")
+    out = capsys.readouterr().out
+    assert summary["completed"] == 300
+    assert summary["warnings"] == [] and "WARNING" not in out and "## Warnings" not in report
+    assert summary["prefixes"] == "trace" and summary["notes"] == [] and "note:" not in out
+
+
+def test_replay_warns_when_requests_do_not_finish(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 17 of the first 300 prompts (with their output) exceed a 50,000-token KV cache.
+    extra = ("--max-requests", "300", "--replicas", "8", "--kv-capacity-tokens", "50000")
+    summary, report = _replay(tmp_path, MOONCAKE, *extra)
+    out = capsys.readouterr().out
+    expected = (
+        "17 of 300 requests did not finish: 17 need more KV cache than one replica holds "
+        "(50,000 tokens; see --kv-capacity-tokens). Latencies and goodput leave them out."
+    )
+    assert f"WARNING: {expected}" in out.splitlines()
+    assert summary["warnings"][0] == expected and summary["rejected"] == 17
+    assert f"- **{expected}**" in report
+
+
+def test_replay_warns_when_the_queue_grows_through_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 600 requests in 201 s on one replica: the Mooncake slice needs about four.
+    summary, report = _replay(tmp_path, MOONCAKE, "--replicas", "1")
+    out = capsys.readouterr().out
+    warning = next(line for line in out.splitlines() if line.startswith("WARNING: "))
+    assert warning.startswith(
+        "WARNING: the fleet is overloaded: the median request waited 197 s for its first token "
+        "beyond its own prefill (0.31 s median, alone on an idle replica), 27 s in the first "
+        "quarter of arrivals and 344 s in the last; the last request finished 390 s after the "
+        "last arrival."
+    )
+    assert summary["completed"] == 600 and summary["ttft_p50_s"] > 100
+    assert summary["warnings"] == [warning.removeprefix("WARNING: ")]
+    assert "## Warnings" in report and "the fleet is overloaded" in report
+
+
+def test_replay_on_azure_says_its_prefixes_are_synthetic(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = ("--max-requests", "300", "--replicas", "2")
+    summary, report = _replay(tmp_path, AZURE_CONV, *extra)
+    out = capsys.readouterr().out
+    assert summary["prefixes"] == "synthetic"
+    assert summary["notes"][0].startswith("hit rates rest on synthetic prefixes: the Azure 2023")
+    assert f"note: {summary['notes'][0]}" in out.splitlines()
+    assert f"- prefixes: {summary['notes'][0]}" in report
+    assert summary["warnings"] == []
 
 
 def _bad_trace(tmp_path: Path) -> str:

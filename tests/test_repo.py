@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parent.parent
 
@@ -15,3 +18,36 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert command is not None, "README's Tests section has no command"
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert command.group(1).strip() in ci_lines
+
+
+# A home or work directory of some machine, or the folder beside the checkout on the dev machines:
+# a user's clone has neither. (Written so that this file does not match itself.)
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|home|Users)/|\.\./shared/")
+
+
+def test_no_file_points_at_one_machines_paths() -> None:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: the files to check are git's")
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    found = []
+    for name in filter(None, listed.split("\0")):
+        path = ROOT / name
+        if path.is_symlink() or not path.is_file():  # kvroute/<name> links to the folders
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # binary test data
+            continue
+        found += [
+            f"{name}:{number}: {line.strip()}"
+            for number, line in enumerate(text.splitlines(), 1)
+            if MACHINE_PATH.search(line)
+        ]
+    assert not found, "paths of one machine (use relative paths or --trace PATH):\n" + "\n".join(
+        found
+    )

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import aiohttp
 import openai
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.kvcore.block_hashing import block_hashes
+from kvroute.kvcore.stats import parse_metrics
 from kvroute.kvcore.tokenizer import SimpleTokenizer
 
 from .conftest import Running, StartRouter
@@ -42,11 +42,7 @@ async def test_index_learns_what_the_replica_caches(
 
     async with aiohttp.ClientSession() as http, http.get(r.url + "/metrics") as resp:
         text = await resp.text()
-    samples = {
-        (s.name, s.labels.get("replica")): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    samples = {(s.name, s.labels.get("replica")): s.value for s in parse_metrics(text).samples}
     assert samples[("kvroute_kv_event_batches_total", "emu")] >= 1
     assert samples[("kvroute_kv_event_connected", "emu")] == 1
     assert samples[("kvroute_prefix_index_entries", None)] >= len(hashes)

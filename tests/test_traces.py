@@ -1,5 +1,5 @@
-"""Trace loaders on the real files in ../shared/traces and on small bad files, scaling and windows,
-and the synthetic generators."""
+"""Trace loaders on excerpts of the public traces (tests/data) and on small bad files, scaling and
+windows, and the synthetic generators; with $KVROUTE_TRACES, also on the whole public files."""
 
 from __future__ import annotations
 
@@ -24,13 +24,12 @@ from kvroute.simulator.traces import (
     load_trace,
 )
 
-from .helpers import traces_dir
+from .helpers import AZURE_CODE, AZURE_CONV, CLAUDE_CODE, MOONCAKE, full_traces_dir
 
-TRACES = traces_dir()
-MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
-AZURE_CODE = TRACES / "azure2023" / "AzureLLMInferenceTrace_code.csv"
-AZURE_CONV = TRACES / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
-CLAUDE_CODE = TRACES / "weka_claude_code" / "kvcache_tester_v8_local_c9b3da5.tar.xz"
+FULL = full_traces_dir()
+needs_full_traces = pytest.mark.skipif(
+    FULL is None, reason="checks the whole public traces: set KVROUTE_TRACES (tests/data/README.md)"
+)
 
 
 def infinite_cache_hit_rate(trace: Trace) -> float:
@@ -65,18 +64,32 @@ def write(path: Path, text: str) -> str:
 # Mooncake
 
 
-def test_mooncake_conversation_matches_the_published_figures() -> None:
-    trace = load_trace(str(MOONCAKE))
+def check_mooncake(
+    path: Path, rows: int, blocks: tuple[int, int], rate: float, minutes: float, hit_rate: float
+) -> None:
+    trace = load_trace(str(path))
     ids = [i for r in trace.requests for i in r.block_ids]
     assert trace.block_tokens == 512
-    assert len(trace.requests) == 12_031
-    assert (len(ids), len(set(ids))) == (288_500, 182_790)
-    assert len(trace.requests) / trace.duration_s == pytest.approx(3.40, abs=0.01)
-    assert trace.duration_s / 60 == pytest.approx(59, abs=0.5)
-    assert all(r.block_ids[0] == 0 for r in trace.requests)
+    assert len(trace.requests) == rows
+    assert (len(ids), len(set(ids))) == blocks
+    assert len(trace.requests) / trace.duration_s == pytest.approx(rate, abs=0.01)
+    assert trace.duration_s / 60 == pytest.approx(minutes, abs=0.01)
+    assert all(r.block_ids[0] == 0 for r in trace.requests)  # one shared system prompt
     assert all(len(r.block_ids) == math.ceil(r.input_tokens / 512) for r in trace.requests)
-    assert infinite_cache_hit_rate(trace) == pytest.approx(0.374, abs=0.001)
-    assert detect_format(str(MOONCAKE)) == "mooncake"
+    assert infinite_cache_hit_rate(trace) == pytest.approx(hit_rate, abs=0.001)
+    assert detect_format(str(path)) == "mooncake"
+
+
+def test_mooncake_excerpt_loads_with_its_counts_rate_and_reuse() -> None:
+    # The first 600 rows (201 s): less reuse than the whole hour, which has more history.
+    check_mooncake(MOONCAKE, 600, (16_495, 13_712), 2.99, 3.35, 0.172)
+
+
+@needs_full_traces
+def test_mooncake_conversation_matches_the_published_figures() -> None:
+    assert FULL is not None
+    path = FULL / "mooncake" / "conversation_trace.jsonl"
+    check_mooncake(path, 12_031, (288_500, 182_790), 3.40, 58.95, 0.374)
 
 
 @pytest.mark.parametrize(
@@ -154,16 +167,16 @@ def test_format_is_detected_from_content_when_the_name_does_not_say(tmp_path: Pa
 
 def test_window_is_on_the_trace_clock_and_starts_at_zero() -> None:
     full = load_trace(str(MOONCAKE))
-    inside = [r for r in full.requests if 600 <= r.arrival_s < 900]
-    window = load_trace(str(MOONCAKE), window_s=(600, 900))
+    inside = [r for r in full.requests if 60 <= r.arrival_s < 120]
+    window = load_trace(str(MOONCAKE), window_s=(60, 120))
     assert len(window.requests) == len(inside) > 0
     assert [r.block_ids for r in window.requests] == [r.block_ids for r in inside]
-    assert window.requests[0].arrival_s == pytest.approx(inside[0].arrival_s - 600)
-    assert all(0 <= r.arrival_s < 300 for r in window.requests)
+    assert window.requests[0].arrival_s == pytest.approx(inside[0].arrival_s - 60)
+    assert all(0 <= r.arrival_s < 60 for r in window.requests)
     # The window is taken before scaling: the same requests, on a clock twice as fast.
-    faster = load_trace(str(MOONCAKE), window_s=(600, 900), rate_scale=2)
+    faster = load_trace(str(MOONCAKE), window_s=(60, 120), rate_scale=2)
     assert [r.block_ids for r in faster.requests] == [r.block_ids for r in inside]
-    assert all(0 <= r.arrival_s < 150 for r in faster.requests)
+    assert all(0 <= r.arrival_s < 30 for r in faster.requests)
 
 
 def test_rate_scale_multiplies_the_rate_and_time_scale_stretches_time() -> None:
@@ -194,12 +207,7 @@ def test_bad_scaling_and_windows_are_clear_errors(kwargs: dict[str, Any], expect
 # Azure
 
 
-@pytest.mark.parametrize(
-    ("path", "rows", "rate"), [(AZURE_CODE, 8_819, 2.57), (AZURE_CONV, 19_366, 5.53)]
-)
-def test_azure_keeps_times_and_counts_and_synthesizes_reuse(
-    path: Path, rows: int, rate: float
-) -> None:
+def check_azure(path: Path, rows: int, rate: float) -> None:
     trace = load_trace(str(path))
     assert detect_format(str(path)) == "azure"
     assert len(trace.requests) == rows
@@ -210,6 +218,18 @@ def test_azure_keeps_times_and_counts_and_synthesizes_reuse(
     assert 0.2 < infinite_cache_hit_rate(trace) < 0.8
 
 
+@pytest.mark.parametrize(("path", "rate"), [(AZURE_CODE, 1.92), (AZURE_CONV, 4.63)])
+def test_azure_keeps_times_and_counts_and_synthesizes_reuse(path: Path, rate: float) -> None:
+    check_azure(path, 1_000, rate)
+
+
+@needs_full_traces
+@pytest.mark.parametrize(("name", "rows", "rate"), [("code", 8_819, 2.57), ("conv", 19_366, 5.53)])
+def test_azure_full_traces_match_the_published_figures(name: str, rows: int, rate: float) -> None:
+    assert FULL is not None
+    check_azure(FULL / "azure2023" / f"AzureLLMInferenceTrace_{name}.csv", rows, rate)
+
+
 def test_azure_reuse_model_is_seeded_and_its_knobs_act() -> None:
     one = load_trace(str(AZURE_CODE), max_requests=1000, seed=1)
     again = load_trace(str(AZURE_CODE), max_requests=1000, seed=1)
@@ -217,15 +237,15 @@ def test_azure_reuse_model_is_seeded_and_its_knobs_act() -> None:
     assert one == again
     assert [r.block_ids for r in one.requests] != [r.block_ids for r in other.requests]
     assert [r.arrival_s for r in one.requests] == [r.arrival_s for r in other.requests]
-    none = load_trace(str(AZURE_CODE), "azure:followup=0,system_share=0", max_requests=2000)
+    none = load_trace(str(AZURE_CODE), "azure:followup=0,system_share=0")
     assert infinite_cache_hit_rate(none) == 0.0
-    system_only = load_trace(str(AZURE_CODE), "azure:followup=0,apps=1", max_requests=2000)
-    heavy = load_trace(str(AZURE_CODE), "azure:followup=1", max_requests=2000)
+    system_only = load_trace(str(AZURE_CODE), "azure:followup=0,apps=1")
+    heavy = load_trace(str(AZURE_CODE), "azure:followup=1")
     assert 0 < infinite_cache_hit_rate(system_only) < infinite_cache_hit_rate(heavy)
 
 
 def test_azure_follow_ups_extend_their_conversation() -> None:
-    trace = load_trace(str(AZURE_CONV), max_requests=3000)
+    trace = load_trace(str(AZURE_CONV))
     by_session: dict[str | None, list[Any]] = defaultdict(list)
     for request in trace.requests:
         by_session[request.session_id].append(request)

@@ -9,9 +9,9 @@ import signal
 import sys
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.backends.launcher import free_ports
+from kvroute.backends.process import free_ports
+from kvroute.kvcore.stats import parse_metrics
 from kvroute.policies import ReplicaState
 from kvroute.router.loadboard import LoadBoard
 
@@ -82,12 +82,7 @@ async def test_two_workers_serve_one_port_and_report_all_requests(
             async def total_reported() -> float:
                 async with http.get(url + "/metrics") as resp:
                     text = await resp.text()
-                return sum(
-                    s.value
-                    for family in text_string_to_metric_families(text)
-                    for s in family.samples
-                    if s.name == "kvroute_requests_total"
-                )
+                return parse_metrics(text).sum("kvroute_requests_total")
 
             # Each worker publishes its counters about once a second; any scrape must add up.
             deadline = loop.time() + 10

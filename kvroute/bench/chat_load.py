@@ -1,24 +1,25 @@
 """Drive multi-turn chat conversations through an OpenAI endpoint and read what the replicas saw.
 
 Shared by ``kvroute demo`` and ``kvroute bench prefix``. The client side measures what a user
-sees (time to the first streamed token, the whole request); the replicas' own /metrics say
-what happened inside them (prefix-cache queries and hits, requests finished, per replica), so
-routers that add no headers are measured the same way as kvroute.
+sees (time to the first streamed token, the whole request), with the requests sent by
+``kvroute.simulator.loadgen``; the replicas' own /metrics say what happened inside them
+(prefix-cache queries and hits, requests finished, per replica), so routers that add no headers
+are measured the same way as kvroute.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from kvroute.kvcore.stats import parse_metrics, percentile
+from kvroute.simulator import loadgen
+from kvroute.simulator.loadgen import Outcome
 from kvroute.simulator.workload import Conversation
 
 
@@ -34,6 +35,27 @@ class RunResult:
     per_replica: dict[str, float] = field(default_factory=dict)
     hit_rate: float = 0.0
     wall_s: float = 0.0
+
+    def record(self, outcome: Outcome) -> None:
+        """One request's outcome: counted; its latency and TTFT kept when it succeeded."""
+        self.requests += 1
+        if not outcome.ok:
+            self.errors += 1
+            kind = outcome.error[:120]
+            self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
+            return
+        if outcome.latency_s is not None:
+            self.latencies.append(outcome.latency_s)
+        if outcome.ttft_s is not None:
+            self.ttfts.append(outcome.ttft_s)
+
+    def ttft_s(self, q: float) -> float:
+        """The ``q``-quantile of TTFT in seconds (NaN when no request succeeded)."""
+        return percentile(self.ttfts, q, method="rank_above")
+
+    def latency_s(self, q: float) -> float:
+        """The ``q``-quantile of whole-request latency in seconds (NaN when none succeeded)."""
+        return percentile(self.latencies, q, method="rank_above")
 
     @property
     def load_imbalance(self) -> float:
@@ -54,21 +76,16 @@ class ReplicaCounters:
 async def replica_counters(
     http: aiohttp.ClientSession, urls: Sequence[str]
 ) -> dict[str, ReplicaCounters]:
-    """Each replica's own counters, parsed from its /metrics with prometheus-client."""
+    """Each replica's own counters, from its /metrics (``kvcore.stats.parse_metrics``)."""
     out = {}
     for url in urls:
         async with http.get(url + "/metrics") as resp:
-            text = await resp.text()
-        sums = {"queries": 0.0, "hits": 0.0, "finished": 0.0}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:prefix_cache_queries_total":
-                    sums["queries"] += sample.value
-                elif sample.name == "vllm:prefix_cache_hits_total":
-                    sums["hits"] += sample.value
-                elif sample.name == "vllm:request_success_total":
-                    sums["finished"] += sample.value
-        out[url] = ReplicaCounters(**sums)
+            page = parse_metrics(await resp.text())
+        out[url] = ReplicaCounters(
+            queries=page.sum("vllm:prefix_cache_queries_total"),
+            hits=page.sum("vllm:prefix_cache_hits_total"),
+            finished=page.sum("vllm:request_success_total"),
+        )
     return out
 
 
@@ -112,36 +129,28 @@ async def run_conversations(
     scripted_replies: bool = True,
     progress: bool = True,
 ) -> None:
-    """Every conversation turn by turn (several conversations in flight), streamed.
-
-    With ``scripted_replies`` the assistant turns sent back are fixed text, so every router
-    sees the very same prompts; otherwise the model's own replies are sent back, as a chat
-    client would.
-    """
-    semaphore = asyncio.Semaphore(concurrency)
+    """Every conversation turn by turn (several conversations in flight), streamed, recorded in
+    ``result``; sent by ``kvroute.simulator.loadgen.run_conversations`` (see there)."""
     total = sum(len(c.user_turns) for c in conversations)
     started = time.monotonic()
 
-    async def converse(conversation: Conversation) -> None:
-        async with semaphore:
-            messages: list[dict[str, Any]] = [
-                {"role": "system", "content": conversation.system_prompt}
-            ]
-            url = url_for_tenant(conversation.tenant) + "/v1/chat/completions"
-            for turn, text in enumerate(conversation.user_turns):
-                messages.append({"role": "user", "content": text})
-                reply = await one_chat_request(
-                    http, url, messages, model, max_tokens, f"tenant-{conversation.tenant}", result
-                )
-                if scripted_replies:
-                    reply = f"Reply {turn} to tenant {conversation.tenant}: noted, " + text[:80]
-                messages.append({"role": "assistant", "content": reply})
-                if progress and sys.stderr.isatty():
-                    line = f"\r  {result.label:<18} {result.requests}/{total} requests"
-                    print(line, end="", file=sys.stderr, flush=True)
+    def done(outcome: Outcome) -> None:
+        result.record(outcome)
+        if progress and sys.stderr.isatty():
+            line = f"\r  {result.label:<18} {result.requests}/{total} requests"
+            print(line, end="", file=sys.stderr, flush=True)
 
     try:
-        await asyncio.gather(*(converse(c) for c in conversations))
+        await loadgen.run_conversations(
+            http,
+            url_for_tenant,
+            conversations,
+            concurrency=concurrency,
+            max_tokens=max_tokens,
+            model=model,
+            scripted_replies=scripted_replies,
+            on_done=done,
+        )
     finally:
         result.wall_s = time.monotonic() - started
         if progress:
@@ -152,57 +161,3 @@ async def run_conversations(
                 file=sys.stderr,
                 flush=True,
             )
-
-
-async def one_chat_request(
-    http: aiohttp.ClientSession,
-    url: str,
-    messages: list[dict[str, Any]],
-    model: str,
-    max_tokens: int,
-    user: str,
-    result: RunResult,
-) -> str:
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "user": user,
-    }
-    sent = time.monotonic()
-    first: float | None = None
-    pieces: list[str] = []
-    try:
-        async with http.post(url, json=body) as resp:
-            if resp.status != 200:
-                detail = (await resp.text())[:200]
-                raise RuntimeError(f"HTTP {resp.status}: {detail}")
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                if first is None:
-                    first = time.monotonic()
-                for choice in chunk.get("choices", []):
-                    pieces.append((choice.get("delta") or {}).get("content") or "")
-    except (aiohttp.ClientError, RuntimeError, ValueError) as exc:
-        kind = str(exc)[:120] or type(exc).__name__
-        result.error_kinds[kind] = result.error_kinds.get(kind, 0) + 1
-        result.errors += 1
-        result.requests += 1
-        return ""
-    result.requests += 1
-    result.latencies.append(time.monotonic() - sent)
-    if first is not None:
-        result.ttfts.append(first - sent)
-    return "".join(pieces)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

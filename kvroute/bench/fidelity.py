@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import shlex
@@ -18,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvroute.kvcore.stats import percentile
 from kvroute.policies import DEFAULT_POLICY
 from kvroute.simulator.cli_replay import (
     EXIT_USAGE,
@@ -31,7 +31,7 @@ from kvroute.simulator.cli_replay import (
     wrapped,
 )
 from kvroute.simulator.engine.latency import latency_preset
-from kvroute.simulator.fleet import FleetConfig, SimResult, engine_config, percentile, prepare
+from kvroute.simulator.fleet import FleetConfig, SimResult, engine_config, prepare
 from kvroute.simulator.fleet.calibration import (
     CalibrationError,
     LatencyFit,
@@ -202,7 +202,7 @@ def _fidelity_live(
     from pathlib import Path
 
     from kvroute.backends.launcher import LaunchedFleet, LaunchSpec
-    from kvroute.backends.process import LaunchError
+    from kvroute.backends.process import LaunchError, free_ports
     from kvroute.bench import processes
     from kvroute.bench.overhead import kvroute_argv
 
@@ -231,7 +231,7 @@ def _fidelity_live(
             fleet.start()
         except LaunchError as exc:
             raise UsageError(f"vLLM replicas did not start: {str(exc).splitlines()[0]}") from None
-        port = processes.free_ports(1)[0]
+        port = free_ports(1)[0]
         argv = [*kvroute_argv(), "serve", "--host", host, "--port", str(port)]
         argv += ["--policy", args.policy, "--tokenizer", model_dir, "--block-size", str(block)]
         for r in fleet.replicas:
@@ -310,6 +310,8 @@ async def _stream_once(
     http: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int
 ) -> tuple[float, float]:
     """(TTFT, TPOT) in seconds of one streamed completion, measured here."""
+    from kvroute.simulator.loadgen import send
+
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -318,29 +320,14 @@ async def _stream_once(
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
-    sent = time.perf_counter()
-    first: float | None = None
-    last = sent
-    chunks = 0
-    tokens: int | None = None  # a lagging server packs several tokens into one chunk
-    async with http.post(url + "/v1/completions", json=body) as response:
-        if response.status != 200:
-            text = (await response.text())[:200]
-            raise UsageError(f"probe request to {url} answered HTTP {response.status}: {text}")
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"].get("completion_tokens")
-            if any(choice.get("text") for choice in event.get("choices") or ()):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-    if first is None:
+    # TPOT counts the server's usage tokens: a lagging server packs several into one event.
+    outcome = await send(http, url + "/v1/completions", body)
+    if not outcome.ok:
+        raise UsageError(f"probe request to {url} failed: {outcome.error}")
+    if outcome.ttft_s is None:
         raise UsageError(f"probe request to {url} produced no tokens")
-    tokens = tokens or chunks
-    return first - sent, (last - first) / (tokens - 1) if tokens > 1 else math.nan
+    tpot = outcome.tpot_s
+    return outcome.ttft_s, math.nan if tpot is None else tpot
 
 
 def _fidelity_report(

@@ -37,6 +37,7 @@ from kvroute.bench.argtypes import fraction, non_negative_int, positive_int
 from kvroute.kvcore import block_hashing, packed_runs
 from kvroute.kvcore.block_hashing import block_hashes
 from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.kvcore.stats import percentile
 
 MD_HEADER = (
     "# Benchmarks\n\n"
@@ -106,13 +107,6 @@ def rss_bytes() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def chain_tokens(doc: int, blocks: int, block_size: int) -> list[int]:
@@ -278,7 +272,10 @@ def format_table(res: Result, o: Options) -> str:
     def ok(good: bool) -> str:
         return "yes" if good else "NO"
 
-    p50, p99 = percentile(res.lookup_us, 50), percentile(res.lookup_us, 99)
+    # Each the sample nearest the percentile's position (kvcore.stats, method "nearest").
+    p50, p99 = (percentile(res.lookup_us, q, method="nearest") for q in (0.5, 0.99))
+    floor50, floor99 = (percentile(res.floor_us, q, method="nearest") for q in (0.5, 0.99))
+    hash50, hash99 = (percentile(res.hash_us, q, method="nearest") for q in (0.5, 0.99))
     rows = [
         ("(block, replica) entries", f"{res.entries:,}", "5,000,000", ""),
         ("distinct blocks / replicas", f"{res.blocks:,} / {res.replicas}", "- / 200", ""),
@@ -296,14 +293,14 @@ def format_table(res: Result, o: Options) -> str:
         ),
         (
             f"noise floor p50 / p99, us (a ~{FLOOR_US:.0f} us CPU-only loop after each lookup)",
-            f"{percentile(res.floor_us, 50):.1f} / {percentile(res.floor_us, 99):.1f}",
+            f"{floor50:.1f} / {floor99:.1f}",
             "",
             "",
         ),
         ("replicas matched per lookup (mean)", f"{res.matched_replicas:.1f}", "", ""),
         (
             f"hashing p50 / p99, us ({o.chain_blocks}-block prompt)",
-            f"{percentile(res.hash_us, 50):.1f} / {percentile(res.hash_us, 99):.1f}",
+            f"{hash50:.1f} / {hash99:.1f}",
             "",
             "",
         ),

@@ -1,19 +1,23 @@
-"""Load generators for benchmarks: wrk when installed, else a built-in asyncio client.
+"""``kvroute bench overhead``'s load: wrk when installed, else a built-in asyncio client.
 
 Both run a fixed number of connections for a fixed time, each connection sending the next
 request as soon as the last one is answered (closed loop), and both return a ``LoadResult``.
+This is a wrk stand-in that POSTs one body as fast as a router answers, as cheaply as it can
+(the client shares the machine with the router it measures); the OpenAI load generator that
+reads and judges answers (the live replay, the drill, the demo) is ``kvroute.simulator.loadgen``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import re
 import shutil
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+
+from kvroute.kvcore.stats import percentile
 
 HEADERS = {"Content-Type": "application/json"}
 
@@ -138,14 +142,6 @@ def run_wrk(wrk: str, load: Load) -> LoadResult:
 # ---------------------------------------------------------------------- built-in
 
 
-def percentile(sorted_values: list[float], pct: float) -> float:
-    """Nearest-rank percentile of an ascending list (0.0 when it is empty)."""
-    if not sorted_values:
-        return 0.0
-    rank = max(1, math.ceil(pct / 100.0 * len(sorted_values)))
-    return sorted_values[min(rank, len(sorted_values)) - 1]
-
-
 async def _builtin(load: Load) -> LoadResult:
     import aiohttp  # imported here so that `kvroute --help` stays quick
 
@@ -172,14 +168,13 @@ async def _builtin(load: Load) -> LoadResult:
         started = time.perf_counter()
         await asyncio.gather(*(connection() for _ in range(load.concurrency)))
         elapsed = time.perf_counter() - started
-    latencies_ms.sort()
     done = len(latencies_ms)
     return LoadResult(
         requests=done,
         duration_s=elapsed,
         requests_per_s=done / elapsed if elapsed > 0 else 0.0,
-        p50_ms=percentile(latencies_ms, 50),
-        p99_ms=percentile(latencies_ms, 99),
+        p50_ms=percentile(latencies_ms, 0.5, method="nearest_rank") if done else 0.0,
+        p99_ms=percentile(latencies_ms, 0.99, method="nearest_rank") if done else 0.0,
         non_2xx=counts["non_2xx"],
         socket_errors=counts["socket"],
     )

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvroute.backends.process import free_ports
 from kvroute.bench import processes
 from kvroute.bench.loadgen import Load, LoadError, LoadResult, find_wrk, run_load, wrk_version
 from kvroute.policies import DEFAULT_POLICY
@@ -253,7 +254,7 @@ def running_target(
         yield upstreams[0]
         return
     exe = "" if target.router == "kvroute" else executable_for(target, options)
-    port, metrics_port = processes.free_ports(2)
+    port, metrics_port = free_ports(2)
     launch = launch_for(target, upstreams, port, metrics_port, exe)
     base = f"http://{HOST}:{port}"
     started = time.monotonic()
@@ -304,7 +305,7 @@ def running_upstreams(options: Options, log_dir: Path) -> Iterator[list[str]]:
     """Start the stub upstreams, wait until each answers /health, yield their URLs."""
     with contextlib.ExitStack() as stack:
         urls = []
-        for i, port in enumerate(processes.free_ports(options.upstreams)):
+        for i, port in enumerate(free_ports(options.upstreams)):
             url = f"http://{HOST}:{port}"
             stack.enter_context(
                 processes.managed(

@@ -41,11 +41,11 @@ from kvroute.backends.launcher import (
     LaunchSpec,
     ensure_tiny_model,
 )
+from kvroute.backends.process import free_ports
 from kvroute.bench import processes
 from kvroute.bench.argtypes import positive_int
 from kvroute.bench.chat_load import (
     RunResult,
-    percentile,
     record_counters,
     replica_counters,
     reset_prefix_caches,
@@ -214,7 +214,7 @@ def running_router(
                 f"{target.router} not found: pip install -e '.[bench]' or --peer-bin-dir"
             )
         exe = found
-    port, metrics_port = processes.free_ports(2)
+    port, metrics_port = free_ports(2)
     argv, ready = router_argv(target, replicas, port, metrics_port, exe)
     base = f"http://{HOST}:{port}"
     with processes.managed(target.name, argv, log_dir, base + ready, 120.0):
@@ -351,8 +351,8 @@ def format_table(rows: Sequence[Row]) -> str:
         vs_rr = f"{res.hit_rate / rr.hit_rate:.2f}x" if rr and rr.hit_rate else "-"
         lines.append(
             f"| {row.target.name} | {res.hit_rate:.1%} | {vs_oracle} | {vs_rr} "
-            f"| {_fmt_ms(percentile(res.ttfts, 0.5))} | {_fmt_ms(percentile(res.ttfts, 0.99))} "
-            f"| {_fmt_ms(percentile(res.latencies, 0.5))} | {res.wall_s:.1f} "
+            f"| {_fmt_ms(res.ttft_s(0.5))} | {_fmt_ms(res.ttft_s(0.99))} "
+            f"| {_fmt_ms(res.latency_s(0.5))} | {res.wall_s:.1f} "
             f"| {res.load_imbalance:.2f} | {res.errors} |"
         )
     return "\n".join(lines)
@@ -372,8 +372,8 @@ def verdict_lines(outcome: Outcome) -> list[str]:
         lines.append(_verdict("kv_aware load max/mean", kv.load_imbalance, TARGET_IMBALANCE, "<="))
     nr = {r.target.name: r.result for r in outcome.no_reuse if r.result is not None}
     if nr.get("kvroute-kv") and nr.get("kvroute-rr"):
-        a = percentile(nr["kvroute-kv"].ttfts, 0.5)
-        b = percentile(nr["kvroute-rr"].ttfts, 0.5)
+        a = nr["kvroute-kv"].ttft_s(0.5)
+        b = nr["kvroute-rr"].ttft_s(0.5)
         lines.append(
             _verdict(
                 "no reuse: kv_aware TTFT p50 / round_robin's", a / b, TARGET_NO_REUSE_TTFT, "<="

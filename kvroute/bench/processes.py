@@ -1,6 +1,7 @@
-"""Child processes for benchmarks: free ports, start, wait until ready, stop for sure.
+"""Child processes for benchmarks and drills: start, wait until ready, stop for sure.
 
-Every child starts in its own session (so its own process group). Stopping sends SIGTERM to
+Every child starts in its own session (so its own process group), with the process-group
+helpers of ``kvroute.backends.process`` (where ``free_ports`` is too). Stopping sends SIGTERM to
 the whole group, waits a grace period, then SIGKILLs the group, so helper processes a child
 may have spawned die with it. ``managed`` is a context manager: the group is stopped on normal
 exit, on exceptions and on Ctrl-C alike.
@@ -9,9 +10,7 @@ exit, on exceptions and on Ctrl-C alike.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,6 +19,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvroute.backends.process import spawn_group, stop_group
 
 _POLL_S = 0.1
 _LOG_TAIL_BYTES = 2000
@@ -48,18 +49,6 @@ class Child:
         return data[-limit:].decode("utf-8", "replace").strip() or "(its log is empty)"
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports the kernel gave for port 0, bound all at once so they differ.
-
-    They are free when this returns; a small race with other processes remains.
-    """
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [int(s.getsockname()[1]) for s in socks]
-
-
 def http_status(url: str, timeout: float = 1.0) -> int | None:
     """The status of ``GET url``, or None when nothing answered."""
     try:
@@ -77,14 +66,7 @@ def start(
     """Start ``argv`` in a new process group, its stdout and stderr going to a log file."""
     log_path = log_dir / f"{name}.log"
     with log_path.open("wb") as log:
-        popen = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-        )
+        popen = spawn_group(argv, stdout=log, env=env)
     return Child(name=name, argv=list(argv), popen=popen, log_path=log_path)
 
 
@@ -111,22 +93,9 @@ def wait_ready(child: Child, url: str, timeout_s: float) -> float:
     )
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
 def stop(child: Child, grace_s: float = 5.0) -> None:
     """SIGTERM the child's process group, wait up to ``grace_s``, then SIGKILL the group."""
-    pgid = child.pid  # start_new_session: the child leads its own group
-    if child.popen.poll() is None:
-        _signal_group(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.popen.wait(timeout=grace_s)
-    # Also reaches helpers left in the group after the leader exited.
-    _signal_group(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.popen.wait(timeout=grace_s)
+    stop_group(child.popen, grace_s, reap_s=grace_s)
 
 
 @contextlib.contextmanager

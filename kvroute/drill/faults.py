@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from kvroute.backends.process import ManagedProcess
+from kvroute.backends.process import ManagedProcess, signal_group
 
 SCENARIOS = ("kill", "stall", "slow", "flap", "error-burst")
 # Flapping: this long down (longer than a drill config's first_byte_s), then this long up, over and over while the fault lasts.
@@ -59,8 +58,7 @@ async def _set_faults(http: aiohttp.ClientSession, target: Target, **spec: Any) 
 
 def _signal(target: Target, sig: signal.Signals) -> None:
     assert target.process is not None and target.process.pid is not None
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(target.process.pid, sig)
+    signal_group(target.process.pid, sig)
 
 
 async def inject(

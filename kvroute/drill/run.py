@@ -11,21 +11,29 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.backends.launcher import free_ports
-from kvroute.backends.process import LaunchError
-from kvroute.bench.processes import StartError, managed
+from kvroute.backends.process import LaunchError, free_ports
+from kvroute.bench.processes import Child, managed
 from kvroute.drill.faults import SCENARIOS, DrillError, Target, clear, inject
-from kvroute.drill.load import Outcome, run_load
+from kvroute.drill.load import run_load
+from kvroute.kvcore.stats import parse_metrics, percentile
 from kvroute.router.config import Config, ConfigError, load_config, resolve_secret
 from kvroute.router.launching import start_launched_replicas
+from kvroute.simulator.loadgen import Outcome
 
 POLL_S = 0.05
+# How long the router gets to have a healthy replica (and the drill, every replica healthy).
+READY_TIMEOUT_S = 60.0
+# Replicas this drill launched answered their health check moments before the router started:
+# if the router sees every one of them refusing connections for this long, they died, and the
+# drill says so instead of waiting out READY_TIMEOUT_S. Not so for replicas the config lists:
+# vLLM refuses connections while it loads the model, so those are only named while waiting.
+LAUNCHED_REFUSED_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -73,13 +81,16 @@ def run_drill(options: DrillOptions) -> DrillReport:
         name = replica.name or replica.url
         target = Target(name, replica.url, emulated=engine != "vllm", process=process)
         target.check(options.scenario)
-        return _with_router(config, options, target)
+        launched = frozenset(r.name for r in fleet.replicas) if fleet is not None else frozenset()
+        return _with_router(config, options, target, launched)
     finally:
         if fleet is not None:
             fleet.stop()
 
 
-def _with_router(config: Config, options: DrillOptions, target: Target) -> DrillReport:
+def _with_router(
+    config: Config, options: DrillOptions, target: Target, launched: frozenset[str]
+) -> DrillReport:
     port = free_ports(1)[0]
     config = msgspec.structs.replace(
         config, listen=msgspec.structs.replace(config.listen, port=port, host="127.0.0.1")
@@ -89,20 +100,26 @@ def _with_router(config: Config, options: DrillOptions, target: Target) -> Drill
         path = Path(tmp) / "router.yaml"
         path.write_text(yaml.safe_dump(msgspec.to_builtins(config)))
         argv = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)]
-        try:
-            with managed("router", argv, Path(tmp), url + "/ready", timeout_s=60):
-                return asyncio.run(_drive(config, options, target, url))
-        except StartError as exc:
-            raise DrillError(f"the router did not start: {exc}") from None
+        with managed("router", argv, Path(tmp)) as router:
+            return asyncio.run(_drive(config, options, target, url, router, launched))
 
 
-async def _drive(config: Config, options: DrillOptions, target: Target, url: str) -> DrillReport:
+def _admin_headers(config: Config) -> dict[str, str]:
     admin_key = config.auth.admin_api_key
-    headers = (
-        {"Authorization": f"Bearer {resolve_secret(admin_key, 'auth.admin_api_key')}"}
-        if admin_key
-        else {}
-    )
+    if not admin_key:
+        return {}
+    return {"Authorization": f"Bearer {resolve_secret(admin_key, 'auth.admin_api_key')}"}
+
+
+async def _drive(
+    config: Config,
+    options: DrillOptions,
+    target: Target,
+    url: str,
+    router: Child,
+    launched: frozenset[str],
+) -> DrillReport:
+    headers = _admin_headers(config)
     client_key = (
         resolve_secret(config.auth.api_keys[0], "auth.api_keys[0]")
         if config.auth.api_keys
@@ -110,6 +127,7 @@ async def _drive(config: Config, options: DrillOptions, target: Target, url: str
     )
     model = config.models[0] if config.models else (config.launch.model if config.launch else "")
     async with aiohttp.ClientSession(headers=headers) as http:
+        await _wait_router_ready(http, url, router, launched)
         await _wait_all_healthy(http, url, len(config.replicas))
         model = model or await _first_model(http, url)
         before = await _counters(http, url)
@@ -153,16 +171,95 @@ async def _drive(config: Config, options: DrillOptions, target: Target, url: str
     )
 
 
-async def _wait_all_healthy(http: aiohttp.ClientSession, url: str, count: int) -> None:
-    deadline = time.monotonic() + 60
+async def _replica_rows(http: aiohttp.ClientSession, url: str) -> list[dict[str, Any]] | None:
+    """The router's /admin/replicas rows, or None when it does not answer them."""
+    try:
+        async with http.get(url + "/admin/replicas") as resp:
+            if resp.status != 200:
+                return None
+            rows: list[dict[str, Any]] = (await resp.json())["replicas"]
+            return rows
+    except (aiohttp.ClientError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _out_of_rotation(rows: list[dict[str, Any]]) -> str:
+    """One line per replica out of rotation: its name and why."""
+    lines = []
+    for row in rows:
+        if row.get("healthy") and not row.get("ejected"):
+            continue
+        if not row.get("healthy"):
+            why = row.get("down_reason") or "no passing health check yet"
+        else:
+            why = f"ejected by its circuit breaker: {row.get('breaker_reason') or 'failures'}"
+        lines.append(f"  {row.get('name')} ({row.get('url')}): {why}")
+    return "\n".join(lines)
+
+
+def _refusing(row: dict[str, Any]) -> bool:
+    return not row.get("healthy") and str(row.get("down_reason")).startswith("connection refused")
+
+
+async def _wait_router_ready(
+    http: aiohttp.ClientSession, url: str, router: Child, launched: frozenset[str]
+) -> None:
+    """Until the router's /ready says 200. Fails naming the replicas that are out and why."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    rows: list[dict[str, Any]] | None = None
+    status: int | None = None
+    all_refused_since: float | None = None
+    named = False
     while time.monotonic() < deadline:
+        code = router.popen.poll()
+        if code is not None:
+            raise DrillError(f"the router exited with status {code}:\n{router.log_tail()}")
         with contextlib.suppress(aiohttp.ClientError):
-            async with http.get(url + "/admin/replicas") as resp:
-                rows = (await resp.json())["replicas"]
-                if len(rows) == count and all(r["healthy"] and not r["ejected"] for r in rows):
-                    return
+            async with http.get(url + "/ready") as resp:
+                status = resp.status
+            if status == 200:
+                return
+            rows = await _replica_rows(http, url)
+        if rows and all(_refusing(r) for r in rows):
+            now = time.monotonic()
+            if all(r.get("name") in launched for r in rows):
+                all_refused_since = all_refused_since or now
+                if now - all_refused_since >= LAUNCHED_REFUSED_GRACE_S:
+                    raise DrillError(
+                        "every replica this drill launched stopped accepting connections "
+                        f"(see their logs):\n{_out_of_rotation(rows)}"
+                    )
+            elif not named:
+                print(
+                    "kvroute drill: waiting for a replica to accept connections (is it running, "
+                    f"or still loading?):\n{_out_of_rotation(rows)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                named = True
+        else:
+            all_refused_since = None
         await asyncio.sleep(POLL_S)
-    raise DrillError("not every replica became healthy within 60 s")
+    if rows:
+        raise DrillError(
+            f"the router has no healthy replica after {READY_TIMEOUT_S:g} s:\n"
+            f"{_out_of_rotation(rows)}"
+        )
+    seen = "no answer" if status is None else f"last status {status}"
+    raise DrillError(f"the router was not ready after {READY_TIMEOUT_S:g} s ({seen})")
+
+
+async def _wait_all_healthy(http: aiohttp.ClientSession, url: str, count: int) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        rows = await _replica_rows(http, url) or rows
+        if len(rows) == count and all(r["healthy"] and not r["ejected"] for r in rows):
+            return
+        await asyncio.sleep(POLL_S)
+    raise DrillError(
+        f"not every replica became healthy within {READY_TIMEOUT_S:g} s:\n{_out_of_rotation(rows)}"
+    )
 
 
 async def _first_model(http: aiohttp.ClientSession, url: str) -> str:
@@ -191,25 +288,17 @@ async def _time_to_detect(
 
 async def _counters(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     async with http.get(url + "/metrics") as resp:
-        text = await resp.text()
-    out = {"retry": 0.0, "resumed": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "kvroute_retries_total" and sample.labels.get("kind") == "retry":
-                out["retry"] += sample.value
-            if (
-                sample.name == "kvroute_stream_resumes_total"
-                and sample.labels.get("outcome") == "resumed"
-            ):
-                out["resumed"] += sample.value
-    return out
+        page = parse_metrics(await resp.text())
+    return {
+        "retry": page.sum("kvroute_retries_total", kind="retry"),
+        "resumed": page.sum("kvroute_stream_resumes_total", outcome="resumed"),
+    }
 
 
 def _p99(values: list[float]) -> str:
     if not values:
         return "-"
-    ordered = sorted(values)
-    return f"{1000 * ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]:.0f} ms"
+    return f"{1000 * percentile(values, 0.99, method='nearest_rank'):.0f} ms"
 
 
 def format_report(report: DrillReport) -> str:

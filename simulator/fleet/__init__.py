@@ -8,7 +8,7 @@ Pure: no I/O, no asyncio, no wall clock; deterministic for a seed. ``prepare`` t
 from .bounds import infinite_cache_hit_rate, pooled_lru_hit_rate
 from .config import ENGINE_MODELS, FleetConfig, default_kv_capacity_tokens, engine_config
 from .fleet import simulate
-from .results import SimResult, Slo, percentile
+from .results import SimResult, Slo
 from .units import SimRequest, UnitTrace, prepare
 
 __all__ = [
@@ -21,7 +21,6 @@ __all__ = [
     "default_kv_capacity_tokens",
     "engine_config",
     "infinite_cache_hit_rate",
-    "percentile",
     "pooled_lru_hit_rate",
     "prepare",
     "simulate",

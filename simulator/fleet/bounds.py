@@ -11,12 +11,21 @@ Both count what an engine counts: hit tokens over prompt tokens, in whole KV blo
 always computes that token). Requests are taken in arrival order; the unit (trace block) is the
 caching granularity, as in the fast engine. ``unit_rate`` is the plain fraction of units hit,
 the figure the traces' README quotes.
+
+``prefill_alone_s`` times each prompt's prefill on an idle replica of a given engine: with the
+infinite cache's hits it is a lower bound on the request's TTFT in any fleet of that engine
+(sharing a step or missing the cache only adds time), so ``kvroute plan`` can tell an SLO no
+fleet size meets; with nothing cached it is the request's own prefill work, which ``kvroute
+replay`` compares TTFTs against to tell queueing from service.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from kvroute.simulator.engine.config import EngineConfig
 
 from .units import SimRequest, UnitTrace
 
@@ -43,8 +52,18 @@ def _hit_tokens(request: SimRequest, hit_blocks: int, block_size: int) -> int:
 
 
 def infinite_cache_hit_rate(trace: UnitTrace, block_size: int = 16) -> HitRate:
-    seen: set[int] = set()
     hit_tokens = tokens = hit_units = units = 0
+    for request, hit, matched in _infinite_hits(trace, block_size):
+        hit_units += matched
+        units += len(request.unit_keys)
+        hit_tokens += hit
+        tokens += request.input_tokens
+    return HitRate(_ratio(hit_tokens, tokens), _ratio(hit_units, units))
+
+
+def _infinite_hits(trace: UnitTrace, block_size: int) -> Iterator[tuple[SimRequest, int, int]]:
+    """(request, hit tokens, hit units) of each request with one cache that never evicts."""
+    seen: set[int] = set()
     for request in trace.requests:
         keys = request.unit_keys
         blocks = _unit_blocks(request, trace.block_tokens, block_size)
@@ -54,12 +73,26 @@ def infinite_cache_hit_rate(trace: UnitTrace, block_size: int = 16) -> HitRate:
                 break
             matched += 1
             hit_blocks += b
-        hit_units += matched
-        units += len(keys)
-        hit_tokens += _hit_tokens(request, hit_blocks, block_size)
-        tokens += request.input_tokens
+        yield request, _hit_tokens(request, hit_blocks, block_size), matched
         seen.update(keys)
-    return HitRate(_ratio(hit_tokens, tokens), _ratio(hit_units, units))
+
+
+def prefill_alone_s(trace: UnitTrace, engine: EngineConfig, *, cached: bool) -> list[float]:
+    """Per request, seconds from admission to first token on an idle replica of ``engine``:
+    chunks of ``max_num_batched_tokens`` timed as the fast engine times them, starting after
+    the infinite cache's hits when ``cached``, from the first token otherwise."""
+    step_time = engine.latency.step_time
+    budget = engine.max_num_batched_tokens
+    out: list[float] = []
+    for request, hit, _ in _infinite_hits(trace, engine.block_size):
+        done = hit if cached else 0
+        total = 0.0
+        while done < request.input_tokens:
+            n = min(request.input_tokens - done, budget)
+            total += step_time(n, n * done + n * (n + 1) // 2, done + n)
+            done += n
+        out.append(total)
+    return out
 
 
 def pooled_lru_hit_rate(trace: UnitTrace, capacity_blocks: int, block_size: int = 16) -> HitRate:

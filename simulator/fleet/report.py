@@ -32,6 +32,13 @@ def markdown_report(
     if context.get("failures"):
         fails = ", ".join(f"replica {k} at {t:g} s" for k, t in context["failures"])
         lines.append(f"- failures: {fails}")
+    lines += [f"- prefixes: {note}" for note in first.get("notes", [])]
+    warned = [s for s in summaries if s.get("warnings")]
+    if warned:
+        lines += ["", "## Warnings", ""]
+        for s in warned:
+            who = f"{s['policy']}: " if len(summaries) > 1 else ""
+            lines += [f"- **{who}{warning}**" for warning in s["warnings"]]
     lines += [
         "",
         "## Results",

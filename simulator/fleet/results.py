@@ -102,14 +102,3 @@ class SimResult:
         counts = [c for i, c in enumerate(self.routed_requests) if i not in self.failed_replicas]
         total = sum(counts)
         return max(counts) / (total / len(counts)) if counts and total else NAN
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation; NaN for no values."""
-    if not values:
-        return NAN
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

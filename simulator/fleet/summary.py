@@ -1,11 +1,23 @@
-"""The numbers of one simulated run, as ``summary.json`` holds them and the CLI prints them."""
+"""The numbers of one simulated run, as ``summary.json`` holds them and the CLI prints them,
+and the warnings that say when those numbers do not describe a working fleet.
+
+Overload: a request's *wait* is its TTFT less its prefill alone on an idle replica with nothing
+cached (``bounds.prefill_alone_s``: at least its own work, so the wait is if anything
+understated). A fleet that keeps up makes most requests wait little; one that does not queues
+them longer and longer, and its latencies grow with the trace's length. The run is called
+overloaded when the median wait, over all finished requests or over the last quarter of
+arrivals (a queue still growing at the end), exceeds both ``OVERLOAD_MIN_WAIT_S`` and
+``OVERLOAD_WAIT_FACTOR`` times the median request's own prefill time.
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from .results import SimResult, Slo, percentile
+from kvroute.kvcore.stats import percentile
+
+from .results import SimResult, Slo
 
 
 def summarize(
@@ -61,6 +73,56 @@ def summarize(
     if extra:
         summary.update(extra)
     return summary
+
+
+OVERLOAD_WAIT_FACTOR = 10.0
+OVERLOAD_MIN_WAIT_S = 1.0
+
+
+def replay_warnings(result: SimResult, prefill_alone_s: list[float]) -> list[str]:
+    """Unfinished requests and overload (see the module docstring), one sentence each."""
+    warnings: list[str] = []
+    unfinished = result.requests - result.completed
+    if unfinished:
+        rejected = sum(result.rejected)
+        causes = []
+        if rejected:
+            causes.append(
+                f"{rejected:,} need more KV cache than one replica holds "
+                f"({result.kv_capacity_tokens:,} tokens; see --kv-capacity-tokens)"
+            )
+        if unfinished - rejected:
+            causes.append(f"{unfinished - rejected:,} were left with no replica (all failed)")
+        warnings.append(
+            f"{unfinished:,} of {result.requests:,} requests did not finish: {'; '.join(causes)}. "
+            "Latencies and goodput leave them out."
+        )
+    done = [i for i, f in enumerate(result.finish_s) if not math.isnan(f)]
+    if not done:
+        return warnings
+    # Trace order is arrival order: the last quarter of ``done`` arrived last.
+    waits = [
+        max(0.0, result.first_token_s[i] - result.arrival_s[i] - prefill_alone_s[i]) for i in done
+    ]
+    quarter = max(1, len(waits) // 4)
+    wait, first, last = (percentile(w, 0.5) for w in (waits, waits[:quarter], waits[-quarter:]))
+    own = percentile([prefill_alone_s[i] for i in done], 0.5)
+    limit = max(OVERLOAD_MIN_WAIT_S, OVERLOAD_WAIT_FACTOR * own)
+    if max(wait, last) > limit:
+        drain = max(result.finish_s[i] for i in done) - max(result.arrival_s)
+        warnings.append(
+            f"the fleet is overloaded: the median request waited {_secs(wait)} for its first "
+            f"token beyond its own prefill ({_secs(own)} median, alone on an idle replica), "
+            f"{_secs(first)} in the first quarter of arrivals and {_secs(last)} in the last; the "
+            f"last request finished {_secs(drain)} after the last arrival. Requests arrive faster "
+            "than the fleet serves them, so latencies grow with the trace's length: try more "
+            "--replicas or a lower --rate-scale."
+        )
+    return warnings
+
+
+def _secs(v: float) -> str:
+    return f"{v:.2f} s" if v < 10 else f"{v:,.0f} s"
 
 
 def _num(value: float) -> float | None:

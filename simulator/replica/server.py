@@ -38,6 +38,9 @@ class ReplicaOptions:
     engine: EngineConfig
     time_scale: float = 1.0
     kv_events: dict[str, Any] | None = None  # vLLM's --kv-events-config
+    # Wildcard TCP KV-event endpoints (tcp://*:P) are bound on this address only (None: on
+    # every interface, as vLLM does): the replica's --host.
+    kv_bind_host: str | None = None
     event_layout: str = "map"
     model_path: str = "kvroute-emulated"
     # LoRA adapters as vLLM's --lora-modules: name -> path. A request naming one is served
@@ -83,6 +86,7 @@ class EmulatedReplica:
                 topic=kv.get("topic", ""),
                 layout=options.event_layout,
                 buffer_steps=int(kv.get("buffer_steps", 10_000)),
+                bind_host=options.kv_bind_host,
             )
         self.runner = EngineRunner(
             self.engine,
@@ -261,7 +265,7 @@ class EmulatedReplica:
         created = int(time.time())
         model = self._lora_name(body) or self.options.served_model_name
         if chat:
-            message = {
+            message: dict[str, Any] = {
                 "role": "assistant",
                 "content": text,
                 "reasoning_content": None,

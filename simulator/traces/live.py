@@ -5,7 +5,9 @@ prompt reproduces the trace's prefix structure (``prompts.PromptBuilder``), with
 ``max_tokens`` = its output tokens and ``ignore_eos`` so real vLLM generates them all. At most
 ``concurrency`` requests are in flight: a request due while all slots are busy waits, and the
 summary reports how late requests went out. Memory is bounded by the concurrency plus a few
-floats per request.
+floats per request. The sending is ``simulator.loadgen``'s (the drill and the demo's too): a
+request is ok when its answer is whole (status 200, no error event, a finish_reason and
+[DONE]) and carried tokens.
 
 The replicas' prefix hit rate comes from their own ``vllm:prefix_cache_*`` counters (found
 through the router's /admin/replicas), read before and after the replay; when the replicas are
@@ -20,12 +22,14 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.kvcore.stats import parse_metrics, percentile
+from kvroute.simulator.loadgen import Outcome, Planned, run_open_loop
 
 from .model import Trace
 from .prompts import PromptBuilder
@@ -45,9 +49,26 @@ class _Results:
     errors: Counter[str] = field(default_factory=Counter)
     replicas: Counter[str] = field(default_factory=Counter)
     sent: int = 0
+    finished: int = 0
     ok: int = 0
     prompt_words: int = 0
     output_tokens: int = 0
+
+    def record(self, outcome: Outcome) -> None:
+        """A few numbers of a finished request (the outcome itself is not kept)."""
+        self.finished += 1
+        self.late_s.append(outcome.late_s)
+        if not outcome.ok or outcome.ttft_s is None:
+            self.errors[outcome.error_kind or "no tokens"] += 1
+            return
+        self.ok += 1
+        if outcome.replica:
+            self.replicas[outcome.replica] += 1
+        self.output_tokens += outcome.tokens
+        self.ttft_s.append(outcome.ttft_s)
+        tpot = outcome.tpot_s
+        if tpot is not None:
+            self.tpot_s.append(tpot)
 
 
 def replay_live(
@@ -153,88 +174,34 @@ async def _replay(
     progress: Progress | None,
 ) -> _Results:
     results = _Results()
-    slots = asyncio.Semaphore(concurrency)
-    running: set[asyncio.Task[None]] = set()
-    loop = asyncio.get_running_loop()
-    start = loop.time()
     first = trace.requests[0].arrival_s if trace.requests else 0.0
-    finished = 0
+    url = base + "/v1/completions"
 
-    def done(task: asyncio.Task[None]) -> None:
-        nonlocal finished
-        running.discard(task)
-        slots.release()
-        finished += 1
+    def plan() -> Iterator[Planned]:
+        # A generator: each prompt is built just before its request goes out.
+        for index, request in enumerate(trace.requests):
+            output_tokens = max(1, request.output_tokens)
+            if max_output_tokens:
+                output_tokens = min(output_tokens, max_output_tokens)
+            body = {
+                "model": model,
+                "prompt": builder.prompt(request, salt=index),
+                "max_tokens": output_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+            }
+            results.sent += 1
+            results.prompt_words += builder.words(request)
+            yield Planned((request.arrival_s - first) * time_scale, url, body)
+
+    def done(index: int, outcome: Outcome) -> None:
+        results.record(outcome)
         if progress:
-            progress(finished, len(trace.requests))
+            progress(results.finished, len(trace.requests))
 
-    for index, request in enumerate(trace.requests):
-        due = start + (request.arrival_s - first) * time_scale
-        delay = due - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        await slots.acquire()
-        results.late_s.append(max(0.0, loop.time() - due))
-        output_tokens = max(1, request.output_tokens)
-        if max_output_tokens:
-            output_tokens = min(output_tokens, max_output_tokens)
-        body = {
-            "model": model,
-            "prompt": builder.prompt(request, salt=index),
-            "max_tokens": output_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "ignore_eos": True,
-        }
-        results.sent += 1
-        results.prompt_words += builder.words(request)
-        task = asyncio.create_task(_send(http, base, body, results))
-        running.add(task)
-        task.add_done_callback(done)
-    if running:
-        await asyncio.gather(*running)
+    await run_open_loop(http, plan(), concurrency=concurrency, on_done=done)
     return results
-
-
-async def _send(
-    http: aiohttp.ClientSession, base: str, body: dict[str, Any], results: _Results
-) -> None:
-    sent = time.monotonic()
-    first: float | None = None
-    last = sent
-    chunks = 0
-    usage_tokens: int | None = None
-    try:
-        async with http.post(base + "/v1/completions", json=body) as response:
-            if response.status != 200:
-                await response.read()
-                results.errors[f"HTTP {response.status}"] += 1
-                return
-            replica = response.headers.get("x-kvroute-replica")
-            async for line in response.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                event = json.loads(line[6:])
-                if event.get("usage"):
-                    usage_tokens = event["usage"].get("completion_tokens")
-                if any(choice.get("text") for choice in event.get("choices") or ()):
-                    last = time.monotonic()
-                    first = first or last
-                    chunks += 1
-    except (TimeoutError, aiohttp.ClientError, ValueError) as error:
-        results.errors[type(error).__name__] += 1
-        return
-    if first is None:
-        results.errors["no tokens"] += 1
-        return
-    results.ok += 1
-    if replica:
-        results.replicas[replica] += 1
-    tokens = usage_tokens or chunks
-    results.output_tokens += tokens
-    results.ttft_s.append(first - sent)
-    if tokens > 1:
-        results.tpot_s.append((last - first) / (tokens - 1))
 
 
 async def _first_model(http: aiohttp.ClientSession, base: str) -> str:
@@ -294,22 +261,13 @@ async def _metric_sums(
             text = await response.text()
     except (TimeoutError, aiohttp.ClientError):
         return None
-    sums = dict.fromkeys(names, 0.0)
-    found = set()
     try:
-        for family in text_string_to_metric_families(text):
-            if family.name in sums:
-                found.add(family.name)
-                sums[family.name] += sum(
-                    s.value
-                    for s in family.samples
-                    if s.name in (family.name, family.name + "_total")
-                )
+        page = parse_metrics(text)
     except ValueError:
         return None
-    if found != set(names):
+    if not all(name in page for name in names):
         return None
-    return sums[names[0]], sums[names[1]]
+    return page.sum(names[0]), page.sum(names[1])
 
 
 def _hit_rate(
@@ -327,10 +285,8 @@ def _hit_rate(
 
 
 def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+    """Measured latencies: the nearest-rank percentile; None (JSON null) when there are none."""
+    return percentile(values, q, method="nearest_rank") if values else None
 
 
 def _summary(
