@@ -63,13 +63,16 @@ class EventLog:
         self.socket = context.socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
+        # Watched before connecting: an ipc:// connection completes at once, and a monitor
+        # attached after it would never see it.
+        self._monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED)
         self.socket.connect(endpoint)
         self.frames: list[list[bytes]] = []
         self.batches: list[tuple[int, Any]] = []
 
     def wait_connected(self, timeout_s: float) -> None:
         """Until the SUB socket has connected to the publisher (its subscription goes out then)."""
-        monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED)
+        monitor = self._monitor
         try:
             if not monitor.poll(int(timeout_s * 1000)):
                 raise AssertionError(f"no connection to the KV-event publisher within {timeout_s}s")

@@ -81,6 +81,32 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--stream", action="store_true", help="Send streaming requests (SSE).")
     p.add_argument(
+        "--workload",
+        choices=["fixed", "agent"],
+        default="fixed",
+        help="fixed (default): one small completion, over and over. agent: chat conversations "
+        "that start with --start-kb of history and grow by --turn-kb a request, like a coding "
+        "agent's; kvroute tokenizes them exactly (--tokenizer, default the tiny test model's), "
+        "the built-in client sends them.",
+    )
+    p.add_argument(
+        "--conversations",
+        type=positive_int,
+        default=32,
+        help="agent: conversations in the run, spread over the connections (default 32).",
+    )
+    p.add_argument(
+        "--start-kb", type=positive_int, default=220, help="agent: history to start with (220)."
+    )
+    p.add_argument(
+        "--turn-kb", type=float, default=2.0, help="agent: KB each request adds (default 2)."
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="agent: the tokenizer kvroute routes with (default: the tiny test model's).",
+    )
+    p.add_argument(
         "--loadgen",
         choices=["auto", "wrk", "builtin"],
         default="auto",
@@ -132,6 +158,11 @@ def _cmd_overhead(args: argparse.Namespace) -> int:
         peer_bin_dir=args.peer_bin_dir,
         output_md=args.output_md,
         record=not args.no_record,
+        workload=args.workload,
+        conversations=args.conversations,
+        start_kb=args.start_kb,
+        turn_kb=args.turn_kb,
+        tokenizer=args.tokenizer,
     )
     try:
         return run_overhead(options, sys.argv[1:])

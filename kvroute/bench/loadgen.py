@@ -10,6 +10,9 @@ reads and judges answers (the live replay, the drill, the demo) is ``kvroute.sim
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import random
 import re
 import shutil
 import subprocess
@@ -190,3 +193,179 @@ def run_builtin(load: Load) -> LoadResult:
 def run_load(wrk: str | None, load: Load) -> LoadResult:
     """Run ``load`` with wrk when a path is given, else with the built-in generator."""
     return run_wrk(wrk, load) if wrk else run_builtin(load)
+
+
+# ------------------------------------------------------------- agent conversations
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """Agent-like chats: each starts with ``start_chars`` of history and every request adds a
+    user message, then the (made-up) reply is carried into the next turn: ``turn_chars``."""
+
+    url: str  # .../v1/chat/completions
+    model: str
+    count: int  # conversations, spread over the connections; none is ever in flight twice
+    concurrency: int
+    start_chars: int = 220_000
+    turn_chars: int = 2_000
+    seed: int = 0
+
+
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "for",
+    "that",
+    "with",
+    "on",
+    "as",
+    "are",
+    "this",
+    "be",
+    "by",
+    "from",
+    "at",
+    "or",
+    "code",
+    "def",
+    "return",
+    "value",
+    "import",
+    "class",
+    "self",
+    "error",
+    "file",
+    "line",
+    "test",
+    "function",
+    "result",
+    "data",
+    "list",
+    "none",
+    "true",
+]
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    words: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(_WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)
+
+
+def _message(role: str, content: str) -> bytes:
+    return json.dumps({"role": role, "content": content}).encode()
+
+
+class _Conversation:
+    def __init__(self, spec: Conversations, index: int) -> None:
+        self.rng = random.Random(spec.seed * 100_003 + index)
+        self.turn_chars = spec.turn_chars
+        self.messages = bytearray(_message("system", _text(self.rng, spec.turn_chars * 2)))
+        while len(self.messages) < spec.start_chars:
+            for role in ("user", "assistant"):
+                self.messages += b"," + _message(role, _text(self.rng, spec.turn_chars // 2))
+        self.head = (
+            b'{"model": ' + json.dumps(spec.model).encode() + b', "max_tokens": 8, "messages": ['
+        )
+
+    def next_body(self) -> bytes:
+        self.messages += b"," + _message("user", _text(self.rng, self.turn_chars // 2))
+        return self.head + self.messages + b"]}"
+
+    def replied(self) -> None:
+        self.messages += b"," + _message("assistant", _text(self.rng, self.turn_chars // 2))
+
+
+@dataclass(frozen=True)
+class ConversationResult:
+    load: LoadResult
+    mean_body_bytes: float
+    first_turn_ms: float  # median latency of the conversations' first requests (the warm-up)
+
+
+async def _conversations(
+    spec: Conversations, warmup_s: float, duration_s: float
+) -> ConversationResult:
+    import aiohttp
+
+    conversations = [_Conversation(spec, i) for i in range(spec.count)]
+    latencies_ms: list[float] = []
+    first_ms: list[float] = []
+    sizes: list[int] = []
+    counts = {"non_2xx": 0, "socket": 0}
+    connector = aiohttp.TCPConnector(limit=spec.concurrency)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        window = {"from": math.inf, "to": math.inf}  # set once every first turn is answered
+        pending = [spec.concurrency]
+
+        async def turn(conversation: _Conversation, measured: bool) -> float | None:
+            body = conversation.next_body()
+            sent = time.perf_counter()
+            try:
+                async with session.post(spec.url, data=body, headers=HEADERS) as resp:
+                    await resp.read()
+                    if resp.status >= 400:
+                        counts["non_2xx"] += measured
+            except (aiohttp.ClientError, TimeoutError):
+                counts["socket"] += measured
+                return None
+            conversation.replied()
+            if measured:
+                sizes.append(len(body))
+            return (time.perf_counter() - sent) * 1e3
+
+        async def connection(mine: list[_Conversation]) -> None:
+            for conversation in mine:  # every conversation's first turn, before the warm-up
+                ms = await turn(conversation, False)
+                if ms is not None:
+                    first_ms.append(ms)
+            pending[0] -= 1
+            if not pending[0]:
+                window["from"] = time.monotonic() + warmup_s
+                window["to"] = window["from"] + duration_s
+            while time.monotonic() < window["to"]:
+                for conversation in mine:
+                    now = time.monotonic()
+                    if now >= window["to"]:
+                        break
+                    measured = now >= window["from"]
+                    ms = await turn(conversation, measured)
+                    if ms is not None and measured:
+                        latencies_ms.append(ms)
+
+        shares = [conversations[i :: spec.concurrency] for i in range(spec.concurrency)]
+        pending[0] = sum(1 for share in shares if share)
+        await asyncio.gather(*(connection(share) for share in shares if share))
+    done = len(latencies_ms)
+    load = LoadResult(
+        requests=done,
+        duration_s=duration_s,
+        requests_per_s=done / duration_s,
+        p50_ms=percentile(latencies_ms, 0.5, method="nearest_rank") if done else 0.0,
+        p99_ms=percentile(latencies_ms, 0.99, method="nearest_rank") if done else 0.0,
+        non_2xx=counts["non_2xx"],
+        socket_errors=counts["socket"],
+    )
+    mean_body = sum(sizes) / len(sizes) if sizes else 0.0
+    first = percentile(first_ms, 0.5, method="nearest_rank") if first_ms else 0.0
+    return ConversationResult(load, mean_body, first)
+
+
+def run_conversations(
+    spec: Conversations, warmup_s: float, duration_s: float
+) -> ConversationResult:
+    """Closed-loop agent conversations: each connection takes its conversations in turn; the
+    first turn of each (the whole history new to the router) falls in the warm-up."""
+    import uvloop
+
+    return uvloop.run(_conversations(spec, warmup_s, duration_s))

@@ -27,7 +27,16 @@ from pathlib import Path
 
 from kvroute.backends.process import free_ports
 from kvroute.bench import processes
-from kvroute.bench.loadgen import Load, LoadError, LoadResult, find_wrk, run_load, wrk_version
+from kvroute.bench.loadgen import (
+    Conversations,
+    Load,
+    LoadError,
+    LoadResult,
+    find_wrk,
+    run_conversations,
+    run_load,
+    wrk_version,
+)
 from kvroute.policies import DEFAULT_POLICY
 
 HOST = "127.0.0.1"
@@ -85,12 +94,21 @@ class Options:
     peer_bin_dir: str | None = None
     output_md: str = "BENCHMARKS.md"
     record: bool = True
+    # "fixed": one small completion POSTed over and over (wrk); "agent": growing chat
+    # conversations (built-in client), kvroute tokenizing them with the tiny model's tokenizer.
+    workload: str = "fixed"
+    conversations: int = 32
+    start_kb: int = 220
+    turn_kb: float = 2.0
+    tokenizer: str | None = None  # agent workload: kvroute's --tokenizer (default: tiny model)
 
 
 @dataclass
 class Row:
     target: Target
     result: LoadResult | None = None
+    mean_body_kb: float | None = None  # agent workload
+    first_turn_ms: float | None = None  # agent workload: a whole new conversation
     error: str | None = None  # why it has no result (skipped or failed)
     startup_s: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -145,13 +163,20 @@ def package_version(dist: str, executable: str | None = None) -> str | None:
 
 
 def launch_for(
-    target: Target, upstreams: list[str], port: int, metrics_port: int, exe: str
+    target: Target,
+    upstreams: list[str],
+    port: int,
+    metrics_port: int,
+    exe: str,
+    tokenizer: str | None = None,
 ) -> Launch:
     """The command line that starts ``target`` in front of ``upstreams``, and its ready path."""
     if target.router == "kvroute":
         argv = [*kvroute_argv(), "serve"]
         for url in upstreams:
             argv += ["--replica", url]
+        if tokenizer:
+            argv += ["--tokenizer", tokenizer]
         if target.policy:
             argv += ["--policy", target.policy]
         if target.workers > 1:
@@ -234,6 +259,20 @@ def smoke_check(url: str, body: bytes) -> str | None:
 
 def measure(base_url: str, options: Options, wrk: str | None, row: Row) -> None:
     """Warm up, then run the measured load against ``base_url``; fill ``row``."""
+    if options.workload == "agent":
+        spec = Conversations(
+            base_url + "/v1/chat/completions",
+            options.model,
+            options.conversations,
+            options.concurrency,
+            options.start_kb * 1000,
+            int(options.turn_kb * 1000),
+        )
+        done = run_conversations(spec, options.warmup_s, options.duration_s)
+        row.result = done.load
+        row.mean_body_kb = done.mean_body_bytes / 1000
+        row.first_turn_ms = done.first_turn_ms
+        return
     url = base_url + "/v1/completions"
     body = request_body(options.model, options.stream)
     problem = smoke_check(url, body)
@@ -255,7 +294,8 @@ def running_target(
         return
     exe = "" if target.router == "kvroute" else executable_for(target, options)
     port, metrics_port = free_ports(2)
-    launch = launch_for(target, upstreams, port, metrics_port, exe)
+    tokenizer = agent_tokenizer(options) if options.workload == "agent" else None
+    launch = launch_for(target, upstreams, port, metrics_port, exe, tokenizer)
     base = f"http://{HOST}:{port}"
     started = time.monotonic()
     with processes.managed(
@@ -263,6 +303,15 @@ def running_target(
     ):
         row.startup_s = time.monotonic() - started
         yield base
+
+
+def agent_tokenizer(options: Options) -> str:
+    """kvroute tokenizes the conversations exactly: with this tokenizer (the tiny model's)."""
+    if options.tokenizer:
+        return options.tokenizer
+    from kvroute.backends.launcher import ensure_tiny_model
+
+    return str(ensure_tiny_model())
 
 
 def executable_for(target: Target, options: Options) -> str:
@@ -366,6 +415,17 @@ def versions_line(options: Options, wrk: str | None) -> str:
 
 
 def load_line(options: Options, wrk: str | None) -> str:
+    if options.workload == "agent":
+        return (
+            f"built-in, {options.concurrency} connections, {options.duration_s} s per target "
+            f"after {options.warmup_s} s warmup; agent workload: {options.conversations} chat "
+            f"conversations starting at {options.start_kb} KB of history, each request adding "
+            f"{options.turn_kb:g} KB (a user message, then the reply carried into the next turn), "
+            f"POST /v1/chat/completions (max_tokens 8); each conversation's first request (its "
+            f"whole history new to the router) before the warmup; kvroute tokenizes with "
+            f"--tokenizer {display_path(agent_tokenizer(options))}; {options.upstreams} stub "
+            "upstreams"
+        )
     gen = f"wrk, {min(options.threads, options.concurrency)} threads" if wrk else "built-in"
     kind = "streaming" if options.stream else "non-streaming"
     return (
@@ -373,6 +433,12 @@ def load_line(options: Options, wrk: str | None) -> str:
         f"{options.warmup_s} s warmup; {kind} POST /v1/completions (max_tokens 8); "
         f"{options.upstreams} stub upstreams"
     )
+
+
+def display_path(path: str) -> str:
+    """``path`` with the home directory as ``~`` (BENCHMARKS.md names no machine's paths)."""
+    home = str(Path.home())
+    return "~" + path[len(home) :] if path.startswith(home + "/") else path
 
 
 def ratio(value: float | None, base: float | None) -> str:
@@ -396,6 +462,8 @@ def direct_result(rows: list[Row]) -> LoadResult | None:
 
 def format_table(rows: list[Row]) -> str:
     """A Markdown table: one row per target, with ratios to ``direct``."""
+    if any(row.mean_body_kb is not None for row in rows):
+        return agent_table(rows)
     base = direct_result(rows)
     lines = [
         "| target | policy | req/s | p50 ms | p99 ms | errors | req/s vs direct | p99 vs direct |",
@@ -414,6 +482,29 @@ def format_table(rows: list[Row]) -> str:
             f"| {r.p99_ms:.2f} | {errors_cell(r)} "
             f"| {ratio(r.requests_per_s, base.requests_per_s if base else None)} "
             f"| {ratio(r.p99_ms, base.p99_ms if base else None)} |"
+        )
+    return "\n".join(lines)
+
+
+def agent_table(rows: list[Row]) -> str:
+    """The agent workload's table: decisions/s with the mean body and a first turn's cost."""
+    base = direct_result(rows)
+    lines = [
+        "| target | policy | req/s | p50 ms | p99 ms | errors | mean body KB | first turn ms "
+        "| req/s vs direct |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for row in rows:
+        r = row.result
+        if r is None:
+            status = (row.error or "failed").split(":", 1)[0]
+            lines.append(f"| {row.target.name} | {row.label} | - | - | - | {status} | - | - | - |")
+            continue
+        lines.append(
+            f"| {row.target.name} | {row.label} | {r.requests_per_s:.0f} | {r.p50_ms:.2f} "
+            f"| {r.p99_ms:.2f} | {errors_cell(r)} | {row.mean_body_kb or 0:.0f} "
+            f"| {row.first_turn_ms or 0:.0f} "
+            f"| {ratio(r.requests_per_s, base.requests_per_s if base else None)} |"
         )
     return "\n".join(lines)
 
@@ -499,7 +590,8 @@ MD_HEADER = (
 
 def markdown_section(context: Context, rows: list[Row], notes: list[str]) -> str:
     lines = [
-        f"## Router overhead, {context.date}",
+        f"## Router overhead{' (agent conversations)' if options_agent(rows) else ''}, "
+        f"{context.date}",
         "",
         "```",
         context.command,
@@ -518,6 +610,10 @@ def markdown_section(context: Context, rows: list[Row], notes: list[str]) -> str
     return "\n".join(lines) + "\n"
 
 
+def options_agent(rows: list[Row]) -> bool:
+    return any(row.mean_body_kb is not None for row in rows)
+
+
 def record(path: Path, section: str) -> None:
     """Append ``section`` to the Markdown file, creating it with a header if missing."""
     prefix = "" if path.exists() and path.stat().st_size else MD_HEADER
@@ -530,7 +626,7 @@ def record(path: Path, section: str) -> None:
 
 def choose_loadgen(options: Options) -> str | None:
     """The wrk path to use, or None for the built-in generator."""
-    if options.loadgen == "builtin":
+    if options.loadgen == "builtin" or options.workload == "agent":
         return None
     wrk = find_wrk()
     if wrk is None and options.loadgen == "wrk":
