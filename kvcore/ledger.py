@@ -40,7 +40,7 @@ class SharedLoad(Protocol):
     def totals_into(self, states: Sequence[ReplicaState]) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Route:
     """The policy's decision for one request, with the request as the policy saw it."""
 

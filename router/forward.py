@@ -14,7 +14,7 @@ from .registry import ReplicaRegistry
 from .upstream_client import UpstreamClient
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Try:
     """What one try sends: the body (a continuation's differs), why this replica, and how."""
 

@@ -89,7 +89,7 @@ class ClientExchange:
     stream: web.StreamResponse | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class UpstreamCall:
     """One try on one replica."""
 
