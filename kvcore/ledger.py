@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.kvcore.prefix_index import PrefixIndex, PrefixMatch
 from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
 
 
@@ -47,6 +47,7 @@ class Route:
     request: RouteRequest  # prefix_tokens filled in from the index
     ranked: tuple[str, ...]  # best first; empty when no replica may take it
     reason: str
+    matches: dict[str, PrefixMatch] | None = None  # the index's, per replica
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class Dispatch:
     cost: int  # prompt + max output tokens: in flight while it runs
     prefill: int  # uncached prompt tokens: queued prefill until its first token
     slot: int  # the replica's position in the fleet
+    held: int = 0  # leading blocks the replica held by events when routed
     prefilling: bool = True
     open: bool = True
 
@@ -98,6 +100,7 @@ class DispatchLedger:
     def route(self, request: RouteRequest, now: float, block_tokens: int) -> Route:
         """The policy's ranking for ``request``, prefix matches from the index filled in."""
         hashes = request.block_hashes
+        matches = None
         if hashes:
             matches = self.index.match(hashes, now)
             prefix = {rid: m.blocks * block_tokens for rid, m in matches.items()}
@@ -110,7 +113,7 @@ class DispatchLedger:
             self._shared.totals_into(fleet.replicas)
         fleet.now = now
         decision = self.policy.decide(request, fleet)
-        return Route(request, decision.ranked, decision.reason)
+        return Route(request, decision.ranked, decision.reason, matches)
 
     def dispatch(self, route: Route, replica: str, now: float, reason: str = "") -> Dispatch:
         """``route``'s request goes to ``replica``: predict its prompt there, count its load."""
@@ -130,8 +133,19 @@ class DispatchLedger:
         )
         if request.block_hashes:
             # Until its events arrive, count the prompt as cached there, so the next request
-            # with this prefix follows it.
-            self.index.predict(replica, request.block_hashes, now, self.prediction_ttl_s)
+            # with this prefix follows it. The match says what it holds already: only the
+            # rest is looked up (a long conversation's next turn: its new blocks).
+            match = route.matches.get(replica) if route.matches else None
+            if match is not None:
+                d.held = match.confirmed
+            self.index.predict(
+                replica,
+                request.block_hashes,
+                now,
+                self.prediction_ttl_s,
+                held=d.held,
+                known=match.blocks if match is not None else 0,
+            )
         state = self.fleet.replicas[slot]
         state.in_flight += 1
         state.in_flight_tokens += d.cost
@@ -155,8 +169,10 @@ class DispatchLedger:
         if hashes:
             if ok:
                 # However long it queued, the prompt is cached there now: keep the prediction
-                # until the replica's events confirm it.
-                self.index.predict(d.replica, hashes, now, self.prediction_ttl_s)
+                # until the replica's events confirm it (renewed if dispatch is a while ago).
+                ttl = self.prediction_ttl_s
+                known = len(hashes)
+                self.index.predict(d.replica, hashes, now, ttl, held=d.held, known=known)
             else:
                 self.index.unpredict(d.replica, hashes)  # nothing was cached there
         return True

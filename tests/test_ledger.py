@@ -99,17 +99,31 @@ def test_dispatch_counts_load_and_predicts_until_first_token_and_finish() -> Non
     assert (d.replica, d.cached_tokens, d.cost, d.prefill) == ("b", 0, 48, 40)
     assert load(states[1]) == (1, 48, 1, 40)
     assert index.match(hashes, 0.1)["b"].blocks == 10  # predicted there
-    assert ledger.first_token(d, 1.0) is True
-    assert ledger.first_token(d, 1.0) is False  # counted once
+    # The first token came after more than half the TTL: the prediction is renewed from it.
+    assert ledger.first_token(d, 3.0) is True
+    assert ledger.first_token(d, 3.0) is False  # counted once
     assert load(states[1]) == (1, 48, 0, 0)
-    assert index.match(hashes, 5.5)["b"].blocks == 10  # renewed at the first token
-    ledger.finish(d, 2.0)
-    ledger.finish(d, 2.0)  # idempotent
+    assert index.match(hashes, 7.9)["b"].blocks == 10  # renewed at the first token
+    ledger.finish(d, 4.0)
+    ledger.finish(d, 4.0)  # idempotent
     assert load(states[1]) == (0, 0, 0, 0)
     assert load(states[0]) == (0, 0, 0, 0)
 
-    d = ledger.dispatch(route, "a", 3.0)
+    d = ledger.dispatch(route, "a", 4.0)
     assert (d.cached_tokens, d.prefill) == (16, 24)
+
+
+def test_a_quick_first_token_leaves_the_fresh_prediction_as_it_is() -> None:
+    """Renewing a long prompt's prediction costs a pass over its blocks: within half the TTL
+    of the dispatch that predicted it, the first token does not renew it again."""
+    ledger, index, _ = two_replicas()
+    hashes = block_hashes(list(range(6 * BS)), BS)
+    route = ledger.route(RouteRequest(6 * BS, 8, None, None, hashes), 0.0, BS)
+    d = ledger.dispatch(route, "b", 0.0)
+    ledger.first_token(d, 1.0)
+    ledger.finish(d, 1.5)
+    assert index.match(hashes, TTL - 0.01)["b"].blocks == 6  # from the dispatch at 0
+    assert "b" not in index.match(hashes, TTL + 0.01)
 
 
 @pytest.mark.parametrize("how", ["refused", "failed before answering"])

@@ -118,3 +118,35 @@ def test_fast_index_equals_reference(speedups: bool, history: list[tuple[object,
     finally:
         block_hashing.use_speedups(True)
         packed_runs.use_speedups(True)
+
+
+def test_hinted_predictions_match_the_reference_within_their_guarantee() -> None:
+    """The dispatch ledger passes ``held``/``known`` from a match a moment ago: the fast index
+    then skips what the replica holds and renews a prefix at most every ttl/2. Up to the
+    expiry of the prediction that was not renewed, lookups equal the exact reference's."""
+    import random
+
+    rng = random.Random(9)
+    ttl = 4.0
+    for _ in range(200):
+        fast, ref = PrefixIndex(), ReferenceIndex()
+        doc = DOCS[rng.randrange(len(DOCS))]
+        hashes = block_hashes(doc, BS)
+        held = rng.randint(0, 3)
+        if held:
+            ehs = [engine_hash("a", 9, b, 0) for b in range(held)]
+            for idx in (fast, ref):
+                idx.apply_stored("a", ehs, None, doc[: held * BS], BS)
+        first = rng.randint(1, len(hashes))
+        for idx in (fast, ref):
+            idx.predict("a", hashes[:first], 0.0, ttl)
+        if rng.random() < 0.5:  # the dispatch right after the match
+            t0 = t1 = rng.uniform(0.0, ttl / 2 - 0.01)
+        else:  # the match just before the first prediction expires, the dispatch just after
+            t0, t1 = ttl - 0.05, ttl + 0.01
+        match = fast.match(hashes, t0).get("a")
+        hints = {"held": match.confirmed, "known": match.blocks} if match else {}
+        fast.predict("a", hashes, t1, ttl, **hints)
+        ref.predict("a", hashes, t1, ttl)
+        for t in (t1, max(t1, ttl / 2), max(t1, ttl - 0.01)):
+            assert fast.match(hashes, t) == ref.match(hashes, t)
