@@ -139,6 +139,17 @@ def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
+def filler(rng: random.Random, chars: int) -> str:
+    """At least ``chars`` characters of common words (message bodies of synthetic chats)."""
+    words: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(_WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)
+
+
 def multi_tenant_chat(
     tenants: int = 8,
     conversations_per_tenant: int = 4,

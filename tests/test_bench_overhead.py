@@ -3,6 +3,7 @@ process helper's clean-up. Nothing here measures or asserts timings."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -226,3 +227,49 @@ def test_wait_ready_reports_an_early_exit(tmp_path: Path) -> None:
         ),
     ):
         pass
+
+
+async def test_agent_conversations_grow_turn_by_turn_and_are_measured_after_their_first_turn() -> (
+    None
+):
+    import json as jsonlib
+
+    from aiohttp import web
+
+    from kvroute.backends.process import free_ports
+    from kvroute.bench.loadgen import Conversations, _conversations
+
+    seen: list[dict[str, object]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append(jsonlib.loads(await request.read()))
+        return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+
+    app = web.Application(client_max_size=1 << 24)
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    (port,) = free_ports(1)
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        spec = Conversations(
+            f"http://127.0.0.1:{port}/v1/chat/completions", "m", 3, 2, 20_000, 1_000
+        )
+        done = await _conversations(spec, warmup_s=0.1, duration_s=0.5)
+    finally:
+        await runner.cleanup()
+    assert done.load.requests > 0 and done.load.errors == 0
+    assert done.mean_body_bytes > 20_000
+    by_system: dict[object, list[list[dict[str, str]]]] = {}
+    for body in seen:
+        messages = body["messages"]
+        assert isinstance(messages, list)
+        by_system.setdefault(messages[0]["content"], []).append(messages)
+    assert len(by_system) == 3  # three conversations
+    for turns in by_system.values():
+        for before, after in itertools.pairwise(turns):
+            # Each turn resends the history: the last one, its reply, then one new user message.
+            assert after[: len(before)] == before
+            assert [m["role"] for m in after[len(before) :]] == ["assistant", "user"]
+    # Only turns after every conversation's first one were measured.
+    assert done.load.requests <= len(seen) - 3

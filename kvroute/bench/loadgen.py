@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from kvroute.kvcore.stats import percentile
+from kvroute.simulator.workload import filler
 
 HEADERS = {"Content-Type": "application/json"}
 
@@ -212,55 +213,6 @@ class Conversations:
     seed: int = 0
 
 
-_WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "for",
-    "that",
-    "with",
-    "on",
-    "as",
-    "are",
-    "this",
-    "be",
-    "by",
-    "from",
-    "at",
-    "or",
-    "code",
-    "def",
-    "return",
-    "value",
-    "import",
-    "class",
-    "self",
-    "error",
-    "file",
-    "line",
-    "test",
-    "function",
-    "result",
-    "data",
-    "list",
-    "none",
-    "true",
-]
-
-
-def _text(rng: random.Random, chars: int) -> str:
-    words: list[str] = []
-    size = 0
-    while size < chars:
-        word = rng.choice(_WORDS)
-        words.append(word)
-        size += len(word) + 1
-    return " ".join(words)
-
-
 def _message(role: str, content: str) -> bytes:
     return json.dumps({"role": role, "content": content}).encode()
 
@@ -269,20 +221,20 @@ class _Conversation:
     def __init__(self, spec: Conversations, index: int) -> None:
         self.rng = random.Random(spec.seed * 100_003 + index)
         self.turn_chars = spec.turn_chars
-        self.messages = bytearray(_message("system", _text(self.rng, spec.turn_chars * 2)))
+        self.messages = bytearray(_message("system", filler(self.rng, spec.turn_chars * 2)))
         while len(self.messages) < spec.start_chars:
             for role in ("user", "assistant"):
-                self.messages += b"," + _message(role, _text(self.rng, spec.turn_chars // 2))
+                self.messages += b"," + _message(role, filler(self.rng, spec.turn_chars // 2))
         self.head = (
             b'{"model": ' + json.dumps(spec.model).encode() + b', "max_tokens": 8, "messages": ['
         )
 
     def next_body(self) -> bytes:
-        self.messages += b"," + _message("user", _text(self.rng, self.turn_chars // 2))
+        self.messages += b"," + _message("user", filler(self.rng, self.turn_chars // 2))
         return self.head + self.messages + b"]}"
 
     def replied(self) -> None:
-        self.messages += b"," + _message("assistant", _text(self.rng, self.turn_chars // 2))
+        self.messages += b"," + _message("assistant", filler(self.rng, self.turn_chars // 2))
 
 
 @dataclass(frozen=True)
