@@ -85,8 +85,10 @@ class ReplicaRegistry:
         """The best replica not tried yet that may take traffic now, else any that may."""
         now = time.monotonic()
         fallback = None
+        handles = self.handles
         for replica_id in ranked:
-            if not self.may_take(self.handles[replica_id], now):
+            handle = handles[replica_id]
+            if not (handle.state.healthy and handle.breaker.allows(now)):  # may_take, inlined
                 continue
             if replica_id not in tried:
                 return replica_id
