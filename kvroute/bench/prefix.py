@@ -145,6 +145,9 @@ def running_fleet(
         time_scale=1.0, kv_events=True, host=HOST, log_dir=str(log_dir),
         startup_timeout_s=options.startup_timeout_s, max_restarts=0,
         extra_args=("--enable-scale-out",), kv_topic="",
+        # TCP on this host, not the default ipc:// sockets: vllm-router is handed the same
+        # endpoints (--kv-event-source) and has only been checked against TCP ones.
+        kv_events_bind="tcp",
     )  # fmt: skip
     fleet = LaunchedFleet(spec)
     try:
