@@ -509,11 +509,14 @@ class PrefixIndex:
         rep = self._replica(replica)
         known = min(known, len(router_hashes))
         todo: Sequence[int] = router_hashes
+        first = 0  # where the blocks this call may add to the index start
         if known:
-            stale = self._renew(rep, router_hashes, min(held, known), known, now, ttl_s)
+            held = min(held, known)
+            stale = self._renew(rep, router_hashes, held, known, now, ttl_s)
             todo = [*stale, *router_hashes[known:]]
             if not todo:  # nothing new: the prompt was predicted or held, and renewed
                 return
+            first = held if stale else known
         try:  # before any change: runs hold 64-bit hashes (as plain ints)
             todo = unpack(packed_runs.pack(todo))
         except OverflowError:
@@ -536,11 +539,14 @@ class PrefixIndex:
                 continue
             exp[rh] = expires
             recorded += 1
-        chain = tuple(router_hashes)
+        # The blocks new to the index go after the block before them: the chain from there
+        # (not the whole prompt, which placing would walk block by block).
+        chain = tuple(router_hashes[max(0, first - 1) :])
         self._apply(new, chain)
         # Every block of the prompt is now held or predicted for at least ttl_s / 2.
-        self._renewed[(ridx, chain[-1])] = now + ttl_s / 2
-        self._renewed.move_to_end((ridx, chain[-1]))
+        key = (ridx, router_hashes[-1])
+        self._renewed[key] = now + ttl_s / 2
+        self._renewed.move_to_end(key)
         if recorded:
             self.stats.predicted += recorded
             self._pred_seq += 1

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from xxhash import xxh3_128_digest
@@ -171,24 +171,40 @@ class PrefixTokenCache:
     # -- lookups ----------------------------------------------------------------------
 
     def _longest_cached(self, text: str) -> tuple[int, _Entry | None]:
-        """The longest cached prefix of ``text`` that ends at one of its cut points."""
-        n = len(text)
-        if n >= self.min_prefix_chars:
-            for length in sorted(self._lengths, reverse=True):
-                if length > n or not self._cut_ends_at(text, length):
+        """The longest cached prefix of ``text`` that ends at one of its cut points.
+
+        Walks the text's cut points from its end (the previous turn's is a few messages back),
+        hashing the prefix only where an entry of that length exists; each special token's
+        occurrences are searched once, so a miss costs one pass over the text.
+        """
+        lengths = self._lengths
+        if len(text) >= self.min_prefix_chars and lengths:
+            shortest = min(lengths)
+            for end in self._cuts_from_end(text, shortest):
+                if end not in lengths:
                     continue
-                key = (length, _digest(text, length))
+                key = (end, _digest(text, end))
                 entry = self._entries.get(key)
                 if entry is not None:
                     self._entries.move_to_end(key)
                     self.stats.hits += 1
                     self.stats.cached_tokens += len(entry.ids)
-                    return length, entry
+                    return end, entry
         self.stats.misses += 1
         return 0, None
 
-    def _cut_ends_at(self, text: str, at: int) -> bool:
-        return any(text.endswith(token, 0, at) for token in self._split)
+    def _cuts_from_end(self, text: str, lowest: int) -> Iterator[int]:
+        """The text's cut points, last first, down to ``lowest``."""
+        start = max(0, lowest - max(map(len, self._split)))
+        nxt = {t: text.rfind(t, start) for t in self._split}  # each token's last occurrence
+        while True:
+            token = max(nxt, key=lambda t: (nxt[t] + len(t) if nxt[t] >= 0 else -1, len(t)))
+            at = nxt[token]
+            end = at + len(token)
+            if at < 0 or end < lowest:
+                return
+            yield end
+            nxt[token] = text.rfind(token, 0, end - 1)
 
     def _last_cut(self, text: str, start: int) -> tuple[int, str]:
         """The end of the text's last special token at or after ``start`` (a cut point), and
