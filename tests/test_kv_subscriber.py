@@ -426,8 +426,10 @@ async def test_close_is_clean_even_during_a_replay(sources) -> None:
     sub = KVEventSubscriber(
         "r1", source.endpoint, f"tcp://127.0.0.1:{silent}", sink, replay_timeout_s=30
     )
+    # Published before the subscriber exists, so it is missed for sure: the first batch the
+    # subscriber sees is a late join, which starts a 30 s replay on the silent endpoint.
+    source.publish(1, 1)
     sub.start()
-    source.publish(1, 1)  # seq 0 may be missed; the next ones start a 30 s replay
     deadline = time.monotonic() + 5
     while sub._dealer is None:  # a late join is waiting on the silent replay endpoint
         assert time.monotonic() < deadline
