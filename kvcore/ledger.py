@@ -84,16 +84,7 @@ class DispatchLedger:
         self.prediction_ttl_s = prediction_ttl_s
         self._shared = shared
         self.fleet = fleet
-        self._slots: dict[str, int] = {}
-        self.set_fleet(fleet)
-
-    def set_fleet(self, fleet: FleetView) -> None:
-        """Replicas joined or left (bump the view's ``membership_version``)."""
-        self.fleet = fleet
         self._slots = {s.replica_id: i for i, s in enumerate(fleet.replicas)}
-
-    def state(self, replica: str) -> ReplicaState:
-        return self.fleet.replicas[self._slots[replica]]
 
     # -- the four calls ---------------------------------------------------------------
 

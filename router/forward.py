@@ -13,6 +13,8 @@ from .proxy import ClientExchange, Relayed, Timeouts, UpstreamCall, UpstreamUnav
 from .registry import ReplicaRegistry
 from .upstream_client import UpstreamClient
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class Try:
@@ -23,9 +25,6 @@ class Try:
     reason: str
     retry_status: bool  # a retryable answer raises instead of reaching the client
     resume: bool = False  # write into the client's open stream
-
-
-log = logging.getLogger(__name__)
 
 
 class Forwarder:
@@ -83,7 +82,7 @@ class Forwarder:
         except UpstreamUnavailable as exc:
             metrics.observe_upstream_error(replica_id, exc.kind)
             if exc.kind == "connect":
-                self.registry.connect_failed(handle)
+                self.registry.mark_down(handle)
             if exc.kind != "ejected" and (exc.status or 500) >= 500:
                 self.registry.record(handle, False, exc.kind)  # transport errors and 5xx only
             log.warning("replica %s failed before first byte: %s", replica_id, exc)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
 from typing import Protocol
 
 from kvroute.backends.handle import ReplicaHandle
@@ -66,9 +65,6 @@ class ReplicaRegistry:
         self._tripped: dict[str, ReplicaHandle] = {}
         self._checking: set[str] = set()  # replicas being checked after a dropped connection
 
-    def __iter__(self) -> Iterator[ReplicaHandle]:
-        return iter(self.handles.values())
-
     def __len__(self) -> int:
         return len(self.handles)
 
@@ -85,10 +81,8 @@ class ReplicaRegistry:
         """The best replica not tried yet that may take traffic now, else any that may."""
         now = time.monotonic()
         fallback = None
-        handles = self.handles
         for replica_id in ranked:
-            handle = handles[replica_id]
-            if not (handle.state.healthy and handle.breaker.allows(now)):  # may_take, inlined
+            if not self.may_take(self.handles[replica_id], now):
                 continue
             if replica_id not in tried:
                 return replica_id
@@ -112,11 +106,8 @@ class ReplicaRegistry:
 
     # -- outcomes ---------------------------------------------------------------------
 
-    def connect_failed(self, handle: ReplicaHandle) -> None:
-        """Out of rotation until a probe passes again."""
-        self.mark_down(handle)
-
     def mark_down(self, handle: ReplicaHandle) -> None:
+        """Out of rotation until a probe passes again."""
         if handle.state.healthy:
             handle.out_since = time.time()
         handle.state.healthy = False

@@ -145,7 +145,7 @@ class PrefixTokenCache:
         known = entry.hashes.get(key) if entry is not None else None
         hashes = _hashes(head, tail, block_size, extra_key, known)
         full = array("Q", hashes[: len(head) // block_size])
-        if plan.last > plan.start and plan.last >= self.min_prefix_chars:
+        if self._worth_storing(plan):
             self._store(plan.text, _Entry(plan.last, head, plan.last_token, {key: full}))
         elif entry is not None and known is None:
             self._add_hashes(entry, key, full)
@@ -156,7 +156,7 @@ class PrefixTokenCache:
         plan = self.plan(text)
         mid, tail = tokenize_plan(self._encode, plan)
         head = _extended(plan, mid)
-        if plan.last > plan.start and plan.last >= self.min_prefix_chars:
+        if self._worth_storing(plan):
             self._store(plan.text, _Entry(plan.last, head, plan.last_token))
         out = head.tolist()
         out.extend(tail)
@@ -218,6 +218,10 @@ class PrefixTokenCache:
         return best, best_token
 
     # -- storage ----------------------------------------------------------------------
+
+    def _worth_storing(self, plan: Plan) -> bool:
+        """The text reaches a cut point past its cached prefix, far enough in to keep."""
+        return plan.last > plan.start and plan.last >= self.min_prefix_chars
 
     def _store(self, text: str, entry: _Entry) -> None:
         size = entry.size
