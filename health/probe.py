@@ -63,6 +63,12 @@ class ActiveProber:
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._task: asyncio.Task[None] | None = None
 
+    def forget(self, replica_id: str) -> None:
+        """The replica left the fleet."""
+        self._misses.pop(replica_id, None)
+        self.model_roots.pop(replica_id, None)
+        self.lora_adapters.pop(replica_id, None)
+
     async def probe_all(self) -> None:
         """One round over every replica, concurrently."""
         replicas = list(self._replicas())

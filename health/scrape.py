@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -97,6 +98,7 @@ class MetricsScraper:
         self._interval_s = interval_s
         self._on_block_size = on_block_size
         self.reports: dict[str, ReplicaReport] = {}
+        self.scraped_at: dict[str, float] = {}  # monotonic time of each last good scrape
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._task: asyncio.Task[None] | None = None
 
@@ -118,10 +120,16 @@ class MetricsScraper:
             log.debug("scrape of %s failed: %s", state.replica_id, exc)
             return
         self.reports[state.replica_id] = report
+        self.scraped_at[state.replica_id] = time.monotonic()
         state.reported_waiting = report.waiting
         state.reported_kv_usage = report.kv_usage
         if report.block_size is not None:
             self._on_block_size(state.replica_id, report.block_size)
+
+    def forget(self, replica_id: str) -> None:
+        """The replica left the fleet."""
+        self.reports.pop(replica_id, None)
+        self.scraped_at.pop(replica_id, None)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvroute-metrics-scrape")

@@ -61,7 +61,8 @@ class Dispatch:
     cached_tokens: int  # prompt tokens the index expects the replica to hold
     cost: int  # prompt + max output tokens: in flight while it runs
     prefill: int  # uncached prompt tokens: queued prefill until its first token
-    slot: int  # the replica's position in the fleet
+    slot: int  # the replica's position in the fleet when dispatched (the shared board's row)
+    state: ReplicaState  # the replica's load, counted down here even if it has left the fleet
     held: int = 0  # leading blocks the replica held by events when routed
     prefilling: bool = True
     open: bool = True
@@ -84,7 +85,16 @@ class DispatchLedger:
         self.prediction_ttl_s = prediction_ttl_s
         self._shared = shared
         self.fleet = fleet
-        self._slots = {s.replica_id: i for i, s in enumerate(fleet.replicas)}
+        self._slots: dict[str, int] = {}
+        self.members_changed()
+
+    def members_changed(self) -> None:
+        """Replicas joined or left ``fleet.replicas`` (discovery): look them up anew.
+
+        Open dispatches keep the state they were counted on, so one finishing on a replica
+        that has left counts down its own (detached) state and nobody else's.
+        """
+        self._slots = {s.replica_id: i for i, s in enumerate(self.fleet.replicas)}
 
     # -- the four calls ---------------------------------------------------------------
 
@@ -121,6 +131,7 @@ class DispatchLedger:
             request.token_cost,
             max(1, request.prompt_tokens - cached),
             slot,
+            self.fleet.replicas[slot],
         )
         if request.block_hashes:
             # Until its events arrive, count the prompt as cached there, so the next request
@@ -137,7 +148,7 @@ class DispatchLedger:
                 held=d.held,
                 known=match.blocks if match is not None else 0,
             )
-        state = self.fleet.replicas[slot]
+        state = d.state
         state.in_flight += 1
         state.in_flight_tokens += d.cost
         state.prefilling += 1
@@ -151,7 +162,7 @@ class DispatchLedger:
         if not d.prefilling:
             return False
         d.prefilling = False
-        state = self.fleet.replicas[d.slot]
+        state = d.state
         state.prefilling -= 1
         state.prefill_tokens -= d.prefill
         if self._shared is not None:
@@ -174,7 +185,7 @@ class DispatchLedger:
             return
         self.first_token(d, now, ok=False)  # a no-op once the replica answered
         d.open = False
-        state = self.fleet.replicas[d.slot]
+        state = d.state
         state.in_flight -= 1
         state.in_flight_tokens -= d.cost
         if self._shared is not None:

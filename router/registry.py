@@ -11,18 +11,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from kvroute.backends.handle import ReplicaHandle
 from kvroute.health.breaker import BreakerSettings, BreakerState
 from kvroute.policies import FleetView
 
-from .config import Config, replica_base_url, replica_name_from_url
+from .config import Config, ReplicaConfig, replica_base_url, replica_name_from_url
 
 log = logging.getLogger(__name__)
 
-# Failures that may mean the replica process is gone (see ``ReplicaRegistry._check_alive``).
-CONNECTION_FAILURES = frozenset({"broken_stream", "protocol"})
+# Failures that may mean the replica process is gone (see ``ReplicaRegistry._check_alive``);
+# "gateway_retry": the endpoint picker's gateway moved on to the next endpoint of its list.
+CONNECTION_FAILURES = frozenset({"broken_stream", "protocol", "gateway_retry"})
 
 
 class RegistryHooks(Protocol):
@@ -53,13 +55,10 @@ class ReplicaRegistry:
     def __init__(self, config: Config, hooks: RegistryHooks) -> None:
         self.breakers_enabled = config.breaker.enabled
         self._hooks = hooks
-        settings = breaker_settings(config)
+        self._settings = breaker_settings(config)
         self.handles: dict[str, ReplicaHandle] = {}
-        for position, replica in enumerate(config.replicas):
-            name = replica.name or replica_name_from_url(replica.url)
-            self.handles[name] = ReplicaHandle(
-                name, replica_base_url(replica.url), position, settings
-            )
+        for replica in config.replicas:
+            self._add(replica)
         self.fleet = FleetView([h.state for h in self.handles.values()], membership_version=1)
         # Replicas whose breaker is not closed: reinstated when their cool-down is over.
         self._tripped: dict[str, ReplicaHandle] = {}
@@ -67,6 +66,40 @@ class ReplicaRegistry:
 
     def __len__(self) -> int:
         return len(self.handles)
+
+    def _add(self, replica: ReplicaConfig) -> ReplicaHandle:
+        name = replica.name or replica_name_from_url(replica.url)
+        # Positions are never reused: they index the workers' shared load board.
+        position = max((h.index for h in self.handles.values()), default=-1) + 1
+        handle = ReplicaHandle(name, replica_base_url(replica.url), position, self._settings)
+        self.handles[name] = handle
+        return handle
+
+    def replace(
+        self, replicas: Sequence[ReplicaConfig], *, ready: bool
+    ) -> tuple[list[ReplicaHandle], list[ReplicaHandle]]:
+        """Discovery says the fleet is now ``replicas``: (added, removed) handles.
+
+        Replicas still in the fleet keep their handle (health, breaker, load). New ones join in
+        rotation when ``ready`` (their readiness is already known, e.g. Kubernetes'), else
+        after their first passing probe. The caller tells the ledger (``members_changed``).
+        """
+        wanted = {r.name or replica_name_from_url(r.url): r for r in replicas}
+        removed = [h for name, h in self.handles.items() if name not in wanted]
+        for handle in removed:
+            del self.handles[handle.name]
+            self._tripped.pop(handle.name, None)
+            handle.state.healthy = False  # a dispatch still open on it must not make it eligible
+        added = []
+        for name, replica in wanted.items():
+            if name not in self.handles:
+                handle = self._add(replica)
+                handle.state.healthy = ready
+                added.append(handle)
+        if added or removed:
+            self.fleet.replicas = [h.state for h in self.handles.values()]
+            self.fleet.membership_version += 1
+        return added, removed
 
     def in_rotation(self) -> int:
         return sum(1 for r in self.fleet.replicas if r.healthy and not r.ejected)

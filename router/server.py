@@ -17,26 +17,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvroute.backends.handle import ReplicaHandle
 from kvroute.health.breaker import BreakerState
-from kvroute.health.probe import ActiveProber
-from kvroute.health.scrape import MetricsScraper
-from kvroute.kvcore.ledger import DispatchLedger
-from kvroute.kvcore.prefix_index import PrefixIndex
-from kvroute.policies import FleetView, Policy, build_policy
+from kvroute.policies import FleetView, Policy
 
 from . import errors
 from .admission import Admission
 from .auth import Auth
 from .config import Config
+from .core import RoutingCore
 from .deadlines import Deadlines
 from .forward import Forwarder
-from .kv_subscriber import KVEventSubscribers
 from .metrics import RouterMetrics
 from .openai_request import parse_chat, parse_completion
-from .pipeline import ModelCatalog, RequestPipeline
-from .prompt_keys import PromptKeys
+from .pipeline import RequestPipeline
 from .prompt_tokenizer import PromptTokenizer
 from .proxy import Timeouts
-from .registry import ReplicaRegistry
 from .upstream_client import UpstreamClient
 from .workers import MetricsExchange, WorkerContext, WorkerLoad
 
@@ -46,29 +40,21 @@ log = logging.getLogger(__name__)
 class Router:
     def __init__(self, config: Config, worker: WorkerContext | None = None) -> None:
         self.config = config
-        routing = config.routing
-        # Which replica holds which prefix blocks: the replicas' own KV events, plus
-        # predictions for requests just routed (all a replica without events has).
-        self.index = PrefixIndex()
-        self.keys = PromptKeys(routing, self.index)
-        self.kv_events = KVEventSubscribers(self.index)
-        self.registry = ReplicaRegistry(config, _Hooks(self))
-        self.replicas: dict[str, ReplicaHandle] = self.registry.handles
-        self.fleet: FleetView = self.registry.fleet
-        for name, replica in zip(self.replicas, config.replicas, strict=True):
-            if replica.kv_events:
-                self.kv_events.add(name, replica.kv_events, replica.kv_replay)
-        self.policy: Policy = build_policy(config.policy.name, config.policy.params)
         # With several worker processes: shared load, and each other's counters in /metrics.
         self._shared = WorkerLoad(worker) if worker is not None else None
         self._exchange = MetricsExchange(worker) if worker is not None else None
-        self.ledger = DispatchLedger(
-            self.policy,
-            self.fleet,
-            self.index,
-            prediction_ttl_s=routing.prediction_ttl_s,
-            shared=self._shared,
-        )
+        self.core = core = RoutingCore(config, _Hooks(self), self._shared)
+        self.index = core.index
+        self.keys = core.keys
+        self.kv_events = core.kv_events
+        self.registry = core.registry
+        self.replicas: dict[str, ReplicaHandle] = core.registry.handles
+        self.fleet: FleetView = core.fleet
+        self.policy: Policy = core.policy
+        self.ledger = core.ledger
+        self.prober = core.prober
+        self.scraper = core.scraper
+        self.catalog = core.catalog
         self.metrics = RouterMetrics(
             lambda: self.fleet.replicas,
             self._exchange.peers if self._exchange else list,
@@ -80,21 +66,6 @@ class Router:
             },
             admission=lambda: (self.admission.active, self.admission.queued),
         )
-        self.prober = ActiveProber(
-            lambda: list(self.replicas.values()),
-            path=config.health.path,
-            interval_s=config.health.interval_s,
-            timeout_s=config.health.timeout_s,
-            unhealthy_after=config.health.unhealthy_after,
-            on_change=self._probed,
-        )
-        self.scraper = MetricsScraper(
-            lambda: list(self.replicas.values()),
-            interval_s=routing.scrape_interval_s,
-            timeout_s=config.health.timeout_s,
-            on_block_size=self.keys.on_scraped_block_size,
-        )
-        self.catalog = ModelCatalog(config.models)
         self._started_at = int(time.time())
         limits = config.limits
         self.admission = Admission(
@@ -158,36 +129,18 @@ class Router:
         self.forwarder.client = UpstreamClient(self.config.timeouts.connect_s)
         if self._deadlines is not None:
             self._deadlines.start()
-        self.kv_events.start_all()
-        self.keys.start()
-        await self.prober.probe_all()
-        self.prober.start()
-        await self.scraper.scrape_all()
-        self.scraper.start()
+        await self.core.start()
         if self._exchange is not None:
             self._exchange.start(self.metrics)
 
     async def _on_cleanup(self, app: web.Application) -> None:
         if self._deadlines is not None:
             await self._deadlines.close()
-        await self.prober.close()
-        await self.scraper.close()
-        await self.kv_events.close_all()
-        self.keys.close()
+        await self.core.close()
         if self._exchange is not None:
             await self._exchange.close(self.metrics)
         if self.forwarder.client is not None:
             self.forwarder.client.close()
-
-    def _probed(self) -> None:
-        """A probe changed something: who is in rotation, the tokenizer, adapters, models."""
-        self.registry.probed()
-        self.keys.discover(self.prober.model_roots.values())
-        self.keys.lora_adapters = frozenset().union(*self.prober.lora_adapters.values())
-        known: set[str] = set()
-        for state in self.fleet.replicas:
-            known.update(state.models or ())
-        self.catalog.update(known)
 
     # -- router endpoints --------------------------------------------------------------
 
@@ -269,7 +222,7 @@ class _Hooks:
         return client.abandon_waiting(handle.base_url, why) if client is not None else 0
 
     async def responds(self, handle: ReplicaHandle) -> bool:
-        return await self._router.prober.responds(handle.base_url)
+        return await self._router.core.prober.responds(handle.base_url)
 
 
 async def _expect_handler(request: web.Request) -> web.Response | None:

@@ -108,48 +108,56 @@ class Running:
 StartEmulated = Callable[..., Awaitable[Running]]
 
 
+async def launch_emulated(
+    num_blocks: int = 64,
+    block_size: int = 16,
+    kv_events: bool = True,
+    lora_modules: dict[str, str] | None = None,
+) -> tuple[web.AppRunner, Running]:
+    """An in-process emulated vLLM replica (built-in tokenizer) publishing KV events over ZMQ;
+    the caller cleans its runner up."""
+    port, events_port, replay_port = free_ports(3)
+    options = ReplicaOptions(
+        served_model_name="tiny",
+        engine=EngineConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=8,
+            latency=latency_preset("tiny-cpu"),
+        ),
+        kv_events={
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": "kv-events",
+        }
+        if kv_events
+        else None,
+        lora_modules=lora_modules or {},
+    )
+    emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
+    runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    running = Running(
+        emulated,
+        f"http://127.0.0.1:{port}",
+        f"tcp://127.0.0.1:{events_port}",
+        f"tcp://127.0.0.1:{replay_port}",
+    )
+    return runner, running
+
+
 @pytest.fixture
 async def start_emulated() -> AsyncIterator[StartEmulated]:
     """In-process emulated vLLM replicas (built-in tokenizer) publishing KV events over ZMQ."""
     runners: list[web.AppRunner] = []
 
-    async def start(
-        num_blocks: int = 64,
-        block_size: int = 16,
-        kv_events: bool = True,
-        lora_modules: dict[str, str] | None = None,
-    ) -> Running:
-        port, events_port, replay_port = free_ports(3)
-        options = ReplicaOptions(
-            served_model_name="tiny",
-            engine=EngineConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                max_num_seqs=8,
-                latency=latency_preset("tiny-cpu"),
-            ),
-            kv_events={
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": f"tcp://*:{events_port}",
-                "replay_endpoint": f"tcp://*:{replay_port}",
-                "topic": "kv-events",
-            }
-            if kv_events
-            else None,
-            lora_modules=lora_modules or {},
-        )
-        emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
-        runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+    async def start(**options: Any) -> Running:
+        runner, running = await launch_emulated(**options)
         runners.append(runner)
-        return Running(
-            emulated,
-            f"http://127.0.0.1:{port}",
-            f"tcp://127.0.0.1:{events_port}",
-            f"tcp://127.0.0.1:{replay_port}",
-        )
+        return running
 
     yield start
     for runner in runners:

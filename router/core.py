@@ -1,0 +1,143 @@
+"""The routing core every live front end shares: the HTTP router and the endpoint picker.
+
+It holds what a decision needs and keeps it current: the prefix index fed by the replicas' KV
+events, the prompt keys (tokenizer, block size, adapters), the replica registry with its
+probes and metric scrapes, the model catalog, the policy and the dispatch ledger. A front end
+calls ``ledger.route`` / ``dispatch`` / ``first_token`` / ``finish`` and nothing else of it for
+the request path; it may change the fleet (``set_replicas``) when discovery says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from kvroute.health.probe import ActiveProber
+from kvroute.health.scrape import MetricsScraper
+from kvroute.kvcore.ledger import DispatchLedger
+from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.policies import FleetView, Policy, build_policy
+
+from .config import Config, ReplicaConfig, replica_name_from_url
+from .kv_subscriber import KVEventSubscriber, KVEventSubscribers
+from .pipeline import ModelCatalog
+from .prompt_keys import PromptKeys
+from .prompt_tokenizer import PromptTokenizer
+from .registry import RegistryHooks, ReplicaRegistry
+from .workers import WorkerLoad
+
+log = logging.getLogger(__name__)
+
+
+class RoutingCore:
+    def __init__(
+        self, config: Config, hooks: RegistryHooks, shared: WorkerLoad | None = None
+    ) -> None:
+        self.config = config
+        routing = config.routing
+        # Which replica holds which prefix blocks: the replicas' own KV events, plus
+        # predictions for requests just routed (all a replica without events has).
+        self.index = PrefixIndex()
+        self.keys = PromptKeys(routing, self.index)
+        self.kv_events = KVEventSubscribers(self.index)
+        self._subscribers: dict[str, KVEventSubscriber] = {}
+        self.registry = ReplicaRegistry(config, hooks)
+        self.fleet: FleetView = self.registry.fleet
+        for name, replica in zip(self.registry.handles, config.replicas, strict=True):
+            self._follow_events(name, replica)
+        self.policy: Policy = build_policy(config.policy.name, config.policy.params)
+        self.ledger = DispatchLedger(
+            self.policy,
+            self.fleet,
+            self.index,
+            prediction_ttl_s=routing.prediction_ttl_s,
+            shared=shared,
+        )
+        self.prober = ActiveProber(
+            lambda: list(self.registry.handles.values()),
+            path=config.health.path,
+            interval_s=config.health.interval_s,
+            timeout_s=config.health.timeout_s,
+            unhealthy_after=config.health.unhealthy_after,
+            on_change=self._probed,
+        )
+        self.scraper = MetricsScraper(
+            lambda: list(self.registry.handles.values()),
+            interval_s=routing.scrape_interval_s,
+            timeout_s=config.health.timeout_s,
+            on_block_size=self.keys.on_scraped_block_size,
+        )
+        self.catalog = ModelCatalog(config.models)
+
+    @property
+    def tokenizer(self) -> PromptTokenizer | None:
+        return self.keys.tokenizer
+
+    def block_size(self) -> int:
+        return self.keys.block_size()
+
+    async def start(self) -> None:
+        self.kv_events.start_all()
+        self.keys.start()
+        await self.prober.probe_all()
+        self.prober.start()
+        await self.scraper.scrape_all()
+        self.scraper.start()
+
+    async def close(self) -> None:
+        await self.prober.close()
+        await self.scraper.close()
+        await self.kv_events.close_all()
+        self.keys.close()
+
+    # -- membership ---------------------------------------------------------------------
+
+    async def set_replicas(self, replicas: Sequence[ReplicaConfig], *, ready: bool) -> None:
+        """Discovery changed the fleet: follow the new replicas' events, forget the gone ones'.
+
+        ``ready``: the new replicas are known to be ready (Kubernetes readiness) and take
+        traffic at once; otherwise they join on their first passing probe.
+        """
+        by_name = {r.name or replica_name_from_url(r.url): r for r in replicas}
+        added, removed = self.registry.replace(replicas, ready=ready)
+        if not added and not removed:
+            return
+        self.ledger.members_changed()
+        for handle in removed:
+            self.index.clear_replica(handle.name)  # its cache is nobody's now
+            self.scraper.forget(handle.name)
+            self.prober.forget(handle.name)
+            subscriber = self._subscribers.pop(handle.name, None)
+            if subscriber is not None:
+                await self.kv_events.remove(subscriber)
+        for handle in added:
+            replica = by_name.get(handle.name)
+            if replica is not None:
+                self._follow_events(handle.name, replica)
+        log.info(
+            "fleet changed: +%s -%s (%d replicas)",
+            ",".join(h.name for h in added) or "none",
+            ",".join(h.name for h in removed) or "none",
+            len(self.registry),
+        )
+        self._probed()
+
+    def _follow_events(self, name: str, replica: ReplicaConfig) -> None:
+        if replica.kv_events:
+            self._subscribers[name] = self.kv_events.add(name, replica.kv_events, replica.kv_replay)
+
+    def _probed(self) -> None:
+        """A probe changed something: who is in rotation, the tokenizer, adapters, models."""
+        self.registry.probed()
+        self.keys.discover(self.prober.model_roots.values())
+        self.keys.lora_adapters = frozenset().union(*self.prober.lora_adapters.values())
+        known: set[str] = set()
+        for state in self.fleet.replicas:
+            known.update(state.models or ())
+        self.catalog.update(known)
+
+    def scrape_ages(self, now: float | None = None) -> dict[str, float]:
+        """Seconds since each replica's metrics were last scraped successfully."""
+        now = time.monotonic() if now is None else now
+        return {name: now - at for name, at in self.scraper.scraped_at.items()}
