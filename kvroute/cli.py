@@ -50,9 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     from kvroute.bench.cli import add_bench
     from kvroute.demo import add_demo_command
     from kvroute.drill.run import add_drill_command
+    from kvroute.epp_cli import add_epp_command
     from kvroute.simulator.cli_replay import add_replay_parsers
     from kvroute.simulator.replica.cli import add_replica_command
 
+    add_epp_command(sub)
     add_demo_command(sub)
     add_replica_command(sub)
     add_replay_parsers(sub)

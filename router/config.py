@@ -209,6 +209,25 @@ class MetricsConfig(_Section):
     enabled: bool = True
 
 
+class EppConfig(_Section):
+    """``kvroute epp``: the endpoint picker behind an Envoy-based gateway (ext_proc)."""
+
+    host: str = "127.0.0.1"  # 0.0.0.0 in a pod
+    grpc_port: int = 9002  # envoy.service.ext_proc.v3.ExternalProcessor (and gRPC health)
+    health_port: int = 9003  # grpc.health.v1 for kubelet probes
+    metrics_port: int = 9090  # Prometheus /metrics
+    # Gateways connect to the picker over TLS by default; self-signed unless cert/key given.
+    tls: bool = False
+    cert: str | None = None
+    key: str | None = None
+    # Endpoints listed in the pick, best first (the gateway retries down the list).
+    destinations: int = 4
+    # Kubernetes discovery: the InferencePool to watch (else the static replicas).
+    pool_name: str | None = None
+    pool_namespace: str = "default"
+    kubeconfig: str | None = None
+
+
 class Config(_Section):
     listen: ListenConfig = msgspec.field(default_factory=ListenConfig)
     # Model names clients may ask for; empty means: whatever the replicas report.
@@ -226,6 +245,7 @@ class Config(_Section):
     shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    epp: EppConfig = msgspec.field(default_factory=EppConfig)
     # Add X-Kvroute-Replica, X-Kvroute-Reason and X-Kvroute-Prefix-Hit-Tokens to every routed
     # response.
     decision_headers: bool = True
@@ -462,6 +482,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         if getattr(config.limits, field) < 0:
             problems.append(f"limits.{field}: must be >= 0 (0 means none)")
     problems += _retry_problems(config.retry)
+    problems += _epp_problems(config.epp)
     problems += _breaker_problems(config.breaker)
     check(_validate_auth, config.auth)
     if config.health.unhealthy_after < 1:
@@ -589,6 +610,26 @@ def _launch_problems(launch: LaunchConfig) -> list[str]:
             f"launch.kv_events_bind: must be one of {', '.join(KV_EVENTS_BINDS)}, "
             f"got {launch.kv_events_bind!r}"
         )
+    return problems
+
+
+def _epp_problems(epp: EppConfig) -> list[str]:
+    problems = []
+    for field in ("grpc_port", "health_port", "metrics_port"):
+        port = getattr(epp, field)
+        if not 0 <= port <= 65535:
+            problems.append(f"epp.{field}: must be a port number 0-65535, got {port}")
+    ports = [p for p in (epp.grpc_port, epp.health_port, epp.metrics_port) if p]
+    if len(set(ports)) != len(ports):
+        problems.append("epp: grpc_port, health_port and metrics_port must differ")
+    if epp.destinations < 1:
+        problems.append(f"epp.destinations: must be >= 1, got {epp.destinations}")
+    if (epp.cert is None) != (epp.key is None):
+        problems.append("epp.cert, epp.key: give both (or neither, for a self-signed one)")
+    if epp.cert is not None and not epp.tls:
+        problems.append("epp.cert: set epp.tls: true to serve it")
+    if epp.pool_name is not None and not epp.pool_name.strip():
+        problems.append("epp.pool_name: must not be empty")
     return problems
 
 

@@ -1,0 +1,327 @@
+"""The endpoint picker's decisions: the routing core's, for one gateway request at a time.
+
+``pick`` parses the body as ``kvroute serve`` does (same validation, same errors), tokenizes
+it, asks the dispatch ledger for the policy's ranking and dispatches to the first endpoint
+the gateway may use; the ranking becomes the ordered fallback list Envoy retries down.
+``served`` moves the dispatch when the gateway's retry landed elsewhere, ``first_byte`` and
+``finish`` close it in the ledger as the response passes through.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import random
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from kvroute.backends.handle import ReplicaHandle
+from kvroute.kvcore.ledger import Dispatch, Route
+from kvroute.policies import RouteRequest
+
+from .. import errors
+from ..admission import Admission
+from ..config import Config, ReplicaConfig
+from ..core import RoutingCore
+from ..metrics import RouterMetrics
+from ..openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_chat, parse_completion
+from .endpoints import address_of_url, in_subset
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-session-id"
+# The gateway's path for each OpenAI endpoint the picker reads; any other POST is placed
+# by load alone (its body is not a prompt the index knows).
+PARSERS = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}
+DECISION_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class Pick:
+    """One gateway request from its pick to its last response byte."""
+
+    route: Route
+    dispatch: Dispatch
+    destinations: tuple[str, ...]  # addresses, best first: the fallback list
+    arrived: float
+    stream: bool
+    fairness_id: str | None = None
+    objective: str | None = None
+    first_byte_at: float | None = None
+    status: int = 0
+    admitted: bool = field(default=False)
+
+
+class EndpointPicker:
+    def __init__(self, config: Config, *, destinations: int = 4) -> None:
+        self.config = config
+        self.core = RoutingCore(config, _Hooks(self))
+        self.registry = self.core.registry
+        self.ledger = self.core.ledger
+        self.destinations = destinations
+        # Endpoint address (ip:port) <-> replica name; static endpoints are named by address.
+        self.address: dict[str, str] = {}
+        self.name_at: dict[str, str] = {}
+        self._remember(config.replicas)
+        limits = config.limits
+        self.admission = Admission(
+            limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s
+        )
+        registry = self.registry
+        self.metrics = RouterMetrics(
+            lambda: self.core.fleet.replicas,
+            kv_sources=self.core.kv_events.stats_by_source,
+            index_entries=lambda: self.core.index.entries,
+            replica_reports=lambda: self.core.scraper.reports,
+            breaker_states=lambda: {n: h.breaker.state.value for n, h in registry.handles.items()},
+            admission=lambda: (self.admission.active, self.admission.queued),
+        )
+        self.decisions = _DecisionStats()
+        self.metrics.registry.register(_PickerCollector(self))
+        self._rng = random.Random()
+
+    async def start(self) -> None:
+        await self.core.start()
+
+    async def close(self) -> None:
+        await self.core.close()
+
+    async def set_endpoints(self, replicas: list[ReplicaConfig], *, ready: bool) -> None:
+        """Discovery's endpoint set (each replica named, its URL the pod's ip:port)."""
+        self._remember(replicas)
+        await self.core.set_replicas(replicas, ready=ready)
+
+    def _remember(self, replicas: Iterable[ReplicaConfig]) -> None:
+        for replica in replicas:
+            addr = address_of_url(replica.url)
+            name = replica.name or addr
+            self.address[name] = addr
+            self.name_at[addr] = name
+
+    def ready(self) -> bool:
+        return self.registry.in_rotation() > 0
+
+    # -- the request path ---------------------------------------------------------------
+
+    async def pick(
+        self,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        subset: frozenset[str] | None,
+    ) -> Pick:
+        """The ranking for this request as an ordered fallback list; ApiError when none."""
+        arrived = time.monotonic()
+        started = time.perf_counter()
+        if len(body) > self.config.limits.max_body_bytes:
+            raise errors.body_too_large(self.config.limits.max_body_bytes)
+        parse = PARSERS.get(path.partition("?")[0])
+        parsed = parse(body) if parse is not None else None
+        if parsed is not None:
+            self.core.catalog.check(parsed.model)
+        await self.admission.acquire()
+        try:
+            route = await self._route(parsed, body, headers, arrived)
+            ranked = self._eligible(route.ranked, subset, arrived)
+            if not ranked:
+                raise _no_endpoint(subset)
+        except BaseException:
+            self.admission.release()
+            raise
+        dispatch = self.ledger.dispatch(route, ranked[0], arrived)
+        self.registry.dispatched(self.registry.handles[ranked[0]])
+        self.decisions.observe(time.perf_counter() - started, route.reason)
+        self.metrics.observe_routed(
+            dispatch.replica, dispatch.request.prompt_tokens, dispatch.cached_tokens
+        )
+        return Pick(
+            route,
+            dispatch,
+            tuple(self.address[name] for name in ranked[: self.destinations]),
+            arrived,
+            parsed.stream if parsed is not None else False,
+            headers.get("x-gateway-inference-fairness-id"),
+            headers.get("x-gateway-inference-objective"),
+            admitted=True,
+        )
+
+    async def _route(
+        self,
+        parsed: ParsedRequest | None,
+        body: bytes,
+        headers: Mapping[str, str],
+        now: float,
+    ) -> Route:
+        keys = self.core.keys
+        blocks = await keys.blocks(parsed) if parsed is not None else None
+        if parsed is not None:
+            tokens = blocks.tokens if blocks is not None else parsed.prompt_tokens
+            request = RouteRequest(
+                tokens,
+                parsed.max_tokens,
+                parsed.model,
+                headers.get(SESSION_HEADER) or parsed.user,
+                blocks.hashes if blocks is not None else [],
+            )
+        else:
+            request = RouteRequest(max(1, len(body) // CHARS_PER_TOKEN), 0)
+        self.registry.before_decision(now)
+        return self.ledger.route(request, now, keys.block_size())
+
+    def _eligible(
+        self, ranked: tuple[str, ...], subset: frozenset[str] | None, now: float
+    ) -> list[str]:
+        handles = self.registry.handles
+        out = []
+        for name in ranked:
+            handle = handles.get(name)
+            if handle is None or not self.registry.may_take(handle, now):
+                continue
+            if subset is not None and not in_subset(self.address[name], subset):
+                continue
+            out.append(name)
+        return out
+
+    def pick_any(self, subset: frozenset[str] | None) -> str:
+        """A header-only request (GET /v1/models, ...): any endpoint that may take it."""
+        now = time.monotonic()
+        names = self._eligible(tuple(self.registry.handles), subset, now)
+        if not names:
+            raise _no_endpoint(subset)
+        return self.address[self._rng.choice(names)]
+
+    def served(self, pick: Pick, addr: str) -> None:
+        """The gateway says which endpoint served: if its retry moved on, so does the ledger."""
+        name = self.name_at.get(addr)
+        d = pick.dispatch
+        if name is None or name == d.replica or not d.open:
+            return
+        self.decisions.served_elsewhere += 1
+        now = time.monotonic()
+        first = self.registry.handles.get(d.replica)
+        if first is not None:
+            # The gateway went down the list: the first endpoint refused or failed.
+            self.registry.record(first, False, "gateway_retry")
+        self.ledger.finish(d, now)
+        if name in self.registry.handles:
+            pick.dispatch = self.ledger.dispatch(pick.route, name, now, "retry")
+
+    def first_byte(self, pick: Pick, status: int) -> None:
+        """The served endpoint's first response body bytes: its prefill is over."""
+        if pick.first_byte_at is not None:
+            return
+        pick.first_byte_at = time.monotonic()
+        self.ledger.first_token(pick.dispatch, pick.first_byte_at, ok=status < 400)
+
+    def finish(self, pick: Pick, completed: bool) -> None:
+        """The response ended (``completed``) or the stream was torn down: close the request."""
+        if not pick.admitted:
+            return
+        pick.admitted = False
+        self.admission.release()
+        now = time.monotonic()
+        d = pick.dispatch
+        self.ledger.finish(d, now)
+        handle = self.registry.handles.get(d.replica)
+        status = pick.status
+        if handle is not None and status:
+            self.registry.record(handle, status < 500, "" if status < 500 else f"status {status}")
+        ttfb = (pick.first_byte_at or now) - pick.arrived
+        code = status if completed else 499  # nginx's "client closed request"
+        self.metrics.observe_request(d.replica, code, d.reason, ttfb, now - pick.arrived)
+
+    def observe_usage(self, usage: Mapping[str, int]) -> None:
+        for kind, count in usage.items():
+            self.decisions.usage[kind] = self.decisions.usage.get(kind, 0) + count
+
+
+def _no_endpoint(subset: frozenset[str] | None) -> errors.ApiError:
+    if subset is not None:
+        message = "No ready endpoint in the gateway's subset hint: " + ",".join(sorted(subset))
+    else:
+        message = "No ready endpoint in the pool."
+    return errors.ApiError(503, message, error_type="service_unavailable", code="no_ready_endpoint")
+
+
+class _Hooks:
+    """What the replica registry asks of the picker (no upstream client of its own)."""
+
+    def __init__(self, picker: EndpointPicker) -> None:
+        self._picker = picker
+
+    def ejected(self, handle: ReplicaHandle, kind: str) -> None:
+        self._picker.metrics.observe_ejection(handle.name, kind)
+
+    def abandon_waiting(self, handle: ReplicaHandle, why: str) -> int:
+        return 0  # the gateway holds the connections
+
+    async def responds(self, handle: ReplicaHandle) -> bool:
+        return await self._picker.core.prober.responds(handle.base_url)
+
+
+@dataclass(slots=True)
+class _DecisionStats:
+    counts: list[int] = field(default_factory=lambda: [0] * (len(DECISION_BUCKETS) + 1))
+    total_s: float = 0.0
+    by_reason: dict[str, int] = field(default_factory=dict)
+    served_elsewhere: int = 0
+    usage: dict[str, int] = field(default_factory=dict)
+
+    def observe(self, seconds: float, reason: str) -> None:
+        self.counts[bisect.bisect_left(DECISION_BUCKETS, seconds)] += 1
+        self.total_s += seconds
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
+
+
+class _PickerCollector(Collector):
+    def __init__(self, picker: EndpointPicker) -> None:
+        self._picker = picker
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+        picker = self._picker
+        stats = picker.decisions
+        running, buckets = 0, []
+        for bound, count in zip((*DECISION_BUCKETS, float("inf")), stats.counts, strict=True):
+            running += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+        yield HistogramMetricFamily(
+            "kvroute_epp_decision_seconds",
+            "Time from the request's last body byte to the pick (parse, tokenize, route).",
+            buckets=buckets,
+            sum_value=stats.total_s,
+        )
+        served = CounterMetricFamily(
+            "kvroute_epp_served_elsewhere",
+            "Requests the gateway served on a later endpoint of the fallback list.",
+        )
+        served.add_metric([], stats.served_elsewhere)
+        yield served
+        usage = CounterMetricFamily(
+            "kvroute_epp_usage_tokens",
+            "Tokens the pods reported in responses' usage, by kind.",
+            labels=["kind"],
+        )
+        for kind, count in sorted(stats.usage.items()):
+            usage.add_metric([kind], count)
+        yield usage
+        age = GaugeMetricFamily(
+            "kvroute_epp_metrics_scrape_age_seconds",
+            "Seconds since each endpoint's /metrics was last scraped successfully.",
+            labels=["replica"],
+        )
+        for name, seconds in sorted(picker.core.scrape_ages().items()):
+            age.add_metric([name], seconds)
+        yield age
+        endpoints = GaugeMetricFamily(
+            "kvroute_epp_endpoints", "Endpoints known to the picker, by state.", labels=["state"]
+        )
+        in_rotation = picker.registry.in_rotation()
+        endpoints.add_metric(["ready"], in_rotation)
+        endpoints.add_metric(["not_ready"], len(picker.registry) - in_rotation)
+        yield endpoints

@@ -1,0 +1,198 @@
+"""``kvroute epp``: the picker's three ports and its endpoint set.
+
+* ``grpc_port``: Envoy's ``ExternalProcessor`` (plaintext, or TLS), and gRPC health for the
+  gateway's own health check of the picker cluster.
+* ``health_port``: ``grpc.health.v1`` for kubelet probes: ``liveness`` is SERVING while the
+  process runs; ``readiness``, ``""``, ``inference-extension`` and the ext_proc service name
+  only once the endpoint set has synced (static endpoints probed once, or the InferencePool
+  and its pods listed).
+* ``metrics_port``: Prometheus ``/metrics``.
+
+Endpoints are the static ``replicas`` (``--endpoint``), or an ``InferencePool`` watched in
+Kubernetes (``epp.pool_name``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..config import Config, ReplicaConfig
+from .endpoints import url_of_address
+from .picker import EndpointPicker
+from .service import ExternalProcessor
+from .tls import server_credentials
+
+if TYPE_CHECKING:
+    from kvroute.backends.kubernetes import InferencePoolWatcher, PoolEndpoint
+
+log = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# Served once synced: the protocol's names, the empty name, and the reference chart's.
+READINESS_SERVICES = ("readiness", "", EXT_PROC_SERVICE, "inference-extension")
+
+
+@dataclass(slots=True)
+class Ports:
+    grpc: int
+    health: int
+    metrics: int
+
+
+class PickerServer:
+    """The picker with its gRPC, health and metrics servers; ``start`` then ``stop``."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.picker = EndpointPicker(config, destinations=config.epp.destinations)
+        self.health = health.aio.HealthServicer()
+        self._grpc: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self._metrics: web.AppRunner | None = None
+        self._watcher: InferencePoolWatcher | None = None
+        self._apply_task: asyncio.Task[None] | None = None
+        self.ports = Ports(0, 0, 0)
+        self.synced = asyncio.Event()
+
+    async def start(self) -> Ports:
+        epp = self.config.epp
+        await self._set_health(("liveness",), serving=True)
+        await self._set_health(READINESS_SERVICES, serving=False)
+        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.picker), self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        where = f"{epp.host}:{epp.grpc_port}"
+        if epp.tls:
+            grpc_port = self._grpc.add_secure_port(where, server_credentials(epp.cert, epp.key))
+        else:
+            grpc_port = self._grpc.add_insecure_port(where)
+        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        health_port = self._health_server.add_insecure_port(f"{epp.host}:{epp.health_port}")
+        metrics_port = await self._start_metrics(epp.host, epp.metrics_port)
+        self.ports = Ports(grpc_port, health_port, metrics_port)
+        await self.picker.start()
+        await self._grpc.start()
+        await self._health_server.start()
+        if epp.pool_name:
+            await self._watch_pool()
+        else:
+            await self._now_synced()
+        return self.ports
+
+    async def _now_synced(self) -> None:
+        await self._set_health(READINESS_SERVICES, serving=True)
+        self.synced.set()
+
+    async def _set_health(self, services: tuple[str, ...], *, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in services:
+            await self.health.set(service, status)
+
+    async def _start_metrics(self, host: str, port: int) -> int:
+        async def metrics(request: web.Request) -> web.Response:
+            body = generate_latest(self.picker.metrics.registry)
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        self._metrics = web.AppRunner(app, access_log=None)
+        await self._metrics.setup()
+        site = web.TCPSite(self._metrics, host, port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else port
+
+    async def _watch_pool(self) -> None:
+        from kvroute.backends.kubernetes import InferencePoolWatcher
+
+        epp = self.config.epp
+        assert epp.pool_name is not None
+        updates: asyncio.Queue[dict[str, PoolEndpoint] | None] = asyncio.Queue()
+        watcher = InferencePoolWatcher(
+            epp.pool_name, epp.pool_namespace, updates.put_nowait, kubeconfig=epp.kubeconfig
+        )
+        self._watcher = watcher
+        await watcher.start()
+        self._apply_task = asyncio.create_task(self._apply_endpoints(updates, watcher))
+
+    async def _apply_endpoints(
+        self,
+        updates: asyncio.Queue[dict[str, PoolEndpoint] | None],
+        watcher: InferencePoolWatcher,
+    ) -> None:
+        """Discovery's endpoint sets, in order; ready once the first full list is applied."""
+        synced = asyncio.create_task(watcher.synced.wait())
+        synced.add_done_callback(lambda _: updates.put_nowait(None))
+        while True:
+            endpoints = await updates.get()
+            if endpoints is not None:
+                replicas = [
+                    ReplicaConfig(
+                        url=url_of_address(e.address),
+                        name=e.name,
+                        kv_events=e.kv_events[0] if e.kv_events else None,
+                    )
+                    for e in endpoints.values()
+                ]
+                await self.picker.set_endpoints(replicas, ready=True)
+            if watcher.synced.is_set() and not self.synced.is_set():
+                await self._now_synced()
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self._set_health(READINESS_SERVICES, serving=False)
+        task = self._apply_task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._watcher is not None:
+            await self._watcher.close()
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+        if self._metrics is not None:
+            await self._metrics.cleanup()
+        await self.picker.close()
+
+
+async def serve(config: Config) -> None:
+    """Run until SIGTERM or SIGINT, then stop taking streams and finish the open ones."""
+    server = PickerServer(config)
+    ports = await server.start()
+    epp = config.epp
+    mode = "TLS" if epp.tls else "plaintext"
+    source = (
+        f"InferencePool {epp.pool_namespace}/{epp.pool_name}"
+        if epp.pool_name
+        else f"{len(config.replicas)} endpoints"
+    )
+    print(
+        f"kvroute epp: ext_proc on {epp.host}:{ports.grpc} ({mode}), gRPC health on "
+        f":{ports.health}, metrics on :{ports.metrics}/metrics; {source}, policy "
+        f"{config.policy.name}",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(config.shutdown.drain_timeout_s)

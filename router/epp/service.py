@@ -1,0 +1,288 @@
+"""Envoy's ``ExternalProcessor`` service: one gRPC stream per HTTP request through the gateway.
+
+The order Envoy requires is headers, then body, then trailers, in each direction. With
+``FULL_DUPLEX_STREAMED`` request bodies (the reference gateways' mode) the picker holds its
+answer to the request headers until the body is complete, picks, then answers the headers
+(the pick) and echoes the body in chunks. With ``BUFFERED`` bodies it answers the headers at
+once and puts the pick on the body's answer, with the body and its ``content-length``. The
+mode is read from the stream's first message (``protocol_config``). Responses are echoed
+chunk by chunk as they come, while the usage is read and the request closed in the ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import msgspec
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from .. import errors
+from . import messages
+from .endpoints import parse_subset
+from .picker import EndpointPicker, Pick
+
+log = logging.getLogger(__name__)
+
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+NO_BODY = processing_mode_pb2.ProcessingMode.NONE
+# Response bytes kept to read the usage from: a JSON body whole up to this, an SSE stream's tail.
+USAGE_BYTES = 1 << 20
+SSE_TAIL_BYTES = 64 << 10
+
+
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, picker: EndpointPicker) -> None:
+        self.picker = picker
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        exchange = _Exchange(self.picker)
+        try:
+            async for message in request_iterator:
+                for response in await exchange.on(message):
+                    yield response
+        finally:
+            exchange.close()
+
+
+class _Exchange:
+    """One HTTP request's ext_proc stream."""
+
+    def __init__(self, picker: EndpointPicker) -> None:
+        self.picker = picker
+        self.request_mode = FULL_DUPLEX
+        self.response_mode = FULL_DUPLEX
+        self.headers: dict[str, str] = {}
+        self.subset: frozenset[str] | None = None
+        self.body = bytearray()
+        self.pick: Pick | None = None
+        self.picked = False
+        self.status = 0
+        self.sse = False
+        self.response_tail = bytearray()
+        self.response_bytes = 0
+
+    async def on(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        if message.HasField("protocol_config"):
+            config = message.protocol_config
+            self.request_mode = config.request_body_mode
+            self.response_mode = config.response_body_mode
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            return self._on_request_headers(message)
+        if kind == "request_body":
+            body = message.request_body
+            self.body += body.body
+            if not body.end_of_stream:
+                return [] if self.request_mode == FULL_DUPLEX else [_passed(request=True)]
+            return await self._picked()
+        if kind == "request_trailers":
+            answers = [] if self.picked else await self._picked(ended=False)
+            return [*answers, messages.trailers(request=True)]
+        if kind == "response_headers":
+            return self._on_response_headers(message)
+        if kind == "response_body":
+            return self._on_response_body(message.response_body)
+        if kind == "response_trailers":
+            self._finish(completed=True)
+            return [messages.trailers(request=False)]
+        return []
+
+    # -- request ------------------------------------------------------------------------
+
+    def _on_request_headers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        self.headers = _header_map(message.request_headers.headers.headers)
+        self.subset = _subset_hint(message)
+        if message.request_headers.end_of_stream or self.request_mode == NO_BODY:
+            # Nothing to parse (GET /v1/models, ...): any endpoint that may take it.
+            self.picked = True
+            try:
+                destination = self.picker.pick_any(self.subset)
+            except errors.ApiError as exc:
+                return [_immediate(self.picker, exc)]
+            return [
+                messages.request_headers(
+                    [(messages.DESTINATION, destination)],
+                    messages.SYSTEM_HEADERS,
+                    destinations=destination,
+                )
+            ]
+        if self.request_mode == FULL_DUPLEX:
+            return []  # answered with the pick, once the body is in
+        return [messages.request_headers()]
+
+    async def _picked(self, ended: bool = True) -> list[ep.ProcessingResponse]:
+        """The body is complete: pick, and answer in the order the mode requires."""
+        self.picked = True
+        body = bytes(self.body)
+        self.body.clear()
+        try:
+            self.pick = pick = await self.picker.pick(
+                self.headers.get(":path", ""), body, self.headers, self.subset
+            )
+        except errors.ApiError as exc:
+            return [_immediate(self.picker, exc)]
+        except Exception:  # a bug must cost this request a 500, not the gateway its picker
+            log.exception("pick failed")
+            failed = errors.ApiError(500, "The endpoint picker failed.", error_type="server_error")
+            return [_immediate(self.picker, failed)]
+        destinations = ",".join(pick.destinations)
+        set_headers = [(messages.DESTINATION, destinations)]
+        if self.request_mode == FULL_DUPLEX:
+            set_headers.append(("content-length", str(len(body))))
+            return [
+                messages.request_headers(
+                    set_headers, messages.SYSTEM_HEADERS, destinations=destinations
+                ),
+                *messages.streamed_bodies(body, ended, request=True),
+            ]
+        return [
+            messages.buffered_request_body(body, set_headers, messages.SYSTEM_HEADERS, destinations)
+        ]
+
+    # -- response -----------------------------------------------------------------------
+
+    def _on_response_headers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        headers = _header_map(message.response_headers.headers.headers)
+        self.status = int(headers.get(":status", "0") or 0)
+        self.sse = headers.get("content-type", "").startswith("text/event-stream")
+        pick = self.pick
+        added: list[tuple[str, str]] = []
+        if pick is not None:
+            pick.status = self.status
+            served = _served_endpoint(message)
+            if served:
+                self.picker.served(pick, served)
+            if self.picker.config.decision_headers:
+                d = pick.dispatch
+                added = [
+                    ("x-kvroute-replica", d.replica),
+                    ("x-kvroute-reason", d.reason),
+                    ("x-kvroute-prefix-hit-tokens", str(d.cached_tokens)),
+                ]
+            if message.response_headers.end_of_stream:
+                self._finish(completed=True)
+        return [messages.response_headers(added)]
+
+    def _on_response_body(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        pick = self.pick
+        if pick is not None:
+            if body.body:
+                self.picker.first_byte(pick, self.status)
+            self._keep_for_usage(body.body)
+            if body.end_of_stream:
+                self._read_usage()
+                self._finish(completed=True)
+        if self.response_mode == FULL_DUPLEX:
+            return list(messages.streamed_bodies(body.body, body.end_of_stream, request=False))
+        return [_passed(request=False)]
+
+    def _keep_for_usage(self, chunk: bytes) -> None:
+        self.response_bytes += len(chunk)
+        tail = self.response_tail
+        if self.sse:
+            tail += chunk
+            if len(tail) > 2 * SSE_TAIL_BYTES:
+                del tail[: len(tail) - SSE_TAIL_BYTES]
+        elif self.response_bytes <= USAGE_BYTES:
+            tail += chunk
+        else:
+            tail.clear()  # too large to decode for its usage: not worth the memory
+
+    def _read_usage(self) -> None:
+        if self.status != 200 or not self.response_tail:
+            return
+        usage = usage_of(bytes(self.response_tail), self.sse)
+        if usage:
+            self.picker.observe_usage(usage)
+
+    def _finish(self, completed: bool) -> None:
+        if self.pick is not None:
+            self.picker.finish(self.pick, completed)
+
+    def close(self) -> None:
+        """The stream ended: a request still open was torn down (client gone, Envoy reset)."""
+        self._finish(completed=False)
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: dict[str, Any] | None = None
+
+
+class _WithUsage(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_WithUsage)
+
+
+def usage_of(data: bytes, sse: bool) -> dict[str, int] | None:
+    """Token usage from a JSON response, or from the last SSE event that carries one."""
+    try:
+        if not sse:
+            usage = _usage_decoder.decode(data).usage
+        else:
+            usage = None
+            for line in reversed(data.split(b"\n")):
+                if line.startswith(b"data: {") and b'"usage"' in line:
+                    usage = _usage_decoder.decode(line[6:]).usage
+                    if usage is not None:
+                        break
+    except msgspec.DecodeError:
+        return None
+    if usage is None:
+        return None
+    out = {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens}
+    cached = (usage.prompt_tokens_details or {}).get("cached_tokens")
+    if isinstance(cached, int):
+        out["cached"] = cached
+    return out
+
+
+def _header_map(headers: Any) -> dict[str, str]:
+    return {h.key.lower(): h.raw_value.decode("latin-1") or h.value for h in headers}
+
+
+def _metadata_field(message: ep.ProcessingRequest, namespace: str, key: str) -> Any:
+    filters: Mapping[str, Any] = message.metadata_context.filter_metadata
+    if namespace not in filters:
+        return None
+    fields = filters[namespace].fields
+    if key not in fields:
+        return None
+    value = fields[key]
+    which = value.WhichOneof("kind")
+    if which == "string_value":
+        return value.string_value
+    if which == "list_value":
+        return [v.string_value for v in value.list_value.values]
+    return None
+
+
+def _subset_hint(message: ep.ProcessingRequest) -> frozenset[str] | None:
+    value = _metadata_field(message, messages.SUBSET_NAMESPACE, messages.SUBSET)
+    if value is None:
+        return None
+    return parse_subset([value] if isinstance(value, str) else value)
+
+
+def _served_endpoint(message: ep.ProcessingRequest) -> str | None:
+    value = _metadata_field(message, messages.LB_NAMESPACE, messages.SERVED)
+    return value if isinstance(value, str) else None
+
+
+def _immediate(picker: EndpointPicker, exc: errors.ApiError) -> ep.ProcessingResponse:
+    picker.metrics.observe_rejected(exc.status, exc.code or exc.error_type)
+    return messages.immediate(exc.status, exc.body(), list((exc.headers or {}).items()))
+
+
+def _passed(*, request: bool) -> ep.ProcessingResponse:
+    return messages.passed_body(request=request)
