@@ -1,0 +1,315 @@
+"""The endpoint picker protocol, message by message: a grpc.aio client plays Envoy.
+
+What Envoy does not let a test provoke at will (subset hints, a served endpoint other than the
+pick, trailers, a stream torn down mid-response) is sent here by hand, over the real gRPC
+service, against a picker whose three endpoints are emulated replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from aiohttp import web
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf import struct_pb2
+
+from kvroute.router.epp import messages
+from kvroute.router.epp.endpoints import address, in_subset, parse_subset
+from kvroute.router.epp.server import PickerServer
+from kvroute.router.epp.service import usage_of
+
+from .conftest import Running, launch_emulated
+from .helpers import wait_until
+from .test_epp_envoy import picker_config
+
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+BODY = json.dumps(
+    {"model": "tiny", "prompt": "Protocol test prompt " * 40, "max_tokens": 3}
+).encode()
+
+
+@dataclass
+class Picker:
+    server: PickerServer
+    replicas: list[Running]
+    channel: grpc.aio.Channel
+
+    @property
+    def addresses(self) -> list[str]:
+        return [r.url.removeprefix("http://") for r in self.replicas]
+
+    def in_flight(self) -> dict[str, int]:
+        return {s.replica_id: s.in_flight for s in self.server.picker.core.fleet.replicas}
+
+
+@pytest.fixture(scope="module")
+async def picker() -> AsyncIterator[Picker]:
+    started = [await launch_emulated() for _ in range(3)]
+    runners: list[web.AppRunner] = [r for r, _ in started]
+    server = picker_config([x for _, x in started])
+    ports = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{ports.grpc}")
+    try:
+        yield Picker(server, [x for _, x in started], channel)
+    finally:
+        await channel.close()
+        await server.stop(0)
+        for runner in runners:
+            await runner.cleanup()
+
+
+def headers_message(
+    path: str = "/v1/completions",
+    method: str = "POST",
+    end_of_stream: bool = False,
+    mode: int = FULL_DUPLEX,
+    subset: Sequence[str] | str | None = None,
+) -> ep.ProcessingRequest:
+    headers = [(":path", path), (":method", method), ("content-type", "application/json")]
+    message = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers]
+            ),
+            end_of_stream=end_of_stream,
+        ),
+        protocol_config=ep.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode),
+    )
+    if subset is not None:
+        hint = struct_pb2.Struct()
+        hint.update({messages.SUBSET: subset})
+        message.metadata_context.filter_metadata[messages.SUBSET_NAMESPACE].CopyFrom(hint)
+    return message
+
+
+def body_message(body: bytes, end_of_stream: bool, response: bool = False) -> ep.ProcessingRequest:
+    part = ep.HttpBody(body=body, end_of_stream=end_of_stream)
+    if response:
+        return ep.ProcessingRequest(response_body=part)
+    return ep.ProcessingRequest(request_body=part)
+
+
+def response_headers_message(served: str | None, status: int = 200) -> ep.ProcessingRequest:
+    message = ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())]
+            )
+        )
+    )
+    if served is not None:
+        lb = struct_pb2.Struct()
+        lb.update({messages.SERVED: served})
+        message.metadata_context.filter_metadata[messages.LB_NAMESPACE].CopyFrom(lb)
+    return message
+
+
+class Stream:
+    """One ext_proc stream: send messages, read the picker's answers."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.call = ep_grpc.ExternalProcessorStub(channel).Process()
+
+    async def send(self, *messages_: ep.ProcessingRequest) -> None:
+        for message in messages_:
+            await asyncio.wait_for(self.call.write(message), 10)
+
+    async def read(self) -> ep.ProcessingResponse:
+        response = await asyncio.wait_for(self.call.read(), 10)
+        assert isinstance(response, ep.ProcessingResponse), response
+        return response
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        while await self.call.read() is not grpc.aio.EOF:
+            pass
+
+
+def set_headers(common: ep.CommonResponse) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+def destination_metadata(response: ep.ProcessingResponse) -> str:
+    lb = response.dynamic_metadata.fields[messages.LB_NAMESPACE].struct_value
+    return lb.fields[messages.DESTINATION].string_value
+
+
+async def test_full_duplex_answers_headers_with_the_pick_then_echoes_the_body(
+    picker: Picker,
+) -> None:
+    stream = Stream(picker.channel)
+    half = len(BODY) // 2
+    await stream.send(headers_message(), body_message(BODY[:half], False))
+    await stream.send(body_message(BODY[half:], True))
+    first = await stream.read()
+    # The first answer is to the headers, and it carries the pick: nothing was sent earlier.
+    assert first.WhichOneof("response") == "request_headers"
+    common = first.request_headers.response
+    assert common.clear_route_cache
+    headers = set_headers(common)
+    destinations = headers[messages.DESTINATION].split(",")
+    assert sorted(destinations) == sorted(picker.addresses)  # the ranking: all three
+    assert destination_metadata(first) == headers[messages.DESTINATION]
+    assert headers["content-length"] == str(len(BODY))
+    assert set(messages.SYSTEM_HEADERS) <= set(common.header_mutation.remove_headers)
+    echoed = b""
+    while True:
+        answer = await stream.read()
+        streamed = answer.request_body.response.body_mutation.streamed_response
+        echoed += streamed.body
+        if streamed.end_of_stream:
+            break
+    assert echoed == BODY
+    assert picker.in_flight()[destinations[0]] == 1
+    await stream.send(response_headers_message(destinations[0]))
+    assert (await stream.read()).WhichOneof("response") == "response_headers"
+    usage = b'{"usage": {"prompt_tokens": 40, "completion_tokens": 3}}'
+    await stream.send(body_message(usage, True, response=True))
+    echo = (await stream.read()).response_body.response.body_mutation.streamed_response
+    assert (echo.body, echo.end_of_stream) == (usage, True)
+    await stream.close()
+    assert sum(picker.in_flight().values()) == 0
+
+
+async def test_bodies_over_62000_bytes_are_echoed_in_chunks(picker: Picker) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "x" * 200_000, "max_tokens": 1}).encode()
+    stream = Stream(picker.channel)
+    await stream.send(headers_message(), body_message(body, True))
+    assert (await stream.read()).WhichOneof("response") == "request_headers"
+    chunks = []
+    while True:
+        streamed = (await stream.read()).request_body.response.body_mutation.streamed_response
+        chunks.append(streamed.body)
+        if streamed.end_of_stream:
+            break
+    assert max(len(c) for c in chunks) <= messages.BODY_CHUNK_BYTES
+    assert len(chunks) == 4 and b"".join(chunks) == body
+    await stream.close()
+    await wait_until(lambda: sum(picker.in_flight().values()) == 0, what="closed in the ledger")
+
+
+async def test_subset_hint_limits_the_pick_and_503s_when_none_is_eligible(
+    picker: Picker,
+) -> None:
+    only = picker.addresses[1]
+    stream = Stream(picker.channel)
+    await stream.send(headers_message(subset=[only]), body_message(BODY, True))
+    first = await stream.read()
+    assert set_headers(first.request_headers.response)[messages.DESTINATION] == only
+    await stream.close()
+    # A comma-joined string and a bare IP are accepted too.
+    stream = Stream(picker.channel)
+    await stream.send(headers_message(subset="127.0.0.1"), body_message(BODY, True))
+    first = await stream.read()
+    listed = set_headers(first.request_headers.response)[messages.DESTINATION].split(",")
+    assert sorted(listed) == sorted(picker.addresses)
+    await stream.close()
+
+    stream = Stream(picker.channel)
+    await stream.send(headers_message(subset=["10.9.9.9:8000"]), body_message(BODY, True))
+    answer = await stream.read()
+    assert answer.immediate_response.status.code == 503
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "no_ready_endpoint"
+    await stream.close()
+    assert sum(picker.in_flight().values()) == 0
+
+
+async def test_served_elsewhere_moves_the_request_in_the_ledger(picker: Picker) -> None:
+    stream = Stream(picker.channel)
+    await stream.send(headers_message(), body_message(BODY, True))
+    first = await stream.read()
+    picked, fallback = set_headers(first.request_headers.response)[messages.DESTINATION].split(",")[
+        :2
+    ]
+    await stream.read()  # the echoed body
+    before = picker.server.picker.decisions.served_elsewhere
+    await stream.send(response_headers_message(fallback))
+    await stream.read()
+    flights = picker.in_flight()
+    assert (flights[picked], flights[fallback]) == (0, 1)
+    assert picker.server.picker.decisions.served_elsewhere == before + 1
+    # The stream is torn down before the response ends (client gone): closed all the same.
+    stream.call.cancel()
+    await wait_until(lambda: sum(picker.in_flight().values()) == 0, what="closed in the ledger")
+
+
+async def test_trailers_end_the_body_and_are_answered_in_order(picker: Picker) -> None:
+    stream = Stream(picker.channel)
+    await stream.send(headers_message(), body_message(BODY, False))
+    await stream.send(ep.ProcessingRequest(request_trailers=ep.HttpTrailers()))
+    kinds = [(await stream.read()).WhichOneof("response") for _ in range(3)]
+    assert kinds == ["request_headers", "request_body", "request_trailers"]
+    await stream.close()
+
+
+async def test_buffered_mode_puts_the_pick_on_the_body_answer(picker: Picker) -> None:
+    stream = Stream(picker.channel)
+    await stream.send(headers_message(mode=BUFFERED))
+    first = await stream.read()  # answered at once, before any body
+    assert first.WhichOneof("response") == "request_headers"
+    assert messages.DESTINATION not in set_headers(first.request_headers.response)
+    await stream.send(body_message(BODY, True))
+    answer = await stream.read()
+    common = answer.request_body.response
+    headers = set_headers(common)
+    assert headers["content-length"] == str(len(BODY))
+    assert common.body_mutation.body == BODY
+    assert destination_metadata(answer) == headers[messages.DESTINATION]
+    await stream.close()
+
+
+async def test_header_only_requests_are_answered_at_once(picker: Picker) -> None:
+    stream = Stream(picker.channel)
+    await stream.send(headers_message("/v1/models", "GET", end_of_stream=True))
+    answer = await stream.read()
+    destination = set_headers(answer.request_headers.response)[messages.DESTINATION]
+    assert destination in picker.addresses
+    assert destination_metadata(answer) == destination
+    await stream.close()
+
+
+async def test_bad_bodies_get_openai_errors_as_immediate_responses(picker: Picker) -> None:
+    for body, status, param in (
+        (b"{oops", 400, None),
+        (b'{"model": "tiny", "messages": []}', 400, "messages"),
+        (b'{"model": "other", "prompt": "x"}', 404, "model"),
+    ):
+        stream = Stream(picker.channel)
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        await stream.send(headers_message(path), body_message(body, True))
+        answer = (await stream.read()).immediate_response
+        assert answer.status.code == status, body
+        error = json.loads(answer.body)["error"]
+        assert error["message"] and error["param"] == param
+        content_type = {h.header.key: h.header.raw_value for h in answer.headers.set_headers}
+        assert content_type["content-type"] == b"application/json"
+        await stream.close()
+
+
+def test_addresses_subsets_and_usage() -> None:
+    assert address("10.0.0.5", 8000) == "10.0.0.5:8000"
+    assert address("fd00::5", 8000) == "[fd00::5]:8000"
+    subset = parse_subset(["10.0.0.5:8000, [fd00::5]:8001", "10.0.0.7"])
+    assert in_subset("10.0.0.5:8000", subset)
+    assert not in_subset("10.0.0.5:8001", subset)
+    assert in_subset("[fd00::5]:8001", subset)
+    assert in_subset("10.0.0.7:9000", subset)  # a bare IP matches any port
+    body = b'{"id": "x", "usage": {"prompt_tokens": 7, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 4}}}'
+    assert usage_of(body, sse=False) == {"prompt": 7, "completion": 2, "cached": 4}
+    sse = (
+        b'data: {"choices": [{"text": "a"}], "usage": null}\n\n'
+        b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert usage_of(sse, sse=True) == {"prompt": 5, "completion": 1}
+    assert usage_of(b"data: [DONE]\n\n", sse=True) is None
+    assert usage_of(b"{broken", sse=False) is None
