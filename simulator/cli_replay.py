@@ -17,6 +17,7 @@ import shlex
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from typing import Any
 
 from kvroute.kvcore.stats import percentile
@@ -29,6 +30,7 @@ from kvroute.simulator.engine.latency import (
 )
 from kvroute.simulator.fleet import (
     ENGINE_MODELS,
+    SHARE_MODES,
     FleetConfig,
     SimResult,
     Slo,
@@ -177,7 +179,9 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
             "each replica schedules, caches and evicts as vLLM does. Prints a summary and "
             "writes DIR/summary.json, DIR/report.md and PNG plots. --compare runs several "
             "policies on the same trace; --fail K@T removes replica K at T seconds (its "
-            "requests resume elsewhere). --live URL replays against a running router instead."
+            "requests resume elsewhere); --routers N puts N routers (endpoint pickers) in front "
+            "of the fleet, sharing what --share says. --live URL replays against a running "
+            "router instead."
         ),
         epilog=SYNTHETIC_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -206,6 +210,7 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="Run these policies on the same trace and fleet and tabulate them.",
     )
     _add_fleet_args(replay)
+    _add_router_args(replay)
     replay.add_argument(
         "--slo",
         type=_slo,
@@ -385,6 +390,54 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--routers",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="Routers in front of the fleet (default 1), as a gateway scales out its endpoint "
+        "picker: request i goes to router i %% N; each keeps its own prefix index, in-flight "
+        "load and predictions, and every one receives every replica's KV events.",
+    )
+    p.add_argument(
+        "--share",
+        choices=SHARE_MODES,
+        default="none",
+        help="What the routers learn of each other's traffic (default none). none: only the "
+        "replicas' queue depth and KV usage, scraped every --scrape-interval-s; scrape: the "
+        "same, scraped every --share-scrape-interval-s; bus: every dispatch, first token and "
+        "finish (load and predictions) published to the other routers --bus-lag-s later.",
+    )
+    p.add_argument(
+        "--share-scrape-interval-s",
+        type=positive_float,
+        default=0.05,
+        metavar="S",
+        help="With --share scrape: the scrape interval (default 0.05 s, the Gateway API "
+        "reference picker's).",
+    )
+    p.add_argument(
+        "--bus-lag-s",
+        type=_non_negative_float,
+        default=0.001,
+        metavar="S",
+        help="With --share bus: publish to delivery (default 0.001 s, pub/sub on a LAN).",
+    )
+
+
+def describe_routers(config: FleetConfig) -> str:
+    """The routers in front of the fleet and what they share, for the summary."""
+    shared = f"queue depth and KV usage scraped every {config.scrape_every_s:g} s"
+    if config.share == "bus":
+        shared += (
+            f", dispatches, first tokens and finishes published {config.bus_lag_s * 1000:g} "
+            "ms later"
+        )
+    who = "1 router" if config.routers == 1 else f"{config.routers} routers (request i to i % N)"
+    return f"{who}, share {config.share}: {shared}"
+
+
 # -- shared steps -------------------------------------------------------------------------
 
 
@@ -506,6 +559,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     if args.live:
+        if args.routers != 1 or args.share != "none":
+            raise UsageError(
+                "--routers and --share set up simulated routers; with --live the router at "
+                "the URL routes (run several and put a balancer in front to measure that)"
+            )
         # The live replayer paces by --time-scale itself: load the trace unscaled in time.
         return _replay_live(args, _load_trace(args, 1.0))
     trace, units = _load(args)
@@ -515,7 +573,16 @@ def _replay(args: argparse.Namespace) -> int:
     for k, _ in args.fail:
         if k >= args.replicas:
             raise UsageError(f"--fail {k}@...: replicas are numbered 0..{args.replicas - 1}")
-    config = _fleet_config(args, args.replicas, args.fail)
+    try:
+        config = replace(
+            _fleet_config(args, args.replicas, args.fail),
+            routers=args.routers,
+            share=args.share,
+            share_scrape_interval_s=args.share_scrape_interval_s,
+            bus_lag_s=args.bus_lag_s,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     policies = args.compare or [args.policy]
     for key, _ in args.policy_param:
         if not any(key in policy_parameters(name) for name in policies):
@@ -527,7 +594,8 @@ def _replay(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(
             f"{len(units.requests)} requests over {units.duration_s:,.0f} s, {args.replicas} "
-            f"replicas of {args.preset}, {config.kv_capacity_tokens:,} KV tokens each",
+            f"replicas of {args.preset}, {config.kv_capacity_tokens:,} KV tokens each, "
+            f"behind {describe_routers(config)}",
             file=sys.stderr,
         )
     own_prefill = prefill_alone_s(units, config.engine, cached=False)
@@ -547,6 +615,8 @@ def _replay(args: argparse.Namespace) -> int:
                 extra={
                     "preset": args.preset,
                     "engine_model": args.engine_model,
+                    "share_scrape_interval_s": config.share_scrape_interval_s,
+                    "bus_lag_s": config.bus_lag_s,
                     "prefixes": prefixes,
                     "notes": notes,
                     "warnings": replay_warnings(result, own_prefill),
@@ -554,6 +624,7 @@ def _replay(args: argparse.Namespace) -> int:
             )
         )
     print(format_table(summaries))
+    print(f"routers: {describe_routers(config)}")
     print(
         f"bounds: infinite cache {percent(infinite)}, pooled LRU of the fleet's capacity "
         f"{percent(pooled)} (token-weighted hit rates)"
@@ -627,7 +698,8 @@ def _write_outputs(
         "block_size": config.engine.block_size,
         "engine_model": config.engine_model,
         "event_lag_s": config.event_lag_s,
-        "scrape_interval_s": config.scrape_interval_s,
+        "scrape_interval_s": config.scrape_every_s,
+        "routers": describe_routers(config),
         "seed": args.seed,
         "failures": list(config.failures),
         "command": command,

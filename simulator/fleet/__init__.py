@@ -6,13 +6,20 @@ Pure: no I/O, no asyncio, no wall clock; deterministic for a seed. ``prepare`` t
 """
 
 from .bounds import infinite_cache_hit_rate, pooled_lru_hit_rate
-from .config import ENGINE_MODELS, FleetConfig, default_kv_capacity_tokens, engine_config
+from .config import (
+    ENGINE_MODELS,
+    SHARE_MODES,
+    FleetConfig,
+    default_kv_capacity_tokens,
+    engine_config,
+)
 from .fleet import simulate
 from .results import SimResult, Slo
 from .units import SimRequest, UnitTrace, prepare
 
 __all__ = [
     "ENGINE_MODELS",
+    "SHARE_MODES",
     "FleetConfig",
     "SimRequest",
     "SimResult",

@@ -9,6 +9,9 @@ from kvroute.simulator.engine.config import EngineConfig
 from kvroute.simulator.engine.latency import LatencyModel
 
 ENGINE_MODELS = ("fast", "exact")
+# What several routers (endpoint pickers behind one gateway) share beyond the KV events that
+# every one of them subscribes to (see FleetConfig.share).
+SHARE_MODES = ("none", "scrape", "bus")
 
 # GPU memory per device, for the default KV capacity of a preset (name fragment -> bytes).
 _GPU_MEMORY = {"h100": 80e9, "h200": 141e9}
@@ -30,7 +33,15 @@ def default_kv_capacity_tokens(latency: LatencyModel) -> int:
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """A fleet of identical replicas behind one simulated router."""
+    """A fleet of identical replicas behind one simulated router, or several.
+
+    ``routers`` > 1: that many pickers behind a load balancer (request i goes to picker
+    i % routers), each with its own prefix index, load accounting and predictions, all fed
+    every replica's KV events. ``share`` says what else they learn of each other's traffic:
+    ``none``, the replicas' queue depth scraped every ``scrape_interval_s``; ``scrape``, the
+    same scraped every ``share_scrape_interval_s`` instead; ``bus``, every dispatch, first
+    token and finish (load and predictions) published to the others ``bus_lag_s`` later.
+    """
 
     replicas: int
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -39,10 +50,20 @@ class FleetConfig:
     scrape_interval_s: float = 1.0  # how often replicas' queue depth and KV usage are read
     prediction_ttl_s: float = 10.0  # the router's routing.prediction_ttl_s
     failures: tuple[tuple[int, float], ...] = ()  # (replica index, time in s): removed then
+    routers: int = 1  # pickers in front of the fleet, each with its own ledger and index
+    share: str = "none"  # what the pickers share: one of SHARE_MODES
+    share_scrape_interval_s: float = 0.05  # share="scrape": the Gateway API picker's interval
+    bus_lag_s: float = 0.001  # share="bus": publish to delivery (pub/sub on a LAN)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if isinstance(self.routers, bool) or not isinstance(self.routers, int):
+            raise ValueError(f"routers must be an integer >= 1, got {self.routers!r}")
+        if self.routers < 1:
+            raise ValueError(f"routers must be >= 1, got {self.routers}")
+        if self.share not in SHARE_MODES:
+            raise ValueError(f"share must be one of {', '.join(SHARE_MODES)}, got {self.share!r}")
         if self.engine_model not in ENGINE_MODELS:
             raise ValueError(
                 f"engine model must be one of {', '.join(ENGINE_MODELS)}, got {self.engine_model!r}"
@@ -51,11 +72,15 @@ class FleetConfig:
             ("event_lag_s", self.event_lag_s),
             ("scrape_interval_s", self.scrape_interval_s),
             ("prediction_ttl_s", self.prediction_ttl_s),
+            ("share_scrape_interval_s", self.share_scrape_interval_s),
+            ("bus_lag_s", self.bus_lag_s),
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{label} must be a finite number >= 0, got {value}")
         if self.scrape_interval_s == 0:
             raise ValueError("scrape_interval_s must be > 0")
+        if self.share_scrape_interval_s == 0:
+            raise ValueError("share_scrape_interval_s must be > 0")
         for replica, at in self.failures:
             if not 0 <= replica < self.replicas:
                 raise ValueError(
@@ -63,6 +88,11 @@ class FleetConfig:
                 )
             if not (math.isfinite(at) and at >= 0):
                 raise ValueError(f"failure time must be a finite number >= 0, got {at}")
+
+    @property
+    def scrape_every_s(self) -> float:
+        """How often the routers read the replicas' queue depth and KV usage."""
+        return self.share_scrape_interval_s if self.share == "scrape" else self.scrape_interval_s
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -11,18 +11,25 @@ depth and KV usage are read, as the router scrapes ``/metrics``. A failed replic
 requests go back through the policy at once and resume elsewhere from the tokens already
 generated (prompt + output so far as the new prompt).
 
+Several routers (``FleetConfig.routers``, as a gateway scales out its endpoint picker): each
+keeps its own index, ``FleetView`` and ledger over its own copy of the policy; request i is
+routed by picker i % N. KV events, scrapes and failures reach every picker; first tokens and
+finishes reach the one that dispatched, and with ``share="bus"`` the others too, ``bus_lag_s``
+later, as a replay of the same ledger calls (``_deliver``).
+
 Deterministic: no wall clock, no unseeded randomness; ties in time resolve by event kind,
 then by the order events were created.
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections import Counter
 from collections.abc import Callable
 
-from kvroute.kvcore.ledger import Dispatch, DispatchLedger
+from kvroute.kvcore.ledger import Dispatch, DispatchLedger, Route
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
 
@@ -35,18 +42,47 @@ from .results import NAN, SimResult
 from .units import SimRequest, UnitTrace
 
 # Event kinds, in the order they run when they fall at the same instant.
-_FAIL, _OPS, _STEP, _SCRAPE, _ARRIVAL, _KICK = range(6)
+_FAIL, _OPS, _STEP, _SCRAPE, _ARRIVAL, _KICK, _BUS = range(7)
+# What a bus message announces: a picker's ledger call, for the others to repeat.
+_DISPATCHED, _ANSWERED, _FINISHED = range(3)
 
 Progress = Callable[[int, int, float], None]  # (arrivals routed, total, virtual time)
 
 
 class _Flight:
-    __slots__ = ("delivered", "dispatch", "request")
+    __slots__ = ("delivered", "dispatch", "published", "request", "router")
 
-    def __init__(self, request: SimRequest) -> None:
+    def __init__(self, request: SimRequest, router: int) -> None:
         self.request = request
+        self.router = router  # the picker that routes it (and routes it again after a failure)
         self.dispatch: Dispatch | None = None
+        self.published: _Published | None = None  # its dispatch as the bus carries it
         self.delivered = 0  # tokens generated on replicas that failed since
+
+
+class _Router:
+    """One picker's own view: its index, replica states and ledger (own load, predictions)."""
+
+    __slots__ = ("index", "ledger", "states")
+
+    def __init__(self, names: list[str], policy: Policy, prediction_ttl_s: float) -> None:
+        self.states = [ReplicaState(name) for name in names]
+        self.index = PrefixIndex()
+        view = FleetView(self.states, membership_version=1)
+        self.ledger = DispatchLedger(policy, view, self.index, prediction_ttl_s=prediction_ttl_s)
+
+
+class _Published:
+    """One picker's dispatch on the bus: its route (the request with the prefix it saw, and its
+    match of the replica as hints), then each other picker's own copy of the dispatch."""
+
+    __slots__ = ("copies", "origin", "replica", "route")
+
+    def __init__(self, origin: int, route: Route, replica: str) -> None:
+        self.origin = origin
+        self.route = route
+        self.replica = replica
+        self.copies: list[tuple[DispatchLedger, Dispatch]] = []
 
 
 def make_engine(config: FleetConfig, block_tokens: int) -> SimEngine:
@@ -73,13 +109,15 @@ class _Fleet:
         n = config.replicas
         self.names = [f"r{i}" for i in range(n)]
         self.number = {name: i for i, name in enumerate(self.names)}
-        self.states = [ReplicaState(name) for name in self.names]
-        self.view = FleetView(self.states, membership_version=1)
+        # Each picker its own policy object, copied before any decision: what N processes
+        # started from one config hold (a policy keeps state: its ring, its random stream).
+        policies = [policy, *(copy.deepcopy(policy) for _ in range(config.routers - 1))]
+        self.routers = [_Router(self.names, p, config.prediction_ttl_s) for p in policies]
+        self.ledgers = [router.ledger for router in self.routers]
+        self.indexes = [router.index for router in self.routers]
+        self.bus = config.share == "bus" and config.routers > 1
+        self.scrape_every = config.scrape_every_s
         self.engines = [make_engine(config, trace.block_tokens) for _ in range(n)]
-        self.index = PrefixIndex()
-        self.ledger = DispatchLedger(
-            policy, self.view, self.index, prediction_ttl_s=config.prediction_ttl_s
-        )
         self.ibt = self.engines[0].index_block_tokens
         self.heap: list[tuple[float, int, int, int, object]] = []
         self._order = 0
@@ -109,6 +147,8 @@ class _Fleet:
             routed_tokens=[0] * n,
             failed_replicas=[],
             reasons=Counter(),
+            routers=config.routers,
+            share=config.share,
         )
         bs = config.engine.block_size
         self._max_blocks = config.engine.num_blocks
@@ -127,7 +167,7 @@ class _Fleet:
             self._push(at, _FAIL, replica)
         if reqs:
             self._push(reqs[0].arrival_s, _SCRAPE, -1)
-        every = max(1, total // 200)
+        report_every = max(1, total // 200)
         heap = self.heap
         i = 0
         t = 0.0
@@ -137,7 +177,7 @@ class _Fleet:
                 t = request.arrival_s
                 i += 1
                 self._arrive(request, t)
-                if progress is not None and (i % every == 0 or i == total):
+                if progress is not None and (i % report_every == 0 or i == total):
                     progress(i, total, t)
                 continue
             if not heap:
@@ -156,16 +196,28 @@ class _Fleet:
             elif kind == _SCRAPE:
                 self._scrape()
                 if i < total or self.flights:
-                    self._push(t + self.config.scrape_interval_s, _SCRAPE, -1)
+                    every = self.scrape_every
+                    due = t + every
+                    if not self.flights and i < total and not any(self.busy):
+                        # An idle fleet changes nothing before the next arrival: skip the
+                        # scrapes up to it (they would read what this one read), on the same
+                        # clock of sums (fast scrapes over a long idle trace cost minutes).
+                        arrival = reqs[i].arrival_s
+                        while due <= arrival:
+                            due += every
+                    self._push(due, _SCRAPE, -1)
             elif kind == _FAIL:
                 self._fail(replica, t)
+            elif kind == _BUS:
+                self._deliver(payload, t)  # type: ignore[arg-type]
         self._finish_stats()
         return self.result
 
     # -- the router's side ------------------------------------------------------------
 
     def _arrive(self, request: SimRequest, t: float) -> None:
-        flight = _Flight(request)
+        # The gateway spreads requests over the pickers evenly and blindly (round robin).
+        flight = _Flight(request, request.index % len(self.routers))
         blocks = -(-(request.input_tokens + request.output_tokens - 1) // self._block_size)
         if blocks > self._max_blocks:
             self.result.rejected[request.index] = True
@@ -183,7 +235,7 @@ class _Fleet:
             request.session_id,
             self.engines[0].route_hashes(request),
         )
-        ledger = self.ledger
+        ledger = self.ledgers[flight.router]
         route = ledger.route(route_request, t, self.ibt)
         if not route.ranked:
             del self.flights[request.index]  # no replica left: the request fails
@@ -192,6 +244,9 @@ class _Fleet:
         chosen = route.ranked[0]
         r = self.number[chosen]
         flight.dispatch = ledger.dispatch(route, chosen, t)
+        if self.bus:
+            flight.published = _Published(flight.router, route, chosen)
+            self._publish(_DISPATCHED, flight.published, t)
         self.result.routed_requests[r] += 1
         self.result.routed_tokens[r] += route_request.prompt_tokens
         self._enqueue(r, request, extra, t)
@@ -231,17 +286,19 @@ class _Fleet:
         for index, queried, hit in report.lookups:
             res.queried_tokens[index] += queried
             res.hit_tokens[index] += hit
-        ledger = self.ledger
+        ledgers = self.ledgers
         for index, at in report.first_tokens:
             flight = self.flights[index]
             if math.isnan(res.first_token_s[index]):
                 res.first_token_s[index] = at
             assert flight.dispatch is not None
-            ledger.first_token(flight.dispatch, at)
+            answered = ledgers[flight.router].first_token(flight.dispatch, at)
+            if answered and flight.published is not None:
+                self._publish(_ANSWERED, flight.published, at)
         for index, at in report.finished:
             flight = self.flights.pop(index)
             assert flight.dispatch is not None
-            ledger.finish(flight.dispatch, at)
+            self._finish(flight, at)
             res.finish_s[index] = at
             res.replica[index] = r
         if report.index_ops:
@@ -251,24 +308,67 @@ class _Fleet:
             else:
                 self._apply_ops(r, report.index_ops)
 
+    def _finish(self, flight: _Flight, t: float) -> None:
+        assert flight.dispatch is not None
+        self.ledgers[flight.router].finish(flight.dispatch, t)
+        if flight.published is not None:
+            self._publish(_FINISHED, flight.published, t)
+
     def _apply_ops(self, r: int, ops: list[IndexOp]) -> None:
+        # Every picker subscribes to every replica's KV events.
         name = self.names[r]
-        index = self.index
-        for op in ops:
-            kind = op[0]
-            if kind == "stored":
-                _, hashes, parent, tokens, block_size = op
-                index.apply_stored(name, hashes, parent, tokens, block_size)  # type: ignore[arg-type]
-            elif kind == "removed":
-                index.apply_removed(name, op[1])  # type: ignore[arg-type]
-            else:
-                index.clear_replica(name)
+        for index in self.indexes:
+            for op in ops:
+                kind = op[0]
+                if kind == "stored":
+                    _, hashes, parent, tokens, block_size = op
+                    index.apply_stored(name, hashes, parent, tokens, block_size)  # type: ignore[arg-type]
+                elif kind == "removed":
+                    index.apply_removed(name, op[1])  # type: ignore[arg-type]
+                else:
+                    index.clear_replica(name)
 
     def _scrape(self) -> None:
-        for r, (state, engine) in enumerate(zip(self.states, self.engines, strict=True)):
+        # Every picker scrapes every replica (at the same instants: a simplification).
+        for r, engine in enumerate(self.engines):
             if r not in self.failed:
-                state.reported_waiting = engine.num_waiting
-                state.reported_kv_usage = engine.kv_usage
+                waiting, usage = engine.num_waiting, engine.kv_usage
+                for router in self.routers:
+                    state = router.states[r]
+                    state.reported_waiting = waiting
+                    state.reported_kv_usage = usage
+
+    # -- the bus between pickers (share="bus") ------------------------------------------
+
+    def _publish(self, what: int, published: _Published, t: float) -> None:
+        lag = self.config.bus_lag_s
+        if lag > 0:
+            self._push(t + lag, _BUS, -1, (what, published))
+        else:
+            self._deliver((what, published), t)
+
+    def _deliver(self, message: tuple[int, _Published], t: float) -> None:
+        """The other pickers repeat a picker's ledger call on their own ledgers.
+
+        A dispatch is the origin's route dispatched again (the request as the origin saw it, so
+        the same cached and prefill tokens are counted; its match of the replica as the
+        prediction's hints); first token and finish go to each picker's copy. So a remote
+        dispatch changes load and predictions exactly as ``DispatchLedger.dispatch`` /
+        ``first_token`` / ``finish`` do, through their public calls. Messages keep their order
+        (one lag, ties by creation), so a copy always exists before its first token or finish.
+        """
+        what, published = message
+        if what == _DISPATCHED:
+            replica, route = published.replica, published.route
+            for k, ledger in enumerate(self.ledgers):
+                if k != published.origin:
+                    published.copies.append((ledger, ledger.dispatch(route, replica, t)))
+        elif what == _ANSWERED:
+            for ledger, d in published.copies:
+                ledger.first_token(d, t)
+        else:
+            for ledger, d in published.copies:
+                ledger.finish(d, t)
 
     def _fail(self, r: int, t: float) -> None:
         if r in self.failed:
@@ -279,15 +379,15 @@ class _Fleet:
         self.result.failed_replicas.append(r)
         self.busy[r] = False
         self.version[r] += 1
-        state = self.states[r]
-        state.healthy = False
-        state.reported_waiting = None
-        state.reported_kv_usage = None
-        self.index.clear_replica(self.names[r])
+        for router in self.routers:  # every picker sees it go (its health checks)
+            state = router.states[r]
+            state.healthy = False
+            state.reported_waiting = None
+            state.reported_kv_usage = None
+            router.index.clear_replica(self.names[r])
         for index, generated in left.items():
             flight = self.flights[index]
-            assert flight.dispatch is not None
-            self.ledger.finish(flight.dispatch, t)  # withdraws a prediction still prefilling
+            self._finish(flight, t)  # withdraws a prediction still prefilling
             flight.delivered += generated
             self.result.reroutes[index] += 1
             self._route(flight, t)

@@ -27,6 +27,7 @@ def markdown_report(
         f"(block size {context['block_size']}), engine model `{context['engine_model']}`",
         f"- router: KV events applied {context['event_lag_s'] * 1000:.0f} ms after their step, "
         f"replicas scraped every {context['scrape_interval_s']:g} s, seed {context['seed']}",
+        f"- routers: {context.get('routers', '1 router')}",
         f"- SLO: {_slo(first['slo'])}",
     ]
     if context.get("failures"):

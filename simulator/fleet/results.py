@@ -46,6 +46,8 @@ class SimResult:
     engine_steps: int = 0
     decode_runs: int = 0
     preemptions: int = 0
+    routers: int = 1  # pickers that routed the trace (FleetConfig.routers)
+    share: str = "none"  # what they shared (FleetConfig.share)
 
     # -- derived ----------------------------------------------------------------------
 

@@ -69,6 +69,8 @@ def summarize(
         "engine_steps": result.engine_steps,
         "decode_runs": result.decode_runs,
         "preemptions": result.preemptions,
+        "routers": result.routers,
+        "share": result.share,
     }
     if extra:
         summary.update(extra)
