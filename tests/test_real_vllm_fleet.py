@@ -25,6 +25,7 @@ from aiohttp import web
 
 from kvroute.backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet, LaunchSpec
 from kvroute.backends.process import ProcessState
+from kvroute.backends.process import free_ports as _free_ports
 from kvroute.health.scrape import parse_vllm_metrics
 from kvroute.kvcore.kv_events import BlockStored, decode_event_batch
 from kvroute.router.config import config_from_dict
@@ -264,6 +265,110 @@ async def test_completions_and_chat_through_kvroute(fleet: LaunchedFleet, router
     assert [
         c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
     ] == ["length"]
+
+
+async def _tenant_workload(url: str) -> list[str]:
+    """Three turns for each of four tenants (chat, streamed and not, and a completion) through
+    ``url``; returns the replica each request was placed on."""
+    client = _client(url)
+    placed = []
+    for question in ("first question?", "a second question?", "and a third?"):
+        for tenant in range(4):
+            messages = _tenant_chat(tenant, question)
+            if question.startswith("a second"):
+                raw_stream = await client.chat.completions.with_raw_response.create(
+                    model="tiny",
+                    messages=messages,
+                    max_tokens=3,
+                    stream=True,  # type: ignore[arg-type]
+                )
+                chunks = [c async for c in raw_stream.parse()]
+                assert chunks[-1].choices[0].finish_reason == "length"
+                placed.append(raw_stream.headers["x-kvroute-replica"])
+                continue
+            raw = await client.chat.completions.with_raw_response.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=3,  # type: ignore[arg-type]
+            )
+            assert raw.parse().usage.completion_tokens == 3  # type: ignore[union-attr]
+            placed.append(raw.headers["x-kvroute-replica"])
+        completion = await client.completions.with_raw_response.create(
+            model="tiny", prompt=_tenant_chat(0, question)[0]["content"], max_tokens=2
+        )
+        assert completion.http_response.status_code == 200
+    return placed
+
+
+async def _fleet_hit_rate(fleet: LaunchedFleet, run: Any) -> tuple[float, list[str]]:
+    """The replicas' own prefix-cache hit rate (hits / queried tokens) over ``run``."""
+    async with httpx.AsyncClient(timeout=30) as http:
+
+        async def totals() -> tuple[float, float]:
+            queries = hits = 0.0
+            for replica in fleet.replicas:
+                report = parse_vllm_metrics((await http.get(replica.url + "/metrics")).content)
+                queries += report.prefix_queries or 0.0
+                hits += report.prefix_hits or 0.0
+            return queries, hits
+
+        await _reset_prefix_caches(fleet)
+        q0, h0 = await totals()
+        placed = await run()
+        q1, h1 = await totals()
+    return (h1 - h0) / (q1 - q0), placed
+
+
+async def test_through_envoy_and_the_picker_the_hit_rate_matches_kvroute_serve(
+    fleet: LaunchedFleet, kv_router: tuple[Router, str], tmp_path: Path
+) -> None:
+    """kvroute epp behind a real Envoy, on real vLLM: the same placements and the same cache
+    outcome as kvroute serve on the same workload."""
+    from kvroute.gateway import EnvoyProcess, GatewaySpec
+    from kvroute.router.epp.server import PickerServer
+
+    from .test_epp_envoy import envoy_healthy
+
+    _, serve_url = kv_router
+    serve_rate, serve_placed = await _fleet_hit_rate(fleet, lambda: _tenant_workload(serve_url))
+    config = config_from_dict(
+        {
+            "replicas": [
+                {"url": r.url, "kv_events": r.kv_events, "kv_replay": r.kv_replay}
+                for r in fleet.replicas
+            ],
+            "routing": {"tokenizer": str(DEFAULT_TINY_MODEL_DIR), "block_size": BLOCK_SIZE},
+            "health": {"interval_s": 0.5},
+            "epp": {"grpc_port": 0, "health_port": 0, "metrics_port": 0},
+        }
+    )
+    picker = PickerServer(config)
+    ports = await picker.start()
+    listen, admin = _free_ports(2)
+    pods = [("127.0.0.1", int(r.url.rsplit(":", 1)[1])) for r in fleet.replicas]
+    envoy = EnvoyProcess(
+        GatewaySpec(pods, [("127.0.0.1", ports.grpc)], listen_port=listen, admin_port=admin),
+        tmp_path,
+    )
+    envoy.start()
+    try:
+        await envoy_healthy(envoy)
+        sources = picker.picker.core.kv_events.stats_by_source
+        async with asyncio.timeout(30):
+            while not all(s.connected for s in sources().values()):
+                await asyncio.sleep(0.05)
+        gateway = f"http://127.0.0.1:{listen}"
+        epp_rate, epp_placed = await _fleet_hit_rate(fleet, lambda: _tenant_workload(gateway))
+    finally:
+        envoy.stop()
+        await picker.stop(0)
+    # Each tenant's turns stayed on one replica, and the engines' own hit rates agree.
+    for placed in (serve_placed, epp_placed):
+        homes = [{placed[turn * 4 + t] for turn in range(3)} for t in range(4)]
+        assert all(len(home) == 1 for home in homes), placed
+    print(f"prefix-cache hit rate: kvroute serve {serve_rate:.3f}, Envoy + epp {epp_rate:.3f}")
+    assert epp_rate > 0.5
+    assert abs(epp_rate - serve_rate) <= 0.03, (epp_rate, serve_rate)
 
 
 async def test_kv_events_of_requests_through_kvroute_arrive_and_decode(

@@ -1,0 +1,154 @@
+"""``kvroute demo --gateway``: the demo's workload through a real Envoy, with and without the
+endpoint picker, on the fleet the demo launched."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from pathlib import Path
+
+import aiohttp
+import msgspec
+
+from kvroute.backends.launcher import LaunchedFleet
+from kvroute.backends.process import free_ports
+from kvroute.bench.chat_load import (
+    RunResult,
+    record_counters,
+    replica_counters,
+    reset_prefix_caches,
+    run_conversations,
+)
+from kvroute.gateway import EnvoyProcess, GatewaySpec
+from kvroute.router.config import config_from_dict
+from kvroute.router.epp.server import PickerServer
+from kvroute.router.launching import routing_for_launch
+from kvroute.simulator.workload import Conversation
+
+
+def picker_for(fleet: LaunchedFleet, policy: str) -> PickerServer:
+    """``kvroute epp`` as an operator would run it for this fleet (ports picked free)."""
+    grpc_port, health_port, metrics_port = free_ports(3)
+    config = config_from_dict(
+        {
+            "replicas": [
+                {"url": r.url, "kv_events": r.kv_events, "kv_replay": r.kv_replay}
+                for r in fleet.replicas
+            ],
+            "policy": {"name": policy},
+            "health": {"interval_s": 1.0},
+            "epp": {
+                "grpc_port": grpc_port,
+                "health_port": health_port,
+                "metrics_port": metrics_port,
+            },
+        }
+    )
+    routing = routing_for_launch(config.routing, fleet.spec)
+    return PickerServer(msgspec.structs.replace(config, routing=routing))
+
+
+async def wait_for_picker(envoy: EnvoyProcess, timeout_s: float = 20.0) -> None:
+    """Until Envoy's own health check of the picker passes (it sends no stream before)."""
+    admin = f"http://127.0.0.1:{envoy.spec.admin_port}/clusters"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while loop.time() < deadline:
+            async with http.get(admin) as response:
+                text = await response.text()
+            if any(
+                line.startswith("epp::") and line.endswith("health_flags::healthy")
+                for line in text.splitlines()
+            ):
+                return
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"Envoy did not see the picker healthy; its log: {envoy.log_path}")
+
+
+async def run_gateway_demo(
+    fleet: LaunchedFleet,
+    policies: list[str],
+    conversations: list[Conversation],
+    args: argparse.Namespace,
+) -> list[RunResult]:
+    pods = [("127.0.0.1", int(r.url.rsplit(":", 1)[1])) for r in fleet.replicas]
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-gateway-", dir=args.log_dir))
+    results = []
+    picker: PickerServer | None = None
+    envoy: EnvoyProcess | None = None
+    try:
+        for policy in [None, *policies]:
+            if envoy is not None:
+                envoy.stop()
+            if picker is not None:
+                await picker.stop(0)
+            picker = picker_for(fleet, policy or "round_robin")
+            ports = await picker.start()
+            listen, admin, direct = free_ports(3)
+            spec = GatewaySpec(pods, [("127.0.0.1", ports.grpc)], listen, admin, direct_port=direct)
+            envoy = EnvoyProcess(spec, workdir / (policy or "direct"))
+            envoy.start()
+            await wait_for_picker(envoy)
+            port = direct if policy is None else listen
+            label = "envoy round robin" if policy is None else f"envoy + epp {policy}"
+            results.append(
+                await _run(fleet, f"http://127.0.0.1:{port}", label, conversations, args)
+            )
+        if args.keep_running and envoy is not None:
+            await _serve_until_interrupted(envoy, picker)
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        if picker is not None:
+            await picker.stop(0)
+    return results
+
+
+async def _run(
+    fleet: LaunchedFleet,
+    url: str,
+    label: str,
+    conversations: list[Conversation],
+    args: argparse.Namespace,
+) -> RunResult:
+    urls = [r.url for r in fleet.replicas]
+    names = {r.url: r.name for r in fleet.replicas}
+    result = RunResult(label)
+    async with aiohttp.ClientSession() as http:
+        await reset_prefix_caches(http, urls)
+        before = await replica_counters(http, urls)
+        await run_conversations(
+            http,
+            lambda tenant: url,
+            conversations,
+            result,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+            scripted_replies=False,
+        )
+        record_counters(result, names, before, await replica_counters(http, urls))
+    return result
+
+
+async def _serve_until_interrupted(envoy: EnvoyProcess, picker: PickerServer | None) -> None:
+    spec = envoy.spec
+    body = '{"model": "tiny", "prompt": "Hello", "max_tokens": 8}'
+    lines = [
+        "",
+        f"kvroute demo: Envoy on http://127.0.0.1:{spec.listen_port} (admin :{spec.admin_port})",
+    ]
+    if picker is not None:
+        ports = picker.ports
+        lines.append(
+            f"  asks kvroute epp (ext_proc :{ports.grpc}, metrics :{ports.metrics}/metrics)"
+        )
+    lines += [
+        f"  try: curl http://127.0.0.1:{spec.listen_port}/v1/completions "
+        f"-H 'content-type: application/json' -d '{body}'",
+        "  Ctrl-C stops everything.",
+    ]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    await asyncio.Event().wait()
