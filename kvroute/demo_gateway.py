@@ -50,8 +50,8 @@ def picker_for(fleet: LaunchedFleet, policy: str) -> PickerServer:
     return PickerServer(msgspec.structs.replace(config, routing=routing))
 
 
-async def wait_for_picker(envoy: EnvoyProcess, timeout_s: float = 20.0) -> None:
-    """Until Envoy's own health check of the picker passes (it sends no stream before)."""
+async def wait_for_picker(envoy: EnvoyProcess, count: int = 1, timeout_s: float = 20.0) -> None:
+    """Until Envoy's health check passes ``count`` pickers (it sends no stream before)."""
     admin = f"http://127.0.0.1:{envoy.spec.admin_port}/clusters"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -59,10 +59,11 @@ async def wait_for_picker(envoy: EnvoyProcess, timeout_s: float = 20.0) -> None:
         while loop.time() < deadline:
             async with http.get(admin) as response:
                 text = await response.text()
-            if any(
+            healthy = sum(
                 line.startswith("epp::") and line.endswith("health_flags::healthy")
                 for line in text.splitlines()
-            ):
+            )
+            if healthy >= count:
                 return
             await asyncio.sleep(0.1)
     raise TimeoutError(f"Envoy did not see the picker healthy; its log: {envoy.log_path}")
@@ -77,32 +78,34 @@ async def run_gateway_demo(
     pods = [("127.0.0.1", int(r.url.rsplit(":", 1)[1])) for r in fleet.replicas]
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-gateway-", dir=args.log_dir))
     results = []
-    picker: PickerServer | None = None
+    pickers: list[PickerServer] = []
     envoy: EnvoyProcess | None = None
+    count = max(1, args.pickers)
     try:
         for policy in [None, *policies]:
             if envoy is not None:
                 envoy.stop()
-            if picker is not None:
+            for picker in pickers:
                 await picker.stop(0)
-            picker = picker_for(fleet, policy or "round_robin")
-            ports = await picker.start()
+            pickers = [picker_for(fleet, policy or "round_robin") for _ in range(count)]
+            grpc_ports = [(await picker.start()).grpc for picker in pickers]
             listen, admin, direct = free_ports(3)
-            spec = GatewaySpec(pods, [("127.0.0.1", ports.grpc)], listen, admin, direct_port=direct)
+            at = [("127.0.0.1", port) for port in grpc_ports]
+            spec = GatewaySpec(pods, at, listen, admin, direct_port=direct)
             envoy = EnvoyProcess(spec, workdir / (policy or "direct"))
             envoy.start()
-            await wait_for_picker(envoy)
+            await wait_for_picker(envoy, count)
             port = direct if policy is None else listen
-            label = "envoy round robin" if policy is None else f"envoy + epp {policy}"
-            results.append(
-                await _run(fleet, f"http://127.0.0.1:{port}", label, conversations, args)
-            )
+            many = f"{count} " if count > 1 else ""
+            label = "envoy round robin" if policy is None else f"envoy + {many}epp {policy}"
+            url = f"http://127.0.0.1:{port}"
+            results.append(await _run(fleet, url, label, conversations, args))
         if args.keep_running and envoy is not None:
-            await _serve_until_interrupted(envoy, picker)
+            await _serve_until_interrupted(envoy, pickers[-1] if pickers else None)
     finally:
         if envoy is not None:
             envoy.stop()
-        if picker is not None:
+        for picker in pickers:
             await picker.stop(0)
     return results
 
