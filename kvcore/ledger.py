@@ -96,6 +96,11 @@ class DispatchLedger:
         """
         self._slots = {s.replica_id: i for i, s in enumerate(self.fleet.replicas)}
 
+    @property
+    def members(self) -> frozenset[str]:
+        """The replicas a dispatch may go to now."""
+        return frozenset(self._slots)
+
     # -- the four calls ---------------------------------------------------------------
 
     def route(self, request: RouteRequest, now: float, block_tokens: int) -> Route:

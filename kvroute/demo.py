@@ -94,6 +94,12 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "over them), each with its own in-flight load and predictions (default 1).",
     )
     p.add_argument(
+        "--ledger-bus",
+        metavar="NATS_URL",
+        help="With --gateway and several pickers: share their dispatches over this NATS "
+        "server (kvroute epp --ledger-bus).",
+    )
+    p.add_argument(
         "--keep-running",
         action="store_true",
         help="With --gateway: after the table, leave the replicas, the picker (last policy) "

@@ -28,7 +28,7 @@ from kvroute.router.launching import routing_for_launch
 from kvroute.simulator.workload import Conversation
 
 
-def picker_for(fleet: LaunchedFleet, policy: str) -> PickerServer:
+def picker_for(fleet: LaunchedFleet, policy: str, ledger_bus: str | None = None) -> PickerServer:
     """``kvroute epp`` as an operator would run it for this fleet (ports picked free)."""
     grpc_port, health_port, metrics_port = free_ports(3)
     config = config_from_dict(
@@ -43,6 +43,7 @@ def picker_for(fleet: LaunchedFleet, policy: str) -> PickerServer:
                 "grpc_port": grpc_port,
                 "health_port": health_port,
                 "metrics_port": metrics_port,
+                "ledger_bus": ledger_bus,
             },
         }
     )
@@ -87,7 +88,9 @@ async def run_gateway_demo(
                 envoy.stop()
             for picker in pickers:
                 await picker.stop(0)
-            pickers = [picker_for(fleet, policy or "round_robin") for _ in range(count)]
+            pickers = [
+                picker_for(fleet, policy or "round_robin", args.ledger_bus) for _ in range(count)
+            ]
             grpc_ports = [(await picker.start()).grpc for picker in pickers]
             listen, admin, direct = free_ports(3)
             at = [("127.0.0.1", port) for port in grpc_ports]
@@ -97,6 +100,8 @@ async def run_gateway_demo(
             await wait_for_picker(envoy, count)
             port = direct if policy is None else listen
             many = f"{count} " if count > 1 else ""
+            if args.ledger_bus and count > 1:
+                many += "bus-shared "
             label = "envoy round robin" if policy is None else f"envoy + {many}epp {policy}"
             url = f"http://127.0.0.1:{port}"
             results.append(await _run(fleet, url, label, conversations, args))

@@ -68,6 +68,12 @@ def add_epp_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(default 4).",
     )
     p.add_argument(
+        "--ledger-bus",
+        metavar="NATS_URL",
+        help="Several pickers behind one gateway: share every dispatch (in-flight load and "
+        "predictions) over this NATS server, e.g. nats://nats:4222 (default: off).",
+    )
+    p.add_argument(
         "--policy",
         choices=sorted(POLICIES),
         help=f"Routing policy (default: the config's, else {DEFAULT_POLICY}).",
@@ -124,6 +130,7 @@ def epp_config_from_args(args: argparse.Namespace) -> Config:
         ("pool_name", "pool_name"),
         ("pool_namespace", "pool_namespace"),
         ("kubeconfig", "kubeconfig"),
+        ("ledger_bus", "ledger_bus"),
     ):
         value = getattr(args, flag)
         if value is not None:

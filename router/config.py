@@ -226,6 +226,10 @@ class EppConfig(_Section):
     pool_name: str | None = None
     pool_namespace: str = "default"
     kubeconfig: str | None = None
+    # Several pickers behind one gateway: share every dispatch (load and predictions) over
+    # this NATS server (nats://host:4222) on this subject, so each decides as one would.
+    ledger_bus: str | None = None
+    ledger_bus_subject: str = "kvroute.ledger"
 
 
 class Config(_Section):
@@ -628,6 +632,10 @@ def _epp_problems(epp: EppConfig) -> list[str]:
         problems.append("epp.cert, epp.key: give both (or neither, for a self-signed one)")
     if epp.cert is not None and not epp.tls:
         problems.append("epp.cert: set epp.tls: true to serve it")
+    if epp.ledger_bus is not None and not epp.ledger_bus.startswith(("nats://", "tls://")):
+        problems.append(f"epp.ledger_bus: expected a nats:// URL, got {epp.ledger_bus!r}")
+    if not epp.ledger_bus_subject.strip() or " " in epp.ledger_bus_subject:
+        problems.append("epp.ledger_bus_subject: must be a NATS subject without spaces")
     if epp.pool_name is not None and not epp.pool_name.strip():
         problems.append("epp.pool_name: must not be empty")
     return problems

@@ -27,6 +27,7 @@ from .. import errors
 from ..admission import Admission
 from ..config import Config, ReplicaConfig
 from ..core import RoutingCore
+from ..ledger_bus import LedgerBus
 from ..metrics import RouterMetrics
 from ..openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_chat, parse_completion
 from .endpoints import address_of_url, in_subset
@@ -85,6 +86,8 @@ class EndpointPicker:
         self.decisions = _DecisionStats()
         self.metrics.registry.register(_PickerCollector(self))
         self._rng = random.Random()
+        # Other pickers' dispatches, and this one's for them (epp.ledger_bus; off by default).
+        self.bus: LedgerBus | None = None
 
     async def start(self) -> None:
         await self.core.start()
@@ -135,6 +138,8 @@ class EndpointPicker:
             self.admission.release()
             raise
         dispatch = self.ledger.dispatch(route, ranked[0], arrived)
+        if self.bus is not None:
+            self.bus.dispatched(dispatch)
         self.registry.dispatched(self.registry.handles[ranked[0]])
         self.decisions.observe(time.perf_counter() - started, route.reason)
         self.metrics.observe_routed(
@@ -209,15 +214,21 @@ class EndpointPicker:
             # The gateway went down the list: the first endpoint refused or failed.
             self.registry.record(first, False, "gateway_retry")
         self.ledger.finish(d, now)
+        if self.bus is not None:
+            self.bus.finished(d)
         if name in self.registry.handles:
             pick.dispatch = self.ledger.dispatch(pick.route, name, now, "retry")
+            if self.bus is not None:
+                self.bus.dispatched(pick.dispatch)
 
     def first_byte(self, pick: Pick, status: int) -> None:
         """The served endpoint's first response body bytes: its prefill is over."""
         if pick.first_byte_at is not None:
             return
         pick.first_byte_at = time.monotonic()
-        self.ledger.first_token(pick.dispatch, pick.first_byte_at, ok=status < 400)
+        ok = status < 400
+        if self.ledger.first_token(pick.dispatch, pick.first_byte_at, ok=ok) and self.bus:
+            self.bus.first_token(pick.dispatch, ok)
 
     def finish(self, pick: Pick, completed: bool) -> None:
         """The response ended (``completed``) or the stream was torn down: close the request."""
@@ -228,6 +239,8 @@ class EndpointPicker:
         now = time.monotonic()
         d = pick.dispatch
         self.ledger.finish(d, now)
+        if self.bus is not None:
+            self.bus.finished(d)
         handle = self.registry.handles.get(d.replica)
         status = pick.status
         if handle is not None and status:

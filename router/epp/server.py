@@ -83,6 +83,12 @@ class PickerServer:
         metrics_port = await self._start_metrics(epp.host, epp.metrics_port)
         self.ports = Ports(grpc_port, health_port, metrics_port)
         await self.picker.start()
+        if epp.ledger_bus:
+            from ..ledger_bus import LedgerBus
+
+            bus = LedgerBus(epp.ledger_bus, epp.ledger_bus_subject, self.picker.ledger)
+            await bus.start()
+            self.picker.bus = bus
         await self._grpc.start()
         await self._health_server.start()
         if epp.pool_name:
@@ -170,6 +176,8 @@ class PickerServer:
             await self._health_server.stop(0)
         if self._metrics is not None:
             await self._metrics.cleanup()
+        if self.picker.bus is not None:
+            await self.picker.bus.close()
         await self.picker.close()
 
 

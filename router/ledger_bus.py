@@ -1,0 +1,200 @@
+"""Several pickers, one view of the load: every dispatch shared over NATS (optional).
+
+The gateway spreads requests over several endpoint pickers. Each follows every pod's KV
+events, so their prefix indexes agree; what each lacks is the others' in-flight requests and
+their predictions (a prompt just sent to a pod, not yet confirmed by its events). With a bus,
+each picker publishes its dispatches, first tokens and finishes, and replays the others' on
+its own dispatch ledger (``remote`` dispatches: the same load counted, the same prediction
+made), so every picker decides as one router would. Simulated first (``kvroute replay
+--routers N --share bus``, BENCHMARKS.md), where a 1 ms bus matched one router.
+
+A picker that stops publishing (crashed, partitioned) has its dispatches closed on the others
+after ``silence_s``: its requests no longer count, instead of counting forever. NATS core
+pub/sub, at most once: a lost message costs a little accuracy, never correctness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kvroute.kvcore.ledger import Dispatch, DispatchLedger, Route
+from kvroute.policies import RouteRequest
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+
+log = logging.getLogger(__name__)
+
+DISPATCH, FIRST_TOKEN, REFUSED, FINISH, HEARTBEAT = range(5)
+
+
+class LedgerEvent(msgspec.Struct, array_like=True):
+    kind: int
+    origin: str
+    id: int = 0
+    replica: str = ""
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    cached: int = 0
+    hashes: list[int] = msgspec.field(default_factory=list)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(LedgerEvent)
+
+
+class LedgerBus:
+    def __init__(
+        self,
+        url: str,
+        subject: str,
+        ledger: DispatchLedger,
+        *,
+        heartbeat_s: float = 1.0,
+        silence_s: float = 5.0,
+    ) -> None:
+        self.url = url
+        self.subject = subject
+        self.ledger = ledger
+        self.origin = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
+        self.heartbeat_s = heartbeat_s
+        self.silence_s = silence_s
+        self._client: Client | None = None
+        self._ids: dict[int, int] = {}  # id(local Dispatch) -> its bus id
+        self._next_id = 0
+        self._remote: dict[tuple[str, int], Dispatch] = {}
+        self._heard: dict[str, float] = {}  # origin -> monotonic time last heard
+        self._task: asyncio.Task[None] | None = None
+        self.published = 0
+        self.applied = 0
+
+    async def start(self) -> None:
+        import nats
+
+        self._client = await nats.connect(
+            self.url, name=f"kvroute-epp {self.origin}", max_reconnect_attempts=-1
+        )
+        await self._client.subscribe(self.subject, cb=self._on_message)
+        self._task = asyncio.create_task(self._beat(), name="kvroute-ledger-bus")
+        log.info("sharing dispatches on %s %s as %s", self.url, self.subject, self.origin)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._client is not None:
+            await self._client.drain()
+
+    # -- what this picker did -----------------------------------------------------------
+
+    def dispatched(self, d: Dispatch) -> None:
+        self._next_id += 1
+        self._ids[id(d)] = self._next_id
+        r = d.request
+        self._publish(
+            LedgerEvent(
+                DISPATCH,
+                self.origin,
+                self._next_id,
+                d.replica,
+                r.prompt_tokens,
+                r.max_tokens,
+                d.cached_tokens,
+                list(r.block_hashes),
+            )
+        )
+
+    def first_token(self, d: Dispatch, ok: bool) -> None:
+        bus_id = self._ids.get(id(d))
+        if bus_id is not None:
+            self._publish(LedgerEvent(FIRST_TOKEN if ok else REFUSED, self.origin, bus_id))
+
+    def finished(self, d: Dispatch) -> None:
+        bus_id = self._ids.pop(id(d), None)
+        if bus_id is not None:
+            self._publish(LedgerEvent(FINISH, self.origin, bus_id))
+
+    def _publish(self, event: LedgerEvent) -> None:
+        client = self._client
+        if client is None or client.is_closed:
+            return
+        self.published += 1
+        # nats-py buffers the message and flushes it from its own task: nothing to wait for.
+        task = asyncio.ensure_future(client.publish(self.subject, _encoder.encode(event)))
+        task.add_done_callback(_log_failure)
+
+    # -- what the others did ------------------------------------------------------------
+
+    async def _on_message(self, message: Msg) -> None:
+        try:
+            event = _decoder.decode(message.data)
+        except msgspec.DecodeError:
+            log.warning("ledger bus: undecodable message on %s", self.subject)
+            return
+        if event.origin == self.origin:
+            return
+        now = time.monotonic()
+        self._heard[event.origin] = now
+        self.apply(event, now)
+
+    def apply(self, event: LedgerEvent, now: float) -> None:
+        """Replay another picker's step on this picker's ledger."""
+        key = (event.origin, event.id)
+        if event.kind == DISPATCH:
+            if event.replica not in self.ledger.members:
+                return  # a pod this picker has not discovered (yet)
+            request = RouteRequest(
+                event.prompt_tokens,
+                event.max_tokens,
+                block_hashes=event.hashes,
+                prefix_tokens={event.replica: event.cached},
+            )
+            route = Route(request, (event.replica,), "remote")
+            self._remote[key] = self.ledger.dispatch(route, event.replica, now, "remote")
+            self.applied += 1
+        elif event.kind in (FIRST_TOKEN, REFUSED):
+            d = self._remote.get(key)
+            if d is not None:
+                self.ledger.first_token(d, now, ok=event.kind == FIRST_TOKEN)
+        elif event.kind == FINISH:
+            d = self._remote.pop(key, None)
+            if d is not None:
+                self.ledger.finish(d, now)
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            self._publish(LedgerEvent(HEARTBEAT, self.origin))
+            self.forget_silent(time.monotonic())
+
+    def forget_silent(self, now: float) -> int:
+        """Close the dispatches of pickers not heard from for ``silence_s``."""
+        silent = {o for o, at in self._heard.items() if now - at > self.silence_s}
+        if not silent:
+            return 0
+        closed = 0
+        for key in [k for k in self._remote if k[0] in silent]:
+            self.ledger.finish(self._remote.pop(key), now)
+            closed += 1
+        for origin in silent:
+            del self._heard[origin]
+            log.warning("ledger bus: %s fell silent; closed its %d dispatches", origin, closed)
+        return closed
+
+    @property
+    def remote_open(self) -> int:
+        return len(self._remote)
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("ledger bus publish failed: %s", task.exception())
