@@ -313,3 +313,22 @@ def test_addresses_subsets_and_usage() -> None:
     assert usage_of(sse, sse=True) == {"prompt": 5, "completion": 1}
     assert usage_of(b"data: [DONE]\n\n", sse=True) is None
     assert usage_of(b"{broken", sse=False) is None
+
+
+async def test_an_oversized_body_is_refused_before_it_is_all_in() -> None:
+    runner, replica = await launch_emulated()
+    server = picker_config([replica])
+    server.config.limits.max_body_bytes = 1000
+    ports = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{ports.grpc}") as channel:
+            stream = Stream(channel)
+            await stream.send(headers_message(), body_message(b"x" * 800, False))
+            await stream.send(body_message(b"x" * 800, False))
+            answer = (await stream.read()).immediate_response
+            assert answer.status.code == 413
+            assert json.loads(answer.body)["error"]["message"]
+            await stream.close()
+    finally:
+        await server.stop(0)
+        await runner.cleanup()

@@ -79,6 +79,13 @@ class _Exchange:
         if kind == "request_body":
             body = message.request_body
             self.body += body.body
+            limit = self.picker.config.limits.max_body_bytes
+            if len(self.body) > limit and not self.picked:
+                self.picked = True  # refused before the rest arrives: nothing more to pick
+                self.body.clear()
+                return [_immediate(self.picker, errors.body_too_large(limit))]
+            if self.picked:
+                return []
             if not body.end_of_stream:
                 return [] if self.request_mode == FULL_DUPLEX else [_passed(request=True)]
             return await self._picked()
