@@ -9,6 +9,8 @@ the request path; it may change the fleet (``set_replicas``) when discovery says
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -69,6 +71,7 @@ class RoutingCore:
             on_block_size=self.keys.on_scraped_block_size,
         )
         self.catalog = ModelCatalog(config.models)
+        self._expiry: asyncio.Task[None] | None = None
 
     @property
     def tokenizer(self) -> PromptTokenizer | None:
@@ -84,8 +87,20 @@ class RoutingCore:
         self.prober.start()
         await self.scraper.scrape_all()
         self.scraper.start()
+        self._expiry = asyncio.create_task(self._expire_predictions(), name="kvroute-expiry")
+
+    async def _expire_predictions(self) -> None:
+        """Predictions leave as they come due, in small batches, not all on one request."""
+        every_s = max(0.05, min(0.5, self.config.routing.prediction_ttl_s / 8))
+        while True:
+            await asyncio.sleep(every_s)
+            self.ledger.expire_predictions(time.monotonic())
 
     async def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
         await self.prober.close()
         await self.scraper.close()
         await self.kv_events.close_all()

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import time
+
+from kvroute.backends.handle import ReplicaHandle
+from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.policies import RouteRequest
+from kvroute.router.config import config_from_dict
+from kvroute.router.core import RoutingCore
+
+from .helpers import wait_until
 
 
 def test_unpredict_withdraws_only_predictions_of_that_replica() -> None:
@@ -21,3 +30,32 @@ def test_unpredict_withdraws_only_predictions_of_that_replica() -> None:
     # The withdrawn entries' expiry comes and goes without effect.
     assert index.expire(now=20.0) == 2  # only b's two
     assert index.match(hashes, now=20.0) == {}
+
+
+async def test_a_live_router_lets_predictions_go_as_they_come_due() -> None:
+    """Not all at once on the first request after a quiet spell (a 70-100 ms stall measured
+    at 430 requests/s): the routing core expires them on a timer."""
+    config = config_from_dict(
+        {"replicas": [{"url": "http://127.0.0.1:9"}], "routing": {"prediction_ttl_s": 0.2}}
+    )
+    core = RoutingCore(config, _NoHooks())
+    await core.start()
+    try:
+        request = RouteRequest(48, 1, block_hashes=[1, 2, 3])
+        route = Route(request, ("127.0.0.1:9",), "test")
+        core.ledger.dispatch(route, "127.0.0.1:9", time.monotonic())
+        assert core.index.predicted_entries == 3
+        # No request comes: the predictions go anyway.
+        await wait_until(lambda: core.index.predicted_entries == 0, what="predictions expired")
+    finally:
+        await core.close()
+
+
+class _NoHooks:
+    def ejected(self, handle: ReplicaHandle, kind: str) -> None: ...
+
+    def abandon_waiting(self, handle: ReplicaHandle, why: str) -> int:
+        return 0
+
+    async def responds(self, handle: ReplicaHandle) -> bool:
+        return False
