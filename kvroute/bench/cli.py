@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvroute.bench.argtypes import non_negative_int, positive_int
+from kvroute.bench.epp import add_epp_bench
 from kvroute.bench.index_bench import add_index_bench
 from kvroute.bench.prefix import add_prefix_bench
 from kvroute.bench.tokenize_bench import add_tokenize_bench
@@ -18,6 +19,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_index_bench(bench_sub)
     add_prefix_bench(bench_sub)
     add_tokenize_bench(bench_sub)
+    add_epp_bench(bench_sub)
     from kvroute.bench.fidelity import add_fidelity_bench
     from kvroute.simulator.cli_replay import add_replay_bench
 

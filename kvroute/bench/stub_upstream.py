@@ -101,6 +101,25 @@ class _Answers:
         self.not_found = _response("404 Not Found", b'{"detail":"Not Found"}')
 
 
+def _dechunk(buffer: bytes, start: int) -> tuple[bytes, int] | None:
+    """A chunked body that starts at ``start``: (the body, where it ends), None if incomplete."""
+    pieces: list[bytes] = []
+    pos = start
+    while True:
+        eol = buffer.find(b"\r\n", pos)
+        if eol < 0:
+            return None
+        size = int(buffer[pos:eol].split(b";", 1)[0], 16)
+        if size == 0:
+            end = buffer.find(b"\r\n\r\n", eol)  # after the trailers, if any
+            return None if end < 0 else (b"".join(pieces), end + 4)
+        data = eol + 2
+        if len(buffer) < data + size + 2:
+            return None
+        pieces.append(buffer[data : data + size])
+        pos = data + size + 2
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self, answers: _Answers) -> None:
         self._answers = answers
@@ -118,14 +137,26 @@ class _Protocol(asyncio.Protocol):
                 return
             head = self._buffer[:end]
             length = 0
+            chunked = False
             for line in head.split(b"\r\n")[1:]:
                 name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
+                name = name.strip().lower()
+                if name == b"content-length":
                     length = int(value)
-            total = end + 4 + length
-            if len(self._buffer) < total:
-                return
-            body = self._buffer[end + 4 : total]
+                elif name == b"transfer-encoding":
+                    chunked = b"chunked" in value.lower()
+            if chunked:
+                # Envoy forwards bodies an ext_proc filter streamed (FULL_DUPLEX_STREAMED)
+                # chunked, as vLLM's server accepts.
+                found = _dechunk(self._buffer, end + 4)
+                if found is None:
+                    return
+                body, total = found
+            else:
+                total = end + 4 + length
+                if len(self._buffer) < total:
+                    return
+                body = self._buffer[end + 4 : total]
             self._buffer = self._buffer[total:]
             assert self._transport is not None
             self._transport.write(self._answer(head.split(b" ", 2), body))
