@@ -1,6 +1,6 @@
 """A local Envoy gateway in front of ``kvroute epp``, configured as the reference gateways are.
 
-``envoy_config`` writes the bootstrap that ``configs/envoy-epp.yaml`` shows with its default
+``envoy_config`` writes the bootstrap that ``configs/envoy/epp.yaml`` shows with its default
 ports: a listener whose ``ext_proc`` filter asks the picker (``FULL_DUPLEX_STREAMED`` bodies,
 the ``envoy.lb`` namespace forwarded so the picker learns the served endpoint), and a pool
 cluster whose ``override_host`` load-balancing policy follows

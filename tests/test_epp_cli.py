@@ -30,7 +30,7 @@ def run_epp(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_envoy_config_in_configs_is_the_generated_one_and_envoy_accepts_it() -> None:
-    path = ROOT / "configs" / "envoy-epp.yaml"
+    path = ROOT / "configs" / "envoy" / "epp.yaml"
     generated = envoy_config(GatewaySpec(pods=[("127.0.0.1", 8001), ("127.0.0.1", 8002)]))
     assert yaml.safe_load(path.read_text()) == generated
     checked = subprocess.run(

@@ -27,7 +27,6 @@ import os
 import platform
 import random
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -664,14 +663,6 @@ class Context:
     loads: list[str]
 
 
-def reproduce_command(argv: Sequence[str]) -> str:
-    """``kvroute bench epp ...`` with the arguments this run was given."""
-    args = list(argv)
-    if "epp" in args:
-        args = args[args.index("epp") + 1 :]
-    return shlex.join(["kvroute", "bench", "epp", *args])
-
-
 def envoy_version() -> str:
     from kvroute.gateway import envoy_binary
 
@@ -943,7 +934,7 @@ def run_epp_bench(options: Options, argv: Sequence[str]) -> int:
     context_tokenizer = overhead.agent_tokenizer(options.overhead_options())
     context = Context(
         date=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        command=reproduce_command(argv),
+        command=overhead.reproduce_command(argv, "epp"),
         machine=overhead.machine_line(),
         versions=versions_line(wrk),
         setup=setup_line(options, context_tokenizer),

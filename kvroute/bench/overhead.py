@@ -381,12 +381,12 @@ class Context:
     load: str
 
 
-def reproduce_command(argv: Sequence[str]) -> str:
-    """``kvroute bench overhead ...`` with the arguments this run was given."""
+def reproduce_command(argv: Sequence[str], bench: str = "overhead") -> str:
+    """``kvroute bench BENCH ...`` with the arguments this run was given."""
     args = list(argv)
-    if "overhead" in args:
-        args = args[args.index("overhead") + 1 :]
-    return shlex.join(["kvroute", "bench", "overhead", *args])
+    if bench in args:
+        args = args[args.index(bench) + 1 :]
+    return shlex.join(["kvroute", "bench", bench, *args])
 
 
 def cpu_model() -> str:
