@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvroute.policies import DEFAULT_POLICY, POLICIES
 from kvroute.router.config import Config, ConfigError, ReplicaConfig, config_from_dict, load_config
+from kvroute.routing_args import add_routing_args, apply_routing_args
 
 EXIT_CONFIG_ERROR = 2
 
@@ -88,26 +88,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="A replica's ZMQ KV-event endpoint and optional replay endpoint, e.g. "
         "http://127.0.0.1:8001=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558 (repeat per replica).",
     )
-    p.add_argument(
-        "--policy",
-        choices=sorted(POLICIES),
-        help=f"Routing policy (default: the config's, else {DEFAULT_POLICY}).",
-    )
-    p.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="The served model's HuggingFace tokenizer (a directory with tokenizer.json, or "
+    add_routing_args(
+        p,
+        "The served model's HuggingFace tokenizer (a directory with tokenizer.json, or "
         "the file), or 'builtin' for kvroute's emulated replicas. The router tokenizes "
         "prompts exactly as vLLM does to find cached prefixes. Default: the config's "
         "routing.tokenizer, else the launched replicas', else the model directory a local "
         "replica reports in /v1/models.",
-    )
-    p.add_argument(
-        "--block-size",
-        type=int,
-        metavar="TOKENS",
-        help="The replicas' KV block size (default: from their KV events or "
-        "vllm:cache_config_info).",
+        "replicas",
     )
     p.add_argument("--host", help="Listen address (default 127.0.0.1).")
     p.add_argument("--port", type=int, help="Listen port (default 8000).")
@@ -116,13 +104,6 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         help="Router processes sharing the port, for more than one core's worth of traffic "
         "(default 1). Workers share in-flight load and metrics.",
-    )
-    p.add_argument(
-        "--model",
-        action="append",
-        metavar="NAME",
-        help="A model name clients may request (repeat for more). Default: the models "
-        "the replicas report on /v1/models.",
     )
     p.set_defaults(func=_cmd_serve)
 
@@ -151,22 +132,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
                 raise ConfigError(f"--kv-events {spec}: {url} is not one of the replicas")
             by_url[url]["kv_events"] = events
             by_url[url]["kv_replay"] = replay
-    if args.policy:
-        overrides["policy"] = {"name": args.policy, "params": {}}
-        if config.policy.name == args.policy:
-            overrides["policy"]["params"] = config.policy.params
+    apply_routing_args(overrides, config, args)
     if args.host:
         overrides["listen"]["host"] = args.host
     if args.port is not None:
         overrides["listen"]["port"] = args.port
     if args.workers is not None:
         overrides["listen"]["workers"] = args.workers
-    if args.model:
-        overrides["models"] = args.model
-    if args.tokenizer:
-        overrides["routing"]["tokenizer"] = args.tokenizer
-    if args.block_size is not None:
-        overrides["routing"]["block_size"] = args.block_size
     config = config_from_dict(overrides)
     if not config.replicas and config.launch is None:
         raise ConfigError(

@@ -8,8 +8,8 @@ import sys
 
 import msgspec
 
-from kvroute.policies import DEFAULT_POLICY, POLICIES
 from kvroute.router.config import Config, ConfigError, ReplicaConfig, config_from_dict, load_config
+from kvroute.routing_args import add_routing_args, apply_routing_args
 
 
 def add_epp_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -73,25 +73,11 @@ def add_epp_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="Several pickers behind one gateway: share every dispatch (in-flight load and "
         "predictions) over this NATS server, e.g. nats://nats:4222 (default: off).",
     )
-    p.add_argument(
-        "--policy",
-        choices=sorted(POLICIES),
-        help=f"Routing policy (default: the config's, else {DEFAULT_POLICY}).",
-    )
-    p.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="The served model's HuggingFace tokenizer (directory or tokenizer.json), or "
+    add_routing_args(
+        p,
+        "The served model's HuggingFace tokenizer (directory or tokenizer.json), or "
         "'builtin' for kvroute's emulated replicas.",
-    )
-    p.add_argument(
-        "--block-size", type=int, metavar="TOKENS", help="The pods' KV block size (default: seen)."
-    )
-    p.add_argument(
-        "--model",
-        action="append",
-        metavar="NAME",
-        help="A model name clients may request (repeat). Default: what the pods report.",
+        "pods",
     )
     p.set_defaults(func=_cmd_epp)
 
@@ -135,15 +121,7 @@ def epp_config_from_args(args: argparse.Namespace) -> Config:
         value = getattr(args, flag)
         if value is not None:
             epp[key] = value
-    if args.policy:
-        params = config.policy.params if config.policy.name == args.policy else {}
-        raw["policy"] = {"name": args.policy, "params": params}
-    if args.tokenizer:
-        raw["routing"]["tokenizer"] = args.tokenizer
-    if args.block_size is not None:
-        raw["routing"]["block_size"] = args.block_size
-    if args.model:
-        raw["models"] = args.model
+    apply_routing_args(raw, config, args)
     config = config_from_dict(raw)
     if config.launch is not None:
         raise ConfigError("launch: the endpoint picker routes to pods it does not start")
