@@ -25,7 +25,7 @@ from kvroute.policies import RouteRequest
 
 from .. import errors
 from ..admission import Admission
-from ..config import Config, ReplicaConfig
+from ..config import Config, ReplicaConfig, replica_name_from_url
 from ..core import RoutingCore
 from ..ledger_bus import LedgerBus
 from ..metrics import RouterMetrics
@@ -97,18 +97,18 @@ class EndpointPicker:
 
     async def set_endpoints(self, replicas: list[ReplicaConfig], *, ready: bool) -> None:
         """Discovery's endpoint set (each replica named, its URL the pod's ip:port)."""
+        self.address.clear()
+        self.name_at.clear()
         self._remember(replicas)
         await self.core.set_replicas(replicas, ready=ready)
 
     def _remember(self, replicas: Iterable[ReplicaConfig]) -> None:
         for replica in replicas:
             addr = address_of_url(replica.url)
-            name = replica.name or addr
+            # Named as the registry names it (an unnamed replica by its URL's host:port).
+            name = replica.name or replica_name_from_url(replica.url)
             self.address[name] = addr
             self.name_at[addr] = name
-
-    def ready(self) -> bool:
-        return self.registry.in_rotation() > 0
 
     # -- the request path ---------------------------------------------------------------
 
