@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvroute.simulator.engine.latency import LatencyModel
+from kvroute.simulator.engine.latency import PRESETS, LatencyModel
 
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 ACTIVATION_BYTES_PER_GPU = 2e9  # roofline.md: "minus ~2 GB activations per GPU"
@@ -31,9 +31,37 @@ class ModelFigures:
     heads: int
     kv_heads: int
     head_dim: int
-    params: float
+    params: float  # all of them: what memory holds
     bytes_per_weight: float = 2.0  # bf16
     bytes_per_kv: float = 2.0  # bf16 KV cache
+    # Mixture of experts: a token runs through the shared layers and experts_per_token of
+    # routed_experts experts per MoE layer; routed_params is all routed experts' parameters.
+    active_params: float | None = None
+    routed_experts: int = 0
+    experts_per_token: int = 0
+    routed_params: float = 0.0
+    # MLA caches one compressed latent (plus a RoPE key) per layer instead of K and V per head.
+    kv_elements_per_layer: int | None = None
+    kv_layout: str = ""  # how kv_elements_per_layer is made up, for the formula
+    # Attention FLOP per decoded token per layer per context token; None: 4 x hidden (QK^T, PV).
+    attention_flops_per_layer: float | None = None
+    # The same in prefill, where MLA runs unabsorbed (per-head 192-dim keys, 128-dim values).
+    prefill_attention_flops_per_layer: float | None = None
+
+    @property
+    def flop_params(self) -> float:
+        """Parameters each token's matmuls run through: the active ones for a MoE."""
+        return self.active_params if self.active_params is not None else self.params
+
+    @property
+    def attention_coefficient(self) -> float:
+        a = self.attention_flops_per_layer
+        return a if a is not None else 4.0 * self.hidden
+
+    @property
+    def mha_kv_elements_per_layer(self) -> int:
+        """What full multi-head attention would cache: K and V for every head."""
+        return 2 * self.heads * self.head_dim
 
 
 @dataclass(frozen=True)
@@ -44,7 +72,17 @@ class HardwareFigures:
     bf16_flops: float  # per GPU, dense
     fp8_flops: float  # per GPU, dense
     gpus_per_node: int
-    tensor_parallel: int  # GPUs per replica
+    tensor_parallel: int  # GPUs per replica (with experts spread over them for a MoE)
+    fp8_compute: bool = False  # matmuls at the FP8 peak (FP8 weights)
+
+    @property
+    def flops(self) -> float:
+        """F: the peak the matmuls run at."""
+        return self.fp8_flops if self.fp8_compute else self.bf16_flops
+
+    @property
+    def precision(self) -> str:
+        return "FP8" if self.fp8_compute else "BF16"
 
     @property
     def replicas_per_node(self) -> int:
@@ -75,23 +113,25 @@ class Quantity:
 # FP8 peak, and 8 GPUs per HGX node.
 _HEADS = {"llama-3.1-8b": 32, "llama-3.1-70b": 64}
 _GPUS = {
-    # fragment: (HBM bytes, FP8 FLOP/s)
-    "h100": (80e9, 1979e12),
-    "h200": (141e9, 1979e12),
+    # fragment: (HBM bytes, BF16 FLOP/s, FP8 FLOP/s), dense
+    "h100": (80e9, 989e12, 1979e12),
+    "h200": (141e9, 989e12, 1979e12),
 }
 GPUS_PER_NODE = 8
+FP8_SUFFIX = "-fp8"  # latency presets with FP8 weights and FP8 KV
 
 
 def figures_for_preset(latency: LatencyModel) -> tuple[ModelFigures, HardwareFigures] | None:
     """The model and hardware figures of a GPU latency preset; None for others (tiny-cpu)."""
-    model = next((m for m in _HEADS if latency.name.startswith(m)), None)
-    gpu = next((g for g in _GPUS if latency.name.endswith(g)), None)
+    base = latency.name.removesuffix(FP8_SUFFIX)
+    model = next((m for m in _HEADS if base.startswith(m)), None)
+    gpu = next((g for g in _GPUS if base.endswith(g)), None)
     if model is None or gpu is None:
         return None
-    hbm, fp8 = _GPUS[gpu]
+    hbm, bf16, fp8 = _GPUS[gpu]
     return (
         ModelFigures(
-            name=model,
+            name=model + (FP8_SUFFIX if latency.name.endswith(FP8_SUFFIX) else ""),
             layers=latency.num_layers,
             hidden=latency.hidden_size,
             heads=_HEADS[model],
@@ -105,12 +145,67 @@ def figures_for_preset(latency: LatencyModel) -> tuple[ModelFigures, HardwareFig
             name=gpu.upper(),
             hbm_bytes=hbm,
             hbm_bandwidth=latency.mem_bandwidth,
-            bf16_flops=latency.peak_flops,
+            bf16_flops=bf16,
             fp8_flops=fp8,
             gpus_per_node=GPUS_PER_NODE,
             tensor_parallel=latency.num_gpus,
+            fp8_compute=latency.name.endswith(FP8_SUFFIX),
         ),
     )
+
+
+# DeepSeek-V3, from its public config.json and technical report (arXiv 2412.19437):
+# 671B parameters in all (the 14B multi-token-prediction module left out), 37B active per
+# token; 61 layers, hidden 7168, 128 heads; the first 3 layers dense, the other 58 MoE with
+# 256 routed experts (8 per token, plus 1 shared) of 3 x 7168 x 2048 parameters each;
+# MLA caches kv_lora_rank 512 + qk_rope_head_dim 64 = 576 elements per token per layer;
+# weights released in FP8. Absorbed MLA decode attends over the 576-dim keys and 512-dim
+# latent values for each of 128 heads: 2 x 128 x (576 + 512) FLOP per context token per layer;
+# prefill runs it unabsorbed, 192-dim keys and 128-dim values: 2 x 128 x (192 + 128).
+# Served as one replica over an 8xH200 node (the FP8 weights, 671 GB, exceed 8 x 80 GB), experts
+# spread over the 8 GPUs (expert parallelism), KV in BF16 (vLLM's default for MLA).
+DEEPSEEK_V3 = ModelFigures(
+    name="deepseek-v3",
+    layers=61,
+    hidden=7168,
+    heads=128,
+    kv_heads=128,
+    head_dim=128,
+    params=671e9,
+    bytes_per_weight=1.0,
+    bytes_per_kv=2.0,
+    active_params=37e9,
+    routed_experts=256,
+    experts_per_token=8,
+    routed_params=58 * 256 * 3 * 7168 * 2048,
+    kv_elements_per_layer=512 + 64,
+    kv_layout="(kv_lora_rank 512 + rope dim 64)",
+    attention_flops_per_layer=2 * 128 * (576 + 512),
+    prefill_attention_flops_per_layer=2 * 128 * (192 + 128),
+)
+H200_NODE_EP8 = HardwareFigures(
+    name="H200",
+    hbm_bytes=141e9,
+    hbm_bandwidth=4.8e12,
+    bf16_flops=989e12,
+    fp8_flops=1979e12,
+    gpus_per_node=GPUS_PER_NODE,
+    tensor_parallel=8,
+    fp8_compute=True,
+)
+# Presets with capacity figures but no engine latency model: `plan --explain` and `plan --kv`
+# take them; a simulation cannot (the engine model has no MoE or MLA).
+CAPACITY_PRESETS: dict[str, tuple[ModelFigures, HardwareFigures]] = {
+    "deepseek-v3-8xh200": (DEEPSEEK_V3, H200_NODE_EP8),
+}
+
+
+def figures_by_name(name: str) -> tuple[ModelFigures, HardwareFigures] | None:
+    """Figures of a capacity preset or of a latency preset called ``name``; None if neither."""
+    if name in CAPACITY_PRESETS:
+        return CAPACITY_PRESETS[name]
+    latency = PRESETS.get(name)
+    return figures_for_preset(latency) if latency is not None else None
 
 
 def _g(x: float) -> str:
@@ -134,6 +229,16 @@ def weight_bytes_per_gpu(m: ModelFigures, hw: HardwareFigures) -> Quantity:
 
 
 def kv_bytes_per_token(m: ModelFigures) -> Quantity:
+    if m.kv_elements_per_layer is not None:
+        return Quantity(
+            "KV per token",
+            f"layers x {m.kv_layout} x bytes = {m.layers} x {m.kv_elements_per_layer} x "
+            f"{_g(m.bytes_per_kv)} B",
+            m.layers * m.kv_elements_per_layer * m.bytes_per_kv,
+            "B",
+            1.0,
+            0,
+        )
     value = 2 * m.layers * m.kv_heads * m.head_dim * m.bytes_per_kv
     return Quantity(
         "KV per token",
@@ -165,7 +270,32 @@ def kv_capacity_tokens(m: ModelFigures, hw: HardwareFigures) -> Quantity:
     )
 
 
+def weights_read_bytes(m: ModelFigures, batch: float) -> float:
+    """Weight bytes one decode step reads, over all GPUs of the replica.
+
+    Dense: all of them. MoE: the shared part, plus each routed expert that at least one of the
+    B tokens picks: a fraction 1 - (1 - k/E)^B of them (uniform routing), so a lone token reads
+    about the active parameters and a batch of a few hundred reads nearly all of them.
+    """
+    if not m.routed_experts:
+        return m.params * m.bytes_per_weight
+    touched = 1.0 - math.pow(1.0 - m.experts_per_token / m.routed_experts, max(batch, 1.0))
+    return (m.params - m.routed_params + m.routed_params * touched) * m.bytes_per_weight
+
+
 def weight_read_s(m: ModelFigures, hw: HardwareFigures) -> Quantity:
+    if m.routed_experts:
+        w1 = weights_read_bytes(m, 1) / hw.tensor_parallel
+        return Quantity(
+            "decode step floor at B=1 (shared weights + one token's experts read)",
+            f"(params - routed + routed x k/E) x bytes/weight / TP / HBM bandwidth = "
+            f"({_g(m.params)} - {_g(m.routed_params)} + {_g(m.routed_params)} x "
+            f"{m.experts_per_token}/{m.routed_experts}) x {_g(m.bytes_per_weight)} B / "
+            f"{hw.tensor_parallel} / {_g(hw.hbm_bandwidth)} B/s",
+            w1 / hw.hbm_bandwidth,
+            "ms",
+            1e-3,
+        )
     w = weight_bytes_per_gpu(m, hw).value
     return Quantity(
         "decode step floor (weights read once per step)",
@@ -190,6 +320,16 @@ def kv_read_s_per_token(m: ModelFigures, hw: HardwareFigures) -> Quantity:
 
 
 def decode_flops_per_token(m: ModelFigures, context: float) -> Quantity:
+    if m.active_params is not None or m.attention_flops_per_layer is not None:
+        a = m.attention_coefficient
+        return Quantity(
+            "decode FLOP per token",
+            f"2 x active params + layers x attention FLOP per layer x C = 2 x "
+            f"{_g(m.flop_params)} + {m.layers} x {_g(a)} x {_g(context)}",
+            2 * m.flop_params + m.layers * a * context,
+            "GFLOP",
+            1e9,
+        )
     return Quantity(
         "decode FLOP per token",
         f"2 x params + 4 x layers x hidden x C = 2 x {_g(m.params)} + 4 x {m.layers} x "
@@ -203,8 +343,8 @@ def decode_flops_per_token(m: ModelFigures, context: float) -> Quantity:
 def ridge_point(hw: HardwareFigures) -> Quantity:
     return Quantity(
         "ridge point",
-        f"BF16 FLOP/s / HBM bandwidth = {_g(hw.bf16_flops)} / {_g(hw.hbm_bandwidth)}",
-        hw.bf16_flops / hw.hbm_bandwidth,
+        f"{hw.precision} FLOP/s / HBM bandwidth = {_g(hw.flops)} / {_g(hw.hbm_bandwidth)}",
+        hw.flops / hw.hbm_bandwidth,
         "FLOP/B",
         1.0,
         0,
@@ -214,10 +354,10 @@ def ridge_point(hw: HardwareFigures) -> Quantity:
 def decode_step_s(m: ModelFigures, hw: HardwareFigures, batch: float, context: float) -> Quantity:
     """The module docstring's step(B, C): the larger of memory time and compute time."""
     tp, bw = hw.tensor_parallel, hw.hbm_bandwidth
-    w = weight_bytes_per_gpu(m, hw).value
+    w = weights_read_bytes(m, batch) / tp
     kv = kv_bytes_per_token(m).value
     memory = w / bw + batch * context * kv / (tp * bw)
-    compute = batch * decode_flops_per_token(m, context).value / (tp * hw.bf16_flops)
+    compute = batch * decode_flops_per_token(m, context).value / (tp * hw.flops)
     bound = "memory" if memory >= compute else "compute"
     return Quantity(
         f"decode step at B={_g(batch)}, C={_g(context)}",
@@ -233,7 +373,7 @@ def decode_step_s(m: ModelFigures, hw: HardwareFigures, batch: float, context: f
 def decode_intensity(
     m: ModelFigures, hw: HardwareFigures, batch: float, context: float
 ) -> Quantity:
-    w = m.params * m.bytes_per_weight
+    w = weights_read_bytes(m, batch)
     kv = kv_bytes_per_token(m).value
     flops = batch * decode_flops_per_token(m, context).value
     return Quantity(
@@ -296,10 +436,27 @@ def tpot_batch_limit(
 ) -> Quantity:
     """The largest B with step(B, C) <= TPOT: both the memory and the compute term must fit."""
     tp, bw = hw.tensor_parallel, hw.hbm_bandwidth
+    if m.routed_experts:
+        # The weights read grow with B: search the largest B whose step fits.
+        lo, hi = 0, 1
+        while decode_step_s(m, hw, hi, context).value <= tpot_s and hi < 1 << 24:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if decode_step_s(m, hw, mid, context).value <= tpot_s else (lo, mid)
+        return Quantity(
+            f"largest batch with step <= TPOT {tpot_s * 1e3:g} ms",
+            "largest B with step(B, C) <= TPOT (searched: a MoE step reads more experts as B "
+            "grows)",
+            float(lo),
+            "sequences",
+            1.0,
+            0,
+        )
     w = weight_bytes_per_gpu(m, hw).value
     kv = kv_bytes_per_token(m).value
     by_memory = (tpot_s - w / bw) * tp * bw / (context * kv)
-    by_compute = tpot_s * tp * hw.bf16_flops / decode_flops_per_token(m, context).value
+    by_compute = tpot_s * tp * hw.flops / decode_flops_per_token(m, context).value
     return Quantity(
         f"largest batch with step <= TPOT {tpot_s * 1e3:g} ms",
         f"floor(min((TPOT - W/BW) x TP x BW / (C x KV), TPOT x TP x F / FLOP per token)) = "
@@ -318,12 +475,18 @@ def prefill_tokens_per_s(
 
     ``prompt_context``: the mean context a prompt token attends to (about half the prompt).
     """
-    flops = 2 * m.params + 4 * m.layers * m.hidden * prompt_context
+    a = m.prefill_attention_flops_per_layer or m.attention_coefficient
+    flops = 2 * m.flop_params + m.layers * a * prompt_context
+    per_token = (
+        "2 x params + 4 x layers x hidden x C_prefill"
+        if m.active_params is None and m.attention_flops_per_layer is None
+        else "2 x active params + layers x attention FLOP per layer x C_prefill"
+    )
     return Quantity(
         f"prefill per replica at MFU {mfu:g}",
-        f"TP x F x MFU / (2 x params + 4 x layers x hidden x C_prefill) = {hw.tensor_parallel}"
-        f" x {_g(hw.bf16_flops)} x {mfu:g} / {_g(flops)}",
-        hw.tensor_parallel * hw.bf16_flops * mfu / flops,
+        f"TP x F x MFU / ({per_token}) = {hw.tensor_parallel}"
+        f" x {_g(hw.flops)} x {mfu:g} / {_g(flops)}",
+        hw.tensor_parallel * hw.flops * mfu / flops,
         "tokens/s",
         1.0,
         0,
@@ -396,6 +559,7 @@ def explain(
     tpot_s: float | None,
     mfu: float,
     max_num_seqs: int,
+    gpu_price: float | None = None,
 ) -> Explanation:
     """The whole derivation, line by line, ending in replicas and nodes for ``load``."""
     c = load.decode_context
@@ -447,20 +611,28 @@ def explain(
             0,
         )
     )
+    if gpu_price is not None:
+        steps += cost_per_million_tokens(m, hw, load, replicas.value, ceiling.value, gpu_price)
     head = [
         f"model {m.name}: {m.layers} layers, hidden {m.hidden}, {m.heads} heads, {m.kv_heads} KV "
         f"heads, head dim {m.head_dim}, {m.params / 1e9:g}B params, {_g(m.bytes_per_weight)} "
-        f"B/weight, {_g(m.bytes_per_kv)} B/KV element",
+        f"B/weight, {_g(m.bytes_per_kv)} B/KV element" + _moe_note(m),
         f"hardware {hw.name}: {hw.hbm_bytes / 1e9:g} GB HBM at {hw.hbm_bandwidth / 1e12:g} TB/s, "
         f"BF16 {hw.bf16_flops / 1e12:,g} TFLOP/s, FP8 {hw.fp8_flops / 1e12:,g} TFLOP/s (dense); "
-        f"TP {hw.tensor_parallel}, "
+        f"TP {hw.tensor_parallel}, {'matmuls at FP8, ' if hw.fp8_compute else ''}"
         f"{hw.gpus_per_node} GPUs per node = {per_node} replica(s) per node",
         f"workload: {load.rate_rps:,.2f} req/s, mean input {load.mean_input_tokens:,.0f} tokens,"
         f" mean output {load.mean_output_tokens:,.0f} tokens; decode context C = "
         f"{c:,.0f} tokens (mean over decode steps), prefill context C_prefill = "
         f"{load.prefill_context:,.0f} tokens",
         "step(B, C) = max(W/(TP x BW) + B x C x KV/(TP x BW), B x (2 x P + 4 x L x h x C)/(TP x F))"
-        " at datasheet peaks (no efficiency, no per-step overhead)",
+        " at datasheet peaks (no efficiency, no per-step overhead)"
+        + (
+            "; for a MoE W = weights read at B (shared + experts touched), P active params, "
+            "4h the model's attention FLOP per layer"
+            if m.routed_experts
+            else ""
+        ),
     ]
     return Explanation(
         lines=tuple(head + [q.line() for q in steps]),
@@ -468,3 +640,284 @@ def explain(
         nodes=nodes,
         decode_ceiling_per_node=ceiling.value,
     )
+
+
+def _moe_note(m: ModelFigures) -> str:
+    if not m.routed_experts:
+        return ""
+    kv = m.kv_layout or f"{m.kv_elements_per_layer} elements"
+    return (
+        f"; MoE: {_g(m.flop_params / 1e9)}B active, {m.experts_per_token} of "
+        f"{m.routed_experts} routed experts per token ({_g(m.routed_params / 1e9)}B routed "
+        f"params); KV per layer {kv}"
+    )
+
+
+# -- the KV budget (`kvroute plan --kv`) ----------------------------------------------------
+
+# Assumptions, not reference figures, printed with the numbers they produce:
+PCIE_BYTES_PER_S = 64e9  # PCIe Gen5 x16, one direction, per GPU (each GPU has its own link)
+HOST_BYTES_PER_NODE = 2e12  # host DRAM of an 8-GPU HGX server, typically 2 TB
+NETWORK_BYTES_PER_S = 50e9  # one 400 Gb/s NIC per GPU, between nodes
+NETWORK_LATENCY_S = 10e-6  # per collective across nodes
+PREFILL_MFU = 0.53  # the engine presets' calibration (reference/roofline.md)
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One way to make the KV cache hold the batch: what it multiplies capacity by, and at what
+    price."""
+
+    name: str
+    factor: float  # capacity bought (or need removed), x
+    buys: str
+    cost: str
+    already: bool = False  # in the model already (GQA/MLA): shown for scale, nothing to pull
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    lines: tuple[str, ...]
+    needed_bytes: float
+    available_bytes: float
+    fits: bool
+    largest_batch: int
+    levers: tuple[Lever, ...]  # ranked: most capacity first
+
+
+def kv_needed_bytes(m: ModelFigures, context: float, batch: float) -> Quantity:
+    kv = kv_bytes_per_token(m).value
+    return Quantity(
+        "KV needed",
+        f"batch x context x KV per token = {_g(batch)} x {_g(context)} x {_g(kv)} B",
+        batch * context * kv,
+        "GB",
+        1e9,
+    )
+
+
+def kv_available_bytes(m: ModelFigures, hw: HardwareFigures) -> Quantity:
+    weights = m.params * m.bytes_per_weight
+    free = (
+        hw.tensor_parallel * (hw.hbm_bytes * GPU_MEMORY_UTILIZATION - ACTIVATION_BYTES_PER_GPU)
+        - weights
+    )
+    return Quantity(
+        "KV available per replica",
+        f"TP x (HBM x {GPU_MEMORY_UTILIZATION:g} - activations) - weights = "
+        f"{hw.tensor_parallel} x ({_g(hw.hbm_bytes)} x {GPU_MEMORY_UTILIZATION:g} - "
+        f"{_g(ACTIVATION_BYTES_PER_GPU)}) - {_g(weights)} B",
+        max(0.0, free),
+        "GB",
+        1e9,
+    )
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.1f} GB"
+
+
+def _fits(need: float, avail: float) -> str:
+    if need <= avail:
+        return f"fits ({_gb(avail - need)} spare)"
+    return f"still short by {_gb(need - avail)}"
+
+
+def kv_levers(
+    m: ModelFigures, hw: HardwareFigures, context: float, batch: int
+) -> tuple[Lever, ...]:
+    """Each lever worked out for this case, ranked by the capacity it buys."""
+    kv = kv_bytes_per_token(m).value
+    need = kv_needed_bytes(m, context, batch).value
+    avail = kv_available_bytes(m, hw).value
+    fit = int(avail // (context * kv))
+    short = max(0.0, need - avail)
+    tp = hw.tensor_parallel
+    levers: list[Lever] = []
+
+    if m.bytes_per_kv > 1:
+        f = m.bytes_per_kv / 1.0
+        levers.append(
+            Lever(
+                "FP8 KV cache",
+                f,
+                f"KV per token {_g(kv)} B x 1/{_g(f)} = {_g(kv / f)} B; KV needed "
+                f"{_gb(need / f)}: {_fits(need / f, avail)}; largest batch "
+                f"{int(avail // (context * kv / f))}",
+                "K and V rounded to 8 bits (vLLM --kv-cache-dtype fp8): a small accuracy risk, "
+                "worst on long contexts; check on your own evals",
+            )
+        )
+    else:
+        levers.append(Lever("FP8 KV cache", 1.0, "already 1 byte per KV element", "taken already"))
+
+    mha = m.mha_kv_elements_per_layer
+    own = m.kv_elements_per_layer or 2 * m.kv_heads * m.head_dim
+    kind = "MLA" if m.kv_elements_per_layer is not None else f"GQA ({m.kv_heads} KV heads)"
+    levers.append(
+        Lever(
+            f"{kind} vs MHA",
+            mha / own,
+            f"already in this model: MHA ({m.heads} heads x head dim {m.head_dim}, K and V) "
+            f"caches {mha:,} elements per layer per token vs {own:,}, x{mha / own:.3g}: it would "
+            f"need {_gb(need * mha / own)}",
+            "none at serving time; it is fixed in training (an MHA model cannot be switched "
+            "without uptraining)",
+            already=True,
+        )
+    )
+
+    full = decode_step_s(m, hw, batch, context).value
+    if fit >= batch:
+        levers.append(
+            Lever(
+                "smaller batch",
+                1.0,
+                f"not needed: batch {batch} fits; the largest that fits is {fit}",
+                "-",
+            )
+        )
+    elif fit >= 1:
+        step = decode_step_s(m, hw, fit, context).value
+        tps_fit, tps_full = fit / step, batch / full
+        levers.append(
+            Lever(
+                f"smaller batch ({fit})",
+                batch / fit,
+                f"batch {fit} needs {_gb(fit * context * kv)} of {_gb(avail)}",
+                f"decode {tps_fit:,.0f} tokens/s per replica at B={fit} vs {tps_full:,.0f} at "
+                f"B={batch} if it fitted ({(tps_fit / tps_full - 1):+.0%}; step "
+                f"{step * 1e3:,.1f} ms vs {full * 1e3:,.1f} ms): more replicas for the same "
+                "load",
+            )
+        )
+    else:
+        levers.append(
+            Lever(
+                "smaller batch",
+                0.0,
+                f"none: one sequence of {_g(context)} tokens needs {_gb(context * kv)}, more "
+                f"than the {_gb(avail)} available",
+                "-",
+            )
+        )
+
+    prefill = prefill_tokens_per_s(m, hw, (context + 1) / 2, PREFILL_MFU).value
+    levers.append(
+        Lever(
+            "paging with preemption",
+            1.0,
+            f"no bytes: vLLM pages the cache in blocks and runs at most {min(fit, batch)} of the "
+            f"{batch} sequences at full context at once; the rest queue, or are preempted when "
+            "the running ones grow",
+            f"a preempted sequence drops its KV and recomputes its prefill: {_g(context)} tokens "
+            f"at {prefill:,.0f} tokens/s (MFU {PREFILL_MFU:g}) = {context / prefill:,.1f} s "
+            "added to its latency, and the replica's time spent twice",
+        )
+    )
+
+    host = HOST_BYTES_PER_NODE * tp / hw.gpus_per_node
+    per_step = short / (tp * PCIE_BYTES_PER_S)
+    levers.append(
+        Lever(
+            "offload KV to host memory",
+            (avail + host) / avail if avail else math.inf,
+            f"up to {_gb(host)} of host DRAM per replica (assumed {_gb(HOST_BYTES_PER_NODE)} "
+            f"per 8-GPU node) holds the {_gb(short)} shortfall",
+            "nothing to offload: the batch fits in HBM"
+            if not short
+            else f"every decode step reads the whole batch's KV: {_gb(short)} over {tp} PCIe Gen5 "
+            f"x16 links at an assumed {_g(PCIE_BYTES_PER_S / 1e9)} GB/s each = "
+            f"{per_step * 1e3:,.0f} ms added per step, i.e. per output token (step "
+            f"{full * 1e3:,.1f} ms in HBM)",
+        )
+    )
+
+    k = max(2, math.ceil(need / avail)) if avail else 2
+    b_shard = batch
+    exchange = m.layers * b_shard * m.hidden * 2 * (k - 1) / tp  # bf16 partials, per GPU
+    cp_s = exchange / NETWORK_BYTES_PER_S + m.layers * NETWORK_LATENCY_S
+    levers.append(
+        Lever(
+            f"context parallelism over {k} replicas' GPUs",
+            float(k),
+            f"{k} x {tp} = {k * tp} GPUs each hold 1/{k} of every sequence's KV: "
+            f"{_gb(k * avail)} available, {_fits(need, k * avail)}",
+            f"{k}x the GPUs for one batch (weights held {k} times), and every layer of every "
+            f"step gathers the partial attention outputs: layers x B x hidden x 2 B x (k-1) / "
+            f"TP = {_g(exchange)} B per GPU at an assumed {_g(NETWORK_BYTES_PER_S / 1e9)} GB/s "
+            f"plus {m.layers} x {NETWORK_LATENCY_S * 1e6:g} us = {cp_s * 1e3:,.2f} ms added per "
+            "step",
+        )
+    )
+    return tuple(sorted(levers, key=lambda lv: -lv.factor))
+
+
+def kv_budget(m: ModelFigures, hw: HardwareFigures, context: int, batch: int) -> KvBudget:
+    """Does batch x context of KV fit one replica, by how much not, and what each lever buys."""
+    per_token = kv_bytes_per_token(m)
+    needed = kv_needed_bytes(m, context, batch)
+    available = kv_available_bytes(m, hw)
+    need, avail = needed.value, available.value
+    largest = int(avail // (context * per_token.value))
+    if need <= avail:
+        verdict = (
+            f"fits: {_gb(avail - need)} spare ({(avail - need) / need:.0%} of the need); "
+            f"largest batch at this context {largest}"
+        )
+    else:
+        verdict = (
+            f"does not fit: short by {_gb(need - avail)} ({(need - avail) / need:.1%} of the "
+            f"need); largest batch at this context {largest}"
+        )
+    levers = kv_levers(m, hw, context, batch)
+    lines = [
+        f"KV budget: {m.name} on {tp_label(hw)}, context {context:,} tokens, batch {batch}",
+        per_token.line(),
+        needed.line(),
+        available.line(),
+        verdict,
+        "levers, ranked by capacity bought (x = capacity multiplied, or need divided):",
+    ]
+    for i, lv in enumerate(levers, 1):
+        lines.append(f"{i}. {lv.name}: x{lv.factor:,.2f}: {lv.buys}")
+        lines.append(f"   cost: {lv.cost}")
+    return KvBudget(tuple(lines), need, avail, need <= avail, largest, levers)
+
+
+def tp_label(hw: HardwareFigures) -> str:
+    return f"{hw.tensor_parallel}x{hw.name} (TP {hw.tensor_parallel})"
+
+
+def cost_per_million_tokens(
+    m: ModelFigures,
+    hw: HardwareFigures,
+    load: Workload,
+    replicas: float,
+    node_ceiling: float,
+    gpu_price: float,
+) -> list[Quantity]:
+    """What a million tokens cost: of the analytic fleet at the load, and of pure decode at the
+    node's ceiling (the floor of what an output token can cost on this hardware)."""
+    gpus = replicas * hw.tensor_parallel
+    tokens_per_s = load.rate_rps * (load.mean_input_tokens + load.mean_output_tokens)
+    return [
+        Quantity(
+            "analytic cost per million tokens",
+            f"replicas x TP x price / 3600 / (rate x (input + output)) x 1e6 = {_g(replicas)} x "
+            f"{hw.tensor_parallel} x ${gpu_price:g} / 3600 / {tokens_per_s:,.0f} tokens/s x 1e6",
+            gpus * gpu_price / 3600 / tokens_per_s * 1e6 if tokens_per_s else math.inf,
+            "USD",
+            1.0,
+            3,
+        ),
+        Quantity(
+            "decode cost per million output tokens at the node ceiling",
+            f"GPUs per node x price / 3600 / max decode tokens/s per node x 1e6 = "
+            f"{hw.gpus_per_node} x ${gpu_price:g} / 3600 / {node_ceiling:,.0f} x 1e6",
+            hw.gpus_per_node * gpu_price / 3600 / node_ceiling * 1e6 if node_ceiling else math.inf,
+            "USD",
+            1.0,
+            3,
+        ),
+    ]

@@ -279,14 +279,23 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
             "(--gpu-price per GPU-hour, times the preset's GPUs per replica), and the 8-GPU "
             "nodes that hold it. --target-rps R plans for R req/s instead of the trace's rate; "
             "--explain first prints the analytic sizing, step by step from the preset's model "
-            "and GPU figures, and afterwards sets it beside the simulated answer."
+            "and GPU figures, and afterwards sets it beside the simulated answer. "
+            "--kv --context T --batch N needs no trace or SLO: it sizes the KV cache of N "
+            "sequences of T tokens against one replica of the preset, and ranks what FP8 KV, "
+            "GQA/MLA, a smaller batch, paging with preemption, host offload and context "
+            "parallelism buy, with their costs. Capacity-only presets ("
+            + ", ".join(sorted(capacity.CAPACITY_PRESETS))
+            + ") work with --kv and --explain, not with the simulation."
         ),
         epilog=SYNTHETIC_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_trace_args(plan, FORMATS)
+    _add_trace_args(plan, FORMATS, required=False)
     plan.add_argument(
-        "--slo", type=_slo, required=True, metavar="ttft=S,tpot=S", help="Targets in seconds."
+        "--slo",
+        type=_slo,
+        metavar="ttft=S,tpot=S",
+        help="Targets in seconds (required, except with --kv).",
     )
     plan.add_argument(
         "--slo-quantile",
@@ -300,7 +309,7 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         default=DEFAULT_POLICY,
         help="Routing policy (default kv_aware).",
     )
-    _add_fleet_args(plan)
+    _add_fleet_args(plan, capacity_presets=True)
     plan.add_argument(
         "--rate-multipliers",
         type=_multipliers,
@@ -324,10 +333,27 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "count beside the simulated one and why they differ.",
     )
     plan.add_argument(
+        "--kv",
+        action="store_true",
+        help="KV budget only (no trace, no simulation): does --batch sequences of --context "
+        "tokens fit one replica of --preset, by how much not, and the levers ranked by the "
+        "capacity each buys, each with its cost in latency or quality.",
+    )
+    plan.add_argument(
+        "--context",
+        type=positive_int,
+        metavar="TOKENS",
+        help="With --kv: tokens per sequence (prompt + output), e.g. 131072.",
+    )
+    plan.add_argument(
+        "--batch", type=positive_int, metavar="N", help="With --kv: sequences decoding at once."
+    )
+    plan.add_argument(
         "--gpu-price",
         type=_non_negative_float,
         metavar="USD_PER_HOUR",
-        help="Price of one GPU-hour, for the cost per million tokens.",
+        help="Price of one GPU-hour, for the cost per million tokens (with --explain, also "
+        "the analytic fleet's and pure decode's).",
     )
     plan.add_argument(
         "--max-replicas", type=positive_int, default=1024, help="Give up above (default 1024)."
@@ -342,12 +368,15 @@ def wrapped(text: str) -> str:
     return textwrap.fill(text, width=88)
 
 
-def _add_trace_args(p: argparse.ArgumentParser, formats: tuple[str, ...]) -> None:
+def _add_trace_args(
+    p: argparse.ArgumentParser, formats: tuple[str, ...], required: bool = True
+) -> None:
     p.add_argument(
         "--trace",
-        required=True,
+        required=required,
         metavar="FILE",
-        help="Trace file (or, with --format synthetic, a generator spec).",
+        help="Trace file (or, with --format synthetic, a generator spec)"
+        + ("." if required else "; required, except with --kv."),
     )
     p.add_argument(
         "--format",
@@ -366,13 +395,16 @@ def _add_trace_args(p: argparse.ArgumentParser, formats: tuple[str, ...]) -> Non
     p.add_argument("--seed", type=int, default=0, help="Seed of policies and generators.")
 
 
-def _add_fleet_args(p: argparse.ArgumentParser) -> None:
+def _add_fleet_args(p: argparse.ArgumentParser, capacity_presets: bool = False) -> None:
+    extra = sorted(capacity.CAPACITY_PRESETS) if capacity_presets else []
     p.add_argument(
         "--preset",
-        choices=sorted(PRESETS),
+        choices=sorted(PRESETS) + extra,
         default=DEFAULT_PRESET,
         metavar="NAME",
-        help=f"Model + GPU latency preset (default {DEFAULT_PRESET}): {', '.join(sorted(PRESETS))}.",
+        help=f"Model + GPU latency preset (default {DEFAULT_PRESET}): {', '.join(sorted(PRESETS))}"
+        + (f"; capacity figures only (--kv, --explain): {', '.join(extra)}" if extra else "")
+        + ". -fp8: FP8 weights and KV at the FP8 peak.",
     )
     p.add_argument(
         "--kv-capacity-tokens",
@@ -765,6 +797,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.kv:
+        return _plan_kv(args)
+    if args.context is not None or args.batch is not None:
+        raise UsageError("--context and --batch go with --kv")
+    if args.trace is None:
+        raise UsageError("--trace is required (or --kv --context T --batch N for the KV budget)")
+    if args.slo is None:
+        raise UsageError("--slo is required (or --kv --context T --batch N for the KV budget)")
+    if args.preset in capacity.CAPACITY_PRESETS:
+        return _plan_capacity_only(args)
     if not 0 < args.slo_quantile < 1:
         raise UsageError(f"--slo-quantile must be between 0 and 1, got {args.slo_quantile}")
     if args.out:
@@ -864,9 +906,85 @@ def _analytic(
         hardware,
         load,
         tpot_s=args.slo.tpot_s,
-        mfu=latency_preset(args.preset).mfu,
+        mfu=_mfu(args.preset),
         max_num_seqs=args.max_num_seqs,
+        gpu_price=args.gpu_price,
     )
+
+
+def _mfu(preset: str) -> float:
+    """The preset's calibrated MFU; a capacity-only preset borrows the engine presets' 0.53."""
+    if preset in capacity.CAPACITY_PRESETS:
+        return capacity.PREFILL_MFU
+    return latency_preset(preset).mfu
+
+
+def _plan_kv(args: argparse.Namespace) -> int:
+    """``plan --kv``: the KV budget of one replica, no trace and no simulation."""
+    if args.context is None or args.batch is None:
+        raise UsageError("--kv needs --context TOKENS and --batch N")
+    if args.trace is not None or args.explain:
+        raise UsageError("--kv takes no --trace or --explain: it sizes the KV cache alone")
+    figures = capacity.figures_by_name(args.preset)
+    if figures is None:
+        raise UsageError(f"--kv needs a preset with model and GPU figures; {args.preset} has none")
+    budget = capacity.kv_budget(*figures, args.context, args.batch)
+    print("\n".join(budget.lines))
+    print(
+        "assumptions: host offload over PCIe Gen5 x16 at "
+        f"{capacity.PCIE_BYTES_PER_S / 1e9:g} GB/s per GPU, "
+        f"{capacity.HOST_BYTES_PER_NODE / 1e12:g} TB host DRAM per node; context parallelism "
+        f"over {capacity.NETWORK_BYTES_PER_S / 1e9:g} GB/s per GPU, "
+        f"{capacity.NETWORK_LATENCY_S * 1e6:g} us per collective"
+    )
+    if args.out:
+        _prepare_out(args.out)
+        with open(os.path.join(args.out, "plan.json"), "w") as f:
+            json.dump(
+                {
+                    "preset": args.preset,
+                    "context": args.context,
+                    "batch": args.batch,
+                    "kv_needed_bytes": budget.needed_bytes,
+                    "kv_available_bytes": budget.available_bytes,
+                    "fits": budget.fits,
+                    "largest_batch": budget.largest_batch,
+                    "levers": [vars(lv) for lv in budget.levers],
+                    "lines": list(budget.lines),
+                },
+                f,
+                indent=2,
+            )
+            f.write("\n")
+    return 0
+
+
+def _plan_capacity_only(args: argparse.Namespace) -> int:
+    """A capacity-only preset: the analytic sizing, and no simulation (no engine model)."""
+    if not args.explain:
+        raise UsageError(
+            f"{args.preset} has capacity figures only (no engine latency model to simulate): "
+            "use --explain or --kv"
+        )
+    _, units = _load(args)
+    k = 1.0
+    if args.target_rps is not None:
+        rps = len(units.requests) / units.duration_s if units.duration_s > 0 else 0.0
+        if rps <= 0:
+            raise UsageError(
+                "--target-rps needs a trace with a rate: its requests all arrive at one instant"
+            )
+        k = args.target_rps / rps
+    trace_k = scaled(units, k)
+    figures = capacity.CAPACITY_PRESETS[args.preset]
+    analytic = _analytic(args, figures, trace_k)
+    print(f"analytic sizing at {_rate_label(k, trace_k)} (--explain):")
+    print("\n".join("  " + line for line in analytic.lines))
+    print(
+        f"no simulation: {args.preset} has capacity figures only (the engine model has no MoE "
+        "or MLA); the analytic sizing above is the whole answer"
+    )
+    return 0
 
 
 def _analytic_vs_simulated(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:

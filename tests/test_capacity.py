@@ -199,3 +199,136 @@ def test_bad_plan_input_is_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert expected in err.strip().splitlines()[-1], err
+
+
+# -- plan --kv: the KV budget ----------------------------------------------------------------
+
+
+def _plan_out(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
+    code = main(["plan", *argv])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return captured.out.splitlines()
+
+
+def test_kv_budget_70b_at_128k_batch_32_does_not_fit_and_ranks_the_levers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--kv", "--preset", "llama-3.1-70b-8xh100", "--context", "131072", "--batch", "32"]
+    lines = _plan_out(capsys, argv)
+    # Needed: 32 x 131,072 x 327,680 B; available: 8 x (0.9 x 80 GB - 2 GB) - 141.12 GB.
+    need = 32 * 131_072 * KV_70B
+    assert need == 1_374_389_534_720
+    avail = 8 * (0.9 * H100_HBM - 2e9) - PARAMS_70B * 2
+    assert avail == pytest.approx(418.88e9)
+    assert lines[0] == (
+        "KV budget: llama-3.1-70b on 8xH100 (TP 8), context 131,072 tokens, batch 32"
+    )
+    assert lines[2] == (
+        "KV needed = batch x context x KV per token = 32 x 131,072 x 327,680 B = 1,374.39 GB"
+    )
+    assert lines[3].endswith("= 418.88 GB")
+    short = (need - avail) / 1e9
+    assert f"{short:,.1f}" == "955.5"
+    assert lines[4] == (
+        "does not fit: short by 955.5 GB (69.5% of the need); largest batch at this context 9"
+    )
+    assert math.floor(avail / (131_072 * KV_70B)) == 9
+    levers = [line for line in lines if re.match(r"\d\. ", line)]
+    assert [lv.split(":")[0] for lv in levers] == [
+        "1. GQA (8 KV heads) vs MHA",
+        "2. offload KV to host memory",
+        "3. context parallelism over 4 replicas' GPUs",
+        "4. smaller batch (9)",
+        "5. FP8 KV cache",
+        "6. paging with preemption",
+    ]
+    out = "\n".join(lines)
+    # FP8 halves the bytes: 163,840 B per token, 687.2 GB needed, still 268.3 GB short.
+    assert (
+        "5. FP8 KV cache: x2.00: KV per token 327,680 B x 1/2 = 163,840 B; KV needed 687.2 GB: "
+        "still short by 268.3 GB; largest batch 19"
+    ) in out
+    assert "x8.00: already in this model" in out and "it would need 10,995.1 GB" in out
+    # Offload: the 955.5 GB shortfall over 8 links at 64 GB/s, every step.
+    assert f"= {short * 1e9 / (8 * 64e9) * 1e3:,.0f} ms added per step" in out
+    assert "1,866 ms added per step" in out
+    # Context parallelism: ceil(1,374.4 / 418.9) = 4 replicas' GPUs hold it.
+    assert "4 x 8 = 32 GPUs each hold 1/4 of every sequence's KV: 1,675.5 GB available, fits" in out
+    # The smaller batch's throughput cost comes from the decode roofline.
+    assert "decode 457 tokens/s per replica at B=9 vs 566 at B=32 if it fitted (-19%" in out
+    assert "recomputes its prefill: 131,072 tokens at" in out
+    assert lines[-1].startswith("assumptions: host offload over PCIe Gen5 x16 at 64 GB/s per GPU")
+
+
+def test_kv_budget_of_the_moe_preset_fits_with_mla(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--kv", "--preset", "deepseek-v3-8xh200", "--context", "131072", "--batch", "32"]
+    lines = _plan_out(capsys, argv)
+    assert lines[1] == (
+        "KV per token = layers x (kv_lora_rank 512 + rope dim 64) x bytes = 61 x 576 x 2 B "
+        "= 70,272 B"
+    )
+    # 8 x (0.9 x 141 GB - 2 GB) - 671 GB of FP8 weights = 328.2 GB for KV.
+    assert lines[3].endswith("= 328.20 GB")
+    assert lines[4] == "fits: 33.5 GB spare (11% of the need); largest batch at this context 35"
+    assert any(line.startswith("1. MLA vs MHA: x56.89: already in this model") for line in lines)
+    assert any("nothing to offload" in line for line in lines)
+
+
+def test_moe_and_fp8_figures() -> None:
+    from kvroute.simulator.capacity import figures_by_name, weights_read_bytes
+    from kvroute.simulator.fleet.config import default_kv_capacity_tokens
+
+    ds = figures_by_name("deepseek-v3-8xh200")
+    assert ds is not None
+    model, hw = ds
+    # Shared + 8 of 256 experts is the published 37B active; a big batch touches them all.
+    assert weights_read_bytes(model, 1) == pytest.approx(37e9, rel=0.02)
+    assert weights_read_bytes(model, 2000) == pytest.approx(671e9, rel=1e-3)
+    assert hw.fp8_compute and hw.flops == 1979e12
+    # FP8 Llama: 1 byte per weight and per KV element, the FP8 peak, twice the KV tokens.
+    fp8 = latency_preset("llama-3.1-70b-8xh100-fp8")
+    bf16 = latency_preset("llama-3.1-70b-8xh100")
+    assert fp8.kv_bytes_per_token == KV_70B / 2 and fp8.weight_bytes == PARAMS_70B
+    assert fp8.peak_flops == 1979e12
+    assert default_kv_capacity_tokens(fp8) > 2 * default_kv_capacity_tokens(bf16)
+    figures = figures_by_name("llama-3.1-70b-8xh100-fp8")
+    assert figures is not None and figures[1].fp8_compute and figures[1].bf16_flops == H100_BF16
+    assert figures_by_name("tiny-cpu") is None
+
+
+def test_plan_explain_of_the_moe_preset_prices_it_without_simulating(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--trace", str(MOONCAKE), "--max-requests", "200", "--preset", "deepseek-v3-8xh200"]
+    lines = _plan_out(
+        capsys, [*argv, "--slo", "ttft=10,tpot=0.1", "--explain", "--gpu-price", "2.5"]
+    )
+    named = {line.strip().split(" = ", 1)[0]: line for line in lines if line.count(" = ") >= 2}
+    ceiling = _number(named["max decode tokens/s per node"])
+    cost = _number(named["decode cost per million output tokens at the node ceiling"])
+    assert cost == pytest.approx(8 * 2.5 / 3600 / ceiling * 1e6, rel=0.01)
+    assert "analytic cost per million tokens" in named
+    assert lines[-1].startswith("no simulation: deepseek-v3-8xh200 has capacity figures only")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--kv", "--context", "1000"], "--kv needs --context TOKENS and --batch N"),
+        (["--context", "1000", "--batch", "2"], "--context and --batch go with --kv"),
+        (["--slo", "ttft=1"], "--trace is required"),
+        (["--trace", str(MOONCAKE)], "--slo is required"),
+        (
+            ["--trace", str(MOONCAKE), "--slo", "ttft=1", "--preset", "deepseek-v3-8xh200"],
+            "capacity figures only",
+        ),
+        (["--kv", "--context", "9", "--batch", "1", "--preset", "tiny-cpu"], "has none"),
+    ],
+)
+def test_bad_kv_input_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: str
+) -> None:
+    code = main(["plan", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err

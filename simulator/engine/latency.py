@@ -24,6 +24,11 @@ of decoding sequences (memory-bound decode). Figures come from ``reference/roofl
 * MFU 0.53 (the published Qwen3-32B TP2 H100 calibration); bandwidth efficiency 0.85 (measured
   ceilings sit 10-20% under the datasheet).
 * Decode floor, 8B: 16.06 GB / 3.35 TB/s = 4.8 ms on H100, 3.35 ms on H200 (before efficiency).
+* ``-fp8`` presets: FP8 weights and FP8 KV cache (1 byte each), matmuls at the FP8 tensor peak,
+  1,979 TFLOP/s dense on H100 and H200; the same MFU and bandwidth efficiency.
+
+MoE and MLA models (DeepSeek-V3) have capacity figures only (``simulator/capacity.py``): this
+model's weights read per step and KV per token are those of a dense GQA model.
 
 The fixed overhead (1.5 ms per step on GPUs) and the all-reduce latency (6 us) are assumptions,
 not reference figures: typical of vLLM with CUDA graphs and custom all-reduce.
@@ -119,6 +124,7 @@ H100_FLOPS = 989e12
 H100_BANDWIDTH = 3.35e12
 H200_FLOPS = 989e12
 H200_BANDWIDTH = 4.8e12
+FP8_FLOPS = 1979e12  # H100 and H200 alike: FP8 tensor, dense
 
 _LLAMA_8B = {
     "num_params": 8.03e9,
@@ -137,7 +143,12 @@ _LLAMA_70B = {
 
 
 def _preset(
-    name: str, model: dict[str, float], flops: float, bandwidth: float, gpus: int
+    name: str,
+    model: dict[str, float],
+    flops: float,
+    bandwidth: float,
+    gpus: int,
+    bytes_per_element: float = 2.0,
 ) -> LatencyModel:
     return LatencyModel(
         name=name,
@@ -149,7 +160,17 @@ def _preset(
         peak_flops=flops,
         mem_bandwidth=bandwidth,
         num_gpus=gpus,
+        bytes_per_param=bytes_per_element,
+        kv_bytes_per_element=bytes_per_element,
     )
+
+
+def _fp8(name: str, model: dict[str, float], bandwidth: float, gpus: int) -> LatencyModel:
+    """FP8 weights and FP8 KV cache (vLLM --quantization fp8 --kv-cache-dtype fp8): 1 byte per
+    weight and per KV element, matmuls at the FP8 tensor peak (1,979 TFLOP/s dense on H100 and
+    H200, reference/roofline.md). The MFU and bandwidth efficiency stay the BF16 calibration's:
+    no published FP8 calibration is to hand."""
+    return _preset(name, model, FP8_FLOPS, bandwidth, gpus, bytes_per_element=1.0)
 
 
 TINY_CPU = LatencyModel(
@@ -179,6 +200,10 @@ PRESETS: dict[str, LatencyModel] = {
         _preset("llama-3.1-70b-4xh100", _LLAMA_70B, H100_FLOPS, H100_BANDWIDTH, 4),
         _preset("llama-3.1-70b-8xh100", _LLAMA_70B, H100_FLOPS, H100_BANDWIDTH, 8),
         _preset("llama-3.1-70b-2xh200", _LLAMA_70B, H200_FLOPS, H200_BANDWIDTH, 2),
+        _fp8("llama-3.1-8b-h100-fp8", _LLAMA_8B, H100_BANDWIDTH, 1),
+        _fp8("llama-3.1-70b-4xh100-fp8", _LLAMA_70B, H100_BANDWIDTH, 4),
+        _fp8("llama-3.1-70b-8xh100-fp8", _LLAMA_70B, H100_BANDWIDTH, 8),
+        _fp8("llama-3.1-70b-2xh200-fp8", _LLAMA_70B, H200_BANDWIDTH, 2),
         TINY_CPU,
     )
 }
