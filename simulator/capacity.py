@@ -9,7 +9,8 @@ The decode model is a roofline at datasheet peaks (no efficiency factor, no per-
 
 W weight bytes, KV bytes per token, P parameters, L layers, h hidden size, TP tensor-parallel
 GPUs per replica, BW HBM bytes/s and F BF16 FLOP/s per GPU, B sequences decoding, C their mean
-context. Figures: ``reference/roofline.md`` (H100 SXM5, H200 SXM, Llama-3.1-8B/70B).
+context. Figures: the public H100 SXM5 / H200 SXM datasheets and the Llama-3.1-8B/70B configs
+(the preset table in docs/simulator.md lists them).
 """
 
 from __future__ import annotations
