@@ -69,6 +69,8 @@ class PickerServer:
         epp = self.config.epp
         await self._set_health(("liveness",), serving=True)
         await self._set_health(READINESS_SERVICES, serving=False)
+        # gRPC binds with SO_REUSEPORT by default: a second picker on a taken port would start
+        # "fine" and share it. Without it, a taken port is the one-line error it should be.
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.picker), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
