@@ -340,6 +340,14 @@ def test_the_picker_runs_with_the_pool_ports_tls_tokenizer_and_model() -> None:
     }
     ports = {p["name"]: p["containerPort"] for p in epp["ports"]}
     assert ports == {"grpc": 9002, "grpc-health": 9003, "metrics": 9090}
+    # The arguments are ones `kvroute epp` takes, and they make a valid config (the tokenizer
+    # directory exists only in the pod: the built-in one stands in for it here).
+    from kvroute.cli import build_parser
+    from kvroute.epp_cli import epp_config_from_args
+
+    args = ["builtin" if a == "/tokenizer" else a for a in epp["args"]]
+    config = epp_config_from_args(build_parser().parse_args(args))
+    assert (config.epp.pool_name, config.epp.tls, config.epp.host) == ("vllm-pool", True, "0.0.0.0")
     # The tokenizer directory is mounted where --tokenizer points.
     assert any(m["mountPath"] == "/tokenizer" for m in epp["volumeMounts"])
 
