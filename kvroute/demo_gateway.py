@@ -51,25 +51,6 @@ def picker_for(fleet: LaunchedFleet, policy: str, ledger_bus: str | None = None)
     return PickerServer(msgspec.structs.replace(config, routing=routing))
 
 
-async def wait_for_picker(envoy: EnvoyProcess, count: int = 1, timeout_s: float = 20.0) -> None:
-    """Until Envoy's health check passes ``count`` pickers (it sends no stream before)."""
-    admin = f"http://127.0.0.1:{envoy.spec.admin_port}/clusters"
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    async with aiohttp.ClientSession() as http:
-        while loop.time() < deadline:
-            async with http.get(admin) as response:
-                text = await response.text()
-            healthy = sum(
-                line.startswith("epp::") and line.endswith("health_flags::healthy")
-                for line in text.splitlines()
-            )
-            if healthy >= count:
-                return
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"Envoy did not see the picker healthy; its log: {envoy.log_path}")
-
-
 async def run_gateway_demo(
     fleet: LaunchedFleet,
     policies: list[str],
@@ -97,7 +78,7 @@ async def run_gateway_demo(
             spec = GatewaySpec(pods, at, listen, admin, direct_port=direct)
             envoy = EnvoyProcess(spec, workdir / (policy or "direct"))
             envoy.start()
-            await wait_for_picker(envoy, count)
+            await asyncio.to_thread(envoy.wait_for_pickers, count)
             port = direct if policy is None else listen
             many = f"{count} " if count > 1 else ""
             if args.ledger_bus and count > 1:

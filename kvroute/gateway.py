@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,6 @@ class GatewaySpec:
     failure_mode_allow: bool = False  # picker unreachable: fail closed (500) or open
     tls: bool = False  # to the picker; not verified, as gateways do by default
     retries: int = 3
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -217,12 +216,10 @@ def envoy_config(spec: GatewaySpec) -> dict[str, Any]:
         listeners.append(
             _listener("direct", spec.host, spec.direct_port, "direct", [], spec.retries)
         )
-    config: dict[str, Any] = {
+    return {
         "admin": {"address": _address("127.0.0.1", spec.admin_port)},
         "static_resources": {"listeners": listeners, "clusters": clusters},
     }
-    config.update(spec.extra)
-    return config
 
 
 def _round_robin_policy() -> dict[str, Any]:
@@ -303,6 +300,30 @@ class EnvoyProcess:
                 pass
             time.sleep(0.05)
         raise TimeoutError(f"envoy not LIVE within {timeout_s}s: {self.log_path}")
+
+    def healthy_pickers(self) -> int:
+        """How many pickers Envoy's own health check passes now (no stream goes to the rest)."""
+        try:
+            url = f"http://127.0.0.1:{self.spec.admin_port}/clusters"
+            text = httpx.get(url, timeout=1.0).text
+        except httpx.HTTPError:
+            return 0
+        return sum(
+            line.startswith("epp::") and line.endswith("health_flags::healthy")
+            for line in text.splitlines()
+        )
+
+    def wait_for_pickers(self, healthy: int = 1, timeout_s: float = 20.0) -> None:
+        """Until Envoy sees exactly ``healthy`` pickers healthy (0: has seen them go). Blocks:
+        from an event loop that serves a picker, run it in a thread."""
+        deadline = time.monotonic() + timeout_s
+        while (seen := self.healthy_pickers()) != healthy:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Envoy sees {seen} pickers healthy, not {healthy}, after {timeout_s:g} s: "
+                    f"{self.log_tail(1500)}"
+                )
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

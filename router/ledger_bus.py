@@ -178,16 +178,14 @@ class LedgerBus:
 
     def forget_silent(self, now: float) -> int:
         """Close the dispatches of pickers not heard from for ``silence_s``."""
-        silent = {o for o, at in self._heard.items() if now - at > self.silence_s}
-        if not silent:
-            return 0
         closed = 0
-        for key in [k for k in self._remote if k[0] in silent]:
-            self.ledger.finish(self._remote.pop(key), now)
-            closed += 1
-        for origin in silent:
+        for origin in [o for o, at in self._heard.items() if now - at > self.silence_s]:
             del self._heard[origin]
-            log.warning("ledger bus: %s fell silent; closed its %d dispatches", origin, closed)
+            keys = [k for k in self._remote if k[0] == origin]
+            for key in keys:
+                self.ledger.finish(self._remote.pop(key), now)
+            closed += len(keys)
+            log.warning("ledger bus: %s fell silent; closed its %d dispatches", origin, len(keys))
         return closed
 
     @property

@@ -28,17 +28,24 @@ LATENCY_BUCKETS = (
 
 
 @dataclass(slots=True)
-class _Histogram:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+class Histogram:
+    """Counts per bucket, bumped on the hot path; Prometheus buckets at scrape time."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)
     total: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
 
     def buckets(self) -> list[tuple[str, float]]:
         out, running = [], 0
-        for bound, count in zip((*LATENCY_BUCKETS, float("inf")), self.counts, strict=True):
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             running += count
             out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
         return out
@@ -78,8 +85,8 @@ class RouterMetrics:
         self.resumes: dict[tuple[str], int] = {}
         # (replica, kind) -> count
         self.ejections: dict[tuple[str, str], int] = {}
-        self.time_to_first_byte: dict[str, _Histogram] = {}
-        self.duration: dict[str, _Histogram] = {}
+        self.time_to_first_byte: dict[str, Histogram] = {}
+        self.duration: dict[str, Histogram] = {}
         # replica -> prompt tokens routed there, and of those, tokens the index said it held.
         self.prompt_tokens: dict[str, int] = {}
         self.predicted_hit_tokens: dict[str, int] = {}
@@ -93,8 +100,8 @@ class RouterMetrics:
         self.requests[key] = self.requests.get(key, 0) + 1
         ttfb = self.time_to_first_byte.get(replica)
         if ttfb is None:
-            ttfb = self.time_to_first_byte[replica] = _Histogram()
-            self.duration[replica] = _Histogram()
+            ttfb = self.time_to_first_byte[replica] = Histogram()
+            self.duration[replica] = Histogram()
         ttfb.observe(ttfb_s)
         self.duration[replica].observe(duration_s)
 
@@ -149,8 +156,13 @@ class RouterMetrics:
         ejections: dict[Any, int] = dict(self.ejections)
         prompt_tokens: dict[Any, int] = {(k,): v for k, v in self.prompt_tokens.items()}
         predicted: dict[Any, int] = {(k,): v for k, v in self.predicted_hit_tokens.items()}
-        ttfb = {r: _Histogram(list(h.counts), h.total) for r, h in self.time_to_first_byte.items()}
-        duration = {r: _Histogram(list(h.counts), h.total) for r, h in self.duration.items()}
+        ttfb = {
+            r: Histogram(counts=list(h.counts), total=h.total)
+            for r, h in self.time_to_first_byte.items()
+        }
+        duration = {
+            r: Histogram(counts=list(h.counts), total=h.total) for r, h in self.duration.items()
+        }
         for peer in self._peers():
             for target, rows in (
                 (requests, peer["requests"]),
@@ -167,7 +179,7 @@ class RouterMetrics:
                     target[k] = target.get(k, 0) + count
             for target_h, histograms in ((ttfb, peer["ttfb"]), (duration, peer["duration"])):
                 for replica, (counts, total) in histograms.items():
-                    h = target_h.setdefault(replica, _Histogram())
+                    h = target_h.setdefault(replica, Histogram())
                     h.counts = [a + b for a, b in zip(h.counts, counts, strict=True)]
                     h.total += total
         return {

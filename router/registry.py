@@ -56,6 +56,7 @@ class ReplicaRegistry:
         self.breakers_enabled = config.breaker.enabled
         self._hooks = hooks
         self._settings = breaker_settings(config)
+        self._positions = 0
         self.handles: dict[str, ReplicaHandle] = {}
         for replica in config.replicas:
             self._add(replica)
@@ -70,8 +71,8 @@ class ReplicaRegistry:
     def _add(self, replica: ReplicaConfig) -> ReplicaHandle:
         name = replica.name or replica_name_from_url(replica.url)
         # Positions are never reused: they index the workers' shared load board.
-        position = max((h.index for h in self.handles.values()), default=-1) + 1
-        handle = ReplicaHandle(name, replica_base_url(replica.url), position, self._settings)
+        handle = ReplicaHandle(name, replica_base_url(replica.url), self._positions, self._settings)
+        self._positions += 1
         self.handles[name] = handle
         return handle
 

@@ -254,10 +254,7 @@ def kv_bytes_per_token(m: ModelFigures) -> Quantity:
 
 def kv_capacity_tokens(m: ModelFigures, hw: HardwareFigures) -> Quantity:
     weights = m.params * m.bytes_per_weight
-    free = (
-        hw.tensor_parallel * (hw.hbm_bytes * GPU_MEMORY_UTILIZATION - ACTIVATION_BYTES_PER_GPU)
-        - weights
-    )
+    free = kv_available_bytes(m, hw).value
     kv = kv_bytes_per_token(m).value
     return Quantity(
         "KV capacity per replica",

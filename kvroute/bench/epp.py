@@ -294,32 +294,6 @@ def wait_serving(child: processes.Child, port: int, timeout_s: float) -> None:
     )
 
 
-def picker_healthy_in_envoy(envoy: EnvoyProcess) -> bool:
-    """Whether Envoy's own health check of the picker cluster passes (it sends no stream to
-    a picker it has not seen healthy)."""
-    import httpx
-
-    try:
-        text = httpx.get(f"http://{HOST}:{envoy.spec.admin_port}/clusters", timeout=1.0).text
-    except httpx.HTTPError:
-        return False
-    return any(
-        line.startswith("epp::") and line.endswith("health_flags::healthy")
-        for line in text.splitlines()
-    )
-
-
-def wait_envoy_sees_picker(envoy: EnvoyProcess, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not picker_healthy_in_envoy(envoy):
-        if time.monotonic() > deadline:
-            raise processes.StartError(
-                f"Envoy did not see the picker healthy within {timeout_s:g} s:\n"
-                f"{envoy.log_tail(1500)}"
-            )
-        time.sleep(_POLL_S)
-
-
 @contextlib.contextmanager
 def running_gateway(options: Options, log_dir: Path) -> Iterator[Gateway]:
     """Stubs, ``kvroute epp`` and Envoy, each ready; all stopped on the way out."""
@@ -352,7 +326,10 @@ def running_gateway(options: Options, log_dir: Path) -> Iterator[Gateway]:
             envoy.start(options.startup_timeout_s)
         except (RuntimeError, TimeoutError) as exc:  # say which process did not start
             raise processes.StartError(f"Envoy did not start: {exc}") from exc
-        wait_envoy_sees_picker(envoy, options.startup_timeout_s)
+        try:
+            envoy.wait_for_pickers(1, options.startup_timeout_s)
+        except TimeoutError as exc:
+            raise processes.StartError(f"Envoy did not see the picker healthy: {exc}") from None
         gateway = Gateway(
             direct_url=f"http://{HOST}:{direct}",
             epp_url=f"http://{HOST}:{listen}",

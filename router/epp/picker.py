@@ -9,7 +9,6 @@ the gateway may use; the ranking becomes the ordered fallback list Envoy retries
 
 from __future__ import annotations
 
-import bisect
 import logging
 import random
 import time
@@ -28,7 +27,7 @@ from ..admission import Admission
 from ..config import Config, ReplicaConfig, replica_name_from_url
 from ..core import RoutingCore
 from ..ledger_bus import LedgerBus
-from ..metrics import RouterMetrics
+from ..metrics import Histogram, RouterMetrics
 from ..openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_chat, parse_completion
 from .endpoints import address_of_url, in_subset
 
@@ -56,7 +55,7 @@ class Pick:
     objective: str | None = None
     first_byte_at: float | None = None
     status: int = 0
-    admitted: bool = field(default=False)
+    admitted: bool = False
 
 
 class EndpointPicker:
@@ -141,7 +140,7 @@ class EndpointPicker:
         if self.bus is not None:
             self.bus.dispatched(dispatch)
         self.registry.dispatched(self.registry.handles[ranked[0]])
-        self.decisions.observe(time.perf_counter() - started, route.reason)
+        self.decisions.latency.observe(time.perf_counter() - started)
         self.metrics.observe_routed(
             dispatch.replica, dispatch.request.prompt_tokens, dispatch.cached_tokens
         )
@@ -280,16 +279,9 @@ class _Hooks:
 
 @dataclass(slots=True)
 class _DecisionStats:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(DECISION_BUCKETS) + 1))
-    total_s: float = 0.0
-    by_reason: dict[str, int] = field(default_factory=dict)
+    latency: Histogram = field(default_factory=lambda: Histogram(DECISION_BUCKETS))
     served_elsewhere: int = 0
     usage: dict[str, int] = field(default_factory=dict)
-
-    def observe(self, seconds: float, reason: str) -> None:
-        self.counts[bisect.bisect_left(DECISION_BUCKETS, seconds)] += 1
-        self.total_s += seconds
-        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
 
 
 class _PickerCollector(Collector):
@@ -299,15 +291,11 @@ class _PickerCollector(Collector):
     def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         picker = self._picker
         stats = picker.decisions
-        running, buckets = 0, []
-        for bound, count in zip((*DECISION_BUCKETS, float("inf")), stats.counts, strict=True):
-            running += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
         yield HistogramMetricFamily(
             "kvroute_epp_decision_seconds",
             "Time from the request's last body byte to the pick (parse, tokenize, route).",
-            buckets=buckets,
-            sum_value=stats.total_s,
+            buckets=stats.latency.buckets(),
+            sum_value=stats.latency.total,
         )
         served = CounterMetricFamily(
             "kvroute_epp_served_elsewhere",

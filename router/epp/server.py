@@ -121,11 +121,8 @@ class PickerServer:
         app.router.add_get("/metrics", metrics)
         self._metrics = web.AppRunner(app, access_log=None)
         await self._metrics.setup()
-        site = web.TCPSite(self._metrics, host, port)
-        await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        await web.TCPSite(self._metrics, host, port).start()
+        return int(self._metrics.addresses[0][1])
 
     async def _watch_pool(self) -> None:
         from kvroute.backends.kubernetes import InferencePoolWatcher

@@ -87,7 +87,9 @@ class _Exchange:
             if self.picked:
                 return []
             if not body.end_of_stream:
-                return [] if self.request_mode == FULL_DUPLEX else [_passed(request=True)]
+                if self.request_mode == FULL_DUPLEX:
+                    return []
+                return [messages.passed_body(request=True)]
             return await self._picked()
         if kind == "request_trailers":
             answers = [] if self.picked else await self._picked(ended=False)
@@ -188,7 +190,7 @@ class _Exchange:
                 self._finish(completed=True)
         if self.response_mode == FULL_DUPLEX:
             return list(messages.streamed_bodies(body.body, body.end_of_stream, request=False))
-        return [_passed(request=False)]
+        return [messages.passed_body(request=False)]
 
     def _keep_for_usage(self, chunk: bytes) -> None:
         self.response_bytes += len(chunk)
@@ -289,7 +291,3 @@ def _served_endpoint(message: ep.ProcessingRequest) -> str | None:
 def _immediate(picker: EndpointPicker, exc: errors.ApiError) -> ep.ProcessingResponse:
     picker.metrics.observe_rejected(exc.status, exc.code or exc.error_type)
     return messages.immediate(exc.status, exc.body(), list((exc.headers or {}).items()))
-
-
-def _passed(*, request: bool) -> ep.ProcessingResponse:
-    return messages.passed_body(request=request)
