@@ -16,7 +16,6 @@ pub/sub, at most once: a lost message costs a little accuracy, never correctness
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -72,7 +71,10 @@ class LedgerBus:
         self._next_id = 0
         self._remote: dict[tuple[str, int], Dispatch] = {}
         self._heard: dict[str, float] = {}  # origin -> monotonic time last heard
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        # Encoded events waiting for the one sender task (not a task per event).
+        self._outbox: list[bytes] = []
+        self._wake = asyncio.Event()
         self.published = 0
         self.applied = 0
 
@@ -83,14 +85,16 @@ class LedgerBus:
             self.url, name=f"kvroute-epp {self.origin}", max_reconnect_attempts=-1
         )
         await self._client.subscribe(self.subject, cb=self._on_message)
-        self._task = asyncio.create_task(self._beat(), name="kvroute-ledger-bus")
+        self._tasks = [
+            asyncio.create_task(self._send(self._client), name="kvroute-ledger-bus-send"),
+            asyncio.create_task(self._beat(), name="kvroute-ledger-bus-beat"),
+        ]
         log.info("sharing dispatches on %s %s as %s", self.url, self.subject, self.origin)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._client is not None:
             await self._client.drain()
 
@@ -124,13 +128,23 @@ class LedgerBus:
             self._publish(LedgerEvent(FINISH, self.origin, bus_id))
 
     def _publish(self, event: LedgerEvent) -> None:
-        client = self._client
-        if client is None or client.is_closed:
+        if self._client is None:
             return
         self.published += 1
-        # nats-py buffers the message and flushes it from its own task: nothing to wait for.
-        task = asyncio.ensure_future(client.publish(self.subject, _encoder.encode(event)))
-        task.add_done_callback(_log_failure)
+        self._outbox.append(_encoder.encode(event))
+        self._wake.set()
+
+    async def _send(self, client: Client) -> None:
+        """nats-py's publish only buffers the message (its own task flushes): one await each."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            outbox, self._outbox = self._outbox, []
+            for payload in outbox:
+                try:
+                    await client.publish(self.subject, payload)
+                except Exception as exc:  # at most once: a lost event costs accuracy only
+                    log.debug("ledger bus publish failed: %s", exc)
 
     # -- what the others did ------------------------------------------------------------
 
@@ -191,8 +205,3 @@ class LedgerBus:
     @property
     def remote_open(self) -> int:
         return len(self._remote)
-
-
-def _log_failure(task: asyncio.Future[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("ledger bus publish failed: %s", task.exception())
