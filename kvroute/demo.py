@@ -14,13 +14,7 @@ from aiohttp import web
 
 from kvroute.backends.launcher import LaunchedFleet, LaunchSpec
 from kvroute.backends.process import LaunchError
-from kvroute.bench.chat_load import (
-    RunResult,
-    record_counters,
-    replica_counters,
-    reset_prefix_caches,
-    run_conversations,
-)
+from kvroute.bench.chat_load import RunResult, measured_run
 from kvroute.kvcore.tokenizer import HFTokenizerFiles, SimpleTokenizer, Tokenizer
 from kvroute.router.config import config_from_dict
 from kvroute.router.launching import routing_for_launch
@@ -192,16 +186,10 @@ async def _run_all(
     conversations: list[Conversation],
     args: argparse.Namespace,
 ) -> list[RunResult]:
-    urls = [r.url for r in fleet.replicas]
-    names = {r.url: r.name for r in fleet.replicas}
     results = []
     async with aiohttp.ClientSession() as http:
         for policy in policies:
-            await reset_prefix_caches(http, urls)
-            before = await replica_counters(http, urls)
-            result = await _run_policy(http, fleet, policy, conversations, args)
-            record_counters(result, names, before, await replica_counters(http, urls))
-            results.append(result)
+            results.append(await _run_policy(http, fleet, policy, conversations, args))
     return results
 
 
@@ -228,23 +216,20 @@ async def _run_policy(
     router = Router(config)
     runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    result = RunResult(policy)
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
-        await run_conversations(
+        return await measured_run(
             http,
-            lambda tenant: f"http://127.0.0.1:{port}",
+            {r.url: r.name for r in fleet.replicas},
+            url,
+            policy,
             conversations,
-            result,
             concurrency=args.concurrency,
             max_tokens=args.max_tokens,
-            scripted_replies=False,
         )
     finally:
         await runner.cleanup()
-    return result
 
 
 def _demo_tokenizer(engine: str) -> Tokenizer:

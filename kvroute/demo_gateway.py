@@ -14,13 +14,7 @@ import msgspec
 
 from kvroute.backends.launcher import LaunchedFleet
 from kvroute.backends.process import free_ports
-from kvroute.bench.chat_load import (
-    RunResult,
-    record_counters,
-    replica_counters,
-    reset_prefix_caches,
-    run_conversations,
-)
+from kvroute.bench.chat_load import RunResult, measured_run
 from kvroute.gateway import EnvoyProcess, GatewaySpec
 from kvroute.router.config import config_from_dict
 from kvroute.router.epp.server import PickerServer
@@ -103,23 +97,16 @@ async def _run(
     conversations: list[Conversation],
     args: argparse.Namespace,
 ) -> RunResult:
-    urls = [r.url for r in fleet.replicas]
-    names = {r.url: r.name for r in fleet.replicas}
-    result = RunResult(label)
     async with aiohttp.ClientSession() as http:
-        await reset_prefix_caches(http, urls)
-        before = await replica_counters(http, urls)
-        await run_conversations(
+        return await measured_run(
             http,
-            lambda tenant: url,
+            {r.url: r.name for r in fleet.replicas},
+            url,
+            label,
             conversations,
-            result,
             concurrency=args.concurrency,
             max_tokens=args.max_tokens,
-            scripted_replies=False,
         )
-        record_counters(result, names, before, await replica_counters(http, urls))
-    return result
 
 
 async def _serve_until_interrupted(envoy: EnvoyProcess, picker: PickerServer | None) -> None:

@@ -161,3 +161,32 @@ async def run_conversations(
                 file=sys.stderr,
                 flush=True,
             )
+
+
+async def measured_run(
+    http: aiohttp.ClientSession,
+    replicas: dict[str, str],
+    url: str,
+    label: str,
+    conversations: Sequence[Conversation],
+    *,
+    concurrency: int,
+    max_tokens: int,
+) -> RunResult:
+    """The conversations through ``url`` on freshly reset prefix caches, with what the
+    replicas (URL -> name) counted themselves: one row of ``kvroute demo``'s table."""
+    urls = list(replicas)
+    await reset_prefix_caches(http, urls)
+    before = await replica_counters(http, urls)
+    result = RunResult(label)
+    await run_conversations(
+        http,
+        lambda tenant: url,
+        conversations,
+        result,
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        scripted_replies=False,
+    )
+    record_counters(result, replicas, before, await replica_counters(http, urls))
+    return result
