@@ -201,3 +201,28 @@ def test_demo_compares_policies_side_by_side(tmp_path: Path) -> None:
         requests, errors, hit_rate = int(row[1]), int(row[2]), row[3]
         assert requests == 8 and errors == 0
         assert hit_rate.endswith("%") and float(hit_rate[:-1]) > 0  # turns reuse their history
+
+
+@pytest.mark.slow
+def test_demo_through_a_real_envoy_and_two_pickers(tmp_path: Path) -> None:
+    """`kvroute demo --gateway`: Envoy alone, then Envoy asking two `kvroute epp` pickers."""
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "kvroute.cli", "demo", "--gateway", "--pickers", "2",
+            "--policies", "kv_aware", "--replicas", "2", "--tenants", "2", "--conversations", "2",
+            "--turns", "2", "--max-tokens", "4", "--log-dir", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # Columns are padded with two or more spaces; labels hold single ones.
+    rows = {
+        cells[0]: cells[1:]
+        for line in result.stdout.splitlines()
+        if line.startswith("envoy") and (cells := re.split(r"\s{2,}", line.strip()))
+    }
+    assert set(rows) == {"envoy round robin", "envoy + 2 epp kv_aware"}
+    for row in rows.values():
+        requests, errors, hit_rate = int(row[0]), int(row[1]), row[2]
+        assert requests == 8 and errors == 0
+        assert hit_rate.endswith("%") and float(hit_rate[:-1]) > 0
