@@ -118,11 +118,10 @@ class EndpointPicker:
         headers: Mapping[str, str],
         subset: frozenset[str] | None,
     ) -> Pick:
-        """The ranking for this request as an ordered fallback list; ApiError when none."""
+        """The ranking for this request as an ordered fallback list; ApiError when none.
+        (The stream refuses a body over ``limits.max_body_bytes`` as it arrives.)"""
         arrived = time.monotonic()
         started = time.perf_counter()
-        if len(body) > self.config.limits.max_body_bytes:
-            raise errors.body_too_large(self.config.limits.max_body_bytes)
         parse = PARSERS.get(path.partition("?")[0])
         parsed = parse(body) if parse is not None else None
         if parsed is not None:
