@@ -53,11 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     from kvroute.epp_cli import add_epp_command
     from kvroute.simulator.cli_replay import add_replay_parsers
     from kvroute.simulator.replica.cli import add_replica_command
+    from kvroute.sweep import add_sweep_command
 
     add_epp_command(sub)
     add_demo_command(sub)
     add_replica_command(sub)
     add_replay_parsers(sub)
+    add_sweep_command(sub)
     add_make_tiny_model_command(sub)
     add_drill_command(sub)
     add_bench(sub)

@@ -29,6 +29,14 @@ cold prefixes spread evenly over the fleet, and a hot prefix whose home is busy 
 home instead of piling onto one replica: once the home's queue outweighs the cached prefix, the
 other replicas are cheaper, and the ring picks the same second home every time.
 
+A prefix held by more than ``warm_holders`` replicas is a shared one (the system prompt every
+conversation starts with), not this prompt's home: only what a replica holds beyond it makes the
+replica a warm home (for those near ties, and for the refill term). Following a shared prefix
+sends every new conversation to the few replicas that served one first: at 64-200 replicas
+about 30 of them took all the traffic and evicted what the rest of the fleet could have kept
+(docs/simulator.md, "Loss against the pooled-LRU bound"). Past it, the ring decides, and the
+shared prefix gets one more copy on the prompt's home.
+
 Pure: the router (or the simulator) fills in ``RouteRequest.prefix_tokens`` from the prefix
 index and the load fields of ``ReplicaState``; nothing here does I/O or reads a clock.
 """
@@ -55,6 +63,7 @@ LEAST_COST = "kv_least_cost"  # a clear winner on load, no replica holds any of 
 
 class KvAware(Policy):
     name = "kv_aware"
+    reads_prefixes = True
 
     def __init__(
         self,
@@ -65,6 +74,7 @@ class KvAware(Policy):
         kv_high: float = 0.95,
         kv_pressure_weight: float = 1.0,
         refill_weight: float = 2.0,
+        warm_holders: int = 2,
         eps: float = 0.25,
         key_blocks: int = 4,
         vnodes: int = 160,
@@ -81,6 +91,8 @@ class KvAware(Policy):
                 raise ValueError(f"{label} must be a finite number >= 0, got {value}")
         if margin_tokens < 0 or waiting_request_tokens < 0:
             raise ValueError("margin_tokens and waiting_request_tokens must be >= 0")
+        if warm_holders < 0:
+            raise ValueError(f"warm_holders must be >= 0 (0: off), got {warm_holders}")
         if not 0 < kv_high <= 1:
             raise ValueError(f"kv_high must be in (0, 1], got {kv_high}")
         if key_blocks < 1 or vnodes < 1:
@@ -92,6 +104,7 @@ class KvAware(Policy):
         self.kv_high = kv_high
         self.kv_pressure_weight = kv_pressure_weight
         self.refill_weight = refill_weight
+        self.warm_holders = warm_holders
         self.eps = eps
         self.key_blocks = key_blocks
         self.vnodes = vnodes
@@ -138,7 +151,8 @@ class KvAware(Policy):
             return NO_HEALTHY_REPLICA
         prefix = request.prefix_tokens or {}
         bound = load_bound(sum(r.in_flight for r in eligible), len(eligible), self.eps)
-        held = self.held_with_room(request, eligible, bound) if prefix else 0
+        warm = self._warm(request)
+        held = _held_with_room(warm, eligible, bound) if warm else 0
         cost = self.cost
         costs = [(cost(r, request, held), k) for k, r in enumerate(eligible)]
         costs.sort()  # by cost, then fleet order (as a stable sort by cost)
@@ -151,7 +165,7 @@ class KvAware(Policy):
         ties = [eligible[k] for c, k in costs if c <= limit]
         longest = max([prefix.get(r.replica_id, 0) for r in eligible]) if prefix else 0
         if len(ties) > 1 and prefix:
-            ties = _warm_ties(ties, eligible, prefix, bound)
+            ties = _warm_ties(ties, eligible, warm, bound)
         if len(ties) == 1:
             chosen = ties[0]
             held = prefix.get(chosen.replica_id, 0)
@@ -166,11 +180,19 @@ class KvAware(Policy):
     def held_with_room(
         self, request: RouteRequest, eligible: list[ReplicaState], bound: int
     ) -> int:
-        """The longest prefix of the prompt held by a replica below the load bound."""
+        """The longest warm prefix of the prompt (see ``warm_holders``) held by a replica below
+        the load bound."""
+        return _held_with_room(self._warm(request), eligible, bound)
+
+    def _warm(self, request: RouteRequest) -> Mapping[str, int]:
+        """The prefix matches that make a replica a warm home: longer than what more than
+        ``warm_holders`` replicas hold (a shared prefix); all of them when that is off."""
         prefix = request.prefix_tokens or {}
-        return max(
-            (prefix.get(r.replica_id, 0) for r in eligible if r.in_flight < bound), default=0
-        )
+        limit = self.warm_holders
+        if not limit or len(prefix) <= limit:
+            return prefix
+        shared = sorted(prefix.values(), reverse=True)[limit]  # held by limit + 1 or more
+        return {rid: tokens for rid, tokens in prefix.items() if tokens > shared}
 
     def _break_tie(
         self,
@@ -222,11 +244,16 @@ class KvAware(Policy):
             "kv_high": self.kv_high,
             "kv_pressure_weight": self.kv_pressure_weight,
             "refill_weight": self.refill_weight,
+            "warm_holders": self.warm_holders,
             "eps": self.eps,
             "key_blocks": self.key_blocks,
             "vnodes": self.vnodes,
             "seed": self._seed,
         }
+
+
+def _held_with_room(warm: Mapping[str, int], eligible: list[ReplicaState], bound: int) -> int:
+    return max((warm.get(r.replica_id, 0) for r in eligible if r.in_flight < bound), default=0)
 
 
 def _warm_ties(

@@ -96,6 +96,9 @@ class Policy(ABC):
     """A routing policy: pure, synchronous, deterministic for a seed."""
 
     name: ClassVar[str]
+    # Whether decisions read ``RouteRequest.prefix_tokens``/``block_hashes``: a policy that
+    # does not is spared the router's tokenization (round robin at round robin's price).
+    reads_prefixes: ClassVar[bool] = False
 
     @abstractmethod
     def decide(self, request: RouteRequest, fleet: FleetView) -> Decision:

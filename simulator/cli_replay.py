@@ -44,7 +44,12 @@ from kvroute.simulator.fleet import (
 )
 from kvroute.simulator.fleet.bounds import prefill_alone_s
 from kvroute.simulator.fleet.report import markdown_report
-from kvroute.simulator.fleet.summary import format_table, replay_warnings, summarize
+from kvroute.simulator.fleet.summary import (
+    format_loss,
+    format_table,
+    replay_warnings,
+    summarize,
+)
 from kvroute.simulator.fleet.units import scaled
 
 EXIT_USAGE = 2
@@ -196,15 +201,6 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help=f"Routing policy (default {DEFAULT_POLICY}): {', '.join(sorted(POLICIES))}.",
     )
     replay.add_argument(
-        "--policy-param",
-        type=_policy_param,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="A policy parameter (as in a config's policy.params), e.g. margin_ratio=0.05; "
-        "repeat for more. Applies to every policy that accepts it.",
-    )
-    replay.add_argument(
         "--compare",
         type=_policy_list,
         metavar="P1,P2,...",
@@ -212,24 +208,10 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     _add_fleet_args(replay)
     _add_router_args(replay)
-    replay.add_argument(
-        "--slo",
-        type=_slo,
-        metavar="ttft=S,tpot=S",
-        help="Targets in seconds for goodput (requests that meet both per second).",
-    )
-    replay.add_argument(
-        "--fail",
-        type=_failure,
-        action="append",
-        default=[],
-        metavar="K@T",
-        help="Remove replica K (0-based) at T seconds; repeat for more.",
-    )
+    _add_run_args(replay)
     replay.add_argument(
         "--out", metavar="DIR", help="Directory for summary.json, report.md, plots."
     )
-    replay.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
     replay.add_argument(
         "--quiet", action="store_true", help="No progress bar (the summary still prints)."
     )
@@ -267,7 +249,8 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="With --live: requests in flight at most (default 64); a request due while all "
         "are busy waits, and the summary says how late requests went out.",
     )
-    replay.set_defaults(func=_cmd_replay)
+    # A sweep's cell names its own command (report.md's); a replay's is its argv.
+    replay.set_defaults(func=_cmd_replay, command=None)
 
     plan = sub.add_parser(
         "plan",
@@ -369,7 +352,10 @@ def wrapped(text: str) -> str:
 
 
 def _add_trace_args(
-    p: argparse.ArgumentParser, formats: tuple[str, ...], required: bool = True
+    p: argparse.ArgumentParser,
+    formats: tuple[str, ...],
+    required: bool = True,
+    rate_scale: bool = True,
 ) -> None:
     p.add_argument(
         "--trace",
@@ -387,15 +373,21 @@ def _add_trace_args(
     p.add_argument(
         "--time-scale", type=positive_float, default=1.0, help="Stretch arrivals (2 = half rate)."
     )
-    p.add_argument(
-        "--rate-scale", type=positive_float, default=1.0, help="Compress arrivals (2 = 2x rate)."
-    )
+    if rate_scale:
+        p.add_argument(
+            "--rate-scale",
+            type=positive_float,
+            default=1.0,
+            help="Compress arrivals (2 = 2x rate).",
+        )
     p.add_argument("--window", type=_window, metavar="START:END", help="Seconds of the trace.")
     p.add_argument("--max-requests", type=positive_int, help="Keep only the first N requests.")
     p.add_argument("--seed", type=int, default=0, help="Seed of policies and generators.")
 
 
-def _add_fleet_args(p: argparse.ArgumentParser, capacity_presets: bool = False) -> None:
+def _add_fleet_args(
+    p: argparse.ArgumentParser, capacity_presets: bool = False, kv_capacity: bool = True
+) -> None:
     extra = sorted(capacity.CAPACITY_PRESETS) if capacity_presets else []
     p.add_argument(
         "--preset",
@@ -406,12 +398,13 @@ def _add_fleet_args(p: argparse.ArgumentParser, capacity_presets: bool = False) 
         + (f"; capacity figures only (--kv, --explain): {', '.join(extra)}" if extra else "")
         + ". -fp8: FP8 weights and KV at the FP8 peak.",
     )
-    p.add_argument(
-        "--kv-capacity-tokens",
-        type=positive_int,
-        metavar="T",
-        help="KV cache per replica in tokens (default: the preset's GPU memory less weights).",
-    )
+    if kv_capacity:
+        p.add_argument(
+            "--kv-capacity-tokens",
+            type=positive_int,
+            metavar="T",
+            help="KV cache per replica in tokens (default: the preset's GPU memory less weights).",
+        )
     p.add_argument("--block-size", type=positive_int, default=16, help="KV block size (16).")
     p.add_argument("--max-num-seqs", type=positive_int, default=256, help="Batch limit (256).")
     p.add_argument(
@@ -458,7 +451,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
         help="What the routers learn of each other's traffic (default none). none: only the "
         "replicas' queue depth and KV usage, scraped every --scrape-interval-s; scrape: the "
         "same, scraped every --share-scrape-interval-s; bus: every dispatch, first token and "
-        "finish (load and predictions) published to the other routers --bus-lag-s later.",
+        "finish (load and predictions) published to the other routers --bus-lag-s later; "
+        "load: in-flight load summed over the routers at once, predictions each its own (the "
+        "workers of kvroute serve --workers N).",
     )
     p.add_argument(
         "--share-scrape-interval-s",
@@ -477,6 +472,58 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--policy-param",
+        type=_policy_param,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A policy parameter (as in a config's policy.params), e.g. margin_ratio=0.05; "
+        "repeat for more. Applies to every policy that accepts it.",
+    )
+    p.add_argument(
+        "--slo",
+        type=_slo,
+        metavar="ttft=S,tpot=S",
+        help="Targets in seconds for goodput (requests that meet both per second).",
+    )
+    p.add_argument(
+        "--fail",
+        type=_failure,
+        action="append",
+        default=[],
+        metavar="K@T",
+        help="Remove replica K (0-based) at T seconds; repeat for more.",
+    )
+    p.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
+
+
+def add_cell_args(p: argparse.ArgumentParser) -> None:
+    """The simulated replay's flags that ``kvroute sweep`` passes to every cell unchanged: all
+    but the grid's own (--policy, --replicas, --kv-capacity-tokens, --rate-scale), --compare,
+    --out, --quiet and --live's."""
+    from kvroute.simulator.traces import FORMATS
+
+    _add_trace_args(p, FORMATS, rate_scale=False)
+    _add_fleet_args(p, kv_capacity=False)
+    _add_router_args(p)
+    _add_run_args(p)
+
+
+def replay_args(**values: Any) -> argparse.Namespace:
+    """``kvroute replay``'s arguments as its parser defaults them, with ``values`` set (a sweep's
+    cell: what the sweep was given, the cell's grid values, its own --out)."""
+    parser = argparse.ArgumentParser()
+    add_replay_parsers(parser.add_subparsers())
+    args = parser.parse_args(["replay", "--trace", "-"])
+    for key, value in values.items():
+        if not hasattr(args, key):
+            raise TypeError(f"kvroute replay has no argument {key!r}")
+        setattr(args, key, value)
+    return args
+
+
 def describe_routers(config: FleetConfig) -> str:
     """The routers in front of the fleet and what they share, for the summary."""
     shared = f"queue depth and KV usage scraped every {config.scrape_every_s:g} s"
@@ -485,6 +532,8 @@ def describe_routers(config: FleetConfig) -> str:
             f", dispatches, first tokens and finishes published {config.bus_lag_s * 1000:g} "
             "ms later"
         )
+    elif config.share == "load":
+        shared += ", in-flight load summed at once (as --workers share it), predictions not"
     who = "1 router" if config.routers == 1 else f"{config.routers} routers (request i to i % N)"
     return f"{who}, share {config.share}: {shared}"
 
@@ -602,13 +651,14 @@ def run_policy(
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     try:
-        return _replay(args)
+        return run_replay(args)
     except UsageError as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
 
-def _replay(args: argparse.Namespace) -> int:
+def run_replay(args: argparse.Namespace) -> int:
+    """``kvroute replay`` once its flags are parsed; bad input raises ``UsageError``."""
     if args.live:
         if args.routers != 1 or args.share != "none":
             raise UsageError(
@@ -617,27 +667,10 @@ def _replay(args: argparse.Namespace) -> int:
             )
         # The live replayer paces by --time-scale itself: load the trace unscaled in time.
         return _replay_live(args, _load_trace(args, 1.0))
-    trace, units = _load(args)
     if not args.out:
         raise UsageError("--out DIR is required (where summary.json and report.md go)")
+    trace, units, config, policies = _simulated_replay(args)
     _prepare_out(args.out)
-    for k, _ in args.fail:
-        if k >= args.replicas:
-            raise UsageError(f"--fail {k}@...: replicas are numbered 0..{args.replicas - 1}")
-    try:
-        config = replace(
-            _fleet_config(args, args.replicas, args.fail),
-            routers=args.routers,
-            share=args.share,
-            share_scrape_interval_s=args.share_scrape_interval_s,
-            bus_lag_s=args.bus_lag_s,
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    policies = args.compare or [args.policy]
-    for key, _ in args.policy_param:
-        if not any(key in policy_parameters(name) for name in policies):
-            raise UsageError(f"--policy-param {key}: no policy of {', '.join(policies)} takes it")
     infinite = infinite_cache_hit_rate(units, config.engine.block_size).token_rate
     pooled = pooled_lru_hit_rate(
         units, config.engine.num_blocks * config.replicas, config.engine.block_size
@@ -680,6 +713,10 @@ def _replay(args: argparse.Namespace) -> int:
         f"bounds: infinite cache {percent(infinite)}, pooled LRU of the fleet's capacity "
         f"{percent(pooled)} (token-weighted hit rates)"
     )
+    for summary in summaries:
+        line = format_loss(summary)
+        if line:
+            print(line)
     for note in notes:
         print(f"note: {note}")
     for summary in summaries:
@@ -689,6 +726,40 @@ def _replay(args: argparse.Namespace) -> int:
     _write_outputs(args, trace, units, config, results, summaries)
     print(f"wrote {os.path.join(args.out, 'summary.json')} and report.md")
     return 0
+
+
+def _simulated_replay(
+    args: argparse.Namespace,
+) -> tuple[Any, UnitTrace, FleetConfig, list[str]]:
+    """The trace, fleet and policies of a simulated replay, its flags checked."""
+    trace, units = _load(args)
+    for k, _ in args.fail:
+        if k >= args.replicas:
+            raise UsageError(f"--fail {k}@...: replicas are numbered 0..{args.replicas - 1}")
+    try:
+        config = replace(
+            _fleet_config(args, args.replicas, args.fail),
+            routers=args.routers,
+            share=args.share,
+            share_scrape_interval_s=args.share_scrape_interval_s,
+            bus_lag_s=args.bus_lag_s,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    policies = args.compare or [args.policy]
+    for key, _ in args.policy_param:
+        if not any(key in policy_parameters(name) for name in policies):
+            raise UsageError(f"--policy-param {key}: no policy of {', '.join(policies)} takes it")
+    return trace, units, config, policies
+
+
+def check_replay(args: argparse.Namespace) -> None:
+    """Raise ``UsageError`` for what ``run_replay`` would refuse, without simulating: the trace,
+    the fleet's configuration, --fail, --policy-param and the policies it builds (``kvroute
+    sweep`` checks its grid)."""
+    _, _, _, policies = _simulated_replay(args)
+    for name in policies:
+        _policy_object(name, args.seed, args.policy_param)
 
 
 # Traces whose prefixes kvroute makes up: their hit rates describe its model, not the workload.
@@ -730,7 +801,7 @@ def _write_outputs(
     summary = dict(summaries[0])
     if len(summaries) > 1:
         summary["runs"] = summaries
-    command = "kvroute " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = args.command or "kvroute " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")

@@ -133,7 +133,7 @@ def test_plan_says_where_it_stopped_and_why_no_fleet_size_meets_the_slo(
     assert row.split()[2:4] == ["64", "(miss)"] and "> max" not in captured.out
     stopped = (
         "no fleet size meets the SLO: the search stopped at 64 replicas (limit: --max-replicas "
-        "1024): TTFT p99 6.517 s > 1 s, as at 32 replicas (TTFT p99 6.517 s): more replicas do "
+        "1024): TTFT p99 6.532 s > 1 s, as at 32 replicas (TTFT p99 6.532 s): more replicas do "
         "not help"
     )
     assert out.count(stopped) == 2  # one per rate
@@ -144,12 +144,12 @@ def test_plan_says_where_it_stopped_and_why_no_fleet_size_meets_the_slo(
         "longest prompt, 120,633 tokens, takes 11.0 s to prefill from scratch"
     ) in out
     # Progress lines label their wall time.
-    progress = "1x rate, 64 replicas: TTFT p99 6.517 s, TPOT p99 11.2 ms, misses the SLO"
+    progress = "1x rate, 64 replicas: TTFT p99 6.532 s, TPOT p99 11.2 ms, misses the SLO"
     assert f"{progress} (simulated in " in captured.err
     row_json = json.loads((tmp_path / "plan.json").read_text())["rows"][0]
     assert row_json["replicas"] is None and row_json["simulated"][-1] == 64
     assert row_json["largest_tried"]["replicas"] == 64
-    assert row_json["largest_tried"]["ttft_s"] == pytest.approx(6.517, abs=0.001)
+    assert row_json["largest_tried"]["ttft_s"] == pytest.approx(6.532, abs=0.001)
     assert row_json["unreachable"].startswith("no fleet size meets the SLO")
     assert row_json["why"][0].startswith("18 of 100 requests")
 

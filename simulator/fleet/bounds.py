@@ -97,9 +97,22 @@ def prefill_alone_s(trace: UnitTrace, engine: EngineConfig, *, cached: bool) -> 
 
 def pooled_lru_hit_rate(trace: UnitTrace, capacity_blocks: int, block_size: int = 16) -> HitRate:
     """One LRU cache of ``capacity_blocks`` KV blocks over the whole trace."""
+    hit_tokens = tokens = hit_units = units = 0
+    for request, hit, matched in pooled_lru_hits(trace, capacity_blocks, block_size):
+        hit_units += matched
+        units += len(request.unit_keys)
+        hit_tokens += hit
+        tokens += request.input_tokens
+    return HitRate(_ratio(hit_tokens, tokens), _ratio(hit_units, units))
+
+
+def pooled_lru_hits(
+    trace: UnitTrace, capacity_blocks: int, block_size: int = 16
+) -> Iterator[tuple[SimRequest, int, int]]:
+    """(request, hit tokens, hit units) of each request with one LRU cache of
+    ``capacity_blocks`` KV blocks: the bound's per-request figure (``loss.py`` reads it)."""
     lru: OrderedDict[int, int] = OrderedDict()  # unit key -> its blocks, least recent first
     size = 0
-    hit_tokens = tokens = hit_units = units = 0
     for request in trace.requests:
         keys = request.unit_keys
         blocks = _unit_blocks(request, trace.block_tokens, block_size)
@@ -119,11 +132,7 @@ def pooled_lru_hit_rate(trace: UnitTrace, capacity_blocks: int, block_size: int 
             size += b
             while size > capacity_blocks:
                 size -= lru.popitem(last=False)[1]
-        hit_units += matched
-        units += len(keys)
-        hit_tokens += _hit_tokens(request, hit_blocks, block_size)
-        tokens += request.input_tokens
-    return HitRate(_ratio(hit_tokens, tokens), _ratio(hit_units, units))
+        yield request, _hit_tokens(request, hit_blocks, block_size), matched
 
 
 def _ratio(a: int, b: int) -> float:

@@ -11,7 +11,7 @@ from kvroute.simulator.engine.latency import LatencyModel
 ENGINE_MODELS = ("fast", "exact")
 # What several routers (endpoint pickers behind one gateway) share beyond the KV events that
 # every one of them subscribes to (see FleetConfig.share).
-SHARE_MODES = ("none", "scrape", "bus")
+SHARE_MODES = ("none", "scrape", "bus", "load")
 
 # GPU memory per device, for the default KV capacity of a preset (name fragment -> bytes).
 _GPU_MEMORY = {"h100": 80e9, "h200": 141e9}
@@ -40,7 +40,9 @@ class FleetConfig:
     every replica's KV events. ``share`` says what else they learn of each other's traffic:
     ``none``, the replicas' queue depth scraped every ``scrape_interval_s``; ``scrape``, the
     same scraped every ``share_scrape_interval_s`` instead; ``bus``, every dispatch, first
-    token and finish (load and predictions) published to the others ``bus_lag_s`` later.
+    token and finish (load and predictions) published to the others ``bus_lag_s`` later;
+    ``load``, in-flight load summed over the routers at once, predictions each its own (the
+    workers of ``kvroute serve --workers N``, simulator/fleet/shared_load.py).
     """
 
     replicas: int

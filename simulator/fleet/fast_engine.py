@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvroute.simulator.engine.config import EngineConfig
 
-from .kv_units import Unit, UnitPool
+from .kv_units import Holdings, Unit, UnitPool
 from .protocol import StepReport
 from .steptime import DecodeTimer
 from .units import SimRequest
@@ -74,12 +74,14 @@ class _Plan:
 class FastEngine:
     """One replica: vLLM v1 scheduling, unit-granular prefix cache, closed-form decode runs."""
 
-    def __init__(self, config: EngineConfig, block_tokens: int) -> None:
+    def __init__(
+        self, config: EngineConfig, block_tokens: int, holdings: Holdings | None = None
+    ) -> None:
         self.config = config
         self.block_size = config.block_size
         self.block_tokens = block_tokens
         self.index_block_tokens = block_tokens
-        self.pool = UnitPool(config.num_blocks)
+        self.pool = UnitPool(config.num_blocks, holdings)
         self.timer = DecodeTimer(config.latency)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []

@@ -33,12 +33,15 @@ from kvroute.kvcore.ledger import Dispatch, DispatchLedger, Route
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
 
+from .bounds import pooled_lru_hits
 from .config import FleetConfig
 from .exact_engine import ExactEngine
 from .fast_engine import FastEngine
-from .kv_units import IndexOp
+from .kv_units import Holdings, IndexOp
+from .loss import LossTracker
 from .protocol import SimEngine, StepReport
 from .results import NAN, SimResult
+from .shared_load import SharedTotals
 from .units import SimRequest, UnitTrace
 
 # Event kinds, in the order they run when they fall at the same instant.
@@ -65,11 +68,19 @@ class _Router:
 
     __slots__ = ("index", "ledger", "states")
 
-    def __init__(self, names: list[str], policy: Policy, prediction_ttl_s: float) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        policy: Policy,
+        prediction_ttl_s: float,
+        shared: SharedTotals | None = None,
+    ) -> None:
         self.states = [ReplicaState(name) for name in names]
         self.index = PrefixIndex()
         view = FleetView(self.states, membership_version=1)
-        self.ledger = DispatchLedger(policy, view, self.index, prediction_ttl_s=prediction_ttl_s)
+        self.ledger = DispatchLedger(
+            policy, view, self.index, prediction_ttl_s=prediction_ttl_s, shared=shared
+        )
 
 
 class _Published:
@@ -85,10 +96,12 @@ class _Published:
         self.copies: list[tuple[DispatchLedger, Dispatch]] = []
 
 
-def make_engine(config: FleetConfig, block_tokens: int) -> SimEngine:
+def make_engine(
+    config: FleetConfig, block_tokens: int, holdings: Holdings | None = None
+) -> SimEngine:
     if config.engine_model == "exact":
         return ExactEngine(config.engine, block_tokens)
-    return FastEngine(config.engine, block_tokens)
+    return FastEngine(config.engine, block_tokens, holdings)
 
 
 def simulate(
@@ -112,12 +125,25 @@ class _Fleet:
         # Each picker its own policy object, copied before any decision: what N processes
         # started from one config hold (a policy keeps state: its ring, its random stream).
         policies = [policy, *(copy.deepcopy(policy) for _ in range(config.routers - 1))]
-        self.routers = [_Router(self.names, p, config.prediction_ttl_s) for p in policies]
+        # share="load": one board of in-flight load for all, as --workers share it.
+        self.board = SharedTotals(n) if config.share == "load" and config.routers > 1 else None
+        self.routers = [
+            _Router(self.names, p, config.prediction_ttl_s, self.board) for p in policies
+        ]
         self.ledgers = [router.ledger for router in self.routers]
         self.indexes = [router.index for router in self.routers]
         self.bus = config.share == "bus" and config.routers > 1
         self.scrape_every = config.scrape_every_s
-        self.engines = [make_engine(config, trace.block_tokens) for _ in range(n)]
+        # The loss decomposition (loss.py) needs the fast engine's unit pools.
+        holdings = Holdings() if config.engine_model == "fast" else None
+        self.engines = [make_engine(config, trace.block_tokens, holdings) for _ in range(n)]
+        self.pools = [e.pool for e in self.engines if isinstance(e, FastEngine)]
+        self.loss: LossTracker | None = None
+        if holdings is not None:
+            capacity = config.engine.num_blocks * n
+            bs = config.engine.block_size
+            bound = [units for _, _, units in pooled_lru_hits(trace, capacity, bs)]
+            self.loss = LossTracker(trace.requests, bound, trace.block_tokens, bs, holdings)
         self.ibt = self.engines[0].index_block_tokens
         self.heap: list[tuple[float, int, int, int, object]] = []
         self._order = 0
@@ -244,6 +270,10 @@ class _Fleet:
         chosen = route.ranked[0]
         r = self.number[chosen]
         flight.dispatch = ledger.dispatch(route, chosen, t)
+        if self.loss is not None:
+            prefix = route.request.prefix_tokens
+            predicted = prefix.get(chosen, 0) // self.ibt if prefix else 0
+            self.loss.routed(request, self.pools[r], predicted, route.reason)
         if self.bus:
             flight.published = _Published(flight.router, route, chosen)
             self._publish(_DISPATCHED, flight.published, t)
@@ -374,6 +404,8 @@ class _Fleet:
         if r in self.failed:
             return
         report, left = self.engines[r].fail(t)
+        if self.pools:
+            self.pools[r].forget()  # its cache leaves the fleet's holdings
         self._take_report(r, report, t)
         self.failed.add(r)
         self.result.failed_replicas.append(r)
@@ -398,3 +430,5 @@ class _Fleet:
             res.engine_steps += getattr(engine, "steps", 0)
             res.decode_runs += getattr(engine, "runs", 0)
             res.preemptions += getattr(engine, "num_preemptions", 0)
+        if self.loss is not None:
+            res.loss = self.loss.breakdown(res.hit_tokens)

@@ -28,6 +28,30 @@ from dataclasses import dataclass
 IndexOp = tuple[object, ...]
 
 
+class Holdings:
+    """Fleet-wide: how many live replicas cache each unit now, and which units any replica ever
+    cached. Every replica's pool feeds one; the loss decomposition (``loss.py``) reads it."""
+
+    __slots__ = ("counts", "ever")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.ever: set[int] = set()
+
+    def stored(self, key: int) -> None:
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+        self.ever.add(key)
+
+    def dropped(self, key: int) -> None:
+        counts = self.counts
+        left = counts[key] - 1
+        if left:
+            counts[key] = left
+        else:
+            del counts[key]
+
+
 @dataclass(slots=True, eq=False)
 class Unit:
     """A cached unit: its chain key, the KV blocks it owns, and who holds it."""
@@ -41,8 +65,12 @@ class Unit:
 class UnitPool:
     """KV blocks counted one by one; cached content kept per unit, evicted LRU."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, holdings: Holdings | None = None) -> None:
         self.num_blocks = num_blocks
+        # With ``holdings``: the fleet's counts are kept, and ``evicted_keys`` (units this pool
+        # cached once and evicted since) for the loss decomposition.
+        self.holdings = holdings
+        self.evicted_keys: set[int] = set()
         self.empty = num_blocks
         self.cached: dict[int, Unit] = {}
         self.lru: OrderedDict[int, Unit] = OrderedDict()  # evictable entries, head first
@@ -93,6 +121,9 @@ class UnitPool:
             if key > 0:
                 del self.cached[key]
                 self.evicted_units += 1
+                if self.holdings is not None:
+                    self.holdings.dropped(key)
+                    self.evicted_keys.add(key)
                 if unit.announced:
                     self._removed.append(key)
         self.empty -= n
@@ -106,7 +137,17 @@ class UnitPool:
             return None
         unit = Unit(key, blocks, 1, announce)
         self.cached[key] = unit
+        if self.holdings is not None:
+            self.holdings.stored(key)
+            self.evicted_keys.discard(key)
         return unit
+
+    def forget(self) -> None:
+        """The replica is gone: its cached units leave the fleet's counts."""
+        if self.holdings is not None:
+            for key in self.cached:
+                self.holdings.dropped(key)
+            self.holdings = None
 
     def release(self, units: list[Unit], junk_blocks: int, empty_blocks: int) -> None:
         """Free a request's blocks in vLLM's order: its tail first, so its head is evicted last.

@@ -8,6 +8,8 @@ import os
 from .results import SimResult
 
 _BINS = 60
+_MAX_BARS = 64  # replicas per policy drawn as bars in load_per_replica.png; more: an outline
+_MAX_WIDTH_IN = 16.0
 
 
 def write_plots(results: list[SimResult], out_dir: str) -> list[str]:
@@ -56,9 +58,15 @@ def write_plots(results: list[SimResult], out_dir: str) -> list[str]:
     ax.legend()
     save(fig, "hit_rate_over_time.png")
 
-    fig, ax = plt.subplots(figsize=(max(7.0, 0.25 * results[0].replicas), 4.2))
+    replicas = results[0].replicas
+    fig, ax = plt.subplots(figsize=(min(_MAX_WIDTH_IN, max(7.0, 0.25 * replicas)), 4.2))
     width = 0.8 / len(results)
     for k, r in enumerate(results):
+        if replicas > _MAX_BARS:
+            # One outline per policy: a thousand bars take matplotlib seconds to draw (and
+            # to place a legend around), and are too thin to see at any readable width.
+            ax.stairs(r.routed_requests, range(r.replicas + 1), label=r.policy)
+            continue
         xs = [i + k * width for i in range(r.replicas)]
         ax.bar(xs, r.routed_requests, width=width, label=r.policy)
     ax.set_xlabel("replica")

@@ -67,6 +67,9 @@ def markdown_report(
         f"{_pct(first['pooled_lru_hit_rate'])}.",
         "Goodput: requests that finished within the SLO per second, first arrival to last "
         "finish (all finished requests when no SLO is set).",
+    ]
+    lines += _loss_section(summaries)
+    lines += [
         "",
         "## Routing decisions",
         "",
@@ -90,6 +93,46 @@ def markdown_report(
         "",
     ]
     return "\n".join(lines)
+
+
+LOSS_COLUMNS = (
+    ("evicted_while_queued", "evicted while queued"),
+    ("wrong_prediction", "wrong prediction"),
+    ("spread_load", "spread: load"),
+    ("spread_other", "spread: other"),
+    ("evicted_on_chosen", "evicted on chosen"),
+    ("evicted_elsewhere", "evicted elsewhere"),
+    ("not_yet_cached", "not yet cached"),
+    ("not_served", "not served"),
+)
+
+
+def _loss_section(summaries: list[dict[str, Any]]) -> list[str]:
+    """Where the hit rate goes: the shortfall against the pooled LRU by cause (loss.py)."""
+    runs = [s for s in summaries if s.get("loss") and s["loss"]["bound_tokens"]]
+    if not runs:
+        return []
+    head = " | ".join(label for _, label in LOSS_COLUMNS)
+    lines = [
+        "",
+        "## Where the hit rate goes",
+        "",
+        "Tokens the pooled LRU reused and the fleet did not, by cause, as shares of the pooled "
+        'LRU\'s reused tokens (docs/simulator.md, "Loss against the pooled-LRU bound"); '
+        "hit/bound = 1 - their sum + above bound.",
+        "",
+        f"| policy | hit/bound | {head} | above bound |",
+        "|---|--:|" + "--:|" * len(LOSS_COLUMNS) + "--:|",
+    ]
+    for s in runs:
+        loss = s["loss"]
+        shares = loss["shares_of_bound"]
+        cells = " | ".join(f"{shares[key]:.1%}" for key, _ in LOSS_COLUMNS)
+        lines.append(
+            f"| {s['policy']} | {loss['hit_over_bound']:.3f} | {cells} "
+            f"| {loss['above_bound_share']:.1%} |"
+        )
+    return lines
 
 
 def _slo(slo: dict[str, Any]) -> str:

@@ -6,6 +6,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .loss import LossBreakdown
+
 NAN = float("nan")
 
 
@@ -48,6 +50,7 @@ class SimResult:
     preemptions: int = 0
     routers: int = 1  # pickers that routed the trace (FleetConfig.routers)
     share: str = "none"  # what they shared (FleetConfig.share)
+    loss: LossBreakdown | None = None  # the shortfall against the pooled LRU, by cause
 
     # -- derived ----------------------------------------------------------------------
 

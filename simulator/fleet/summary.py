@@ -71,6 +71,8 @@ def summarize(
         "preemptions": result.preemptions,
         "routers": result.routers,
         "share": result.share,
+        # The shortfall against the pooled LRU by cause (loss.py); None with the exact engine.
+        "loss": result.loss.as_dict() if result.loss is not None else None,
     }
     if extra:
         summary.update(extra)
@@ -149,6 +151,24 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             f"{_f(s['goodput_rps'], 2):>9}{_f(s['load_max_over_mean'], 2):>6}{s['wall_s']:>6.1f}s"
         )
     return "\n".join(lines)
+
+
+def format_loss(summary: dict[str, Any]) -> str | None:
+    """One line: the run's shortfall against the pooled LRU by cause, as shares of the bound."""
+    loss = summary.get("loss")
+    if not loss or not loss["bound_tokens"]:
+        return None
+    parts = [
+        f"{name.replace('_', ' ')} {share:.1%}"
+        for name, share in loss["shares_of_bound"].items()
+        if share
+    ]
+    if loss["above_bound_share"]:
+        parts.append(f"above bound +{loss['above_bound_share']:.1%}")
+    return (
+        f"loss against pooled LRU ({summary['policy']}): hit/bound {loss['hit_over_bound']:.2f}; "
+        + (", ".join(parts) or "none")
+    )
 
 
 def _pct(v: float | None) -> str:

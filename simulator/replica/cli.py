@@ -167,7 +167,9 @@ def run_replica_command(args: argparse.Namespace) -> int:
 async def _serve(replica: EmulatedReplica, host: str, port: int) -> None:
     runner = web.AppRunner(replica.build_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    # A router opens connections in bursts (thousands of streams at once): aiohttp's default
+    # accept backlog of 128 would refuse them; the router's own is 2048.
+    await web.TCPSite(runner, host, port, backlog=2048).start()
     print(f"emulated replica listening on http://{host}:{port}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

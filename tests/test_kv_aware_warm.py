@@ -1,0 +1,68 @@
+"""kv_aware's ``warm_holders``: a prefix that many replicas hold (a shared system prompt) does
+not pull new prompts onto those replicas; what one replica holds beyond it still does."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvroute.policies import FleetView, ReplicaState, RouteRequest, build_policy
+from kvroute.policies.kv_aware import KvAware
+
+BLOCK = 16
+
+
+def fleet(n: int) -> FleetView:
+    return FleetView([ReplicaState(f"r{i}") for i in range(n)], membership_version=1)
+
+
+def request(seed: int, prefix: dict[str, int] | None = None) -> RouteRequest:
+    rng = random.Random(seed)
+    hashes = tuple(rng.getrandbits(64) for _ in range(40))
+    return RouteRequest(len(hashes) * BLOCK, 64, "m", None, hashes, prefix)
+
+
+def _shared_by_three_others(seed: int, view: FleetView) -> tuple[str, dict[str, int]]:
+    """The ring's choice for a cold prompt, and one block of it held by three other replicas."""
+    home = KvAware().decide(request(seed), view).chosen
+    others = [r.replica_id for r in view.replicas if r.replica_id != home][:3]
+    return home, {rid: BLOCK for rid in others}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_prefix_held_by_more_than_warm_holders_replicas_leaves_the_choice_to_the_ring(
+    seed: int,
+) -> None:
+    view = fleet(8)
+    home, shared = _shared_by_three_others(seed, view)
+    decision = KvAware().decide(request(seed, shared), view)
+    assert decision.chosen == home  # the prompt's own home gets a copy of the shared block
+    # Off (0), as before: every holder counts, so the prompt goes to one of the three.
+    old = KvAware(warm_holders=0).decide(request(seed, shared), view)
+    assert old.chosen in shared
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_what_one_replica_holds_beyond_a_shared_prefix_still_makes_it_the_home(
+    seed: int,
+) -> None:
+    view = fleet(8)
+    home, shared = _shared_by_three_others(seed, view)
+    holder = next(r.replica_id for r in view.replicas if r.replica_id not in {home, *shared})
+    prefix = {**shared, holder: 3 * BLOCK}  # within the margin of the others: a near tie
+    assert KvAware().decide(request(seed, prefix), view).chosen == holder
+
+
+def test_a_prefix_held_by_two_replicas_is_still_warm() -> None:
+    view = fleet(8)
+    home, shared = _shared_by_three_others(0, view)
+    two = dict(list(shared.items())[:2])
+    assert KvAware().decide(request(0, two), view).chosen in two
+    assert KvAware(warm_holders=1).decide(request(0, two), view).chosen == home
+
+
+def test_warm_holders_is_a_declared_parameter_checked_when_built() -> None:
+    assert build_policy("kv_aware", {"warm_holders": 3}).describe()["warm_holders"] == 3
+    with pytest.raises(ValueError, match="warm_holders"):
+        build_policy("kv_aware", {"warm_holders": -1})
