@@ -25,6 +25,10 @@ from .kv_subscriber import SubscriberStats
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
+# Event-loop lag: finer around the 50 ms a stream's next chunk may wait at most.
+LOOP_LAG_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -90,6 +94,8 @@ class RouterMetrics:
         # replica -> prompt tokens routed there, and of those, tokens the index said it held.
         self.prompt_tokens: dict[str, int] = {}
         self.predicted_hit_tokens: dict[str, int] = {}
+        # How late the event loop ran a timer (router/loop_lag.py): this worker's own.
+        self.loop_lag = Histogram(LOOP_LAG_BUCKETS)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -247,6 +253,13 @@ class _Collector(Collector):
             for replica, histogram in histograms.items():
                 family.add_metric([replica], histogram.buckets(), histogram.total)
             yield family
+        lag = HistogramMetricFamily(
+            "kvroute_event_loop_lag_seconds",
+            "How late this worker's event loop ran a timer due every 100 ms: how long any "
+            "stream may have waited for the loop.",
+        )
+        lag.add_metric([], m.loop_lag.buckets(), m.loop_lag.total)
+        yield lag
 
         in_flight = GaugeMetricFamily(
             "kvroute_in_flight_requests",

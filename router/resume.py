@@ -23,6 +23,11 @@ import msgspec
 _DONE = b"[DONE]"
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
+# The text sent so far is kept joined: a token's text alone costs ~50 bytes of object header for
+# a few characters, which made the transcript most of a long stream's router memory. Every
+# _JOIN pieces become one run, every _JOIN runs one string: about a byte per character, and
+# each character copied once per _JOIN * _JOIN tokens.
+_JOIN = 16
 
 # Request fields that make a continuation from text wrong or impossible.
 _STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -65,7 +70,9 @@ class StreamTranscript:
     def __init__(self, chat: bool) -> None:
         self.chat = chat
         self._pending = b""
-        self.text: list[str] = []
+        # The text sent so far: joined runs, then the newest pieces (see _JOIN).
+        self._text_runs: list[str] = []
+        self._text_tail: list[str] = []
         self.events = (
             0  # content events forwarded: an upper bound on tokens is not known, see below
         )
@@ -79,7 +86,7 @@ class StreamTranscript:
 
     @property
     def generated_text(self) -> str:
-        return "".join(self.text)
+        return "".join(self._text_runs) + "".join(self._text_tail)
 
     @property
     def generated_tokens(self) -> int:
@@ -177,7 +184,14 @@ class StreamTranscript:
                 text = choice.get("text")
             keep = True
             if isinstance(text, str) and text:
-                self.text.append(text)
+                tail = self._text_tail
+                tail.append(text)
+                if len(tail) >= _JOIN:
+                    runs = self._text_runs
+                    runs.append("".join(tail))
+                    tail.clear()
+                    if len(runs) >= _JOIN:
+                        runs[:] = ["".join(runs)]
                 self.events += 1
             if choice.get("finish_reason"):
                 self.finished = True

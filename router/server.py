@@ -26,6 +26,7 @@ from .config import Config
 from .core import RoutingCore
 from .deadlines import Deadlines
 from .forward import Forwarder
+from .loop_lag import LoopLagMonitor
 from .metrics import RouterMetrics
 from .openai_request import parse_chat, parse_completion
 from .pipeline import RequestPipeline
@@ -66,6 +67,7 @@ class Router:
             },
             admission=lambda: (self.admission.active, self.admission.queued),
         )
+        self._loop_lag = LoopLagMonitor(self.metrics.loop_lag)
         self._started_at = int(time.time())
         limits = config.limits
         self.admission = Admission(
@@ -127,6 +129,7 @@ class Router:
 
     async def _on_startup(self, app: web.Application) -> None:
         self.forwarder.client = UpstreamClient(self.config.timeouts.connect_s)
+        self._loop_lag.start()
         if self._deadlines is not None:
             self._deadlines.start()
         await self.core.start()
@@ -134,6 +137,7 @@ class Router:
             self._exchange.start(self.metrics)
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        self._loop_lag.close()
         if self._deadlines is not None:
             await self._deadlines.close()
         await self.core.close()

@@ -157,3 +157,13 @@ def test_a_last_event_without_its_blank_line_still_ends_the_stream() -> None:
     assert t.end() == b"data: [DONE]\n\n"
     assert t.done and not t.resumable()
     assert StreamTranscript(chat=False).end() == b""
+
+
+def test_a_long_stream_continues_with_every_piece_of_its_text_in_order() -> None:
+    t = StreamTranscript(chat=False)
+    pieces = [f"<{i}>" for i in range(1000)]  # long enough for the transcript to join runs
+    for piece in pieces:
+        t.feed(completion_chunk(piece))
+    body = json.loads(continuation_body({"prompt": "P:", "max_tokens": 1500}, False, t) or b"")
+    assert body["prompt"] == "P:" + "".join(pieces)
+    assert body["max_tokens"] == 500
