@@ -41,14 +41,14 @@ class RoutingCore:
         # Which replica holds which prefix blocks: the replicas' own KV events, plus
         # predictions for requests just routed (all a replica without events has).
         self.index = PrefixIndex()
-        self.keys = PromptKeys(routing, self.index)
+        self.policy: Policy = build_policy(config.policy.name, config.policy.params)
+        self.keys = PromptKeys(routing, self.index, self.policy.reads_prefixes)
         self.kv_events = KVEventSubscribers(self.index)
         self._subscribers: dict[str, KVEventSubscriber] = {}
         self.registry = ReplicaRegistry(config, hooks)
         self.fleet: FleetView = self.registry.fleet
         for name, replica in zip(self.registry.handles, config.replicas, strict=True):
             self._follow_events(name, replica)
-        self.policy: Policy = build_policy(config.policy.name, config.policy.params)
         self.ledger = DispatchLedger(
             self.policy,
             self.fleet,

@@ -32,9 +32,11 @@ FALLBACK_BLOCK_SIZE = 16
 
 
 class PromptKeys:
-    def __init__(self, routing: RoutingConfig, index: PrefixIndex) -> None:
+    def __init__(self, routing: RoutingConfig, index: PrefixIndex, wanted: bool = True) -> None:
         self._routing = routing
         self._index = index
+        # False when the policy never reads prefixes: prompts are not tokenized at all.
+        self.wanted = wanted
         # Checked at config load when given; a launched model directory may lack one.
         self.tokenizer = self._load(routing.tokenizer) if routing.tokenizer else None
         self._scraped_block_size: int | None = None
@@ -105,7 +107,10 @@ class PromptKeys:
             )
 
     async def blocks(self, parsed: ParsedRequest) -> PromptBlocks | None:
-        """The prompt's exact token count and block hashes; None when they cannot be known."""
+        """The prompt's exact token count and block hashes; None when they cannot be known
+        or the policy has no use for them."""
+        if not self.wanted:
+            return None
         block_size = self.block_size()
         # vLLM keys a LoRA request's blocks by the adapter's name (the request's model) and
         # the first block by the cache salt too; its KV events say so, the index keys alike.

@@ -37,6 +37,7 @@ from kvroute.kvcore.tokenizer.incremental import (
     prefix_cache_for,
     tokenize_plan,
 )
+from kvroute.router.malloc_tuning import tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def _init_worker(spec: str) -> None:
     # Ctrl-C reaches the whole process group: the router shuts its pool down, the workers
     # must not die mid-prompt with a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tune_malloc()  # a whole conversation's text and ids, like the router's
     _worker_tokenizer = load_tokenizer(spec, clock=datetime.now)
 
 
@@ -155,7 +157,7 @@ class PromptTokenizer:
             assert isinstance(self.tokenizer, HFTokenizerFiles)
             pieces = tokenize_plan(self.tokenizer.encode_plain, plan)
         else:
-            shipped = dataclasses.replace(plan, entry=None)  # the cached ids stay here
+            shipped = dataclasses.replace(plan, entry=None, data=b"")  # ids and bytes stay here
             pieces = await self._offload(_plan_in_worker, shipped)
             if pieces is None:
                 return None

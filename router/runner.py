@@ -13,6 +13,8 @@ import uvloop
 from aiohttp import web
 
 from .config import Config
+from .fd_limit import needed_fds, raise_fd_limit
+from .malloc_tuning import tune_malloc
 from .server import Router
 from .workers import WorkerContext
 
@@ -94,7 +96,9 @@ def settle_heap() -> None:
     dev box, so every one of them stalled every request in flight (p99 57-71 ms instead of
     17-21 ms). Freezing what exists after startup takes it out of every later collection, and a
     larger young generation makes collections rarer (each still only visits young objects).
+    Large request buffers stay on the heap (``malloc_tuning``).
     """
+    tune_malloc()
     gc.collect()
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
@@ -118,5 +122,7 @@ def check_can_listen(host: str, port: int) -> str | None:
 
 
 def run(config: Config, context: WorkerContext | None = None) -> None:
+    limits = config.limits
+    raise_fd_limit(needed_fds(limits.max_concurrent_requests, limits.max_queued_requests))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve_forever(config, context))

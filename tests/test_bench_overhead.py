@@ -90,7 +90,8 @@ def _row(name: str, rps: float, p99: float, non_2xx: int = 0) -> Row:
         requests=int(rps), duration_s=1.0, requests_per_s=rps, p50_ms=p99 / 2, p99_ms=p99,
         non_2xx=non_2xx,
     )  # fmt: skip
-    return Row(TARGETS[name], result=result)
+    cpu = 1000 / rps if name == "kvroute" else None  # one core's worth at rps
+    return Row(TARGETS[name], result=result, cpu_ms_per_request=cpu)
 
 
 def test_table_has_ratios_to_direct() -> None:
@@ -101,15 +102,17 @@ def test_table_has_ratios_to_direct() -> None:
     ]
     table = overhead.format_table(rows).splitlines()
     assert table[0].startswith("| target | policy | req/s | p50 ms | p99 ms | errors |")
-    assert table[2] == "| direct | - | 10000 | 1.00 | 2.00 | 0 | 1.00x | 1.00x |"
+    assert table[2] == "| direct | - | 10000 | 1.00 | 2.00 | 0 | 1.00x | 1.00x | - | - |"
     assert "| kvroute | kv_aware (default) | 2500 |" in table[3]
-    assert table[3].endswith("| 0.25x | 4.00x |")
-    assert table[4] == "| smg-ca | cache_aware | - | - | - | skipped (see notes) | - | - |"
+    assert table[3].endswith("| 0.25x | 4.00x | 0.40 | 2500 |")  # its CPU per request
+    assert table[4] == (
+        "| smg-ca | cache_aware | - | - | - | skipped (see notes) | - | - | - | - |"
+    )
 
 
 def test_table_without_direct_has_no_ratios() -> None:
     table = overhead.format_table([_row("kvroute-rr", 100, 1.0, non_2xx=3)])
-    assert table.splitlines()[2].endswith("| 3 (3 http, 0 socket) | - | - |")
+    assert table.splitlines()[2].endswith("| 3 (3 http, 0 socket) | - | - | - | - |")
 
 
 def test_smg_ratio_line() -> None:
@@ -126,6 +129,11 @@ def test_reproduce_command_keeps_the_arguments() -> None:
     assert (
         overhead.reproduce_command(argv)
         == "kvroute bench overhead --targets direct,smg-ca --x 'a b'"
+    )
+    # Where the report went is no part of reproducing it (and a path names a machine).
+    argv = ["bench", "soak", "--output-md", "/srv/x.md", "--rate", "4", "--output-md=y.md"]
+    assert overhead.reproduce_command([*argv, "--no-record"], "soak") == (
+        "kvroute bench soak --rate 4"
     )
 
 
@@ -216,6 +224,10 @@ def test_managed_kills_the_whole_group(tmp_path: Path) -> None:
         assert child.popen.poll() is None
         assert _running(grandchild)
     assert child.popen.poll() is not None
+    # Signalled with its group; on a loaded machine it may take a moment to go.
+    deadline = time.monotonic() + 10
+    while _running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not _running(grandchild)
 
 

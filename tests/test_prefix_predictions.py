@@ -51,6 +51,30 @@ async def test_a_live_router_lets_predictions_go_as_they_come_due() -> None:
         await core.close()
 
 
+async def test_only_a_policy_that_reads_prefixes_pays_for_tokenization() -> None:
+    """Round robin routes at round robin's price: the configured tokenizer is not run."""
+    from kvroute.backends.launcher import ensure_tiny_model
+    from kvroute.router.openai_request import parse_completion
+
+    tokenizer = str(ensure_tiny_model())
+    body = b'{"model": "m", "prompt": "' + b"word " * 200 + b'", "max_tokens": 1}'
+    tokens = {}
+    for policy in ("kv_aware", "round_robin"):
+        config = config_from_dict(
+            {
+                "replicas": [{"url": "http://127.0.0.1:9"}],
+                "policy": {"name": policy},
+                "routing": {"tokenizer": tokenizer, "block_size": 16},
+            }
+        )
+        core = RoutingCore(config, _NoHooks())
+        blocks = await core.keys.blocks(parse_completion(body))
+        tokens[policy] = None if blocks is None else (blocks.tokens, len(blocks.hashes))
+    kv_tokens, kv_blocks = tokens["kv_aware"] or (0, 0)
+    assert kv_tokens >= 200 and kv_blocks == kv_tokens // 16  # exact, block by block
+    assert tokens["round_robin"] is None
+
+
 class _NoHooks:
     def ejected(self, handle: ReplicaHandle, kind: str) -> None: ...
 

@@ -185,6 +185,15 @@ class HFTokenizerFiles:
         """One message as vLLM hands it to the template (``_parse_chat_message_content``)."""
         role = message.get("role")
         content = message.get("content")
+        if (
+            type(content) is str
+            and len(message) == 2
+            and self._content_format != "openai"
+            and role != "developer"
+        ):
+            # Just a role and a text (most of a long conversation): what the general case
+            # below gives, without building it (a 300-message history renders every turn).
+            return {"role": role, "content": content}
         parts: list[Any]
         if content is None:
             parts = []

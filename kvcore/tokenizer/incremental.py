@@ -66,6 +66,7 @@ class Plan:
     last_token: str
     last_id: int
     entry: _Entry | None = None
+    data: bytes = b""  # the text in UTF-8, for digests of its prefixes (not for tokenize_plan)
 
     @property
     def uncached_chars(self) -> int:
@@ -117,7 +118,8 @@ class PrefixTokenCache:
     def plan(self, text: str) -> Plan:
         """Where ``text``'s cached prefix ends and what is left to tokenize (no tokenization:
         a hash of the text up to each cached length that is one of its cut points)."""
-        start, entry = self._longest_cached(text)
+        data = _utf8(text)
+        start, entry = self._longest_cached(text, data)
         last, last_token = self._last_cut(text, start)
         after = entry.after if entry is not None else ""
         if last == start:
@@ -131,6 +133,7 @@ class PrefixTokenCache:
             last_token,
             self._split.get(last_token, -1),
             entry,
+            data,
         )
 
     def commit(
@@ -146,7 +149,7 @@ class PrefixTokenCache:
         hashes = _hashes(head, tail, block_size, extra_key, known)
         full = array("Q", hashes[: len(head) // block_size])
         if self._worth_storing(plan):
-            self._store(plan.text, _Entry(plan.last, head, plan.last_token, {key: full}))
+            self._store(plan, _Entry(plan.last, head, plan.last_token, {key: full}))
         elif entry is not None and known is None:
             self._add_hashes(entry, key, full)
         return len(head) + len(tail), hashes
@@ -157,7 +160,7 @@ class PrefixTokenCache:
         mid, tail = tokenize_plan(self._encode, plan)
         head = _extended(plan, mid)
         if self._worth_storing(plan):
-            self._store(plan.text, _Entry(plan.last, head, plan.last_token))
+            self._store(plan, _Entry(plan.last, head, plan.last_token))
         out = head.tolist()
         out.extend(tail)
         return out
@@ -170,7 +173,7 @@ class PrefixTokenCache:
 
     # -- lookups ----------------------------------------------------------------------
 
-    def _longest_cached(self, text: str) -> tuple[int, _Entry | None]:
+    def _longest_cached(self, text: str, data: bytes) -> tuple[int, _Entry | None]:
         """The longest cached prefix of ``text`` that ends at one of its cut points.
 
         Walks the text's cut points from its end (the previous turn's is a few messages back),
@@ -183,7 +186,7 @@ class PrefixTokenCache:
             for end in self._cuts_from_end(text, shortest):
                 if end not in lengths:
                     continue
-                key = (end, _digest(text, end))
+                key = (end, _digest(text, data, end))
                 entry = self._entries.get(key)
                 if entry is not None:
                     self._entries.move_to_end(key)
@@ -223,11 +226,11 @@ class PrefixTokenCache:
         """The text reaches a cut point past its cached prefix, far enough in to keep."""
         return plan.last > plan.start and plan.last >= self.min_prefix_chars
 
-    def _store(self, text: str, entry: _Entry) -> None:
+    def _store(self, plan: Plan, entry: _Entry) -> None:
         size = entry.size
         if size > self.max_bytes:
             return
-        key = (entry.length, _digest(text, entry.length))
+        key = (entry.length, _digest(plan.text, plan.data or _utf8(plan.text), entry.length))
         old = self._entries.pop(key, None)
         if old is not None:
             self._forget(old)
@@ -282,8 +285,18 @@ def _hashes(
     return done
 
 
-def _digest(text: str, length: int) -> bytes:
-    return xxh3_128_digest(text[:length].encode("utf-8", "surrogatepass"))
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _digest(text: str, data: bytes, length: int) -> bytes:
+    """xxh3-128 of ``text[:length]`` in UTF-8, read in place from ``data`` (the whole text's
+    UTF-8): slicing and encoding a 300 KB prefix per lookup cost more than the hash."""
+    # ASCII: a character is a byte; else only the (short) rest is encoded again to find the
+    # prefix's byte offset.
+    ascii_only = len(data) == len(text)
+    end = length if ascii_only else len(data) - len(_utf8(text[length:]))
+    return xxh3_128_digest(memoryview(data)[:end])
 
 
 def encode_piece(

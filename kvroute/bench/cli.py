@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvroute.bench.argtypes import non_negative_int, positive_int
 from kvroute.bench.epp import add_epp_bench
 from kvroute.bench.index_bench import add_index_bench
 from kvroute.bench.prefix import add_prefix_bench
+from kvroute.bench.soak_cli import add_soak_bench
+from kvroute.bench.streams import add_streams_bench
 from kvroute.bench.tokenize_bench import add_tokenize_bench
 
 
@@ -20,6 +23,8 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_prefix_bench(bench_sub)
     add_tokenize_bench(bench_sub)
     add_epp_bench(bench_sub)
+    add_soak_bench(bench_sub)
+    add_streams_bench(bench_sub)
     from kvroute.bench.fidelity import add_fidelity_bench
     from kvroute.simulator.cli_replay import add_replay_bench
 
@@ -106,7 +111,7 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--tokenizer",
         metavar="PATH",
-        help="agent: the tokenizer kvroute routes with (default: the tiny test model's).",
+        help="The tokenizer kvroute routes with (default: the tiny test model's).",
     )
     p.add_argument(
         "--loadgen",
@@ -138,6 +143,12 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="Markdown file to append the results to (default BENCHMARKS.md here).",
     )
     p.add_argument("--no-record", action="store_true", help="Print only; write no file.")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="Record each router with py-spy over its measured window (raw stacks in DIR) and "
+        "add its top frames to the report.",
+    )
     p.set_defaults(func=_cmd_overhead)
 
 
@@ -165,7 +176,10 @@ def _cmd_overhead(args: argparse.Namespace) -> int:
         start_kb=args.start_kb,
         turn_kb=args.turn_kb,
         tokenizer=args.tokenizer,
+        profile_dir=args.profile,
     )
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     try:
         return run_overhead(options, sys.argv[1:])
     except (LoadError, StartError) as exc:

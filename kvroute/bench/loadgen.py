@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvroute.kvcore.stats import percentile
@@ -242,10 +243,17 @@ class ConversationResult:
     load: LoadResult
     mean_body_bytes: float
     first_turn_ms: float  # median latency of the conversations' first requests (the warm-up)
+    window: tuple[float, float]  # the measured window, in time.monotonic()
+
+
+WindowHook = Callable[[float, float], None]
 
 
 async def _conversations(
-    spec: Conversations, warmup_s: float, duration_s: float
+    spec: Conversations,
+    warmup_s: float,
+    duration_s: float,
+    on_window: WindowHook | None = None,
 ) -> ConversationResult:
     import aiohttp
 
@@ -285,6 +293,8 @@ async def _conversations(
             if not pending[0]:
                 window["from"] = time.monotonic() + warmup_s
                 window["to"] = window["from"] + duration_s
+                if on_window is not None:
+                    on_window(window["from"], window["to"])
             while time.monotonic() < window["to"]:
                 for conversation in mine:
                     now = time.monotonic()
@@ -310,14 +320,15 @@ async def _conversations(
     )
     mean_body = sum(sizes) / len(sizes) if sizes else 0.0
     first = percentile(first_ms, 0.5, method="nearest_rank") if first_ms else 0.0
-    return ConversationResult(load, mean_body, first)
+    return ConversationResult(load, mean_body, first, (window["from"], window["to"]))
 
 
 def run_conversations(
-    spec: Conversations, warmup_s: float, duration_s: float
+    spec: Conversations, warmup_s: float, duration_s: float, on_window: WindowHook | None = None
 ) -> ConversationResult:
     """Closed-loop agent conversations: each connection takes its conversations in turn; the
-    first turn of each (the whole history new to the router) falls in the warm-up."""
+    first turn of each (the whole history new to the router) falls in the warm-up.
+    ``on_window(start, end)`` learns the measured window (monotonic) as soon as it is set."""
     import uvloop
 
-    return uvloop.run(_conversations(spec, warmup_s, duration_s))
+    return uvloop.run(_conversations(spec, warmup_s, duration_s, on_window))

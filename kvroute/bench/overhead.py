@@ -18,6 +18,7 @@ import platform
 import shlex
 import shutil
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +38,7 @@ from kvroute.bench.loadgen import (
     run_load,
     wrk_version,
 )
+from kvroute.bench.profiling import CpuSampler, Frame, PySpy, frames_table, top_frames
 from kvroute.policies import DEFAULT_POLICY
 
 HOST = "127.0.0.1"
@@ -100,7 +102,8 @@ class Options:
     conversations: int = 32
     start_kb: int = 220
     turn_kb: float = 2.0
-    tokenizer: str | None = None  # agent workload: kvroute's --tokenizer (default: tiny model)
+    tokenizer: str | None = None  # kvroute's --tokenizer (default: the tiny model's)
+    profile_dir: str | None = None  # py-spy recordings of each router go here
 
 
 @dataclass
@@ -112,6 +115,8 @@ class Row:
     error: str | None = None  # why it has no result (skipped or failed)
     startup_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    cpu_ms_per_request: float | None = None  # the router's processes, over the window
+    profile: list[Frame] | None = None  # py-spy's top frames (--profile)
 
     @property
     def label(self) -> str:
@@ -257,56 +262,88 @@ def smoke_check(url: str, body: bytes) -> str | None:
         return str(exc)
 
 
-def measure(base_url: str, options: Options, wrk: str | None, row: Row) -> None:
-    """Warm up, then run the measured load against ``base_url``; fill ``row``."""
-    if options.workload == "agent":
-        spec = Conversations(
-            base_url + "/v1/chat/completions",
-            options.model,
-            options.conversations,
-            options.concurrency,
-            options.start_kb * 1000,
-            int(options.turn_kb * 1000),
-        )
-        done = run_conversations(spec, options.warmup_s, options.duration_s)
-        row.result = done.load
-        row.mean_body_kb = done.mean_body_bytes / 1000
-        row.first_turn_ms = done.first_turn_ms
-        return
-    url = base_url + "/v1/completions"
-    body = request_body(options.model, options.stream)
-    problem = smoke_check(url, body)
-    if problem:
-        row.notes.append(f"first request failed ({problem})")
-    load = Load(url, body, options.concurrency, options.duration_s, options.threads)
-    if options.warmup_s > 0:
-        run_load(wrk, Load(url, body, options.concurrency, options.warmup_s, options.threads))
-    row.result = run_load(wrk, load)
+def measure(
+    base_url: str, options: Options, wrk: str | None, row: Row, router_pid: int | None
+) -> None:
+    """Warm up, then run the measured load against ``base_url``; fill ``row``, with the
+    router's CPU per request (and where it goes, with ``--profile``) when it has a process."""
+    sampler = CpuSampler(router_pid) if router_pid is not None else None
+    spy: list[PySpy] = []
+
+    def window_opens(start: float, end: float) -> None:
+        if router_pid is None or not options.profile_dir or row.target.router != "kvroute":
+            return  # py-spy reads Python processes: the peers are Rust
+        out = Path(options.profile_dir) / f"{row.target.name}.raw"
+        delay = max(0.0, start - time.monotonic())
+        threading.Timer(delay, lambda: spy.append(PySpy(router_pid, end - start, out))).start()
+
+    with sampler or contextlib.nullcontext():
+        if options.workload == "agent":
+            spec = Conversations(
+                base_url + "/v1/chat/completions",
+                options.model,
+                options.conversations,
+                options.concurrency,
+                options.start_kb * 1000,
+                int(options.turn_kb * 1000),
+            )
+            done = run_conversations(spec, options.warmup_s, options.duration_s, window_opens)
+            row.result = done.load
+            row.mean_body_kb = done.mean_body_bytes / 1000
+            row.first_turn_ms = done.first_turn_ms
+            window = done.window
+        else:
+            url = base_url + "/v1/completions"
+            body = request_body(options.model, options.stream)
+            problem = smoke_check(url, body)
+            if problem:
+                row.notes.append(f"first request failed ({problem})")
+            load = Load(url, body, options.concurrency, options.duration_s, options.threads)
+            if options.warmup_s > 0:
+                warm = Load(url, body, options.concurrency, options.warmup_s, options.threads)
+                run_load(wrk, warm)
+            start = time.monotonic()
+            window_opens(start, start + options.duration_s)
+            row.result = run_load(wrk, load)
+            window = (start, time.monotonic())
+    if sampler is not None and row.result is not None and row.result.requests:
+        cpu_s = sampler.cpu_between(*window)
+        # wrk counts the requests of its own window: scale the CPU to the run's duration.
+        per_s = cpu_s / (window[1] - window[0])
+        row.cpu_ms_per_request = 1000 * per_s / row.result.requests_per_s
+    for recording in spy:
+        problem = recording.wait(timeout_s=30)
+        if problem:
+            row.notes.append(problem)
+        else:
+            row.profile = top_frames(recording.out)
 
 
 @contextlib.contextmanager
 def running_target(
     target: Target, upstreams: list[str], options: Options, log_dir: Path, row: Row
-) -> Iterator[str]:
-    """Start the target (nothing for ``direct``), yield its base URL, stop it afterwards."""
+) -> Iterator[tuple[str, int | None]]:
+    """Start the target (nothing for ``direct``), yield its base URL and process id, stop it
+    afterwards."""
     if target.router == "direct":
-        yield upstreams[0]
+        yield upstreams[0], None
         return
     exe = "" if target.router == "kvroute" else executable_for(target, options)
     port, metrics_port = free_ports(2)
-    tokenizer = agent_tokenizer(options) if options.workload == "agent" else None
+    # kvroute's cache-aware path tokenizes every prompt exactly (round robin skips it).
+    tokenizer = agent_tokenizer(options) if target.router == "kvroute" else None
     launch = launch_for(target, upstreams, port, metrics_port, exe, tokenizer)
     base = f"http://{HOST}:{port}"
     started = time.monotonic()
     with processes.managed(
         target.name, launch.argv, log_dir, base + launch.ready_path, options.startup_timeout_s
-    ):
+    ) as child:
         row.startup_s = time.monotonic() - started
-        yield base
+        yield base, child.pid
 
 
 def agent_tokenizer(options: Options) -> str:
-    """kvroute tokenizes the conversations exactly: with this tokenizer (the tiny model's)."""
+    """kvroute tokenizes prompts exactly: with this tokenizer (the tiny model's by default)."""
     if options.tokenizer:
         return options.tokenizer
     from kvroute.backends.launcher import ensure_tiny_model
@@ -342,8 +379,8 @@ def run_target(
         row.error = f"skipped: {reason}"
         return row
     try:
-        with running_target(target, upstreams, options, log_dir, row) as base_url:
-            measure(base_url, options, wrk, row)
+        with running_target(target, upstreams, options, log_dir, row) as (base_url, pid):
+            measure(base_url, options, wrk, row, pid)
     except (processes.StartError, LoadError, OSError) as exc:
         row.error = f"failed: {exc}"
     return row
@@ -382,11 +419,22 @@ class Context:
 
 
 def reproduce_command(argv: Sequence[str], bench: str = "overhead") -> str:
-    """``kvroute bench BENCH ...`` with the arguments this run was given."""
+    """``kvroute bench BENCH ...`` with the arguments this run was given, less where its
+    report went (``--output-md``, ``--no-record``): they change no number, and a path names a
+    machine."""
     args = list(argv)
     if bench in args:
         args = args[args.index(bench) + 1 :]
-    return shlex.join(["kvroute", "bench", bench, *args])
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--output-md":
+            skip = True
+        elif not arg.startswith("--output-md=") and arg != "--no-record":
+            kept.append(arg)
+    return shlex.join(["kvroute", "bench", bench, *kept])
 
 
 def cpu_model() -> str:
@@ -431,6 +479,7 @@ def load_line(options: Options, wrk: str | None) -> str:
     return (
         f"{gen}, {options.concurrency} connections, {options.duration_s} s per target after "
         f"{options.warmup_s} s warmup; {kind} POST /v1/completions (max_tokens 8); "
+        f"kvroute tokenizes with --tokenizer {display_path(agent_tokenizer(options))}; "
         f"{options.upstreams} stub upstreams"
     )
 
@@ -466,22 +515,24 @@ def format_table(rows: list[Row]) -> str:
         return agent_table(rows)
     base = direct_result(rows)
     lines = [
-        "| target | policy | req/s | p50 ms | p99 ms | errors | req/s vs direct | p99 vs direct |",
-        "|---|---|--:|--:|--:|--:|--:|--:|",
+        "| target | policy | req/s | p50 ms | p99 ms | errors | req/s vs direct | p99 vs direct "
+        "| router CPU ms/req | req/s per core |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for row in rows:
         r = row.result
         if r is None:
             status = (row.error or "failed").split(":", 1)[0]
             lines.append(
-                f"| {row.target.name} | {row.label} | - | - | - | {status} (see notes) | - | - |"
+                f"| {row.target.name} | {row.label} | - | - | - | {status} (see notes) | - | - "
+                "| - | - |"
             )
             continue
         lines.append(
             f"| {row.target.name} | {row.label} | {r.requests_per_s:.0f} | {r.p50_ms:.2f} "
             f"| {r.p99_ms:.2f} | {errors_cell(r)} "
             f"| {ratio(r.requests_per_s, base.requests_per_s if base else None)} "
-            f"| {ratio(r.p99_ms, base.p99_ms if base else None)} |"
+            f"| {ratio(r.p99_ms, base.p99_ms if base else None)} | {cpu_cells(row)} |"
         )
     return "\n".join(lines)
 
@@ -491,22 +542,48 @@ def agent_table(rows: list[Row]) -> str:
     base = direct_result(rows)
     lines = [
         "| target | policy | req/s | p50 ms | p99 ms | errors | mean body KB | first turn ms "
-        "| req/s vs direct |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|",
+        "| req/s vs direct | router CPU ms/req | req/s per core |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for row in rows:
         r = row.result
         if r is None:
             status = (row.error or "failed").split(":", 1)[0]
-            lines.append(f"| {row.target.name} | {row.label} | - | - | - | {status} | - | - | - |")
+            lines.append(
+                f"| {row.target.name} | {row.label} | - | - | - | {status} | - | - | - | - | - |"
+            )
             continue
         lines.append(
             f"| {row.target.name} | {row.label} | {r.requests_per_s:.0f} | {r.p50_ms:.2f} "
             f"| {r.p99_ms:.2f} | {errors_cell(r)} | {row.mean_body_kb or 0:.0f} "
             f"| {row.first_turn_ms or 0:.0f} "
-            f"| {ratio(r.requests_per_s, base.requests_per_s if base else None)} |"
+            f"| {ratio(r.requests_per_s, base.requests_per_s if base else None)} "
+            f"| {cpu_cells(row)} |"
         )
     return "\n".join(lines)
+
+
+def cpu_cells(row: Row) -> str:
+    """The router's CPU per request and what one core would route at that cost."""
+    cpu = row.cpu_ms_per_request
+    if cpu is None or cpu <= 0:
+        return "- | -"
+    return f"{cpu:.2f} | {1000 / cpu:.0f}"
+
+
+def profile_sections(rows: list[Row]) -> list[str]:
+    """Each profiled router's top frames (py-spy, over its measured window)."""
+    out = []
+    for row in rows:
+        if row.profile:
+            out += [
+                "",
+                f"Where {row.target.name}'s CPU goes (py-spy over the measured window, "
+                "top frames by self time):",
+                "",
+                frames_table(row.profile),
+            ]
+    return out
 
 
 def smg_ratio_line(rows: list[Row]) -> str:
@@ -576,6 +653,7 @@ def report(context: Context, rows: list[Row], notes: list[str]) -> str:
             "",
             smg_ratio_line(rows),
             *(f"note: {n}" for n in notes),
+            *profile_sections(rows),
         ]
     )
 
@@ -606,6 +684,7 @@ def markdown_section(context: Context, rows: list[Row], notes: list[str]) -> str
         smg_ratio_line(rows),
         "",
         *(f"- {n}" for n in notes),
+        *profile_sections(rows),
     ]
     return "\n".join(lines) + "\n"
 

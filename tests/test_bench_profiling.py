@@ -1,0 +1,108 @@
+"""``kvroute bench overhead``'s CPU per request and py-spy profile, run as a user runs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvroute.bench.profiling import CpuSampler, frames_table, top_frames, tree_cpu_seconds
+
+BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
+
+
+def test_tree_cpu_counts_the_children_of_a_process() -> None:
+    # A parent that sleeps while its child burns 0.5 s of CPU: the tree's CPU is the child's.
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys; subprocess.run([sys.executable, '-c', {BURN.format(s=0.5)!r}])"
+            "; import time; time.sleep(30)",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while tree_cpu_seconds(parent.pid) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the value under test, with a deadline
+        assert 0.5 <= tree_cpu_seconds(parent.pid) < 2.0
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_sampler_reads_the_cpu_of_a_window() -> None:
+    burner = subprocess.Popen([sys.executable, "-c", BURN.format(s=60)])
+    try:
+        with CpuSampler(burner.pid, interval_s=0.05) as sampler:
+            start = time.monotonic()
+            while len(sampler.samples) < 10:
+                time.sleep(0.05)
+            end = time.monotonic()
+        busy = sampler.cpu_between(start, end)
+        # A busy loop uses up to one core (less when the machine's other work takes turns).
+        assert 0.1 * (end - start) < busy <= 1.2 * (end - start)
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+def test_top_frames_rank_self_time_and_cut_paths(tmp_path: Path) -> None:
+    raw = tmp_path / "x.raw"
+    raw.write_text(
+        'process 7:"/usr/bin/python3 -m kvroute.cli serve";main (/usr/lib/python3.11/runpy.py:1);'
+        "handle (/x/site-packages/aiohttp/web.py:5);"
+        "encode (/src/kvroute/kvcore/tokenizer/hf.py:85) 7\n"
+        "main (/usr/lib/python3.11/runpy.py:1);handle (/x/site-packages/aiohttp/web.py:5) 3\n"
+    )
+    frames = top_frames(raw)
+    assert [f.name for f in frames] == [
+        "encode (kvcore/tokenizer/hf.py:85)",
+        "handle (aiohttp/web.py:5)",
+    ]
+    assert frames[0].self_share == 0.7 and frames[0].total_share == 0.7
+    assert frames[1].self_share == 0.3 and frames[1].total_share == 1.0
+    assert "| 70.0% | 70.0% | `encode (kvcore/tokenizer/hf.py:85)` |" in frames_table(frames)
+
+
+def test_overhead_bench_reports_cpu_per_request_and_where_it_goes(tmp_path: Path) -> None:
+    out = tmp_path / "bench.md"
+    profiles = tmp_path / "profiles"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "bench",
+            "overhead",
+            "--targets",
+            "direct,kvroute",
+            "--duration",
+            "3",
+            "--warmup",
+            "1",
+            "--concurrency",
+            "4",
+            "--loadgen",
+            "builtin",
+            "--profile",
+            str(profiles),
+            "--output-md",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = out.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| kvroute |"))
+    cpu_ms, per_core = (float(cell) for cell in row.strip("| ").split(" | ")[-2:])
+    assert cpu_ms > 0 and abs(1000 / cpu_ms - per_core) <= 0.01 * per_core  # 2 decimals shown
+    direct = next(line for line in text.splitlines() if line.startswith("| direct |"))
+    assert direct.endswith("| - | - |")  # no router, no router CPU
+    assert "Where kvroute's CPU goes" in text, done.stdout
+    assert (profiles / "kvroute.raw").stat().st_size > 0
+    assert "kvroute/router/" in text, text  # the router's own frames are among the top ones
+    assert "process " not in text and "(/" not in text  # no command lines, no machine paths
