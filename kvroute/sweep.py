@@ -29,6 +29,7 @@ from kvroute.simulator.cli_replay import (
     add_cell_args,
     check_replay,
     policy_name,
+    policy_object,
     positive_float,
     positive_int,
     replay_args,
@@ -151,7 +152,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    cells = grid(args.grid_policies, args.grid_replicas, args.grid_capacities, args.grid_rates)
+    try:
+        cells = grid(args.grid_policies, args.grid_replicas, args.grid_capacities, args.grid_rates)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     trace = _trace_file(args)
     shared = _check(args, cells)
     cell_args = {
@@ -285,14 +289,26 @@ def _parameters(
 ) -> dict[str, Any]:
     """What a cell's result depends on besides the cell: the flags the sweep passed on (its
     policy's --policy-param only; not --no-plots), the trace by content (a moved trace
-    resumes, a changed one runs again)."""
+    resumes, a changed one runs again), the policy's every parameter, defaults included (a
+    default changed since is a change), and kvroute's version."""
     params = {k: getattr(args, k) for k in shared if k != "no_plots"}
+    params["policy"] = policy_object(args.policy, args.seed, args.policy_param).describe()
+    params["kvroute"] = _kvroute_version()
     params["trace"] = (
         {"name": trace.name, "sha256": hashlib.sha256(trace.data).hexdigest()}
         if trace is not None
         else args.trace
     )
     return params
+
+
+def _kvroute_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvroute")
+    except PackageNotFoundError:  # a source tree not installed
+        return "unknown"
 
 
 def _say_resume(out: str, cells: Sequence[Cell], status: Mapping[Cell, str]) -> None:

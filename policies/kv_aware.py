@@ -151,7 +151,7 @@ class KvAware(Policy):
             return NO_HEALTHY_REPLICA
         prefix = request.prefix_tokens or {}
         bound = load_bound(sum(r.in_flight for r in eligible), len(eligible), self.eps)
-        warm = self._warm(request)
+        warm = self._warm(request, eligible)
         held = _held_with_room(warm, eligible, bound) if warm else 0
         cost = self.cost
         costs = [(cost(r, request, held), k) for k, r in enumerate(eligible)]
@@ -182,16 +182,21 @@ class KvAware(Policy):
     ) -> int:
         """The longest warm prefix of the prompt (see ``warm_holders``) held by a replica below
         the load bound."""
-        return _held_with_room(self._warm(request), eligible, bound)
+        return _held_with_room(self._warm(request, eligible), eligible, bound)
 
-    def _warm(self, request: RouteRequest) -> Mapping[str, int]:
+    def _warm(self, request: RouteRequest, eligible: list[ReplicaState]) -> Mapping[str, int]:
         """The prefix matches that make a replica a warm home: longer than what more than
-        ``warm_holders`` replicas hold (a shared prefix); all of them when that is off."""
+        ``warm_holders`` eligible replicas hold (a shared prefix; a replica that is down or
+        serves another model holds nothing this request can use); all of them when off."""
         prefix = request.prefix_tokens or {}
         limit = self.warm_holders
         if not limit or len(prefix) <= limit:
             return prefix
-        shared = sorted(prefix.values(), reverse=True)[limit]  # held by limit + 1 or more
+        ids = {r.replica_id for r in eligible}
+        held = sorted((t for rid, t in prefix.items() if rid in ids), reverse=True)
+        if len(held) <= limit:
+            return prefix
+        shared = held[limit]  # held by limit + 1 eligible replicas or more
         return {rid: tokens for rid, tokens in prefix.items() if tokens > shared}
 
     def _break_tie(

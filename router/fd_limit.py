@@ -36,13 +36,19 @@ def raise_fd_limit(needed: int) -> int:
     # Linux refuses a NOFILE limit above fs.nr_open: "unlimited" means that much.
     unlimited = resource.RLIM_INFINITY
     soft, target = (_nr_open() if n == unlimited else n for n in (soft, hard))
-    if soft < target:
+    # Some systems refuse the hard limit itself (macOS: "unlimited", but a kernel maximum
+    # lower than nr_open): then ask for what is needed.
+    for wanted in dict.fromkeys((target, min(target, needed))):
+        if soft >= wanted:
+            break
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            log.info("open-file limit raised from %d to %d", soft, target)
-            soft = target
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
         except (ValueError, OSError) as exc:
-            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, wanted, exc)
+            continue
+        log.info("open-file limit raised from %d to %d", soft, wanted)
+        soft = wanted
+        break
     if soft < needed:
         log.warning(
             "open-file limit is %d, below the %d the router needs for about %d concurrent "

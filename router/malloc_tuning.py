@@ -13,7 +13,6 @@ the price is up to ``TRIM_BYTES`` of freed heap kept rather than returned to the
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 
@@ -35,12 +34,9 @@ def tune_malloc() -> bool:
     """Apply the thresholds; False where the C library is not glibc or it is disabled."""
     if os.environ.get(DISABLE_ENV) == "0":
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        # The C library the interpreter already links (find_library would run ldconfig).
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

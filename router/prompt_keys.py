@@ -35,10 +35,11 @@ class PromptKeys:
     def __init__(self, routing: RoutingConfig, index: PrefixIndex, wanted: bool = True) -> None:
         self._routing = routing
         self._index = index
-        # False when the policy never reads prefixes: prompts are not tokenized at all.
+        # False when the policy never reads prefixes: prompts are not tokenized at all, and
+        # no tokenizer (nor its worker pool) is loaded.
         self.wanted = wanted
         # Checked at config load when given; a launched model directory may lack one.
-        self.tokenizer = self._load(routing.tokenizer) if routing.tokenizer else None
+        self.tokenizer = self._load(routing.tokenizer) if routing.tokenizer and wanted else None
         self._scraped_block_size: int | None = None
         self._block_size_warned = False
         self.lora_adapters: frozenset[str] = frozenset()  # from the replicas' /v1/models
@@ -70,7 +71,7 @@ class PromptKeys:
         vLLM lists the path it loaded the model from as ``root`` in /v1/models; when that is a
         local directory with tokenizer files, it is exactly the tokenizer the replica uses.
         """
-        if self.tokenizer is not None or self._routing.tokenizer is not None:
+        if not self.wanted or self.tokenizer is not None or self._routing.tokenizer is not None:
             return
         for roots in model_roots:
             for root in roots:

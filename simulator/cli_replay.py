@@ -593,7 +593,7 @@ def _fleet_config(
         raise UsageError(str(exc)) from None
 
 
-def _policy_object(name: str, seed: int, extra: list[tuple[str, Any]] | None = None) -> Any:
+def policy_object(name: str, seed: int, extra: list[tuple[str, Any]] | None = None) -> Any:
     accepted = policy_parameters(name)
     params: dict[str, Any] = {"seed": seed} if "seed" in accepted else {}
     params.update((k, v) for k, v in extra or () if k in accepted)
@@ -639,7 +639,7 @@ def run_policy(
     quiet: bool,
     params: list[tuple[str, Any]] | None = None,
 ) -> tuple[SimResult, float]:
-    policy = _policy_object(policy_name, seed, params)
+    policy = policy_object(policy_name, seed, params)
     bar = _ProgressBar(policy_name, not quiet)
     started = time.perf_counter()
     result = simulate(units, policy, config, bar)
@@ -759,7 +759,7 @@ def check_replay(args: argparse.Namespace) -> None:
     sweep`` checks its grid)."""
     _, _, _, policies = _simulated_replay(args)
     for name in policies:
-        _policy_object(name, args.seed, args.policy_param)
+        policy_object(name, args.seed, args.policy_param)
 
 
 # Traces whose prefixes kvroute makes up: their hit rates describe its model, not the workload.

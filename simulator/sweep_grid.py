@@ -48,7 +48,13 @@ def grid(
 ) -> list[Cell]:
     """Every combination, in the order given (policy slowest), each once."""
     cells = itertools.starmap(Cell, itertools.product(policies, replicas, capacities, rates))
-    return list(dict.fromkeys(cells))
+    unique = list(dict.fromkeys(cells))
+    names: dict[str, Cell] = {}
+    for cell in unique:
+        other = names.setdefault(cell.name, cell)
+        if other is not cell:  # e.g. rates 1 and 1.0000001, both "x1"
+            raise ValueError(f"cells {other} and {cell} would share the directory {cell.name}")
+    return unique
 
 
 def cell_record(cell: Cell, replay: Mapping[str, Any]) -> dict[str, Any]:

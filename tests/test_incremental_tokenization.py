@@ -274,3 +274,22 @@ async def test_the_routers_tokenizer_offloads_a_new_conversation_then_tokenizes_
         assert (cache.stats.misses, cache.stats.hits) == (1, 3)
     finally:
         router_tok.close()
+
+
+@pytest.mark.parametrize("which", ["tiny", "qwen3"])
+def test_plain_messages_render_as_the_general_conversion_renders_them(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    """A message that is only a role and a text skips the general conversion before the
+    template (hf.py): the same message with a field the conversion ignores takes the general
+    path, and both conversations render alike for every role."""
+    tok: HFTokenizerFiles = request.getfixturevalue(which)
+    roles = ["system", "user", "assistant", "tool", "user", "assistant"]
+    if which == "tiny":  # its template knows no tool role
+        roles.remove("tool")
+    plain = [{"role": r, "content": f"{r} says héllo 😀 {i}"} for i, r in enumerate(roles)]
+    general = [{**m, "x_unused": True} for m in plain]
+    for options in ({"add_generation_prompt": True}, {"add_generation_prompt": False}):
+        assert render_chat(tok, plain, options) == render_chat(tok, general, options)
+    # Without a role it is no plain message: the general path decides what that means.
+    assert tok._conversation_message({"content": "x", "name": "n"})["name"] == "n"

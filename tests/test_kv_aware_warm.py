@@ -66,3 +66,14 @@ def test_warm_holders_is_a_declared_parameter_checked_when_built() -> None:
     assert build_policy("kv_aware", {"warm_holders": 3}).describe()["warm_holders"] == 3
     with pytest.raises(ValueError, match="warm_holders"):
         build_policy("kv_aware", {"warm_holders": -1})
+
+
+def test_a_holder_that_is_down_does_not_make_a_prefix_shared() -> None:
+    """Three replicas hold the block but one of them is down: two eligible holders, so the
+    prefix is still a warm home (as with two holders), not a shared one."""
+    view = fleet(8)
+    _, shared = _shared_by_three_others(0, view)
+    down = next(iter(shared))
+    next(r for r in view.replicas if r.replica_id == down).healthy = False
+    decision = KvAware().decide(request(0, shared), view)
+    assert decision.chosen in shared and decision.chosen != down

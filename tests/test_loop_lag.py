@@ -48,7 +48,7 @@ async def test_metrics_show_how_late_the_event_loop_ran(
     time.sleep(0.3)
     while over(await scrape(), 0.1) == over(before, 0.1):
         assert time.monotonic() < deadline + 5, "the stall did not show"
-    assert over(pages[-1], 0.1) - over(before, 0.1) == 1
+    assert over(pages[-1], 0.1) - over(before, 0.1) >= 1  # (a busy box may add its own)
     assert over(pages[-1], 0.5) == over(before, 0.5)
 
 

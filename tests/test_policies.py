@@ -576,3 +576,15 @@ def test_registry_out_of_range_param_names_it(params: dict[str, object], fragmen
 def test_registry_rejects_non_finite_eps(eps: float) -> None:
     with pytest.raises(PolicyConfigError, match="eps"):
         build_policy("consistent_hash", {"eps": eps})
+
+
+def test_every_policy_that_reads_prefixes_says_so() -> None:
+    """The router tokenizes only for a policy with ``reads_prefixes`` (round robin at round
+    robin's price): one that reads the prefix fields without saying so would get none live,
+    while the simulator still gave it them."""
+    import inspect
+
+    for name, cls in POLICIES.items():
+        source = inspect.getsource(cls)
+        reads = "prefix_tokens" in source or "block_hashes" in source
+        assert cls.reads_prefixes == reads, name

@@ -188,6 +188,7 @@ class HFTokenizerFiles:
         if (
             type(content) is str
             and len(message) == 2
+            and role is not None
             and self._content_format != "openai"
             and role != "developer"
         ):

@@ -5,6 +5,18 @@ from __future__ import annotations
 import argparse
 
 
+def add_report_args(p: argparse.ArgumentParser) -> None:
+    """Where a bench's results go: appended to --output-md, or nowhere with --no-record
+    (neither is part of the command a report quotes: see overhead.reproduce_command)."""
+    p.add_argument(
+        "--output-md",
+        metavar="PATH",
+        default="BENCHMARKS.md",
+        help="Markdown file to append the results to (default BENCHMARKS.md here).",
+    )
+    p.add_argument("--no-record", action="store_true", help="Print only; write no file.")
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
-from kvroute.bench.argtypes import non_negative_int, positive_int
+from kvroute.bench.argtypes import add_report_args, non_negative_int, positive_int
 from kvroute.bench.epp import add_epp_bench
 from kvroute.bench.index_bench import add_index_bench
 from kvroute.bench.prefix import add_prefix_bench
@@ -136,13 +137,7 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="Where vllm-router and smg are installed (searched before this Python's bin "
         "directory and PATH).",
     )
-    p.add_argument(
-        "--output-md",
-        metavar="PATH",
-        default="BENCHMARKS.md",
-        help="Markdown file to append the results to (default BENCHMARKS.md here).",
-    )
-    p.add_argument("--no-record", action="store_true", help="Print only; write no file.")
+    add_report_args(p)
     p.add_argument(
         "--profile",
         metavar="DIR",
@@ -179,6 +174,10 @@ def _cmd_overhead(args: argparse.Namespace) -> int:
         profile_dir=args.profile,
     )
     if args.profile:
+        if shutil.which("py-spy") is None:
+            print("kvroute bench overhead: --profile needs py-spy (pip install -e '.[bench]')",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         os.makedirs(args.profile, exist_ok=True)
     try:
         return run_overhead(options, sys.argv[1:])

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvroute.bench import overhead, processes
-from kvroute.bench.argtypes import non_negative_int, positive_int
+from kvroute.bench.argtypes import add_report_args, non_negative_int, positive_int
 from kvroute.bench.loadgen import LoadError, find_wrk, parse_wrk, wrk_version
 
 if TYPE_CHECKING:
@@ -991,7 +991,7 @@ def add_epp_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "picker, at a concurrency that saturates it, report picks/s (target: 400 per picker "
             "process) with the picker's CPU, and the direct listener's req/s as the ceiling. "
             "Prints the tables and appends them, the machine, versions, the command and "
-            "whether the targets were met to --output."
+            "whether the targets were met to --output-md."
         ),
     )
     p.add_argument(
@@ -1089,13 +1089,7 @@ def add_epp_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=60.0,
         help="Seconds each process may take to become ready (default 60).",
     )
-    p.add_argument(
-        "--output",
-        metavar="FILE",
-        default="BENCHMARKS.md",
-        help="Markdown file to append the results to (default BENCHMARKS.md here).",
-    )
-    p.add_argument("--no-record", action="store_true", help="Print only; write no file.")
+    add_report_args(p)
     p.set_defaults(func=_cmd_epp_bench)
 
 
@@ -1117,7 +1111,7 @@ def _cmd_epp_bench(args: argparse.Namespace) -> int:
         envoy_workers=args.envoy_workers,
         model=args.model,
         startup_timeout_s=args.startup_timeout,
-        output=args.output,
+        output=args.output_md,
         record=not args.no_record,
     )
     try:

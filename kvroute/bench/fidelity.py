@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvroute.bench.argtypes import add_report_args
 from kvroute.kvcore.stats import percentile
 from kvroute.policies import DEFAULT_POLICY
 from kvroute.simulator.cli_replay import (
@@ -116,8 +117,7 @@ def add_fidelity_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="Wait this long for the replicas (default 600).",
     )
     p.add_argument("--log-dir", metavar="DIR", help="Keep the replicas' and router's logs here.")
-    p.add_argument("--output-md", default="BENCHMARKS.md", help="Where to append the results.")
-    p.add_argument("--no-record", action="store_true", help="Print only; append nothing.")
+    add_report_args(p)
     p.set_defaults(func=_cmd_bench_fidelity)
 
 

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute.bench.argtypes import fraction, non_negative_int, positive_int
+from kvroute.bench.argtypes import add_report_args, fraction, non_negative_int, positive_int
 from kvroute.kvcore import block_hashing, packed_runs
 from kvroute.kvcore.block_hashing import block_hashes
 from kvroute.kvcore.prefix_index import PrefixIndex
@@ -432,15 +432,7 @@ def add_index_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="Hash and look up on the pure-Python twins of the C extension kvcore/_speedups.c "
         "(what runs where it is not built), to compare.",
     )
-    p.add_argument(
-        "--output-md",
-        default=d.output_md,
-        metavar="PATH",
-        help="Markdown file the result is appended to (default ./BENCHMARKS.md).",
-    )
-    p.add_argument(
-        "--no-record", action="store_true", help="Print only; do not append to --output-md."
-    )
+    add_report_args(p)
     p.set_defaults(func=_cmd_index)
 
 

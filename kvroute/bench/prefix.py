@@ -44,7 +44,7 @@ from kvroute.backends.launcher import (
 )
 from kvroute.backends.process import free_ports
 from kvroute.bench import processes
-from kvroute.bench.argtypes import positive_int
+from kvroute.bench.argtypes import add_report_args, positive_int
 from kvroute.bench.chat_load import (
     RunResult,
     record_counters,
@@ -487,8 +487,7 @@ def add_prefix_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     p.add_argument("--peer-bin-dir", help="Where vllm-router and smg are (default: PATH).")
     p.add_argument("--log-dir", help="Keep the replicas' and routers' logs here.")
-    p.add_argument("--output-md", default=d.output_md)
-    p.add_argument("--no-record", action="store_true", help="Do not append to --output-md.")
+    add_report_args(p)
     p.add_argument(
         "--engine", choices=("vllm", "emulated"), default=d.engine,
         help="Real vLLM replicas (default), or kvroute's replica emulator (a quick check of the "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+_STDLIB = re.compile(r"^.*/lib/python3\.\d+/")
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -152,13 +154,18 @@ def top_frames(raw: Path, count: int = 12) -> list[Frame]:
 
 
 def _short(frame: str) -> str:
-    """``fn (/long/path/site-packages/pkg/mod.py:12)`` as ``fn (pkg/mod.py:12)``."""
+    """``fn (/long/path/site-packages/pkg/mod.py:12)`` as ``fn (pkg/mod.py:12)``; kvroute's
+    own files as ``kvroute/...`` wherever the checkout is (py-spy gives paths as imported)."""
     name, _, where = frame.partition(" (")
-    for marker in ("site-packages/", "/kvroute/", "/lib/python3"):
+    for marker, keep in (("site-packages/", 0), ("/kvroute/", len("kvroute/"))):
         at = where.rfind(marker)
         if at >= 0:
-            where = where[at + len(marker) :]
+            where = where[at + len(marker) - keep :]
             break
+    else:
+        where = _STDLIB.sub("", where)
+        if where.startswith("/"):  # elsewhere on this machine: the file's name is enough
+            where = where.rsplit("/", 1)[-1]
     return f"{name} ({where}" if where else name
 
 

@@ -6,6 +6,7 @@ import argparse
 import math
 import sys
 
+from kvroute.bench.argtypes import add_report_args
 from kvroute.bench.processes import StartError
 from kvroute.bench.soak import (
     BLOCK_SIZE,
@@ -71,9 +72,7 @@ def add_soak_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--seed", type=int, default=0, help="Seed of the traffic (default 0).")
     p.add_argument("--startup-timeout", type=_positive, default=120.0, metavar="S",
                    help="Seconds the router and replicas may take to start (default 120).")  # fmt: skip
-    p.add_argument("--output-md", metavar="PATH", default="BENCHMARKS.md",
-                   help="Markdown file to append the results to (default BENCHMARKS.md here).")  # fmt: skip
-    p.add_argument("--no-record", action="store_true", help="Print only; write no file.")
+    add_report_args(p)
     p.set_defaults(func=_cmd_soak)
 
 

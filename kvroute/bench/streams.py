@@ -46,7 +46,7 @@ import msgspec
 
 from kvroute.backends.process import free_ports
 from kvroute.bench import processes
-from kvroute.bench.argtypes import positive_int
+from kvroute.bench.argtypes import add_report_args, positive_int
 from kvroute.bench.overhead import machine_line, package_version, record, reproduce_command
 from kvroute.kvcore.stats import MetricsPage, parse_metrics, percentile
 from kvroute.router.fd_limit import OVERHEAD_FDS, raise_fd_limit
@@ -199,7 +199,8 @@ async def one_stream(
     except (aiohttp.ClientError, TimeoutError) as exc:
         return StreamResult(ttft, f"failed: {type(exc).__name__}: {exc}")
     finally:
-        counters[slot + 1] += 1
+        if ttft == ttft:  # it opened: it counts as closed now (open = opened - closed)
+            counters[slot + 1] += 1
 
 
 async def run_client(
@@ -724,13 +725,7 @@ def add_streams_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=60.0,
         help="Seconds each process may take to become ready (default 60).",
     )
-    p.add_argument(
-        "--output-md",
-        metavar="PATH",
-        default="BENCHMARKS.md",
-        help="Markdown file to append the results to (default BENCHMARKS.md here).",
-    )
-    p.add_argument("--no-record", action="store_true", help="Print only; write no file.")
+    add_report_args(p)
     p.set_defaults(func=_cmd_streams)
 
 

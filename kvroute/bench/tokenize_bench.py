@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute.bench.argtypes import positive_int
+from kvroute.bench.argtypes import add_report_args, positive_int
 from kvroute.router.prompt_tokenizer import PromptTokenizer
 
 WORDS = [
@@ -129,8 +129,7 @@ def add_tokenize_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--lengths", default="1000,10000,100000,400000", help="Prompt lengths (chars).")
     p.add_argument("--concurrent", type=positive_int, default=4, help="Prompts tokenized at once.")
     p.add_argument("--processes", type=positive_int, default=1, help="Tokenizer worker processes.")
-    p.add_argument("--output-md", default="BENCHMARKS.md")
-    p.add_argument("--no-record", action="store_true")
+    add_report_args(p)
     p.set_defaults(func=_cmd_tokenize)
 
 
