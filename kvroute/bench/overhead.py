@@ -306,7 +306,8 @@ def measure(
             window_opens(start, start + options.duration_s)
             row.result = run_load(wrk, load)
             window = (start, time.monotonic())
-    if sampler is not None and row.result is not None and row.result.requests:
+    measured = row.result is not None and row.result.requests and window[1] < float("inf")
+    if sampler is not None and measured:
         cpu_s = sampler.cpu_between(*window)
         # wrk counts the requests of its own window: scale the CPU to the run's duration.
         per_s = cpu_s / (window[1] - window[0])
