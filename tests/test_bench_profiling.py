@@ -106,7 +106,9 @@ def test_overhead_bench_reports_cpu_per_request_and_where_it_goes(tmp_path: Path
     text = out.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| kvroute |"))
     cpu_ms, per_core = (float(cell) for cell in row.strip("| ").split(" | ")[-2:])
-    assert cpu_ms > 0 and abs(1000 / cpu_ms - per_core) <= 0.01 * per_core  # 2 decimals shown
+    # The same figure twice: ms per request shown to 2 decimals, requests per core whole
+    # (each rounding moves 1000 / per_core by at most 0.005 and 500 / per_core**2).
+    assert cpu_ms > 0 and abs(1000 / per_core - cpu_ms) <= 0.0051 + 500 / per_core**2
     direct = next(line for line in text.splitlines() if line.startswith("| direct |"))
     assert direct.endswith("| - | - |")  # no router, no router CPU
     assert "Where kvroute's CPU goes" in text, done.stdout
