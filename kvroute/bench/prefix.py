@@ -151,6 +151,27 @@ def kv_blocks_for(options: Options, system_prompt_tokens: int) -> int:
     return per_tenant * 2 + 24
 
 
+def start_fleet(
+    stack: contextlib.ExitStack[bool | None], options: Options, kv_blocks: int, who: str
+) -> tuple[Path, list[LaunchedReplica]]:
+    """The log directory (--log-dir, else a temporary one) and the running replicas, both
+    closed with ``stack``; SIGTERM stops them as Ctrl-C does."""
+    log_dir = (
+        Path(options.log_dir)
+        if options.log_dir
+        else stack.enter_context(processes.log_directory(f"{who.replace(' ', '-')}-"))
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack.enter_context(processes.sigterm_as_exit())
+    print(
+        f"{who}: starting {options.replicas} {options.engine} replicas "
+        f"({kv_blocks} KV blocks of {BLOCK_SIZE}; logs in {log_dir})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return log_dir, stack.enter_context(running_fleet(options, kv_blocks, log_dir))
+
+
 @contextlib.contextmanager
 def running_fleet(
     options: Options, kv_blocks: int, log_dir: Path
@@ -302,20 +323,7 @@ def run_bench(options: Options) -> Outcome:
     kv_blocks = kv_blocks_for(options, prompt_tokens)
     outcome = Outcome([], kv_blocks=kv_blocks, prompt_tokens=prompt_tokens)
     with contextlib.ExitStack() as stack:
-        log_dir = (
-            Path(options.log_dir)
-            if options.log_dir
-            else stack.enter_context(processes.log_directory("kvroute-bench-prefix-"))
-        )
-        log_dir.mkdir(parents=True, exist_ok=True)
-        stack.enter_context(processes.sigterm_as_exit())
-        print(
-            f"kvroute bench prefix: starting {options.replicas} vLLM replicas "
-            f"({kv_blocks} KV blocks of {BLOCK_SIZE}; logs in {log_dir})",
-            file=sys.stderr,
-            flush=True,
-        )
-        replicas = stack.enter_context(running_fleet(options, kv_blocks, log_dir))
+        log_dir, replicas = start_fleet(stack, options, kv_blocks, "kvroute bench prefix")
         for name in options.targets:
             outcome.rows.append(_run_one(TARGETS[name], replicas, conversations, options, log_dir))
         for name in ("kvroute-kv", "kvroute-rr"):

@@ -36,14 +36,13 @@ from kvroute.bench.chat_load import reset_prefix_caches
 from kvroute.bench.closed_loop import WindowResult, measure_window, wait_idle
 from kvroute.bench.overhead import machine_line, package_version
 from kvroute.bench.prefix import (
-    BLOCK_SIZE,
     TARGETS,
     Options,
     Target,
     fleet_line,
     kv_blocks_for,
-    running_fleet,
     running_router,
+    start_fleet,
     verdict,
 )
 from kvroute.simulator.workload import Conversation, multi_tenant_chat
@@ -229,20 +228,9 @@ def run_saturate(options: Options) -> Outcome:
     outcome = Outcome(options.saturate_concurrency or 0, kv_blocks=kv_blocks)
     outcome.prompt_tokens = prompt_tokens
     with contextlib.ExitStack() as stack:
-        log_dir = (
-            Path(options.log_dir)
-            if options.log_dir
-            else stack.enter_context(processes.log_directory("kvroute-bench-saturate-"))
+        log_dir, replicas = start_fleet(
+            stack, options, kv_blocks, "kvroute bench prefix --saturate"
         )
-        log_dir.mkdir(parents=True, exist_ok=True)
-        stack.enter_context(processes.sigterm_as_exit())
-        print(
-            f"kvroute bench prefix --saturate: starting {options.replicas} {options.engine} "
-            f"replicas ({kv_blocks} KV blocks of {BLOCK_SIZE}; logs in {log_dir})",
-            file=sys.stderr,
-            flush=True,
-        )
-        replicas = stack.enter_context(running_fleet(options, kv_blocks, log_dir))
         if not outcome.concurrency:
 
             async def ramp() -> list[WindowResult]:
