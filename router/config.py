@@ -8,6 +8,7 @@ check-config`` and ``kvroute serve`` can print them all and exit 2 without a tra
 from __future__ import annotations
 
 import difflib
+import importlib
 import math
 import os
 import re
@@ -209,6 +210,22 @@ class MetricsConfig(_Section):
     enabled: bool = True
 
 
+class TracingConfig(_Section):
+    """OpenTelemetry traces of the request path, sent over OTLP (the 'tracing' extra)."""
+
+    # The OTLP collector; null = tracing off: OpenTelemetry is not even imported. http/protobuf:
+    # its base URL (http://collector:4318; /v1/traces is added unless the URL has a path);
+    # grpc: http://collector:4317 (https:// for TLS).
+    otlp_endpoint: str | None = None
+    protocol: str = "http/protobuf"  # http/protobuf | grpc
+    service_name: str = "kvroute"
+    # Share of the traces the router starts that are recorded; a request that arrives with a
+    # W3C traceparent is recorded when its sampled flag says so, whatever this ratio.
+    sample_ratio: float = 1.0
+    # Finished spans are sent in batches this often.
+    export_interval_s: float = 5.0
+
+
 class EppConfig(_Section):
     """``kvroute epp``: the endpoint picker behind an Envoy-based gateway (ext_proc)."""
 
@@ -249,6 +266,7 @@ class Config(_Section):
     shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     epp: EppConfig = msgspec.field(default_factory=EppConfig)
     # Add X-Kvroute-Replica, X-Kvroute-Reason and X-Kvroute-Prefix-Hit-Tokens to every routed
     # response.
@@ -487,6 +505,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
             problems.append(f"limits.{field}: must be >= 0 (0 means none)")
     problems += _retry_problems(config.retry)
     problems += _epp_problems(config.epp)
+    problems += _tracing_problems(config.tracing)
     problems += _breaker_problems(config.breaker)
     check(_validate_auth, config.auth)
     if config.health.unhealthy_after < 1:
@@ -639,6 +658,67 @@ def _epp_problems(epp: EppConfig) -> list[str]:
     if epp.pool_name is not None and not epp.pool_name.strip():
         problems.append("epp.pool_name: must not be empty")
     return problems
+
+
+TRACING_PROTOCOLS = ("http/protobuf", "grpc")
+# The OpenTelemetry span exporter module for each protocol (the 'tracing' extra).
+OTLP_EXPORTERS = {
+    "http/protobuf": "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "grpc": "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+}
+
+
+def _tracing_problems(tracing: TracingConfig) -> list[str]:
+    problems = []
+    if tracing.protocol not in TRACING_PROTOCOLS:
+        problems.append(
+            f"tracing.protocol: must be one of {', '.join(TRACING_PROTOCOLS)}, "
+            f"got {tracing.protocol!r}"
+        )
+    if not tracing.service_name.strip():
+        problems.append("tracing.service_name: must not be empty")
+    if not (math.isfinite(tracing.sample_ratio) and 0 <= tracing.sample_ratio <= 1):
+        problems.append(f"tracing.sample_ratio: must be in [0, 1], got {tracing.sample_ratio}")
+    interval = tracing.export_interval_s
+    if not (math.isfinite(interval) and interval > 0):
+        problems.append(f"tracing.export_interval_s: must be a finite number > 0, got {interval}")
+    endpoint = tracing.otlp_endpoint
+    if endpoint is None:
+        return problems
+    try:
+        parts = urlsplit(endpoint)
+        _ = parts.port  # raises ValueError for a port that is not a number
+    except ValueError as exc:
+        return [*problems, f"tracing.otlp_endpoint: {endpoint!r} is not a valid URL ({exc})"]
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        problems.append(
+            f"tracing.otlp_endpoint: {endpoint!r} is not an http(s) URL with a host "
+            "(e.g. http://otel-collector:4318)"
+        )
+    elif tracing.protocol in OTLP_EXPORTERS:
+        problem = _exporter_import_problem(OTLP_EXPORTERS[tracing.protocol])
+        if problem is not None:
+            problems.append(f"tracing.otlp_endpoint: {problem}")
+    return problems
+
+
+def _exporter_import_problem(module: str) -> str | None:
+    """Why the OTLP exporter cannot be used, or None. Only asked when tracing is on: the router
+    runs without OpenTelemetry installed otherwise."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        hint = "install the 'tracing' extra: pip install 'kvroute[tracing]'"
+        if "opentelemetry.proto" in str(exc):
+            # xds-protos (the endpoint picker's Envoy protos) ships an old copy of
+            # opentelemetry-proto's modules; installed after it, it breaks the exporters.
+            hint = (
+                "another package (xds-protos) overwrote opentelemetry-proto's modules: "
+                "pip install --force-reinstall --no-deps opentelemetry-proto==VERSION "
+                "(the version installed)"
+            )
+        return f"tracing is on but OpenTelemetry's exporter cannot be imported ({exc}); {hint}"
+    return None
 
 
 def _check_port(key: str, port: int) -> None:

@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from kvroute.backends.handle import ReplicaHandle
 from kvroute.kvcore.ledger import DispatchLedger, Route
 
 from .metrics import RouterMetrics
@@ -70,7 +71,7 @@ class Forwarder:
         call = UpstreamCall(
             handle.base_url,
             attempt.body,
-            b"X-Request-Id: " + attempt.request_id.encode() + b"\r\n",
+            self._upstream_headers(attempt),
             extra,
             attempt.retry_status,
             attempt.resume,
@@ -80,12 +81,7 @@ class Forwarder:
         try:
             relayed = await relay(self.client, exchange, call, self.timeouts, answered)
         except UpstreamUnavailable as exc:
-            metrics.observe_upstream_error(replica_id, exc.kind)
-            if exc.kind == "connect":
-                self.registry.mark_down(handle)
-            if exc.kind != "ejected" and (exc.status or 500) >= 500:
-                self.registry.record(handle, False, exc.kind)  # transport errors and 5xx only
-            log.warning("replica %s failed before first byte: %s", replica_id, exc)
+            self._unavailable(handle, exc)
             return None
         finally:
             ledger.finish(dispatch, time.monotonic())
@@ -99,3 +95,16 @@ class Forwarder:
             replica_id, relayed.status, dispatch.reason, relayed.ttfb_s, elapsed
         )
         return relayed
+
+    def _upstream_headers(self, attempt: Try) -> bytes:
+        """Header lines added to the client's on the way to the replica (tracing adds its own)."""
+        return b"X-Request-Id: " + attempt.request_id.encode() + b"\r\n"
+
+    def _unavailable(self, handle: ReplicaHandle, exc: UpstreamUnavailable) -> None:
+        """The replica failed before the first byte: count it, and may take it out of rotation."""
+        self.metrics.observe_upstream_error(handle.name, exc.kind)
+        if exc.kind == "connect":
+            self.registry.mark_down(handle)
+        if exc.kind != "ejected" and (exc.status or 500) >= 500:
+            self.registry.record(handle, False, exc.kind)  # transport errors and 5xx only
+        log.warning("replica %s failed before first byte: %s", handle.name, exc)

@@ -20,6 +20,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvroute.kvcore.ledger import DispatchLedger, Route
+from kvroute.kvcore.tokenizer import PromptBlocks
 from kvroute.policies import RouteRequest
 
 from . import errors
@@ -146,7 +147,7 @@ class RequestPipeline:
         return relayed.response
 
     async def _route(self, request: web.Request, parsed: ParsedRequest) -> Route:
-        blocks = await self.keys.blocks(parsed)
+        blocks = await self._tokenize(parsed)
         route_request = RouteRequest(
             blocks.tokens if blocks is not None else parsed.prompt_tokens,
             parsed.max_tokens,
@@ -154,6 +155,14 @@ class RequestPipeline:
             request.headers.get(SESSION_HEADER) or parsed.user,
             blocks.hashes if blocks is not None else [],
         )
+        return self._decide(route_request)
+
+    # Tokenizing and deciding are methods of their own so that tracing (traced.py) can wrap
+    # each in a span; a plain call returning the awaitable adds no coroutine frame here.
+    def _tokenize(self, parsed: ParsedRequest) -> Awaitable[PromptBlocks | None]:
+        return self.keys.blocks(parsed)
+
+    def _decide(self, route_request: RouteRequest) -> Route:
         now = time.monotonic()
         self.registry.before_decision(now)
         route = self.ledger.route(route_request, now, self.keys.block_size())
@@ -176,6 +185,7 @@ class RequestPipeline:
 
         def try_one(replica: str, attempt: int, last: bool) -> Awaitable[Relayed | None]:
             tried.add(replica)
+            exchange.tries += 1
             reason = "resume" if resume else ("retry" if attempt else route.reason)
             # A continuation's error cannot be relayed into the open stream: always retry it.
             try_ = Try(body, request_id, reason, retry_status=not last or resume, resume=resume)

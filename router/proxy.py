@@ -87,6 +87,7 @@ class ClientExchange:
     # The client's stream once open, so the caller can still end it well-formed if it gives
     # up (a total timeout) while a relay is under way, and continuations write into it.
     stream: web.StreamResponse | None = None
+    tries: int = 0  # replicas tried so far, retries and resumes included
 
 
 @dataclass(slots=True)

@@ -7,9 +7,11 @@ A request's path is ``pipeline.RequestPipeline``; the replicas and their breaker
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
@@ -34,6 +36,10 @@ from .prompt_tokenizer import PromptTokenizer
 from .proxy import Timeouts
 from .upstream_client import UpstreamClient
 from .workers import MetricsExchange, WorkerContext, WorkerLoad
+
+if TYPE_CHECKING:  # imported at run time only with tracing on (they need OpenTelemetry)
+    from .traced import TracedPipeline
+    from .tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +76,12 @@ class Router:
         self._loop_lag = LoopLagMonitor(self.metrics.loop_lag)
         self._started_at = int(time.time())
         limits = config.limits
-        self.admission = Admission(
-            limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s
-        )
+        slots = (limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s)
         # timeouts.total_s, checked on a tick of a tenth of it (at most 1 s): see deadlines.py.
         total_s = config.timeouts.total_s
         self._deadlines = Deadlines(min(1.0, total_s / 10)) if total_s else None
         t = config.timeouts
-        self.forwarder = Forwarder(
+        forwarding = (
             self.ledger,
             self.registry,
             self.metrics,
@@ -85,7 +89,22 @@ class Router:
             config.decision_headers,
         )
         self.auth = Auth(config.auth)
-        self.pipeline = RequestPipeline(
+        self.tracing: Tracing | None = None
+        make_pipeline: type[RequestPipeline] | functools.partial[TracedPipeline] = RequestPipeline
+        if config.tracing.otlp_endpoint is None:
+            self.admission = Admission(*slots)
+            self.forwarder = Forwarder(*forwarding)
+        else:
+            # Chosen once, here: only with tracing on is OpenTelemetry imported and the path's
+            # parts the traced subclasses (traced.py); off, nothing on the path knows of it.
+            from .traced import TracedAdmission, TracedForwarder, TracedPipeline
+            from .tracing import Tracing
+
+            tracing = self.tracing = Tracing(config.tracing)
+            self.admission = TracedAdmission(tracing, *slots)
+            self.forwarder = TracedForwarder(tracing, *forwarding)
+            make_pipeline = functools.partial(TracedPipeline, tracing=tracing)
+        self.pipeline = make_pipeline(
             config,
             auth=self.auth,
             admission=self.admission,
@@ -145,6 +164,8 @@ class Router:
             await self._exchange.close(self.metrics)
         if self.forwarder.client is not None:
             self.forwarder.client.close()
+        if self.tracing is not None:
+            await self.tracing.close()  # the last spans are exported before the router exits
 
     # -- router endpoints --------------------------------------------------------------
 

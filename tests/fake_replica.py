@@ -42,6 +42,8 @@ class FakeReplica:
     # Health checks get no answer at all (a SIGKILLed vLLM whose listening socket lingers).
     mute: bool = False
     health_checks: int = 0
+    # Answer every generation request with this status (an error body), whatever the prompt.
+    fail_with: int | None = None
     running: int = 0
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -81,8 +83,8 @@ class FakeReplica:
         chat = request.path.endswith("chat/completions")
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         prompt = prompt if isinstance(prompt, str) else ""
-        if prompt.startswith("status:"):
-            status = int(prompt.split(":")[1])
+        if prompt.startswith("status:") or self.fail_with is not None:
+            status = self.fail_with or int(prompt.split(":")[1])
             error = {
                 "object": "error",
                 "message": f"scripted {status}",
