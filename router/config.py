@@ -22,6 +22,14 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from kvroute.backends.placement import (
+    ParallelLayout,
+    PlacementError,
+    gpu_list_problems,
+    parallel_layout,
+    placement_requested,
+)
+from kvroute.backends.vllm_args import owned_flags_in
 from kvroute.policies import DEFAULT_POLICY, PolicyConfigError, build_policy
 
 
@@ -77,7 +85,9 @@ class LaunchConfig(_Section):
     # emulated: HF tokenizer files to tokenize with (default: the built-in tokenizer).
     tokenizer: str | None = None
     block_size: int = 32
-    num_gpu_blocks: int = 1024  # KV capacity per replica, in blocks
+    # KV capacity per replica, in blocks; null: 1024, except vLLM on GPUs, which sizes its KV
+    # cache from gpu_memory_utilization.
+    num_gpu_blocks: int | None = None
     max_num_seqs: int = 64
     preset: str = "llama-3.1-8b-h100"  # emulated: latency model
     time_scale: float = 1.0  # emulated: >1 runs slower than the modelled hardware
@@ -92,6 +102,19 @@ class LaunchConfig(_Section):
     startup_timeout_s: float = 300.0
     max_restarts: int = 5
     extra_args: list[str] = msgspec.field(default_factory=list)
+    # GPU placement. None of these keys set: no GPUs, replicas inherit kvroute's environment.
+    # gpus: the GPUs to share out (nvidia-smi's indices), or "auto" (found through NVML or
+    # nvidia-smi); null: auto when any other GPU key is set.
+    gpus: list[int] | str | None = None
+    # tensor x pipeline x data parallel size; null: derived from them.
+    gpus_per_replica: int | None = None
+    # vLLM's parallel sizes within one replica; null: 1, except tensor_parallel_size, which is
+    # what gpus_per_replica leaves over.
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    # vllm: the share of each GPU's memory vLLM may use; null: vLLM's default.
+    gpu_memory_utilization: float | None = None
 
 
 class PolicyConfig(_Section):
@@ -616,12 +639,21 @@ def _launch_problems(launch: LaunchConfig) -> list[str]:
             f"launch.engine: must be one of {', '.join(ENGINES)}, got {launch.engine!r}"
         )
     for key in ("count", "block_size", "num_gpu_blocks", "max_num_seqs"):
-        if getattr(launch, key) < 1:
-            problems.append(f"launch.{key}: must be >= 1, got {getattr(launch, key)}")
-    if launch.engine == "vllm" and launch.block_size % 32:
+        value = getattr(launch, key)
+        if value is not None and value < 1:
+            problems.append(f"launch.{key}: must be >= 1, got {value}")
+    on_gpus = gpus_requested(launch)
+    if launch.engine == "vllm" and not on_gpus and launch.block_size % 32:
         problems.append(
             f"launch.block_size: vLLM on CPU needs a multiple of 32, got {launch.block_size}"
         )
+    if on_gpus:
+        problems += _gpu_problems(launch)
+    if launch.engine == "vllm":
+        problems += [
+            f"launch.extra_args: {flag} is set by kvroute (from the launch keys); use those instead"
+            for flag in owned_flags_in(launch.extra_args)
+        ]
     for key in ("time_scale", "startup_timeout_s"):
         value = getattr(launch, key)
         if not (math.isfinite(value) and value > 0):
@@ -632,6 +664,54 @@ def _launch_problems(launch: LaunchConfig) -> list[str]:
         problems.append(
             f"launch.kv_events_bind: must be one of {', '.join(KV_EVENTS_BINDS)}, "
             f"got {launch.kv_events_bind!r}"
+        )
+    return problems
+
+
+def gpus_requested(launch: LaunchConfig) -> bool:
+    return placement_requested(
+        launch.gpus,
+        launch.gpus_per_replica,
+        launch.tensor_parallel_size,
+        launch.pipeline_parallel_size,
+        launch.data_parallel_size,
+        launch.gpu_memory_utilization,
+    )
+
+
+def launch_layout(launch: LaunchConfig) -> ParallelLayout:
+    """One replica's parallel sizes; raises ``PlacementError`` when the keys disagree."""
+    return parallel_layout(
+        gpus_per_replica=launch.gpus_per_replica,
+        tensor=launch.tensor_parallel_size,
+        pipeline=launch.pipeline_parallel_size,
+        data=launch.data_parallel_size,
+    )
+
+
+def _gpu_problems(launch: LaunchConfig) -> list[str]:
+    """What can be told wrong with the GPU keys without a GPU (counting them comes at launch)."""
+    problems = []
+    utilization = launch.gpu_memory_utilization
+    if utilization is not None and not (math.isfinite(utilization) and 0 < utilization <= 1):
+        problems.append(
+            f"launch.gpu_memory_utilization: must be a share of each GPU's memory, above 0 "
+            f"and at most 1, got {utilization}"
+        )
+    try:
+        layout = launch_layout(launch)
+    except PlacementError as exc:
+        return problems + exc.problems
+    if launch.gpus is not None and launch.count >= 1:
+        problems += gpu_list_problems(launch.gpus, launch.count, layout)
+    if layout.data > 1 and launch.engine == "vllm" and launch.kv_events:
+        # vLLM publishes each data-parallel rank's KV events on an endpoint of its own (tcp
+        # port + rank, and ipc endpoints it refuses), while the router subscribes to one per
+        # replica: it would not hear what ranks 1+ cache.
+        problems.append(
+            f"launch.data_parallel_size: {layout.data} with launch.kv_events on: the router "
+            "hears one KV-event endpoint per replica, vLLM publishes one per data-parallel "
+            "rank; launch more replicas (launch.count) instead, or set launch.kv_events: false"
         )
     return problems
 

@@ -224,6 +224,45 @@ BAD_CONFIGS = [
         "launch:\n  kv_events_bind: public\n",
         ["launch.kv_events_bind: must be one of ipc, tcp, got 'public'"],
     ),
+    # GPU placement
+    (
+        "gpus_per_replica_disagrees",
+        "launch:\n  gpus_per_replica: 4\n  tensor_parallel_size: 2\n",
+        [
+            "launch.gpus_per_replica: 4 disagrees with launch.tensor_parallel_size 2 x "
+            "launch.pipeline_parallel_size 1 x launch.data_parallel_size 1 = 2"
+        ],
+    ),
+    (
+        "gpus_list_too_short",
+        "launch:\n  count: 4\n  gpus: [0, 1, 2, 3, 4, 5]\n  tensor_parallel_size: 2\n",
+        [
+            "launch.gpus: lists 6 GPUs, but launch.count 4 x 2 GPUs per replica "
+            "(tensor_parallel_size 2) needs 8"
+        ],
+    ),
+    ("gpus_word", "launch:\n  gpus: all\n", ["launch.gpus", "'auto'", "got 'all'"]),
+    ("gpus_number", "launch:\n  gpus: 8\n", ["launch.gpus: expected"]),
+    (
+        "gpus_duplicate",
+        "launch:\n  gpus: [0, 1, 1]\n",
+        ["launch.gpus: lists GPU 1 more than once"],
+    ),
+    (
+        "gpu_memory_utilization",
+        "launch:\n  engine: vllm\n  gpus: [0, 1]\n  gpu_memory_utilization: 90\n",
+        ["launch.gpu_memory_utilization", "at most 1, got 90.0"],
+    ),
+    (
+        "data_parallel_with_kv_events",
+        "launch:\n  engine: vllm\n  gpus: auto\n  data_parallel_size: 2\n",
+        ["launch.data_parallel_size: 2 with launch.kv_events on", "launch.kv_events: false"],
+    ),
+    (
+        "extra_args_owned_flag",
+        "launch:\n  engine: vllm\n  extra_args: [--tensor_parallel_size=2]\n",
+        ["launch.extra_args: --tensor-parallel-size is set by kvroute"],
+    ),
     # policy
     (
         "policy_unknown",
@@ -349,6 +388,30 @@ def test_non_string_key_names_its_section(tmp_path: Path) -> None:
     message = load_error(tmp_path, "listen:\n  1: 2\n")
     assert f"{tmp_path / 'kvroute.yaml'}: listen" in message
     assert "`" not in message
+
+
+def test_no_gpu_keys_leave_launch_as_it_was(tmp_path: Path) -> None:
+    launch = load_config(write(tmp_path, "launch:\n  engine: vllm\n  block_size: 32\n")).launch
+    assert launch is not None
+    assert launch.gpus is None and launch.num_gpu_blocks is None  # 1024 at launch, as before
+    message = load_error(tmp_path, "launch:\n  engine: vllm\n  block_size: 16\n")
+    assert "launch.block_size: vLLM on CPU needs a multiple of 32, got 16" in message
+
+
+def test_gpu_keys_load_and_lift_the_cpu_block_size_rule(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "launch:\n  engine: vllm\n  count: 2\n  gpus: [4, 5, 6, 7]\n  gpus_per_replica: 2\n"
+        "  gpu_memory_utilization: 0.85\n  block_size: 16\n",
+    )
+    launch = load_config(path).launch
+    assert launch is not None
+    assert (launch.gpus, launch.gpus_per_replica, launch.tensor_parallel_size) == (
+        [4, 5, 6, 7],
+        2,
+        None,  # derived at launch: 2
+    )
+    assert launch.gpu_memory_utilization == 0.85
 
 
 @pytest.mark.parametrize(
