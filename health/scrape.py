@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvroute.kvcore.stats import MetricsPage, parse_metrics
+from kvroute.policies import ReplicaState
 
 from .probe import Probeable
 
@@ -33,6 +34,11 @@ WANTED = (
     "vllm:gpu_prefix_cache_queries",  # before vLLM 0.10
     "vllm:gpu_prefix_cache_hits",
     "vllm:cache_config_info",
+    # Sum and count only (the buckets are most of the page): the mean over a scrape interval.
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:time_per_output_token_seconds_sum",  # before vLLM 0.11
+    "vllm:time_per_output_token_seconds_count",
 )
 
 
@@ -46,6 +52,9 @@ class ReplicaReport:
     prefix_queries: float | None = None  # tokens looked up in the prefix cache
     prefix_hits: float | None = None  # of those, tokens found cached
     block_size: int | None = None
+    kv_capacity_tokens: int | None = None  # num_gpu_blocks x block_size
+    itl_sum: float | None = None  # inter-token latency histogram: seconds, cumulative
+    itl_count: float | None = None  # and output tokens after the first, cumulative
 
 
 def parse_vllm_metrics(text: bytes) -> ReplicaReport:
@@ -59,6 +68,9 @@ def parse_vllm_metrics(text: bytes) -> ReplicaReport:
         size = labels.get("block_size")
         if size and size.isdigit():
             report.block_size = int(size)
+            blocks = labels.get("num_gpu_blocks")
+            if blocks and blocks.isdigit():
+                report.kv_capacity_tokens = int(blocks) * int(size)
     if "vllm:num_requests_waiting" in page:
         report.waiting = int(page.sum("vllm:num_requests_waiting"))
     if "vllm:num_requests_running" in page:
@@ -72,7 +84,27 @@ def parse_vllm_metrics(text: bytes) -> ReplicaReport:
         page, "vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"
     )
     report.prefix_hits = _first_sum(page, "vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
+    for name in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"):
+        if name + "_count" in page:
+            report.itl_sum = page.sum(name + "_sum")
+            report.itl_count = page.sum(name + "_count")
+            break
     return report
+
+
+def observe_decode(state: ReplicaState, before: ReplicaReport | None, now: ReplicaReport) -> None:
+    """Feed the replica's latency lines (when the policy keeps them) its mean inter-token
+    latency since the last scrape, paired with the batch it ran (the mean of the two reads)."""
+    if state.latency is None or before is None:
+        return
+    if before.itl_count is None or now.itl_count is None or before.itl_sum is None:
+        return
+    tokens = now.itl_count - before.itl_count
+    if tokens <= 0 or now.itl_sum is None:
+        return  # nothing decoded since, or the replica restarted (counters went back)
+    running = [r for r in (before.running, now.running) if r is not None]
+    batch = sum(running) / len(running) if running else 1.0
+    state.latency.observe_decode(batch, (now.itl_sum - before.itl_sum) / tokens)
 
 
 def _first_sum(page: MetricsPage, *names: str) -> float | None:
@@ -119,10 +151,13 @@ class MetricsScraper:
             state.reported_kv_usage = None
             log.debug("scrape of %s failed: %s", state.replica_id, exc)
             return
+        observe_decode(state, self.reports.get(state.replica_id), report)
         self.reports[state.replica_id] = report
         self.scraped_at[state.replica_id] = time.monotonic()
         state.reported_waiting = report.waiting
         state.reported_kv_usage = report.kv_usage
+        if report.kv_capacity_tokens is not None:
+            state.kv_capacity_tokens = report.kv_capacity_tokens
         if report.block_size is not None:
             self._on_block_size(state.replica_id, report.block_size)
 

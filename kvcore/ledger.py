@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvroute.kvcore.prefix_index import PrefixIndex, PrefixMatch
-from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
+from kvroute.policies import FleetView, Policy, ReplicaLatency, ReplicaState, RouteRequest
 
 
 class SharedLoad(Protocol):
@@ -64,6 +64,10 @@ class Dispatch:
     slot: int  # the replica's position in the fleet when dispatched (the shared board's row)
     state: ReplicaState  # the replica's load, counted down here even if it has left the fleet
     held: int = 0  # leading blocks the replica held by events when routed
+    sent_at: float = 0.0  # ``now`` at dispatch
+    ahead: int = 0  # uncached prompt tokens the router had queued there before this one
+    answered_at: float = -1.0  # ``now`` at its first token (-1: not yet)
+    batch: int = 0  # requests in flight on the replica then: the batch it decodes in
     prefilling: bool = True
     open: bool = True
 
@@ -95,6 +99,11 @@ class DispatchLedger:
         that has left counts down its own (detached) state and nobody else's.
         """
         self._slots = {s.replica_id: i for i, s in enumerate(self.fleet.replicas)}
+        prior = self.policy.latency_prior
+        if prior is not None:
+            for state in self.fleet.replicas:
+                if state.latency is None:
+                    state.latency = ReplicaLatency(prior)
 
     @property
     def members(self) -> frozenset[str]:
@@ -145,6 +154,8 @@ class DispatchLedger:
             slot,
             self.fleet.replicas[slot],
         )
+        d.sent_at = now
+        d.ahead = d.state.prefill_tokens
         if request.block_hashes:
             # Until its events arrive, count the prompt as cached there, so the next request
             # with this prefix follows it. The match says what it holds already: only the
@@ -179,6 +190,12 @@ class DispatchLedger:
         state.prefill_tokens -= d.prefill
         if self._shared is not None:
             self._shared.add(d.slot, 0, 0, -1, -d.prefill)
+        if ok and state.latency is not None:
+            # The replica's time to first token as the router sees it, with the work it knew
+            # was queued there: what the latency line predicts for the next request.
+            state.latency.observe_prefill(d.ahead + d.prefill, now - d.sent_at)
+            d.answered_at = now
+            d.batch = state.in_flight
         hashes = d.request.block_hashes
         if hashes:
             if ok:
@@ -191,10 +208,15 @@ class DispatchLedger:
                 self.index.unpredict(d.replica, hashes)  # nothing was cached there
         return True
 
-    def finish(self, d: Dispatch, now: float) -> None:
-        """The request left its replica: done, failed or cancelled (idempotent)."""
+    def finish(self, d: Dispatch, now: float, output_tokens: int = 0) -> None:
+        """The request left its replica: done, failed or cancelled (idempotent). A front end that
+        knows the ``output_tokens`` generated there passes them: its time per output token
+        feeds the replica's decode line (when the policy keeps latency lines)."""
         if not d.open:
             return
+        latency = d.state.latency
+        if latency is not None and output_tokens > 1 and d.answered_at >= 0:
+            latency.observe_decode(d.batch, (now - d.answered_at) / (output_tokens - 1))
         self.first_token(d, now, ok=False)  # a no-op once the replica answered
         d.open = False
         state = d.state

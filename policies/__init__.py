@@ -4,6 +4,7 @@ One small module per policy behind ``Policy.decide(request, fleet)``, built by n
 registry; the cost model, power-of-two choices and bounded-load hashing live here.
 """
 
+from .latency import LatencyPrior, ReplicaLatency
 from .registry import DEFAULT_POLICY, POLICIES, PolicyConfigError, build_policy
 from .types import Decision, FleetView, Policy, ReplicaState, RouteRequest
 
@@ -12,8 +13,10 @@ __all__ = [
     "POLICIES",
     "Decision",
     "FleetView",
+    "LatencyPrior",
     "Policy",
     "PolicyConfigError",
+    "ReplicaLatency",
     "ReplicaState",
     "RouteRequest",
     "build_policy",

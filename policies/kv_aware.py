@@ -37,6 +37,23 @@ about 30 of them took all the traffic and evicted what the rest of the fleet cou
 (docs/simulator.md, "Loss against the pooled-LRU bound"). Past it, the ring decides, and the
 shared prefix gets one more copy on the prompt's home.
 
+Live sessions (``session_ttl_s``, policies/sessions.py): a request with a session key
+(``X-Session-ID`` or the body's ``user``) marks its prompt as likely to return soon. The session's
+next turn goes back to the replica that served the last one while that replica is below a looser
+bound (``session_eps``) and no replica is known to hold clearly more of the prompt: an agent's
+blocks are cached there even when the index has not heard yet, and a move costs the whole
+context. And a live session's tokens count as taken: a replica whose cache the live sessions and
+its running requests fill costs ``session_evict_weight`` per token a new prompt would evict
+there (``ReplicaState.kv_capacity_tokens``, from vLLM's ``cache_config_info``).
+
+Against an SLO (``slo_ttft_s``/``slo_tpot_s``): each replica's latency lines
+(policies/latency.py, learnt online from the prior ``ttft_base_s``... ``tpot_per_seq_s``) turn
+the queue into predicted seconds. Of the replicas predicted to meet both targets, the one that
+keeps the fleet's cache best wins (the session's home, else the lowest cost without its queueing
+terms, near ties on the ring as above); when none can, the plain cost decides as without an SLO,
+with reason ``kv_slo_miss`` (counted per reason, so an operator sees requests no replica could
+serve in time).
+
 Pure: the router (or the simulator) fills in ``RouteRequest.prefix_tokens`` from the prefix
 index and the load fields of ``ReplicaState``; nothing here does I/O or reads a clock.
 """
@@ -49,6 +66,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .hash_ring import FleetRing, hash_key, load_bound
+from .latency import LatencyPrior, ReplicaLatency
+from .sessions import LiveSessions
 from .types import NO_HEALTHY_REPLICA, Decision, FleetView, Policy, ReplicaState, RouteRequest
 
 # Decision reasons (exported as the X-Kvroute-Reason header and a metric label).
@@ -59,6 +78,8 @@ SECOND_HOME = "kv_second_home"  # near tie: the second home, less loaded than th
 SPILL = "kv_spill"  # near tie: both homes above the load bound, walked on
 NO_PREFIX = "kv_no_prefix"  # near tie, no block hashes nor session key: power of two on load
 LEAST_COST = "kv_least_cost"  # a clear winner on load, no replica holds any of the prompt
+SESSION = "kv_session"  # a live session's next turn, back to the replica that served the last
+SLO_MISS = "kv_slo_miss"  # no replica is predicted to meet the SLO: the fastest one
 
 
 class KvAware(Policy):
@@ -78,6 +99,16 @@ class KvAware(Policy):
         eps: float = 0.25,
         key_blocks: int = 4,
         vnodes: int = 160,
+        session_ttl_s: float = 60.0,
+        session_eps: float = 1.5,
+        session_evict_weight: float = 1.0,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
+        slo_headroom: float = 1.0,
+        ttft_base_s: float = 0.009,
+        prefill_s_per_token: float = 3.2e-5,
+        tpot_base_s: float = 0.007,
+        tpot_per_seq_s: float = 1e-4,
         seed: int | None = None,
     ) -> None:
         for label, value in (
@@ -86,6 +117,9 @@ class KvAware(Policy):
             ("kv_pressure_weight", kv_pressure_weight),
             ("refill_weight", refill_weight),
             ("eps", eps),
+            ("session_ttl_s", session_ttl_s),
+            ("session_eps", session_eps),
+            ("session_evict_weight", session_evict_weight),
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{label} must be a finite number >= 0, got {value}")
@@ -106,18 +140,44 @@ class KvAware(Policy):
         self.refill_weight = refill_weight
         self.warm_holders = warm_holders
         self.eps = eps
+        for label, target in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
+            if target is not None and not (math.isfinite(target) and target > 0):
+                raise ValueError(f"{label} must be a number > 0 or null (no target), got {target}")
         self.key_blocks = key_blocks
         self.vnodes = vnodes
+        self.session_ttl_s = session_ttl_s
+        self.session_eps = session_eps
+        self.session_evict_weight = session_evict_weight
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_tpot_s = slo_tpot_s
+        self.slo_headroom = slo_headroom
+        self.prior = LatencyPrior(ttft_base_s, prefill_s_per_token, tpot_base_s, tpot_per_seq_s)
+        # Latency lines per replica only when there is an SLO to hold them to.
+        self.latency_prior = self.prior if self.has_slo else None
+        self._prior_latency = ReplicaLatency(self.prior)  # for replicas not yet seen
+        self._sessions = LiveSessions(session_ttl_s) if session_ttl_s > 0 else None
         self._seed = seed
         self._rng = random.Random(seed)
         self._ring = FleetRing(vnodes)
 
+    @property
+    def has_slo(self) -> bool:
+        return self.slo_ttft_s is not None or self.slo_tpot_s is not None
+
     # -- the cost ----------------------------------------------------------------------
 
-    def cost(self, replica: ReplicaState, request: RouteRequest, held_elsewhere: int = 0) -> float:
+    def cost(
+        self,
+        replica: ReplicaState,
+        request: RouteRequest,
+        held_elsewhere: int = 0,
+        own_session: int = 0,
+    ) -> float:
         """Expected time to first token on ``replica``, in prefill-token equivalents, plus the
         fleet's cost of prefilling again the ``held_elsewhere`` prefix tokens another replica
-        with room holds (``decide`` passes it; 0 leaves the plain expected TTFT)."""
+        with room holds (``decide`` passes it; 0 leaves the plain expected TTFT), plus the live
+        sessions' tokens the new blocks would evict there (``own_session``: this request's own
+        session's tokens on it, which it reuses rather than evicts)."""
         # Conditional expressions, not max()/min(): this runs per replica per request.
         prompt = request.prompt_tokens
         prefix = request.prefix_tokens
@@ -141,6 +201,15 @@ class KvAware(Policy):
         usage = replica.reported_kv_usage
         if usage is not None and usage >= self.kv_high:
             cost += self.kv_pressure_weight * uncached
+        sessions = self._sessions
+        capacity = replica.kv_capacity_tokens
+        if sessions is not None and capacity and self.session_evict_weight:
+            # Room left once live sessions (and what runs there) keep theirs: new blocks past
+            # it evict a session whose next turn would then prefill it all again.
+            taken = sessions.tokens_on(replica.replica_id) - own_session
+            free = capacity - replica.in_flight_tokens - taken
+            if taken > 0 and uncached > free:
+                cost += self.session_evict_weight * (uncached - (free if free > 0 else 0))
         return cost
 
     # -- the decision ------------------------------------------------------------------
@@ -150,32 +219,171 @@ class KvAware(Policy):
         if not eligible:
             return NO_HEALTHY_REPLICA
         prefix = request.prefix_tokens or {}
-        bound = load_bound(sum(r.in_flight for r in eligible), len(eligible), self.eps)
+        total = sum(r.in_flight for r in eligible)
+        bound = load_bound(total, len(eligible), self.eps)
+        session = self._session(request, fleet.now)
+        home_id, own = session if session is not None else (None, 0)
         warm = self._warm(request, eligible)
         held = _held_with_room(warm, eligible, bound) if warm else 0
         cost = self.cost
-        costs = [(cost(r, request, held), k) for k, r in enumerate(eligible)]
+        costs = [
+            (cost(r, request, held, own if r.replica_id == home_id else 0), k)
+            for k, r in enumerate(eligible)
+        ]
         costs.sort()  # by cost, then fleet order (as a stable sort by cost)
-        ranked = [eligible[k] for _, k in costs]
+        longest = max([prefix.get(r.replica_id, 0) for r in eligible]) if prefix else 0
+        if self.has_slo:
+            chosen, reason, ranked = self._decide_slo(
+                request, fleet, eligible, costs, bound, warm, home_id, longest
+            )
+        else:
+            ranked = [eligible[k] for _, k in costs]
+            chosen, reason = self._choose(request, fleet, eligible, costs, bound, warm, longest)
+            home = self._live_home(home_id, eligible, prefix, longest)
+            if (
+                home is not None
+                and home is not chosen
+                and home.in_flight < load_bound(total, len(eligible), self.session_eps)
+            ):
+                chosen, reason = home, SESSION
+        if longest and prefix.get(chosen.replica_id, 0) < longest and reason != SLO_MISS:
+            reason = LOAD_OVER_AFFINITY
+        if self._sessions is not None and request.routing_key is not None:
+            self._sessions.touch(
+                request.routing_key, chosen.replica_id, request.prompt_tokens, fleet.now
+            )
+        rest = tuple(r.replica_id for r in ranked if r is not chosen)
+        return Decision((chosen.replica_id, *rest), reason)
+
+    def _choose(
+        self,
+        request: RouteRequest,
+        fleet: FleetView,
+        eligible: list[ReplicaState],
+        costs: list[tuple[float, int]],
+        bound: int,
+        warm: Mapping[str, int],
+        longest: int,
+    ) -> tuple[ReplicaState, str]:
+        """The cheapest of ``costs`` (sorted), near ties broken on the ring (module doc)."""
+        prefix = request.prefix_tokens or {}
         best = costs[0][0]
         margin = self.margin_ratio * best
         if margin < self.margin_tokens:
             margin = float(self.margin_tokens)
         limit = best + margin
         ties = [eligible[k] for c, k in costs if c <= limit]
-        longest = max([prefix.get(r.replica_id, 0) for r in eligible]) if prefix else 0
         if len(ties) > 1 and prefix:
             ties = _warm_ties(ties, eligible, warm, bound)
         if len(ties) == 1:
             chosen = ties[0]
             held = prefix.get(chosen.replica_id, 0)
-            reason = AFFINITY if held > 0 and held >= longest else LEAST_COST
-        else:
-            chosen, reason = self._break_tie(ties, eligible, request, fleet, bound)
-        if longest and prefix.get(chosen.replica_id, 0) < longest:
-            reason = LOAD_OVER_AFFINITY
-        rest = tuple(r.replica_id for r in ranked if r is not chosen)
-        return Decision((chosen.replica_id, *rest), reason)
+            return chosen, (AFFINITY if held > 0 and held >= longest else LEAST_COST)
+        return self._break_tie(ties, eligible, request, fleet, bound)
+
+    # -- against an SLO ----------------------------------------------------------------
+
+    def forecast(self, replica: ReplicaState, request: RouteRequest) -> tuple[float, float]:
+        """Predicted TTFT and TPOT (seconds) of ``request`` on ``replica``, from its latency
+        lines (the prior until it has been seen)."""
+        prefix = request.prefix_tokens
+        cached = prefix.get(replica.replica_id, 0) if prefix else 0
+        work = request.prompt_tokens - cached
+        if work < 1:
+            work = 1
+        work += replica.prefill_tokens
+        waiting = replica.reported_waiting
+        if waiting:
+            foreign = waiting - replica.prefilling
+            if foreign > 0:
+                work += foreign * self.waiting_request_tokens
+        latency = replica.latency or self._prior_latency
+        return latency.ttft(work), latency.tpot(replica.in_flight + 1)
+
+    def meets_slo(self, ttft: float, tpot: float) -> bool:
+        h = self.slo_headroom
+        return (self.slo_ttft_s is None or ttft <= h * self.slo_ttft_s) and (
+            self.slo_tpot_s is None or tpot <= h * self.slo_tpot_s
+        )
+
+    def _decide_slo(
+        self,
+        request: RouteRequest,
+        fleet: FleetView,
+        eligible: list[ReplicaState],
+        costs: list[tuple[float, int]],
+        bound: int,
+        warm: Mapping[str, int],
+        home_id: str | None,
+        longest: int,
+    ) -> tuple[ReplicaState, str, list[ReplicaState]]:
+        """Of the replicas predicted to meet the SLO, the one that keeps the fleet's cache best
+        (the live session's home, else the cheapest in cache terms: the costs without queueing,
+        so load only decides among replicas that all meet the SLO); none: the plain cost."""
+        prefix = request.prefix_tokens or {}
+        predicted = [self.forecast(r, request) for r in eligible]
+        feasible = {k for k, (ttft, tpot) in enumerate(predicted) if self.meets_slo(ttft, tpot)}
+        if not feasible:
+            # Late anywhere: the plain cost decides, as without an SLO (the fastest replica
+            # would be the coldest, and the next turns would pay for the move).
+            ranked = [eligible[k] for _, k in costs]
+            chosen, _ = self._choose(request, fleet, eligible, costs, bound, warm, longest)
+            return chosen, SLO_MISS, ranked
+        # Cache terms only: what the choice costs the fleet's cache, not how long it waits.
+        cache_costs = sorted(
+            (self._cache_cost(eligible[k], request, c), k) for c, k in costs if k in feasible
+        )
+        ranked = [eligible[k] for _, k in cache_costs]
+        ranked += [eligible[k] for _, k in costs if k not in feasible]
+        home = self._live_home(home_id, [eligible[k] for k in feasible], prefix, longest)
+        if home is not None:
+            return home, SESSION, ranked
+        # The load bound still breaks ties: a prediction is a mean, and piling every cold
+        # prefix onto the replicas that meet it today is what breaks it tomorrow.
+        chosen, reason = self._choose(request, fleet, eligible, cache_costs, bound, warm, longest)
+        return chosen, reason, ranked
+
+    def _cache_cost(self, replica: ReplicaState, request: RouteRequest, full_cost: float) -> float:
+        """``full_cost`` less its queueing terms: the tokens this choice prefills and the fleet
+        prefills again or evicts."""
+        queued = float(replica.prefill_tokens)
+        waiting = replica.reported_waiting
+        if waiting:
+            foreign = waiting - replica.prefilling
+            if foreign > 0:
+                queued += foreign * self.waiting_request_tokens
+        decoding = replica.in_flight - replica.prefilling
+        if decoding > 0:
+            queued += self.decode_weight * decoding
+        return full_cost - queued
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def _session(self, request: RouteRequest, now: float) -> tuple[str, int] | None:
+        sessions = self._sessions
+        if sessions is None:
+            return None
+        sessions.expire(now)
+        key = request.routing_key
+        return sessions.home(key, now) if key is not None else None
+
+    def _live_home(
+        self,
+        home_id: str | None,
+        candidates: list[ReplicaState],
+        prefix: Mapping[str, int],
+        longest: int,
+    ) -> ReplicaState | None:
+        """The live session's replica among ``candidates``, unless the index shows another
+        replica holding clearly more of the prompt (the session moved, or its blocks left)."""
+        if home_id is None:
+            return None
+        for replica in candidates:
+            if replica.replica_id == home_id:
+                if prefix.get(home_id, 0) + self.margin_tokens >= longest:
+                    return replica
+                return None
+        return None
 
     def held_with_room(
         self, request: RouteRequest, eligible: list[ReplicaState], bound: int
@@ -253,6 +461,15 @@ class KvAware(Policy):
             "eps": self.eps,
             "key_blocks": self.key_blocks,
             "vnodes": self.vnodes,
+            "session_ttl_s": self.session_ttl_s,
+            "session_eps": self.session_eps,
+            "session_evict_weight": self.session_evict_weight,
+            "slo_ttft_s": self.slo_ttft_s,
+            "slo_tpot_s": self.slo_tpot_s,
+            "ttft_base_s": self.prior.ttft_base_s,
+            "prefill_s_per_token": self.prior.prefill_s_per_token,
+            "tpot_base_s": self.prior.tpot_base_s,
+            "tpot_per_seq_s": self.prior.tpot_per_seq_s,
             "seed": self._seed,
         }
 

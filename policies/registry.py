@@ -32,6 +32,12 @@ class PolicyConfigError(ValueError):
     """A policy name or parameter that cannot be used; the message says which and why."""
 
 
+def _optional_numbers(name: str) -> set[str]:
+    """Parameters declared ``float | None``: a number, or null for none."""
+    signature = inspect.signature(POLICIES[name].__init__)
+    return {p.name for p in signature.parameters.values() if "float" in str(p.annotation)}
+
+
 def policy_parameters(name: str) -> dict[str, Any]:
     """The parameters a policy accepts, with their defaults."""
     signature = inspect.signature(POLICIES[name].__init__)
@@ -55,8 +61,14 @@ def build_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
         raise PolicyConfigError(
             f"policy {name!r} has no parameter {unknown[0]!r} (accepted: {allowed})"
         )
+    floats = _optional_numbers(name)
     for key, value in params.items():
-        _check_type(key, value, accepted[key])
+        default = accepted[key]
+        if default is None and key in floats:
+            if value is not None:
+                _check_type(key, value, 0.0)
+            continue
+        _check_type(key, value, default)
     try:
         return POLICIES[name](**params)
     except ValueError as exc:
@@ -64,7 +76,8 @@ def build_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
 
 
 def _check_type(key: str, value: Any, default: Any) -> None:
-    """Parameters take the type of their default; a None default means an optional int."""
+    """Parameters take the type of their default; a None default means an optional int (an
+    optional number when declared ``float | None``, checked as a float default here)."""
     if isinstance(default, float):
         ok, wanted = isinstance(value, (int, float)), "a number"
     elif default is None:

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .latency import LatencyPrior, ReplicaLatency
+
 
 @dataclass(slots=True)
 class ReplicaState:
@@ -33,6 +35,11 @@ class ReplicaState:
     # What the replica itself last reported (None until a fresh report exists).
     reported_waiting: int | None = None
     reported_kv_usage: float | None = None
+    # Its KV cache in tokens (vLLM's num_gpu_blocks x block_size), None until known.
+    kv_capacity_tokens: int | None = None
+    # Its latency lines in seconds, learnt online (policies/latency.py); None unless the policy
+    # asks for them (``Policy.latency_prior``).
+    latency: ReplicaLatency | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +106,9 @@ class Policy(ABC):
     # Whether decisions read ``RouteRequest.prefix_tokens``/``block_hashes``: a policy that
     # does not is spared the router's tokenization (round robin at round robin's price).
     reads_prefixes: ClassVar[bool] = False
+    # Set when decisions read ``ReplicaState.latency``: the ledger then gives every replica
+    # latency lines that start from this prior and learns them from its first tokens.
+    latency_prior: LatencyPrior | None = None
 
     @abstractmethod
     def decide(self, request: RouteRequest, fleet: FleetView) -> Decision:

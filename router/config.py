@@ -122,6 +122,13 @@ class PolicyConfig(_Section):
     params: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+class SloConfig(_Section):
+    # Per-request targets in seconds; kv_aware then prefers any replica predicted to meet both
+    # and, among those, the one that keeps the fleet's cache best (null: no target).
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
 class TimeoutsConfig(_Section):
     connect_s: float = 5.0
     # A streamed request's response headers, which vLLM sends as soon as it accepts the request
@@ -280,6 +287,7 @@ class Config(_Section):
     # Replicas to start and manage (in addition to any listed under replicas).
     launch: LaunchConfig | None = None
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    slo: SloConfig = msgspec.field(default_factory=SloConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
@@ -537,11 +545,36 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         )
     if not config.health.path.startswith("/"):
         problems.append(f"health.path: must start with '/', got {config.health.path!r}")
+    problems += _slo_problems(config)
     try:
-        build_policy(config.policy.name, config.policy.params)
+        build_policy(config.policy.name, policy_params(config))
     except PolicyConfigError as exc:
         key = "policy.name" if "unknown policy" in str(exc) else "policy.params"
         problems.append(f"{key}: {exc}")
+    return problems
+
+
+def policy_params(config: Config) -> dict[str, Any]:
+    """``policy.params`` with the ``slo:`` targets as kv_aware's ``slo_ttft_s``/``slo_tpot_s``
+    (a target set in policy.params itself wins)."""
+    params = dict(config.policy.params)
+    if config.policy.name == "kv_aware":
+        for key, value in (("slo_ttft_s", config.slo.ttft_s), ("slo_tpot_s", config.slo.tpot_s)):
+            if value is not None and value > 0:  # a bad one is slo:'s own problem
+                params.setdefault(key, value)
+    return params
+
+
+def _slo_problems(config: Config) -> list[str]:
+    problems = []
+    targets = (("ttft_s", config.slo.ttft_s), ("tpot_s", config.slo.tpot_s))
+    for key, value in targets:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            problems.append(f"slo.{key}: must be a number of seconds > 0, or null, got {value}")
+    if any(v is not None for _, v in targets) and config.policy.name != "kv_aware":
+        problems.append(
+            f"slo: only kv_aware routes against an SLO, and policy.name is {config.policy.name}"
+        )
     return problems
 
 

@@ -21,7 +21,7 @@ from kvroute.kvcore.ledger import DispatchLedger
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy, build_policy
 
-from .config import Config, ReplicaConfig, replica_name_from_url
+from .config import Config, ReplicaConfig, policy_params, replica_name_from_url
 from .kv_subscriber import KVEventSubscriber, KVEventSubscribers
 from .pipeline import ModelCatalog
 from .prompt_keys import PromptKeys
@@ -41,7 +41,7 @@ class RoutingCore:
         # Which replica holds which prefix blocks: the replicas' own KV events, plus
         # predictions for requests just routed (all a replica without events has).
         self.index = PrefixIndex()
-        self.policy: Policy = build_policy(config.policy.name, config.policy.params)
+        self.policy: Policy = build_policy(config.policy.name, policy_params(config))
         self.keys = PromptKeys(routing, self.index, self.policy.reads_prefixes)
         self.kv_events = KVEventSubscribers(self.index)
         self._subscribers: dict[str, KVEventSubscriber] = {}

@@ -217,6 +217,9 @@ class Router:
                     "out_since": handle.out_since,
                     "in_flight": state.in_flight,
                     "models": sorted(state.models) if state.models is not None else None,
+                    "kv_capacity_tokens": state.kv_capacity_tokens,
+                    # Its learnt latency lines (kv_aware with an slo:), else null.
+                    "latency": state.latency.describe() if state.latency is not None else None,
                 }
             )
         return _json({"replicas": rows, "draining": self.draining})

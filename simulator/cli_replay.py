@@ -486,7 +486,15 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         "--slo",
         type=_slo,
         metavar="ttft=S,tpot=S",
-        help="Targets in seconds for goodput (requests that meet both per second).",
+        help="Targets in seconds: goodput (requests that meet both, per second) is measured "
+        "against them, and kv_aware routes against them as a router with slo: in its config "
+        "does (see --no-slo-routing).",
+    )
+    p.add_argument(
+        "--no-slo-routing",
+        action="store_true",
+        help="Measure goodput against --slo but route as without one (the policy's token "
+        "cost), to compare the two.",
     )
     p.add_argument(
         "--fail",
@@ -593,9 +601,17 @@ def _fleet_config(
         raise UsageError(str(exc)) from None
 
 
-def policy_object(name: str, seed: int, extra: list[tuple[str, Any]] | None = None) -> Any:
+def policy_object(
+    name: str,
+    seed: int,
+    extra: list[tuple[str, Any]] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> Any:
+    """Policy ``name`` with ``extra`` (--policy-param) over ``defaults`` (the fleet's own,
+    ``fleet_defaults``), each taken where the policy has the parameter."""
     accepted = policy_parameters(name)
     params: dict[str, Any] = {"seed": seed} if "seed" in accepted else {}
+    params.update((k, v) for k, v in (defaults or {}).items() if k in accepted)
     params.update((k, v) for k, v in extra or () if k in accepted)
     try:
         return build_policy(name, params)
@@ -631,6 +647,15 @@ class _ProgressBar:
             print(line, file=sys.stderr)
 
 
+def fleet_defaults(config: FleetConfig, slo: Slo | None = None) -> dict[str, Any]:
+    """Policy parameters the simulated fleet implies: the engine preset's latency lines as the
+    prior, and ``slo`` as the routing target (what ``slo:`` in a router's config does)."""
+    defaults: dict[str, Any] = dict(config.engine.latency.latency_prior())
+    if slo is not None:
+        defaults.update(slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
+    return defaults
+
+
 def run_policy(
     units: UnitTrace,
     policy_name: str,
@@ -638,8 +663,10 @@ def run_policy(
     seed: int,
     quiet: bool,
     params: list[tuple[str, Any]] | None = None,
+    slo: Slo | None = None,
 ) -> tuple[SimResult, float]:
-    policy = policy_object(policy_name, seed, params)
+    """Replay ``units`` through ``policy_name``; with ``slo`` the policy routes against it."""
+    policy = policy_object(policy_name, seed, params, fleet_defaults(config, slo))
     bar = _ProgressBar(policy_name, not quiet)
     started = time.perf_counter()
     result = simulate(units, policy, config, bar)
@@ -687,7 +714,9 @@ def run_replay(args: argparse.Namespace) -> int:
     results: list[SimResult] = []
     summaries: list[dict[str, Any]] = []
     for name in policies:
-        result, wall = run_policy(units, name, config, args.seed, args.quiet, args.policy_param)
+        result, wall = run_policy(
+            units, name, config, args.seed, args.quiet, args.policy_param, _routing_slo(args)
+        )
         results.append(result)
         summaries.append(
             summarize(
@@ -751,6 +780,11 @@ def _simulated_replay(
         if not any(key in policy_parameters(name) for name in policies):
             raise UsageError(f"--policy-param {key}: no policy of {', '.join(policies)} takes it")
     return trace, units, config, policies
+
+
+def _routing_slo(args: argparse.Namespace) -> Slo | None:
+    """The SLO the policy routes against: --slo unless --no-slo-routing (measured only)."""
+    return None if args.slo is None or args.no_slo_routing else args.slo
 
 
 def check_replay(args: argparse.Namespace) -> None:

@@ -41,8 +41,8 @@ def config(replicas: int = 4, kv_tokens: int = 100_000, **pickers: Any) -> Fleet
     return FleetConfig(replicas=replicas, engine=engine_config(H100, kv_tokens), **pickers)
 
 
-def simulate(units: UnitTrace, fleet: FleetConfig) -> SimResult:
-    return simulate_fleet(units, build_policy("kv_aware", {"seed": 0}), fleet)
+def simulate(units: UnitTrace, fleet: FleetConfig, **params: Any) -> SimResult:
+    return simulate_fleet(units, build_policy("kv_aware", {"seed": 0, **params}), fleet)
 
 
 def same_run(a: SimResult, b: SimResult) -> bool:
@@ -56,13 +56,15 @@ def same_run(a: SimResult, b: SimResult) -> bool:
 
 
 def test_one_router_gives_the_numbers_of_the_single_router_path() -> None:
-    res = simulate(sessions(), config(kv_tokens=200_000, routers=1, share="none"))
-    # What the fleet simulator gave on this run before it knew of several routers.
+    # What the fleet simulator gave on this run before it knew of several routers (and before
+    # kv_aware knew of live sessions: off here, so the numbers stay comparable).
+    old = {"session_ttl_s": 0.0}
+    res = simulate(sessions(), config(kv_tokens=200_000, routers=1, share="none"), **old)
     assert (sum(res.hit_tokens), sum(res.queried_tokens)) == (49_360_384, 54_365_564)
     assert sum(res.first_token_s) == pytest.approx(1_747_585.8835177, abs=1e-6)
     assert res.routed_requests == [73, 236, 211, 80]
     # A bus with nobody to talk to changes nothing.
-    assert same_run(res, simulate(sessions(), config(kv_tokens=200_000, share="bus")))
+    assert same_run(res, simulate(sessions(), config(kv_tokens=200_000, share="bus"), **old))
 
 
 def test_a_bus_without_lag_makes_four_pickers_one_router_even_through_a_failure() -> None:
@@ -82,11 +84,13 @@ def test_pickers_that_share_nothing_lose_hits_and_the_bus_wins_them_back() -> No
     """Ten sessions (median prompt 89k tokens) on four replicas of 100k KV tokens: a replica
     holds about one session's context, so where each turn lands decides its hits. (With roomier
     caches, blind pickers may gain hits instead by keeping sessions on busy homes, and pay in
-    the tail.)"""
-    one = simulate(sessions(), config())
-    alone = simulate(sessions(), config(routers=4, share="none"))
-    scraped = simulate(sessions(), config(routers=4, share="scrape"))
-    bus = simulate(sessions(), config(routers=4, share="bus"))
+    the tail.) kv_aware's live sessions are off: each picker would keep its own, which hides
+    what sharing does (with them on, blind pickers keep 84% of hits on these sessions)."""
+    off = {"session_ttl_s": 0.0}
+    one = simulate(sessions(), config(), **off)
+    alone = simulate(sessions(), config(routers=4, share="none"), **off)
+    scraped = simulate(sessions(), config(routers=4, share="scrape"), **off)
+    bus = simulate(sessions(), config(routers=4, share="bus"), **off)
     # (239 prompts exceed a replica's cache: rejected in every run.)
     assert one.completed == alone.completed == scraped.completed == bus.completed
     # Measured: 83.1% with one router, 77.3% with four that share nothing (the scraped queue
@@ -106,9 +110,11 @@ def test_workers_sharing_load_but_not_predictions_route_as_one_router() -> None:
     memory, predictions stay each worker's own. On the same sessions that cost pickers 6
     points of hit rate and a 4x tail, shared load alone brings back one router's figures
     (measured: 83.2% and 8.0 s, against 83.1% and 8.0 s): a session's turns are seconds
-    apart, its blocks are confirmed by KV events long before the next one."""
-    one = simulate(sessions(), config())
-    workers = simulate(sessions(), config(routers=4, share="load"))
+    apart, its blocks are confirmed by KV events long before the next one. (Live sessions off,
+    as above: workers keep them per worker.)"""
+    off = {"session_ttl_s": 0.0}
+    one = simulate(sessions(), config(), **off)
+    workers = simulate(sessions(), config(routers=4, share="load"), **off)
     assert workers.completed == one.completed
     assert abs(workers.hit_rate() - one.hit_rate()) < 0.01
     assert percentile(workers.ttfts(), 0.99) <= 1.1 * percentile(one.ttfts(), 0.99)

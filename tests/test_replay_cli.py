@@ -396,3 +396,17 @@ def test_fidelity_trace_shares_blocks_exactly_where_token_prefixes_are_equal() -
     # 40 words (80 tokens) in common: the first two 32-token blocks are shared, no more.
     shared = sum(a == b for a, b in zip(one.block_ids, two.block_ids, strict=True))
     assert shared == 2 and one.block_ids[:2] == two.block_ids[:2]
+
+
+def test_replay_routes_against_its_slo_unless_told_to_only_measure_it(tmp_path: Path) -> None:
+    reasons = {}
+    for flag in ([], ["--no-slo-routing"]):
+        out = tmp_path / ("measured" if flag else "routed")
+        args = ["replay", "--trace", str(MOONCAKE), "--max-requests", "200", "--replicas", "2"]
+        args += ["--slo", "ttft=0.001", "--quiet", "--no-plots", "--out", str(out), *flag]
+        assert main(args) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        reasons[bool(flag)] = summary["decision_reasons"]
+    # 1 ms is beyond any prefill: routed against it, every decision says no replica meets it.
+    assert reasons[False] == {"kv_slo_miss": 200}
+    assert "kv_slo_miss" not in reasons[True]

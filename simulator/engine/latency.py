@@ -110,6 +110,21 @@ class LatencyModel:
         memory = traffic / (self.num_gpus * self.mem_bandwidth * self.bandwidth_efficiency)
         return self.step_overhead_s + max(compute, memory) + self._tp_time(num_tokens)
 
+    def latency_prior(self, chunk_tokens: int = 2048, context: int = 2048) -> dict[str, float]:
+        """This model's lines for the router's latency prior (``policies/latency.py``): TTFT =
+        one step's fixed cost + seconds per prefill token at a ``chunk_tokens`` step; TPOT =
+        the decode step at ``context`` tokens per sequence, its base and per-sequence slope."""
+        chunk = self.step_time(chunk_tokens, chunk_tokens * (chunk_tokens + 1) // 2, chunk_tokens)
+        one = self.step_time(1, context, context)
+        wide = self.step_time(64, 64 * context, 64 * context)
+        per_seq = (wide - one) / 63
+        return {
+            "ttft_base_s": self.step_overhead_s + one,
+            "prefill_s_per_token": max(0.0, chunk - self.step_overhead_s) / chunk_tokens,
+            "tpot_base_s": max(0.0, one - per_seq),
+            "tpot_per_seq_s": per_seq,
+        }
+
     def _tp_time(self, num_tokens: int) -> float:
         """Two ring all-reduces of the activations per layer (attention out, MLP out)."""
         g = self.num_gpus

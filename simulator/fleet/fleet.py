@@ -73,9 +73,11 @@ class _Router:
         names: list[str],
         policy: Policy,
         prediction_ttl_s: float,
+        kv_capacity_tokens: int,
         shared: SharedTotals | None = None,
     ) -> None:
-        self.states = [ReplicaState(name) for name in names]
+        # Each replica's cache size is known, as a live router reads vLLM's cache_config_info.
+        self.states = [ReplicaState(name, kv_capacity_tokens=kv_capacity_tokens) for name in names]
         self.index = PrefixIndex()
         view = FleetView(self.states, membership_version=1)
         self.ledger = DispatchLedger(
@@ -128,7 +130,8 @@ class _Fleet:
         # share="load": one board of in-flight load for all, as --workers share it.
         self.board = SharedTotals(n) if config.share == "load" and config.routers > 1 else None
         self.routers = [
-            _Router(self.names, p, config.prediction_ttl_s, self.board) for p in policies
+            _Router(self.names, p, config.prediction_ttl_s, config.kv_capacity_tokens, self.board)
+            for p in policies
         ]
         self.ledgers = [router.ledger for router in self.routers]
         self.indexes = [router.index for router in self.routers]
@@ -328,7 +331,7 @@ class _Fleet:
         for index, at in report.finished:
             flight = self.flights.pop(index)
             assert flight.dispatch is not None
-            self._finish(flight, at)
+            self._finish(flight, at, flight.request.output_tokens - flight.delivered)
             res.finish_s[index] = at
             res.replica[index] = r
         if report.index_ops:
@@ -338,9 +341,9 @@ class _Fleet:
             else:
                 self._apply_ops(r, report.index_ops)
 
-    def _finish(self, flight: _Flight, t: float) -> None:
+    def _finish(self, flight: _Flight, t: float, output_tokens: int = 0) -> None:
         assert flight.dispatch is not None
-        self.ledgers[flight.router].finish(flight.dispatch, t)
+        self.ledgers[flight.router].finish(flight.dispatch, t, output_tokens)
         if flight.published is not None:
             self._publish(_FINISHED, flight.published, t)
 
