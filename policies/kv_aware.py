@@ -104,7 +104,7 @@ class KvAware(Policy):
         session_evict_weight: float = 1.0,
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
-        slo_headroom: float = 1.0,
+        slo_headroom: float = 0.5,
         ttft_base_s: float = 0.009,
         prefill_s_per_token: float = 3.2e-5,
         tpot_base_s: float = 0.007,
@@ -140,6 +140,8 @@ class KvAware(Policy):
         self.refill_weight = refill_weight
         self.warm_holders = warm_holders
         self.eps = eps
+        if not (math.isfinite(slo_headroom) and slo_headroom > 0):
+            raise ValueError(f"slo_headroom must be a number > 0, got {slo_headroom}")
         for label, target in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
             if target is not None and not (math.isfinite(target) and target > 0):
                 raise ValueError(f"{label} must be a number > 0 or null (no target), got {target}")
@@ -466,6 +468,7 @@ class KvAware(Policy):
             "session_evict_weight": self.session_evict_weight,
             "slo_ttft_s": self.slo_ttft_s,
             "slo_tpot_s": self.slo_tpot_s,
+            "slo_headroom": self.slo_headroom,
             "ttft_base_s": self.prior.ttft_base_s,
             "prefill_s_per_token": self.prior.prefill_s_per_token,
             "tpot_base_s": self.prior.tpot_base_s,

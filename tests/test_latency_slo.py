@@ -146,15 +146,27 @@ def test_without_an_slo_the_queue_sends_the_prompt_away_from_its_cache() -> None
 def test_with_room_under_the_slo_the_replica_holding_the_prefix_keeps_it() -> None:
     # a: 9 ms + 11,000 tokens x 32 us = 0.36 s, within 2 s: the cache wins.
     view, request = _holder_and_idle()
-    decision = KvAware(slo_ttft_s=2.0).decide(request, view)
+    decision = KvAware(slo_ttft_s=2.0, slo_headroom=1.0).decide(request, view)
     assert decision.chosen == "a"
     assert decision.ranked == ("a", "b")
 
 
 def test_a_replica_predicted_to_miss_the_slo_is_passed_over() -> None:
     view, request = _holder_and_idle()
-    decision = KvAware(slo_ttft_s=0.2).decide(request, view)  # a: 0.36 s, b: 0.14 s
+    decision = KvAware(slo_ttft_s=0.2, slo_headroom=1.0).decide(
+        request, view
+    )  # a: 0.36 s, b: 0.14 s
     assert decision.chosen == "b"
+
+
+def test_the_headroom_asks_for_a_margin_under_the_targets() -> None:
+    # a: 0.36 s predicted. Within 0.5 s as given, but not within half of it (the default):
+    # predictions are means, and a replica at its limit misses as often as not.
+    view, request = _holder_and_idle()
+    assert KvAware(slo_ttft_s=0.5, slo_headroom=1.0).decide(request, view).chosen == "a"
+    assert KvAware(slo_ttft_s=0.5).decide(request, view).chosen == "b"
+    with pytest.raises(ValueError, match="slo_headroom"):
+        KvAware(slo_headroom=0)
 
 
 def test_when_no_replica_can_meet_the_slo_the_plain_cost_decides_and_says_so() -> None:
@@ -173,8 +185,8 @@ def test_the_tpot_target_counts_the_batch_a_replica_decodes() -> None:
     idle = ReplicaState("idle")
     view = FleetView([busy, idle], membership_version=1)
     request = _request(1024, {"busy": 1024})
-    assert KvAware(slo_tpot_s=0.05).decide(request, view).chosen == "busy"
-    assert KvAware(slo_tpot_s=0.02).decide(request, view).chosen == "idle"
+    assert KvAware(slo_tpot_s=0.05, slo_headroom=1.0).decide(request, view).chosen == "busy"
+    assert KvAware(slo_tpot_s=0.02, slo_headroom=1.0).decide(request, view).chosen == "idle"
 
 
 # -- configuration -------------------------------------------------------------------------
@@ -251,13 +263,9 @@ async def test_a_router_with_an_slo_learns_each_replicas_latency_and_shows_it(
     async with aiohttp.ClientSession() as http:
         async with http.get(r.url + "/admin/replicas") as resp:
             (row,) = (await resp.json())["replicas"]
-        async with http.get(running.url + "/metrics") as resp:
-            page = parse_vllm_metrics(await resp.read())
     assert row["kv_capacity_tokens"] == 512 * 16
-    assert row["latency"]["prefill_samples"] >= 6
-    # The decode line has moved from the prior towards the replica's own inter-token latency.
-    assert page.itl_sum is not None and page.itl_count
-    mean_itl = page.itl_sum / page.itl_count
-    prior_tpot = LatencyPrior().tpot_base_s + LatencyPrior().tpot_per_seq_s
-    learnt_tpot = row["latency"]["tpot_base_s"] + row["latency"]["tpot_per_seq_s"]
-    assert abs(learnt_tpot - mean_itl) < abs(prior_tpot - mean_itl)
+    lines = row["latency"]
+    assert lines["prefill_samples"] >= 6 and lines["decode_samples"] > 0
+    # The prefill line has left the H100 prior (9 ms + 32 us per token) for what this router
+    # saw: first tokens after a network hop and a Python replica, never faster than the prior.
+    assert lines["ttft_base_s"] + 100 * lines["prefill_s_per_token"] > 0.009 + 100 * 3.2e-5
