@@ -48,6 +48,7 @@ class Route:
     ranked: tuple[str, ...]  # best first; empty when no replica may take it
     reason: str
     matches: dict[str, PrefixMatch] | None = None  # the index's, per replica
+    block_tokens: int = 0  # tokens per block the prefix tokens were counted in
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class Dispatch:
     ahead: int = 0  # uncached prompt tokens the router had queued there before this one
     answered_at: float = -1.0  # ``now`` at its first token (-1: not yet)
     batch: int = 0  # requests in flight on the replica then: the batch it decodes in
+    confirmed_tokens: int | None = None  # prompt tokens the engine reported reusing (its usage)
     prefilling: bool = True
     open: bool = True
 
@@ -135,7 +137,7 @@ class DispatchLedger:
             self._shared.totals_into(fleet.replicas)
         fleet.now = now
         decision = self.policy.decide(request, fleet)
-        return Route(request, decision.ranked, decision.reason, matches)
+        return Route(request, decision.ranked, decision.reason, matches, block_tokens)
 
     def dispatch(self, route: Route, replica: str, now: float, reason: str = "") -> Dispatch:
         """``route``'s request goes to ``replica``: predict its prompt there, count its load."""

@@ -218,6 +218,11 @@ async def _run_policy(
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    print(
+        f"kvroute demo: {policy}: router at {url}, live status at {url}/status",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         return await measured_run(
             http,

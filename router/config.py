@@ -299,8 +299,8 @@ class Config(_Section):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     epp: EppConfig = msgspec.field(default_factory=EppConfig)
-    # Add X-Kvroute-Replica, X-Kvroute-Reason and X-Kvroute-Prefix-Hit-Tokens to every routed
-    # response.
+    # Add X-Kvroute-Replica, X-Kvroute-Reason, X-Kvroute-Prefix-Hit-Tokens and
+    # X-Kvroute-Prefix-Available-Tokens to every routed response.
     decision_headers: bool = True
 
 

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 from kvroute.backends.handle import ReplicaHandle
 from kvroute.kvcore.ledger import DispatchLedger, Route
+from kvroute.kvcore.reuse import available_tokens, decompose
 
 from .metrics import RouterMetrics
 from .proxy import ClientExchange, Relayed, Timeouts, UpstreamCall, UpstreamUnavailable, relay
 from .registry import ReplicaRegistry
+from .status import RecentDispatches
 from .upstream_client import UpstreamClient
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class Forwarder:
         self.timeouts = timeouts
         self.decision_headers = decision_headers
         self.client: UpstreamClient | None = None  # opened with the app
+        self.recent = RecentDispatches()  # the last few, for /status (read only there)
 
     async def forward(
         self, exchange: ClientExchange, route: Route, replica_id: str, attempt: Try
@@ -51,6 +54,7 @@ class Forwarder:
         handle = self.registry.handles[replica_id]
         ledger = self.ledger
         dispatch = ledger.dispatch(route, replica_id, time.monotonic(), attempt.reason)
+        self.recent.append(dispatch)  # O(1), bounded: all /status costs the data path
         self.registry.dispatched(handle)
         metrics = self.metrics
 
@@ -65,8 +69,13 @@ class Forwarder:
             extra += (
                 ("X-Kvroute-Replica", replica_id),
                 ("X-Kvroute-Reason", dispatch.reason),
-                # The prompt tokens the router expects that replica to have cached (index).
+                # The prompt tokens the router expects that replica to have cached (index),
+                # and the most any eligible replica had: the gap is what load outweighed.
                 ("X-Kvroute-Prefix-Hit-Tokens", str(dispatch.cached_tokens)),
+                (
+                    "X-Kvroute-Prefix-Available-Tokens",
+                    str(available_tokens(dispatch.request, dispatch.ranked)),
+                ),
             )
         call = UpstreamCall(
             handle.base_url,
@@ -94,6 +103,17 @@ class Forwarder:
         metrics.observe_request(
             replica_id, relayed.status, dispatch.reason, relayed.ttfb_s, elapsed
         )
+        if not attempt.resume and relayed.status < 400:
+            # A continuation's prompt is not the one routed: only the first answer counts.
+            dispatch.confirmed_tokens = relayed.cached_tokens  # /status shows it too
+            reuse = decompose(
+                dispatch.request,
+                dispatch.ranked,
+                dispatch.cached_tokens,
+                dispatch.confirmed_tokens,
+                route.block_tokens,
+            )
+            metrics.observe_reuse(replica_id, reuse)
         return relayed
 
     def _upstream_headers(self, attempt: Try) -> bytes:

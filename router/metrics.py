@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvroute.health.scrape import ReplicaReport
+from kvroute.kvcore.reuse import Reuse
 from kvroute.policies import ReplicaState
 
 from .kv_subscriber import SubscriberStats
@@ -94,6 +95,12 @@ class RouterMetrics:
         # replica -> prompt tokens routed there, and of those, tokens the index said it held.
         self.prompt_tokens: dict[str, int] = {}
         self.predicted_hit_tokens: dict[str, int] = {}
+        # Prefix reuse decomposed (kvcore/reuse.py), by the replica that served the request:
+        # (replica, kind) -> tokens, (replica, cause) -> tokens lost, (replica,) -> requests
+        # whose reuse the engine did not report.
+        self.reuse: dict[tuple[str, str], int] = {}
+        self.reuse_lost: dict[tuple[str, str], int] = {}
+        self.reuse_unconfirmed: dict[tuple[str], int] = {}
         # How late the event loop ran a timer (router/loop_lag.py): this worker's own.
         self.loop_lag = Histogram(LOOP_LAG_BUCKETS)
         self.registry = CollectorRegistry(auto_describe=False)
@@ -115,6 +122,32 @@ class RouterMetrics:
         self.prompt_tokens[replica] = self.prompt_tokens.get(replica, 0) + prompt_tokens
         hits = self.predicted_hit_tokens
         hits[replica] = hits.get(replica, 0) + predicted_hit_tokens
+
+    def observe_reuse(self, replica: str, reuse: Reuse | None) -> None:
+        """A request answered by ``replica``: its prefix reuse, decomposed (None: the router
+        did not look the prompt up in the index, so there is nothing to decompose)."""
+        if reuse is None:
+            return
+        counts, lost = self.reuse, self.reuse_lost
+        for key, tokens in (
+            ((replica, "available"), reuse.available),
+            ((replica, "captured"), reuse.captured),
+        ):
+            counts[key] = counts.get(key, 0) + tokens
+        for key, tokens in (
+            ((replica, "workload"), reuse.lost_workload),
+            ((replica, "routing"), reuse.lost_routing),
+        ):
+            lost[key] = lost.get(key, 0) + tokens
+        index_loss = reuse.lost_index
+        if reuse.confirmed is None or index_loss is None:
+            unconfirmed = self.reuse_unconfirmed
+            unconfirmed[(replica,)] = unconfirmed.get((replica,), 0) + 1
+            return
+        key = (replica, "confirmed")
+        counts[key] = counts.get(key, 0) + reuse.confirmed
+        key = (replica, "index")
+        lost[key] = lost.get(key, 0) + index_loss
 
     def observe_rejected(self, status: int, code: str) -> None:
         key = (status, code)
@@ -148,6 +181,9 @@ class RouterMetrics:
             "ejections": [[*k, v] for k, v in self.ejections.items()],
             "prompt_tokens": [[k, v] for k, v in self.prompt_tokens.items()],
             "predicted_hit_tokens": [[k, v] for k, v in self.predicted_hit_tokens.items()],
+            "reuse": [[*k, v] for k, v in self.reuse.items()],
+            "reuse_lost": [[*k, v] for k, v in self.reuse_lost.items()],
+            "reuse_unconfirmed": [[*k, v] for k, v in self.reuse_unconfirmed.items()],
             "ttfb": {r: [h.counts, h.total] for r, h in self.time_to_first_byte.items()},
             "duration": {r: [h.counts, h.total] for r, h in self.duration.items()},
         }
@@ -162,6 +198,9 @@ class RouterMetrics:
         ejections: dict[Any, int] = dict(self.ejections)
         prompt_tokens: dict[Any, int] = {(k,): v for k, v in self.prompt_tokens.items()}
         predicted: dict[Any, int] = {(k,): v for k, v in self.predicted_hit_tokens.items()}
+        reuse: dict[Any, int] = dict(self.reuse)
+        reuse_lost: dict[Any, int] = dict(self.reuse_lost)
+        reuse_unconfirmed: dict[Any, int] = dict(self.reuse_unconfirmed)
         ttfb = {
             r: Histogram(counts=list(h.counts), total=h.total)
             for r, h in self.time_to_first_byte.items()
@@ -179,6 +218,9 @@ class RouterMetrics:
                 (ejections, peer.get("ejections", [])),
                 (prompt_tokens, peer["prompt_tokens"]),
                 (predicted, peer["predicted_hit_tokens"]),
+                (reuse, peer.get("reuse", [])),
+                (reuse_lost, peer.get("reuse_lost", [])),
+                (reuse_unconfirmed, peer.get("reuse_unconfirmed", [])),
             ):
                 for *key, count in rows:
                     k = tuple(key)
@@ -197,6 +239,9 @@ class RouterMetrics:
             "ejections": ejections,
             "prompt_tokens": {k[0]: v for k, v in prompt_tokens.items()},
             "predicted_hit_tokens": {k[0]: v for k, v in predicted.items()},
+            "reuse": reuse,
+            "reuse_lost": reuse_lost,
+            "reuse_unconfirmed": reuse_unconfirmed,
             "ttfb": ttfb,
             "duration": duration,
         }
@@ -282,6 +327,7 @@ class _Collector(Collector):
         yield in_flight_tokens
         yield healthy
         yield from _prefix_hit_families(m, merged)
+        yield from _reuse_families(merged)
         yield from _kv_event_families(m)
 
 
@@ -389,6 +435,44 @@ def _prefix_hit_families(
     yield hits
     yield waiting
     yield kv_usage
+
+
+def _reuse_families(merged: Snapshot) -> Iterable[CounterMetricFamily]:
+    """Prefix reuse decomposed per request (kvcore/reuse.py), by the replica that served it."""
+    tokens = CounterMetricFamily(
+        "kvroute_prefix_reuse_tokens",
+        "Prompt tokens of prefix reuse, by the replica that served the request and kind: "
+        "available (the longest cached prefix the index knew on any eligible replica when it "
+        "was routed), captured (what the index expected the chosen replica to hold), confirmed "
+        "(what the engine reported reusing: usage.prompt_tokens_details.cached_tokens; only "
+        "requests whose response said, see kvroute_prefix_reuse_unconfirmed_requests). "
+        "Available and captured count at most the full blocks before the prompt's last token.",
+        labels=["replica", "kind"],
+    )
+    for (replica, kind), count in merged["reuse"].items():
+        tokens.add_metric([replica, kind], count)
+    yield tokens
+    lost = CounterMetricFamily(
+        "kvroute_prefix_reuse_lost_tokens",
+        "Prompt tokens not reused, by cause: workload (prompt - available: no replica had "
+        "them), routing (available - captured: a replica had them, the request went elsewhere), "
+        "index (captured - confirmed, at least 0: expected cached but not reused, a wrong "
+        "prediction or an eviction; only requests whose response reported cached_tokens).",
+        labels=["replica", "cause"],
+    )
+    for (replica, cause), count in merged["reuse_lost"].items():
+        lost.add_metric([replica, cause], count)
+    yield lost
+    unconfirmed = CounterMetricFamily(
+        "kvroute_prefix_reuse_unconfirmed_requests",
+        "Decomposed requests whose response did not report cached_tokens (a stream without "
+        "stream_options.include_usage, vLLM without --enable-prompt-tokens-details, a broken "
+        "stream): counted in available and captured, not in confirmed nor index loss.",
+        labels=["replica"],
+    )
+    for (replica,), count in merged["reuse_unconfirmed"].items():
+        unconfirmed.add_metric([replica], count)
+    yield unconfirmed
 
 
 def _kv_event_families(m: RouterMetrics) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:

@@ -18,6 +18,7 @@ from multidict import CIMultiDict
 
 from .resume import StreamTranscript
 from .upstream_client import HOP_BY_HOP, UpstreamClient, UpstreamError, UpstreamResponse
+from .usage import StreamTail, cached_tokens_of
 
 
 def sse_error(message: str, code: str = "stream_broken") -> bytes:
@@ -54,6 +55,9 @@ class Relayed:
     broken: str | None = None
     resumable: bool = False
     client_gone: bool = False
+    # The prompt tokens the engine says it reused from its prefix cache, when the answer's usage
+    # says (vLLM with --enable-prompt-tokens-details; a stream's only with include_usage).
+    cached_tokens: int | None = None
 
 
 # The router's own X-Request-Id replaces the replica's.
@@ -157,7 +161,8 @@ async def relay(
                 raise UpstreamUnavailable(exc.kind, str(exc)) from None
             headers = _response_headers(upstream, call.response_headers)
             response = web.Response(body=data, status=status, headers=headers)
-            return Relayed(response, status, time.perf_counter() - started)
+            cached = cached_tokens_of(data, sse=False) if status < 400 else None
+            return Relayed(response, status, time.perf_counter() - started, cached_tokens=cached)
         ttfb_s = time.perf_counter() - started
         stream = exchange.stream if call.resume else await _open_stream(exchange, upstream, call)
         assert stream is not None
@@ -191,16 +196,19 @@ async def _relay_raw(
     ttfb_s: float,
     idle_timeout_s: float,
 ) -> Relayed:
+    tail = StreamTail()
     try:
         while chunk:
             await stream.write(chunk)
+            tail.add(chunk)
             chunk = await upstream.read_chunk(idle_timeout_s)
         await stream.write_eof()
     except UpstreamError as exc:
         return await end_broken_stream(stream, status, ttfb_s, str(exc))
     except ConnectionResetError:
         return Relayed(stream, status, ttfb_s, client_gone=True)
-    return Relayed(stream, status, ttfb_s)
+    cached = tail.cached_tokens() if status < 400 else None
+    return Relayed(stream, status, ttfb_s, cached_tokens=cached)
 
 
 async def _relay_events(
@@ -212,11 +220,13 @@ async def _relay_events(
     idle_timeout_s: float,
     transcript: StreamTranscript,
 ) -> Relayed:
+    tail = StreamTail()  # the replica's own events: the usage is in its last ones
     try:
         while chunk:
             out = transcript.feed(chunk)
             if out:
                 await stream.write(out)
+            tail.add(chunk)
             chunk = await upstream.read_chunk(idle_timeout_s)
     except UpstreamError as exc:
         reason = str(exc)
@@ -234,7 +244,7 @@ async def _relay_events(
                 await stream.write_eof()
             except ConnectionResetError:
                 return Relayed(stream, status, ttfb_s, client_gone=True)
-            return Relayed(stream, status, ttfb_s)
+            return Relayed(stream, status, ttfb_s, cached_tokens=tail.cached_tokens())
         reason = "the replica ended the stream before it finished"
     if transcript.resumable():
         return Relayed(stream, status, ttfb_s, broken=reason, resumable=True)

@@ -7,6 +7,8 @@ A request's path is ``pipeline.RequestPipeline``; the replicas and their breaker
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -34,6 +36,7 @@ from .openai_request import parse_chat, parse_completion
 from .pipeline import RequestPipeline
 from .prompt_tokenizer import PromptTokenizer
 from .proxy import Timeouts
+from .status import StatusFeed, page_html
 from .upstream_client import UpstreamClient
 from .workers import MetricsExchange, WorkerContext, WorkerLoad
 
@@ -42,6 +45,9 @@ if TYPE_CHECKING:  # imported at run time only with tracing on (they need OpenTe
     from .tracing import Tracing
 
 log = logging.getLogger(__name__)
+
+# How often an open /status stream gets the next status.
+STATUS_TICK_S = 1.0
 
 
 class Router:
@@ -119,6 +125,15 @@ class Router:
         )
         # Set when SIGTERM starts the drain: /ready says 503 so load balancers stop sending.
         self.draining = False
+        self.status = StatusFeed(
+            lambda: self.replicas,
+            lambda: self.scraper.reports,
+            self.metrics.registry,
+            self.forwarder.recent,
+            self._status_header,
+        )
+        self._worker_index = worker.index if worker is not None else None
+        self._status_closing = asyncio.Event()  # set at shutdown: open /status streams end
 
     @property
     def tokenizer(self) -> PromptTokenizer | None:
@@ -142,7 +157,11 @@ class Router:
         if self.config.metrics.enabled:
             routes.add_get("/metrics", self.handle_metrics, expect_handler=expect)
         routes.add_get("/admin/replicas", self.handle_admin_replicas, expect_handler=expect)
+        routes.add_get("/status", self.handle_status_page, expect_handler=expect)
+        routes.add_get("/status/events", self.handle_status_events, expect_handler=expect)
         app.on_startup.append(self._on_startup)
+        # Before the server waits for handlers to finish: a status stream never would.
+        app.on_shutdown.append(self._end_status_streams)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
@@ -223,6 +242,63 @@ class Router:
                 }
             )
         return _json({"replicas": rows, "draining": self.draining})
+
+    # -- the status page (router/status.py) ------------------------------------------
+
+    async def handle_status_page(self, request: web.Request) -> web.Response:
+        """The page itself is open (it holds no data); its data needs the admin key."""
+        headers = {"Cache-Control": "no-cache", "Referrer-Policy": "no-referrer"}
+        return web.Response(body=page_html(), content_type="text/html", headers=headers)
+
+    async def handle_status_events(self, request: web.Request) -> web.StreamResponse:
+        """The status as one JSON document, or with ``Accept: text/event-stream`` as a stream
+        of them, one a second: built only while someone is looking."""
+        try:
+            self.auth.check_admin(request)
+        except errors.ApiError as exc:
+            return exc.response()
+        if "text/event-stream" not in request.headers.get("Accept", ""):
+            response = web.Response(body=self._status_json(), content_type="application/json")
+            response.headers["Cache-Control"] = "no-store"
+            return response
+        stream = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-store",
+                "X-Accel-Buffering": "no",  # proxies such as nginx would hold the events back
+            }
+        )
+        await stream.prepare(request)
+        closing = self._status_closing
+        try:
+            while not closing.is_set() and not self.draining:
+                await stream.write(b"data: " + self._status_json() + b"\n\n")
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STATUS_TICK_S):
+                        await closing.wait()
+            await stream.write_eof()
+        except ConnectionResetError:
+            pass  # the viewer went away
+        return stream
+
+    def _status_json(self) -> bytes:
+        if self._shared is not None:
+            self._shared.totals_into(self.fleet.replicas)  # every worker's in-flight, as /metrics
+        return self.status.json()
+
+    def _status_header(self) -> dict[str, object]:
+        active, queued = self.admission.active, self.admission.queued
+        return {
+            "policy": self.policy.name,
+            "draining": self.draining,
+            "started_at": self._started_at,
+            "worker": self._worker_index,
+            "active_requests": active,
+            "queued_requests": queued,
+        }
+
+    async def _end_status_streams(self, app: web.Application) -> None:
+        self._status_closing.set()
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         try:

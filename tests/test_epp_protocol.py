@@ -180,6 +180,55 @@ async def test_full_duplex_answers_headers_with_the_pick_then_echoes_the_body(
     assert sum(picker.in_flight().values()) == 0
 
 
+async def test_the_picker_decomposes_prefix_reuse_with_the_usage_it_reads(
+    picker: Picker,
+) -> None:
+    """Available and captured at the pick, confirmed from the response's cached_tokens (the
+    same decomposition as the HTTP router's, kvcore/reuse.py)."""
+    metrics = picker.server.picker.metrics
+    prompt = {"model": "tiny", "prompt": "Reuse seen through the picker. " * 30, "max_tokens": 1}
+    body = json.dumps(prompt).encode()
+
+    def total(table: dict[tuple[str, str], int], kind: str) -> int:
+        return sum(v for (_, k), v in table.items() if k == kind)
+
+    async def exchange(usage: bytes) -> tuple[dict[str, str], dict[str, int]]:
+        before = {k: total(metrics.reuse, k) for k in ("available", "captured", "confirmed")}
+        before |= {k: total(metrics.reuse_lost, k) for k in ("workload", "routing", "index")}
+        before["unconfirmed"] = sum(metrics.reuse_unconfirmed.values())
+        stream = Stream(picker.channel)
+        await stream.send(headers_message(), body_message(body, True))
+        first = await stream.read()
+        picked = set_headers(first.request_headers.response)[messages.DESTINATION].split(",")[0]
+        await stream.read()  # the echoed body
+        await stream.send(response_headers_message(picked))
+        added = set_headers((await stream.read()).response_headers.response)
+        await stream.send(body_message(usage, True, response=True))
+        await stream.read()
+        await stream.close()
+        after = {k: total(metrics.reuse, k) for k in ("available", "captured", "confirmed")}
+        after |= {k: total(metrics.reuse_lost, k) for k in ("workload", "routing", "index")}
+        after["unconfirmed"] = sum(metrics.reuse_unconfirmed.values())
+        return added, {k: after[k] - before[k] for k in after}
+
+    cold = b'{"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}}}'
+    headers, moved = await exchange(cold)
+    assert headers["x-kvroute-prefix-available-tokens"] == "0"
+    assert moved["available"] == moved["captured"] == moved["confirmed"] == 0
+    assert moved["workload"] > 0 and moved["unconfirmed"] == 0
+    # Again: the pick follows its own prediction; the usage does not say what was reused.
+    headers, moved = await exchange(b'{"usage": {"prompt_tokens": 9, "completion_tokens": 1}}')
+    hit = int(headers["x-kvroute-prefix-hit-tokens"])
+    assert int(headers["x-kvroute-prefix-available-tokens"]) == hit > 0
+    captured = moved["captured"]
+    assert moved["available"] == captured > 0 and moved["routing"] == 0
+    assert (moved["unconfirmed"], moved["confirmed"], moved["index"]) == (1, 0, 0)
+    # And once more, the engine reporting one block less than the index expected.
+    usage = {"usage": {"prompt_tokens_details": {"cached_tokens": captured - 16}}}
+    headers, moved = await exchange(json.dumps(usage).encode())
+    assert (moved["captured"], moved["confirmed"], moved["index"]) == (captured, captured - 16, 16)
+
+
 async def test_bodies_over_62000_bytes_are_echoed_in_chunks(picker: Picker) -> None:
     body = json.dumps({"model": "tiny", "prompt": "x" * 200_000, "max_tokens": 1}).encode()
     stream = Stream(picker.channel)

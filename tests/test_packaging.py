@@ -46,6 +46,7 @@ def test_the_wheel_holds_only_the_kvroute_namespace(wheel: Path) -> None:
     for package in ("router", "policies", "health", "backends", "simulator", "kvcore"):
         assert f"kvroute/{package}/__init__.py" in names
     assert any(n.startswith("kvroute/kvcore/_speedups") and n.endswith(".so") for n in names)
+    assert "kvroute/router/status_page.html" in names  # package data: the /status page
     assert len(names) == len(set(names))
 
 
@@ -73,6 +74,7 @@ def test_the_installed_wheel_imports_and_runs(wheel: Path, tmp_path: Path) -> No
     assert {a for a in added if not a.endswith(".dist-info")} == {"kvroute"}
     code = (
         "import kvroute, kvroute.router.server, kvroute.simulator.fleet, kvroute.cli;"
+        "from kvroute.router.status import page_html; assert b'kvroute status' in page_html();"
         "from kvroute.kvcore import block_hashing; print(kvroute.__file__, block_hashing.use_speedups())"
     )
     # Run away from the checkout: ``python -c`` puts the working directory first on the path.

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from kvroute.backends.handle import ReplicaHandle
 from kvroute.kvcore.ledger import Dispatch, Route
+from kvroute.kvcore.reuse import decompose
 from kvroute.policies import RouteRequest
 
 from .. import errors
@@ -246,10 +247,19 @@ class EndpointPicker:
         ttfb = (pick.first_byte_at or now) - pick.arrived
         code = status if completed else 499  # nginx's "client closed request"
         self.metrics.observe_request(d.replica, code, d.reason, ttfb, now - pick.arrived)
+        if 0 < status < 400:  # the replica answered: it prefilled this prompt
+            reuse = decompose(
+                d.request, d.ranked, d.cached_tokens, d.confirmed_tokens, pick.route.block_tokens
+            )
+            self.metrics.observe_reuse(d.replica, reuse)
 
-    def observe_usage(self, usage: Mapping[str, int]) -> None:
+    def observe_usage(self, usage: Mapping[str, int], pick: Pick | None = None) -> None:
+        """A response's usage; with its ``pick``, its cached tokens confirm that pick's reuse
+        (read when the request finishes)."""
         for kind, count in usage.items():
             self.decisions.usage[kind] = self.decisions.usage.get(kind, 0) + count
+        if pick is not None:
+            pick.dispatch.confirmed_tokens = usage.get("cached")
 
 
 def _no_endpoint(subset: frozenset[str] | None) -> errors.ApiError:

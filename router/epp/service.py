@@ -15,12 +15,14 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import msgspec
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from kvroute.kvcore.reuse import available_tokens
+
 from .. import errors
+from ..usage import usage_of
 from . import messages
 from .endpoints import parse_subset
 from .picker import EndpointPicker, Pick
@@ -174,6 +176,10 @@ class _Exchange:
                     ("x-kvroute-replica", d.replica),
                     ("x-kvroute-reason", d.reason),
                     ("x-kvroute-prefix-hit-tokens", str(d.cached_tokens)),
+                    (
+                        "x-kvroute-prefix-available-tokens",
+                        str(available_tokens(d.request, d.ranked)),
+                    ),
                 ]
             if message.response_headers.end_of_stream:
                 self._finish(completed=True)
@@ -209,7 +215,7 @@ class _Exchange:
             return
         usage = usage_of(bytes(self.response_tail), self.sse)
         if usage:
-            self.picker.observe_usage(usage)
+            self.picker.observe_usage(usage, self.pick)
 
     def _finish(self, completed: bool) -> None:
         if self.pick is not None:
@@ -218,42 +224,6 @@ class _Exchange:
     def close(self) -> None:
         """The stream ended: a request still open was torn down (client gone, Envoy reset)."""
         self._finish(completed=False)
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_tokens_details: dict[str, Any] | None = None
-
-
-class _WithUsage(msgspec.Struct):
-    usage: _Usage | None = None
-
-
-_usage_decoder = msgspec.json.Decoder(_WithUsage)
-
-
-def usage_of(data: bytes, sse: bool) -> dict[str, int] | None:
-    """Token usage from a JSON response, or from the last SSE event that carries one."""
-    try:
-        if not sse:
-            usage = _usage_decoder.decode(data).usage
-        else:
-            usage = None
-            for line in reversed(data.split(b"\n")):
-                if line.startswith(b"data: {") and b'"usage"' in line:
-                    usage = _usage_decoder.decode(line[6:]).usage
-                    if usage is not None:
-                        break
-    except msgspec.DecodeError:
-        return None
-    if usage is None:
-        return None
-    out = {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens}
-    cached = (usage.prompt_tokens_details or {}).get("cached_tokens")
-    if isinstance(cached, int):
-        out["cached"] = cached
-    return out
 
 
 def _header_map(headers: Any) -> dict[str, str]:
