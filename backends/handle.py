@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvroute.health.breaker import BreakerSettings, CircuitBreaker
+from kvroute.health.drift import DriftState
 from kvroute.policies import ReplicaState
 
 
@@ -22,6 +23,8 @@ class ReplicaHandle:
     # Why the last health probe failed while the replica is out ("connection refused to
     # host:port", a timeout, an HTTP status and its text); None while healthy.
     down_reason: str | None = field(init=False, default=None)
+    # What the output-drift canary found (health/canary.py), quarantine included.
+    drift: DriftState = field(init=False, default_factory=DriftState)
 
     def __post_init__(self) -> None:
         self.breaker = CircuitBreaker(self.breaker_settings)

@@ -27,6 +27,7 @@ from typing import Protocol
 
 from kvroute.kvcore.prefix_index import PrefixIndex, PrefixMatch
 from kvroute.policies import FleetView, Policy, ReplicaLatency, ReplicaState, RouteRequest
+from kvroute.policies.regret import TtftEstimate, estimator_for
 
 
 class SharedLoad(Protocol):
@@ -49,6 +50,9 @@ class Route:
     reason: str
     matches: dict[str, PrefixMatch] | None = None  # the index's, per replica
     block_tokens: int = 0  # tokens per block the prefix tokens were counted in
+    # The policy's TTFT estimate on its choice and on round robin's / power of two's
+    # (policies/regret.py); None for a policy without one. A front end records it once.
+    estimate: TtftEstimate | None = None
 
 
 @dataclass(slots=True)
@@ -92,6 +96,7 @@ class DispatchLedger:
         self._shared = shared
         self.fleet = fleet
         self._slots: dict[str, int] = {}
+        self._regret = estimator_for(policy)
         self.members_changed()
 
     def members_changed(self) -> None:
@@ -130,14 +135,18 @@ class DispatchLedger:
             prefix = {rid: m.blocks * block_tokens for rid, m in matches.items()}
             r = request
             request = RouteRequest(
-                r.prompt_tokens, r.max_tokens, r.model, r.routing_key, hashes, prefix
+                r.prompt_tokens, r.max_tokens, r.model, r.routing_key, hashes, prefix, block_tokens
             )
         fleet = self.fleet
         if self._shared is not None:
             self._shared.totals_into(fleet.replicas)
         fleet.now = now
         decision = self.policy.decide(request, fleet)
-        return Route(request, decision.ranked, decision.reason, matches, block_tokens)
+        route = Route(request, decision.ranked, decision.reason, matches, block_tokens)
+        if self._regret is not None and decision.ranked:
+            chosen = fleet.replicas[self._slots[decision.ranked[0]]]
+            route.estimate = self._regret.estimate(request, fleet.replicas, chosen)
+        return route
 
     def dispatch(self, route: Route, replica: str, now: float, reason: str = "") -> Dispatch:
         """``route``'s request goes to ``replica``: predict its prompt there, count its load."""

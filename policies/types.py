@@ -23,6 +23,8 @@ class ReplicaState:
     healthy: bool = True
     # Taken out of rotation by its circuit breaker (failing or stalled live traffic).
     ejected: bool = False
+    # Taken out of rotation by the output-drift canary (its greedy output left the fleet's).
+    quarantined: bool = False
     # Models the replica serves; None until known (then it is eligible for any model).
     models: frozenset[str] | None = None
     # The router's own accounting, updated at every dispatch and completion.
@@ -54,6 +56,8 @@ class RouteRequest:
     block_hashes: Sequence[int] = ()
     # Per replica: prompt tokens it already holds (prefix index match x block size).
     prefix_tokens: Mapping[str, int] | None = None
+    # Tokens per block of ``block_hashes`` (0: unknown).
+    block_tokens: int = 0
 
     @property
     def token_cost(self) -> int:
@@ -80,8 +84,20 @@ class FleetView:
             for r in self.replicas
             if r.healthy
             and not r.ejected
+            and not r.quarantined
             and (model is None or r.models is None or model in r.models)
         ]
+
+    @staticmethod
+    def admits(replica: ReplicaState, model: str | None) -> bool:
+        """Whether ``eligible(model)`` would list ``replica``: one replica in O(1), for callers
+        that must not scan the fleet (policies/regret.py)."""
+        return (
+            replica.healthy
+            and not replica.ejected
+            and not replica.quarantined
+            and (model is None or replica.models is None or model in replica.models)
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ import hmac
 from aiohttp import web
 
 from . import errors
-from .config import AuthConfig, resolve_secret
+from .config import AuthConfig, api_key_value, resolve_secret
 
 _LOOPBACK = ("127.0.0.1", "::1")
 
@@ -15,8 +15,11 @@ _LOOPBACK = ("127.0.0.1", "::1")
 class Auth:
     def __init__(self, config: AuthConfig) -> None:
         self._client_keys = [
-            resolve_secret(k, f"auth.api_keys[{i}]").encode() for i, k in enumerate(config.api_keys)
+            resolve_secret(api_key_value(k), f"auth.api_keys[{i}]").encode()
+            for i, k in enumerate(config.api_keys)
         ]
+        # The tenant each key belongs to (None: named by the request's headers, if at all).
+        self._tenants = [None if isinstance(k, str) else k.tenant for k in config.api_keys]
         key = config.admin_api_key
         self._admin_key = resolve_secret(key, "auth.admin_api_key").encode() if key else None
 
@@ -24,16 +27,19 @@ class Auth:
     def clients_need_key(self) -> bool:
         return bool(self._client_keys)
 
-    def check_client(self, request: web.Request) -> None:
+    def check_client(self, request: web.Request) -> str | None:
+        """Raise 401 unless the request carries a client key; the key's tenant, if it has one."""
         if not self._client_keys:
-            return
+            return None
         presented = _bearer(request)
         # Compare against every key (no early exit), in constant time per key.
-        ok = False
-        for key in self._client_keys:
-            ok |= presented is not None and hmac.compare_digest(presented, key)
-        if not ok:
+        matched = -1
+        for i, key in enumerate(self._client_keys):
+            if presented is not None and hmac.compare_digest(presented, key):
+                matched = i
+        if matched < 0:
             raise errors.unauthorized(presented is None)
+        return self._tenants[matched]
 
     def check_admin(self, request: web.Request, *, open_without_key: bool = False) -> None:
         """Admin endpoints need the admin key; without one configured, only loopback clients

@@ -30,6 +30,7 @@ from kvroute.backends.placement import (
     placement_requested,
 )
 from kvroute.backends.vllm_args import owned_flags_in
+from kvroute.health.canary import DEFAULT_PROMPTS
 from kvroute.policies import DEFAULT_POLICY, PolicyConfigError, build_policy
 
 
@@ -190,14 +191,66 @@ class LimitsConfig(_Section):
     queue_timeout_s: float = 30.0
 
 
+class ApiKeyConfig(_Section):
+    """A client key with the tenant it belongs to (its budgets, weight and priority)."""
+
+    key: str
+    tenant: str | None = None
+
+
 class AuthConfig(_Section):
     """Bearer keys. A value "env:NAME" is read from the environment variable NAME."""
 
-    # Keys clients must present (Authorization: Bearer KEY) on /v1/*; empty = open.
-    api_keys: list[str] = msgspec.field(default_factory=list)
+    # Keys clients must present (Authorization: Bearer KEY) on /v1/*; empty = open. Each is a
+    # string, or {key: ..., tenant: NAME} to name the tenant its requests belong to.
+    api_keys: list[str | ApiKeyConfig] = msgspec.field(default_factory=list)
     # Key for /metrics and /admin/*; null = /metrics is open and /admin/* answers loopback
     # clients only.
     admin_api_key: str | None = None
+
+
+class TenantDefaultsConfig(_Section):
+    """What a tenant gets unless ``tenants.by_name`` says otherwise (0: no limit)."""
+
+    weight: float = 1.0  # its share of a saturated fleet, relative to other tenants'
+    priority: str = "standard"  # critical, standard or sheddable, unless a request says
+    input_tokens_per_minute: int = 0
+    output_tokens_per_minute: int = 0
+    max_concurrent: int = 0  # its requests in service at once
+
+
+class TenantConfig(_Section):
+    """One named tenant; a key left out takes its value from ``tenants.defaults``."""
+
+    weight: float | None = None
+    priority: str | None = None
+    input_tokens_per_minute: int | None = None
+    output_tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+
+
+class TenantsConfig(_Section):
+    defaults: TenantDefaultsConfig = msgspec.field(default_factory=TenantDefaultsConfig)
+    by_name: dict[str, TenantConfig] = msgspec.field(default_factory=dict)
+    # Tenant names from headers are the client's to choose: beyond this many distinct ones,
+    # unknown names count as "default" (memory stays bounded).
+    max_tracked: int = 1000
+
+
+class FairnessConfig(_Section):
+    """Who is admitted next when limits.max_concurrent_requests is reached (kvcore/fair_queue)."""
+
+    # An output token costs this many input tokens of service (decode is dearer than prefill).
+    output_weight: float = 2.0
+    # Locality may admit a request whose prefix the freed replica holds ahead of strict fair
+    # order while its tenant is at most this many weighted tokens ahead (0: strict order).
+    locality_bound_tokens: float = 4096.0
+    # Queued requests looked at per admission for locality.
+    locality_scan: int = 32
+    # A sheddable request waits at most this long for a slot, then gets 429.
+    sheddable_max_wait_s: float = 5.0
+    # x-gateway-inference-objective values (InferenceObjective names) -> priority class.
+    objectives: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class ShutdownConfig(_Section):
@@ -211,6 +264,27 @@ class HealthConfig(_Section):
     timeout_s: float = 5.0
     # Consecutive failed probes before a replica leaves rotation (a busy replica can miss one).
     unhealthy_after: int = 3
+
+
+class CanaryConfig(_Section):
+    """The output-drift canary (health/canary.py): fixed prompts, greedy, on every replica."""
+
+    # Off unless asked for: it sends its own requests to the replicas (their request counts and
+    # cache figures include them), and it assumes every replica serving a model name has the
+    # same weights (a fleet mixing, say, quantized and full-precision replicas under one name
+    # would see its minority quarantined).
+    enabled: bool = False
+    # A round every interval_s, and at once when a replica becomes healthy (start, restart).
+    interval_s: float = 300.0
+    prompts: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    max_tokens: int = 16
+    # A flip where either side's top-1 minus top-2 logprob is below this (nats) is a near-tie:
+    # reported, not quarantined.
+    min_margin: float = 0.5
+    seed: int = 0
+    timeout_s: float = 30.0
+    # Where the fleet's answers are kept across restarts and deploys (null: in memory only).
+    fingerprint_file: str | None = None
 
 
 class RoutingConfig(_Section):
@@ -238,6 +312,23 @@ class RoutingConfig(_Section):
 
 class MetricsConfig(_Section):
     enabled: bool = True
+
+
+class ParityConfig(_Section):
+    """The router checks a sample of requests against the replica that served them: its token
+    ids and block keys against the engine's (router/parity.py)."""
+
+    enabled: bool = True
+    first_per_replica: int = 3  # the first requests each replica serves are all checked
+    sample_every: int = 100  # then one in this many (0: only the first ones)
+    events_wait_s: float = 5.0  # how long the KV events may take to store a checked prompt
+    blocks_to_alarm: int = 3  # block-key misses in a row on one replica that raise the alarm
+    clear_after: int = 50  # checks in a row that agree before a raised alarm clears
+    blind_min_requests: int = 20  # blind: requests to a replica per window
+    blind_min_hit_tokens: int = 256  # blind: its own hits in that window with none predicted
+    blind_interval_s: float = 5.0
+    timeout_s: float = 5.0  # the /tokenize call
+    max_pending: int = 8  # checks running at once; a sampled request beyond is not checked
 
 
 class TracingConfig(_Section):
@@ -294,10 +385,14 @@ class Config(_Section):
     breaker: BreakerConfig = msgspec.field(default_factory=BreakerConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    tenants: TenantsConfig = msgspec.field(default_factory=TenantsConfig)
+    fairness: FairnessConfig = msgspec.field(default_factory=FairnessConfig)
     shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    canary: CanaryConfig = msgspec.field(default_factory=CanaryConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    parity: ParityConfig = msgspec.field(default_factory=ParityConfig)
     epp: EppConfig = msgspec.field(default_factory=EppConfig)
     # Add X-Kvroute-Replica, X-Kvroute-Reason, X-Kvroute-Prefix-Hit-Tokens and
     # X-Kvroute-Prefix-Available-Tokens to every routed response.
@@ -409,6 +504,19 @@ def _check_value(value: Any, kind: Any, path: str, problems: list[str]) -> Any:
     """``value`` if it has type ``kind`` (structs checked key by key), else _BAD."""
     if isinstance(kind, types.UnionType) and value is None and type(None) in typing.get_args(kind):
         return None
+    if (
+        isinstance(kind, types.UnionType)
+        and isinstance(value, str)
+        and str in typing.get_args(kind)
+    ):
+        return value  # e.g. an API key given as a plain string rather than {key, tenant}
+    if typing.get_origin(kind) is dict and _struct_in(typing.get_args(kind)[1]) is not None:
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected 'object', got '{_json_type(value)}'")
+            return _BAD
+        item = typing.get_args(kind)[1]
+        entries = {k: _check_value(v, item, f"{path}.{k}", problems) for k, v in value.items()}
+        return {k: v for k, v in entries.items() if v is not _BAD}
     struct = _struct_in(kind)
     if struct is not None:
         return _check_struct(value, struct, path, problems)
@@ -515,6 +623,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         ),
         ("timeouts", ("client_body_s",)),
         ("health", ("interval_s", "timeout_s")),
+        ("canary", ("interval_s", "timeout_s")),
         ("routing", ("scrape_interval_s",)),
         ("retry", ("budget_s", "backoff_max_s")),
         ("breaker", ("window_s", "cooldown_s", "max_cooldown_s")),
@@ -538,7 +647,9 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
     problems += _epp_problems(config.epp)
     problems += _tracing_problems(config.tracing)
     problems += _breaker_problems(config.breaker)
+    problems += _canary_problems(config.canary)
     check(_validate_auth, config.auth)
+    problems += tenant_problems(config)
     if config.health.unhealthy_after < 1:
         problems.append(
             f"health.unhealthy_after: must be >= 1, got {config.health.unhealthy_after}"
@@ -546,6 +657,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
     if not config.health.path.startswith("/"):
         problems.append(f"health.path: must start with '/', got {config.health.path!r}")
     problems += _slo_problems(config)
+    problems += _parity_problems(config.parity)
     try:
         build_policy(config.policy.name, policy_params(config))
     except PolicyConfigError as exc:
@@ -563,6 +675,21 @@ def policy_params(config: Config) -> dict[str, Any]:
             if value is not None and value > 0:  # a bad one is slo:'s own problem
                 params.setdefault(key, value)
     return params
+
+
+def _parity_problems(parity: ParityConfig) -> list[str]:
+    problems = []
+    for key in ("first_per_replica", "sample_every", "clear_after", "blind_min_requests"):
+        if getattr(parity, key) < 0:
+            problems.append(f"parity.{key}: must be >= 0, got {getattr(parity, key)}")
+    for key in ("blocks_to_alarm", "max_pending", "blind_min_hit_tokens"):
+        if getattr(parity, key) < 1:
+            problems.append(f"parity.{key}: must be >= 1, got {getattr(parity, key)}")
+    for key in ("events_wait_s", "blind_interval_s", "timeout_s"):
+        value = getattr(parity, key)
+        if not (math.isfinite(value) and value > 0):
+            problems.append(f"parity.{key}: must be a number of seconds > 0, got {value}")
+    return problems
 
 
 def _slo_problems(config: Config) -> list[str]:
@@ -607,9 +734,43 @@ def _breaker_problems(breaker: BreakerConfig) -> list[str]:
     return problems
 
 
+def _canary_problems(canary: CanaryConfig) -> list[str]:
+    problems = []
+    if not canary.prompts:
+        problems.append("canary.prompts: must list at least one prompt")
+    for i, prompt in enumerate(canary.prompts):
+        if not prompt.strip():
+            problems.append(f"canary.prompts[{i}]: must not be empty")
+    if len(set(canary.prompts)) != len(canary.prompts):
+        problems.append("canary.prompts: must not repeat a prompt")
+    if not 1 <= canary.max_tokens <= 1024:
+        problems.append(f"canary.max_tokens: must be 1-1024, got {canary.max_tokens}")
+    if not (math.isfinite(canary.min_margin) and canary.min_margin >= 0):
+        problems.append(
+            f"canary.min_margin: must be a finite number of nats >= 0, got {canary.min_margin}"
+        )
+    if canary.fingerprint_file is not None and not canary.fingerprint_file.strip():
+        problems.append("canary.fingerprint_file: must not be empty (null: in memory only)")
+    return problems
+
+
+def api_key_value(entry: str | ApiKeyConfig) -> str:
+    return entry if isinstance(entry, str) else entry.key
+
+
 def _validate_auth(auth: AuthConfig) -> None:
     problems = []
-    keys = [(f"auth.api_keys[{i}]", key) for i, key in enumerate(auth.api_keys)]
+    keys = [
+        (f"auth.api_keys[{i}]" + ("" if isinstance(k, str) else ".key"), api_key_value(k))
+        for i, k in enumerate(auth.api_keys)
+    ]
+    for i, entry in enumerate(auth.api_keys):
+        if (
+            isinstance(entry, ApiKeyConfig)
+            and entry.tenant is not None
+            and not entry.tenant.strip()
+        ):
+            problems.append(f"auth.api_keys[{i}].tenant: must not be empty (leave it out)")
     if auth.admin_api_key is not None:
         keys.append(("auth.admin_api_key", auth.admin_api_key))
     for where, key in keys:
@@ -619,6 +780,53 @@ def _validate_auth(auth: AuthConfig) -> None:
             problems += exc.problems
     if problems:
         raise ConfigError(*problems)
+
+
+PRIORITY_CLASSES = ("critical", "standard", "sheddable")
+
+
+def tenant_problems(config: Config) -> list[str]:
+    """tenants: and fairness: values that types alone cannot rule out."""
+    problems = []
+    settings: list[tuple[str, TenantDefaultsConfig | TenantConfig]] = [
+        ("tenants.defaults", config.tenants.defaults)
+    ]
+    for name, tenant in config.tenants.by_name.items():
+        if not name.strip():
+            problems.append("tenants.by_name: a tenant name must not be empty")
+        settings.append((f"tenants.by_name.{name}", tenant))
+    for where, s in settings:
+        if s.weight is not None and not (math.isfinite(s.weight) and s.weight > 0):
+            problems.append(f"{where}.weight: must be a finite number > 0, got {s.weight}")
+        if s.priority is not None and s.priority not in PRIORITY_CLASSES:
+            problems.append(
+                f"{where}.priority: must be one of {', '.join(PRIORITY_CLASSES)}, got {s.priority!r}"
+            )
+        for key in ("input_tokens_per_minute", "output_tokens_per_minute", "max_concurrent"):
+            value = getattr(s, key)
+            if value is not None and value < 0:
+                problems.append(f"{where}.{key}: must be >= 0 (0 means no limit), got {value}")
+    if config.tenants.max_tracked < 1:
+        problems.append(f"tenants.max_tracked: must be >= 1, got {config.tenants.max_tracked}")
+    fairness = config.fairness
+    for key in ("output_weight", "locality_bound_tokens"):
+        value = getattr(fairness, key)
+        if not (math.isfinite(value) and value >= 0):
+            problems.append(f"fairness.{key}: must be a finite number >= 0, got {value}")
+    if not (math.isfinite(fairness.sheddable_max_wait_s) and fairness.sheddable_max_wait_s > 0):
+        problems.append(
+            "fairness.sheddable_max_wait_s: must be a number of seconds > 0, "
+            f"got {fairness.sheddable_max_wait_s}"
+        )
+    if fairness.locality_scan < 0:
+        problems.append(f"fairness.locality_scan: must be >= 0, got {fairness.locality_scan}")
+    for name, value in fairness.objectives.items():
+        if value not in PRIORITY_CLASSES:
+            problems.append(
+                f"fairness.objectives.{name}: must be one of {', '.join(PRIORITY_CLASSES)}, "
+                f"got {value!r}"
+            )
+    return problems
 
 
 def resolve_secret(value: str, key: str) -> str:

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from kvroute.health.canary import CanaryRunner, CanarySettings
 from kvroute.health.probe import ActiveProber
 from kvroute.health.scrape import MetricsScraper
 from kvroute.kvcore.ledger import DispatchLedger
@@ -71,6 +72,8 @@ class RoutingCore:
             on_block_size=self.keys.on_scraped_block_size,
         )
         self.catalog = ModelCatalog(config.models)
+        # The output-drift canary (canary: in the config), None when off.
+        self.canary = _canary(config, self) if config.canary.enabled else None
         self._expiry: asyncio.Task[None] | None = None
 
     @property
@@ -87,6 +90,8 @@ class RoutingCore:
         self.prober.start()
         await self.scraper.scrape_all()
         self.scraper.start()
+        if self.canary is not None:
+            self.canary.start()
         self._expiry = asyncio.create_task(self._expire_predictions(), name="kvroute-expiry")
 
     async def _expire_predictions(self) -> None:
@@ -103,6 +108,8 @@ class RoutingCore:
                 await self._expiry
         await self.prober.close()
         await self.scraper.close()
+        if self.canary is not None:
+            await self.canary.close()
         await self.kv_events.close_all()
         self.keys.close()
 
@@ -138,6 +145,10 @@ class RoutingCore:
         )
         self._probed()
 
+    def follows_events(self, name: str) -> bool:
+        """Whether the index hears ``name``'s KV events."""
+        return name in self._subscribers
+
     def _follow_events(self, name: str, replica: ReplicaConfig) -> None:
         if replica.kv_events:
             self._subscribers[name] = self.kv_events.add(name, replica.kv_events, replica.kv_replay)
@@ -151,8 +162,29 @@ class RoutingCore:
         for state in self.fleet.replicas:
             known.update(state.models or ())
         self.catalog.update(known)
+        if self.canary is not None:
+            self.canary.replicas_changed()
 
     def scrape_ages(self, now: float | None = None) -> dict[str, float]:
         """Seconds since each replica's metrics were last scraped successfully."""
         now = time.monotonic() if now is None else now
         return {name: now - at for name, at in self.scraper.scraped_at.items()}
+
+
+def _canary(config: Config, core: RoutingCore) -> CanaryRunner:
+    c = config.canary
+    settings = CanarySettings(
+        interval_s=c.interval_s,
+        prompts=tuple(c.prompts),
+        max_tokens=c.max_tokens,
+        min_margin=c.min_margin,
+        seed=c.seed,
+        timeout_s=c.timeout_s,
+        fingerprint_file=c.fingerprint_file,
+    )
+    return CanaryRunner(
+        lambda: list(core.registry.handles.values()),
+        settings,
+        adapters=lambda name: core.prober.lora_adapters.get(name, frozenset()),
+        on_change=core.registry.probed,
+    )

@@ -119,3 +119,26 @@ def gateway_timeout(limit_s: float) -> ApiError:
         error_type="upstream_error",
         code="timeout",
     )
+
+
+def over_budget(tenant: str, kind: str, per_minute: float, retry_after_s: int) -> ApiError:
+    """A tenant's token budget is spent (OpenAI's shape for a tokens-per-minute limit)."""
+    return ApiError(
+        429,
+        f"Rate limit reached for tenant {tenant!r} on {kind} tokens per minute: limit "
+        f"{per_minute:g}. Please try again in {retry_after_s}s.",
+        error_type="rate_limit_exceeded",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def shed(priority: str, why: str, retry_after_s: int) -> ApiError:
+    """A queued (or arriving) request of a lower class gives way to higher-priority work."""
+    return ApiError(
+        429,
+        f"The router is saturated and sheds {priority} requests first: {why}.",
+        error_type="rate_limit_error",
+        code="shed",
+        headers={"Retry-After": str(retry_after_s)},
+    )

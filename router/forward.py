@@ -55,6 +55,10 @@ class Forwarder:
         ledger = self.ledger
         dispatch = ledger.dispatch(route, replica_id, time.monotonic(), attempt.reason)
         self.recent.append(dispatch)  # O(1), bounded: all /status costs the data path
+        if route.estimate is not None:
+            # Once per decision, not per try: a retry is not a second choice.
+            self.metrics.observe_estimate(route.estimate)
+            route.estimate = None
         self.registry.dispatched(handle)
         metrics = self.metrics
 
@@ -114,6 +118,7 @@ class Forwarder:
                 route.block_tokens,
             )
             metrics.observe_reuse(replica_id, reuse)
+        relayed.replica = replica_id
         return relayed
 
     def _upstream_headers(self, attempt: Try) -> bytes:

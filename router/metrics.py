@@ -11,21 +11,25 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvroute.health.scrape import ReplicaReport
 from kvroute.kvcore.reuse import Reuse
 from kvroute.policies import ReplicaState
+from kvroute.policies.regret import TtftEstimate
 
 from .kv_subscriber import SubscriberStats
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
+# What a routing decision's estimated TTFT is compared with (policies/regret.py).
+REGRET_BASELINES = ("round_robin", "power_of_two")
 # Event-loop lag: finer around the 50 ms a stream's next chunk may wait at most.
 LOOP_LAG_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -59,6 +63,15 @@ class Histogram:
 Snapshot = dict[str, Any]
 
 
+class MetricsPart(Protocol):
+    """Metrics kept by another part (tenants, ...): its counters as plain data for the other
+    workers, and its families from its own and the peers' data at scrape time."""
+
+    def snapshot(self) -> Any: ...
+
+    def families(self, peers: list[Any]) -> Iterable[Metric]: ...
+
+
 class RouterMetrics:
     def __init__(
         self,
@@ -90,6 +103,8 @@ class RouterMetrics:
         self.resumes: dict[tuple[str], int] = {}
         # (replica, kind) -> count
         self.ejections: dict[tuple[str, str], int] = {}
+        # (replica, result) -> count: the drift canary's checks (one per prompt and replica).
+        self.canary_checks: dict[tuple[str, str], int] = {}
         self.time_to_first_byte: dict[str, Histogram] = {}
         self.duration: dict[str, Histogram] = {}
         # replica -> prompt tokens routed there, and of those, tokens the index said it held.
@@ -101,8 +116,13 @@ class RouterMetrics:
         self.reuse: dict[tuple[str, str], int] = {}
         self.reuse_lost: dict[tuple[str, str], int] = {}
         self.reuse_unconfirmed: dict[tuple[str], int] = {}
+        # The policy's TTFT estimates (policies/regret.py), summed: ("ttft", choice) -> seconds,
+        # ("decisions", "") -> decisions estimated, ("worse", baseline) -> of them, where the
+        # choice looked slower than the baseline's.
+        self.regret: dict[tuple[str, str], float] = {}
         # How late the event loop ran a timer (router/loop_lag.py): this worker's own.
         self.loop_lag = Histogram(LOOP_LAG_BUCKETS)
+        self.parts: dict[str, MetricsPart] = {}  # name -> part (see MetricsPart)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -149,6 +169,19 @@ class RouterMetrics:
         key = (replica, "index")
         lost[key] = lost.get(key, 0) + index_loss
 
+    def observe_estimate(self, e: TtftEstimate) -> None:
+        """One routing decision's estimated TTFT on its choice and the baselines'."""
+        r = self.regret
+        for key, value in (
+            (("ttft", "chosen"), e.chosen),
+            (("ttft", "round_robin"), e.round_robin),
+            (("ttft", "power_of_two"), e.power_of_two),
+            (("decisions", ""), 1.0),
+            (("worse", "round_robin"), 1.0 if e.chosen > e.round_robin else 0.0),
+            (("worse", "power_of_two"), 1.0 if e.chosen > e.power_of_two else 0.0),
+        ):
+            r[key] = r.get(key, 0.0) + value
+
     def observe_rejected(self, status: int, code: str) -> None:
         key = (status, code)
         self.rejected[key] = self.rejected.get(key, 0) + 1
@@ -167,6 +200,10 @@ class RouterMetrics:
         key = (replica, kind)
         self.ejections[key] = self.ejections.get(key, 0) + 1
 
+    def observe_canary(self, replica: str, result: str) -> None:
+        key = (replica, result)
+        self.canary_checks[key] = self.canary_checks.get(key, 0) + 1
+
     def replicas(self) -> Iterable[ReplicaState]:
         return self._replicas()
 
@@ -179,14 +216,22 @@ class RouterMetrics:
             "retries": [[*k, v] for k, v in self.retries.items()],
             "resumes": [[*k, v] for k, v in self.resumes.items()],
             "ejections": [[*k, v] for k, v in self.ejections.items()],
+            "canary_checks": [[*k, v] for k, v in self.canary_checks.items()],
             "prompt_tokens": [[k, v] for k, v in self.prompt_tokens.items()],
             "predicted_hit_tokens": [[k, v] for k, v in self.predicted_hit_tokens.items()],
             "reuse": [[*k, v] for k, v in self.reuse.items()],
             "reuse_lost": [[*k, v] for k, v in self.reuse_lost.items()],
             "reuse_unconfirmed": [[*k, v] for k, v in self.reuse_unconfirmed.items()],
+            "regret": [[*k, v] for k, v in self.regret.items()],
             "ttfb": {r: [h.counts, h.total] for r, h in self.time_to_first_byte.items()},
             "duration": {r: [h.counts, h.total] for r, h in self.duration.items()},
+            "parts": {name: part.snapshot() for name, part in self.parts.items()},
         }
+
+    def part_families(self) -> Iterable[Metric]:
+        peers = [peer.get("parts", {}) for peer in self._peers()]
+        for name, part in self.parts.items():
+            yield from part.families([p[name] for p in peers if name in p])
 
     def merged(self) -> Snapshot:
         """This worker's snapshot plus every peer's: what /metrics reports."""
@@ -196,11 +241,13 @@ class RouterMetrics:
         retries: dict[Any, int] = dict(self.retries)
         resumes: dict[Any, int] = dict(self.resumes)
         ejections: dict[Any, int] = dict(self.ejections)
+        canary_checks: dict[Any, int] = dict(self.canary_checks)
         prompt_tokens: dict[Any, int] = {(k,): v for k, v in self.prompt_tokens.items()}
         predicted: dict[Any, int] = {(k,): v for k, v in self.predicted_hit_tokens.items()}
         reuse: dict[Any, int] = dict(self.reuse)
         reuse_lost: dict[Any, int] = dict(self.reuse_lost)
         reuse_unconfirmed: dict[Any, int] = dict(self.reuse_unconfirmed)
+        regret: dict[Any, float] = dict(self.regret)
         ttfb = {
             r: Histogram(counts=list(h.counts), total=h.total)
             for r, h in self.time_to_first_byte.items()
@@ -216,11 +263,13 @@ class RouterMetrics:
                 (retries, peer.get("retries", [])),
                 (resumes, peer.get("resumes", [])),
                 (ejections, peer.get("ejections", [])),
+                (canary_checks, peer.get("canary_checks", [])),
                 (prompt_tokens, peer["prompt_tokens"]),
                 (predicted, peer["predicted_hit_tokens"]),
                 (reuse, peer.get("reuse", [])),
                 (reuse_lost, peer.get("reuse_lost", [])),
                 (reuse_unconfirmed, peer.get("reuse_unconfirmed", [])),
+                (regret, peer.get("regret", [])),
             ):
                 for *key, count in rows:
                     k = tuple(key)
@@ -237,11 +286,13 @@ class RouterMetrics:
             "retries": retries,
             "resumes": resumes,
             "ejections": ejections,
+            "canary_checks": canary_checks,
             "prompt_tokens": {k[0]: v for k, v in prompt_tokens.items()},
             "predicted_hit_tokens": {k[0]: v for k, v in predicted.items()},
             "reuse": reuse,
             "reuse_lost": reuse_lost,
             "reuse_unconfirmed": reuse_unconfirmed,
+            "regret": regret,
             "ttfb": ttfb,
             "duration": duration,
         }
@@ -251,8 +302,9 @@ class _Collector(Collector):
     def __init__(self, metrics: RouterMetrics) -> None:
         self._m = metrics
 
-    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         m = self._m
+        yield from m.part_families()
         merged = m.merged()
         requests = CounterMetricFamily(
             "kvroute_requests",
@@ -328,6 +380,7 @@ class _Collector(Collector):
         yield healthy
         yield from _prefix_hit_families(m, merged)
         yield from _reuse_families(merged)
+        yield from _regret_families(merged)
         yield from _kv_event_families(m)
 
 
@@ -369,6 +422,24 @@ def _reliability_families(
         for name in ("closed", "open", "half_open"):
             state.add_metric([replica, name], 1.0 if name == current else 0.0)
     yield state
+    checks = CounterMetricFamily(
+        "kvroute_canary_checks",
+        "Output-drift canary checks (one per replica and prompt), by result: agree, near_tie "
+        "(differs where the top-2 logprobs were nearly tied), disagree (differs, no reference "
+        "to judge by), drift (confidently differs from the fleet) or error (no answer).",
+        labels=["replica", "result"],
+    )
+    for (replica, result), count in merged["canary_checks"].items():
+        checks.add_metric([replica, result], count)
+    yield checks
+    quarantined = GaugeMetricFamily(
+        "kvroute_replica_quarantined",
+        "1 while the output-drift canary keeps the replica out of rotation (this worker's view).",
+        labels=["replica"],
+    )
+    for replica in m.replicas():
+        quarantined.add_metric([replica.replica_id], 1.0 if replica.quarantined else 0.0)
+    yield quarantined
     active, queued = m.admission()
     admitted = GaugeMetricFamily(
         "kvroute_active_requests", "Client requests being handled (this worker)."
@@ -473,6 +544,43 @@ def _reuse_families(merged: Snapshot) -> Iterable[CounterMetricFamily]:
     for (replica,), count in merged["reuse_unconfirmed"].items():
         unconfirmed.add_metric([replica], count)
     yield unconfirmed
+
+
+def _regret_families(merged: Snapshot) -> Iterable[CounterMetricFamily]:
+    """Regret against round robin (policies/regret.py) as monotonic sums, not a histogram of
+    regret: regret is negative when the choice looks better, and a histogram's ``_sum`` that
+    goes down reads as a counter reset to rate(). Sums of estimated TTFT per choice divide into
+    any window's mean (and ratio) instead."""
+    regret = merged["regret"]
+    ttft = CounterMetricFamily(
+        "kvroute_routing_estimated_ttft_seconds",
+        "Sum over routing decisions of the policy's estimated TTFT for the request, by choice: "
+        "chosen (the replica it picked), round_robin (the next replica in a round-robin "
+        "rotation), power_of_two (the less loaded of two drawn from the request's hash). Divide "
+        "by kvroute_routing_estimated_decisions_total for the mean; chosen minus a baseline is "
+        "the regret (negative: the choice looked better). kv_aware only; an estimate against "
+        "the fleet as it stood, not a replay.",
+        labels=["choice"],
+    )
+    decisions = CounterMetricFamily(
+        "kvroute_routing_estimated_decisions",
+        "Routing decisions whose TTFT was estimated (see kvroute_routing_estimated_ttft_seconds).",
+    )
+    worse = CounterMetricFamily(
+        "kvroute_routing_estimated_worse_decisions",
+        "Of those, decisions whose choice had a higher estimated TTFT than the baseline's.",
+        labels=["baseline"],
+    )
+    # Every series from the start (at 0 until a decision is estimated): a dashboard's ratio
+    # reads "no data" for a policy without estimates, not a missing metric.
+    decisions.add_metric([], regret.get(("decisions", ""), 0.0))
+    for choice in ("chosen", *REGRET_BASELINES):
+        ttft.add_metric([choice], regret.get(("ttft", choice), 0.0))
+    for baseline in REGRET_BASELINES:
+        worse.add_metric([baseline], regret.get(("worse", baseline), 0.0))
+    yield ttft
+    yield decisions
+    yield worse
 
 
 def _kv_event_families(m: RouterMetrics) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:

@@ -30,6 +30,7 @@ class _Common(msgspec.Struct, kw_only=True):
     user: str | None = None
     # vLLM salts the first block's hash with it: requests with different salts share no blocks.
     cache_salt: str | None = None
+    stream_options: dict[str, Any] | None = None
 
 
 class CompletionBody(_Common, kw_only=True):
@@ -69,6 +70,11 @@ class ParsedRequest:
     messages: list[dict[str, Any]] | None = None  # a chat's messages
     chat_options: dict[str, Any] | None = None  # add_generation_prompt, tools, ...
     add_special_tokens: bool = True
+    include_usage: bool = False  # the client asked for a stream's usage chunk
+
+
+def _include_usage(options: dict[str, Any] | None) -> bool:
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 def parse_completion(body: bytes) -> ParsedRequest:
@@ -100,6 +106,7 @@ def parse_completion(body: bytes) -> ParsedRequest:
         prompt_text=text,
         prompt_ids=ids,
         add_special_tokens=req.add_special_tokens,
+        include_usage=_include_usage(req.stream_options),
     )
 
 
@@ -161,6 +168,7 @@ def parse_chat(body: bytes) -> ParsedRequest:
         messages=req.messages,
         chat_options=options,
         add_special_tokens=req.add_special_tokens,
+        include_usage=_include_usage(req.stream_options),
     )
 
 

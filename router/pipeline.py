@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from kvroute.kvcore.fair_queue import Priority, Ticket
 from kvroute.kvcore.ledger import DispatchLedger, Route
 from kvroute.kvcore.tokenizer import PromptBlocks
 from kvroute.policies import RouteRequest
 
 from . import errors
-from .admission import Admission
+from .admission import Admission, AdmissionRefused
 from .attempts import RetryPlan, try_in_order
 from .auth import Auth
 from .config import Config
@@ -32,10 +35,13 @@ from .deadlines import Deadlines
 from .forward import Forwarder, Try
 from .metrics import RouterMetrics
 from .openai_request import ParsedRequest
+from .parity import ParityChecker
 from .prompt_keys import PromptKeys
 from .proxy import ClientExchange, Relayed, end_broken_stream, sse_error
 from .registry import ReplicaRegistry
 from .resume import StreamTranscript, continuation_body, resume_blocker
+from .tenants import DEFAULT_TENANT, Tenants
+from .usage import asking_usage
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +81,8 @@ class RequestPipeline:
         forwarder: Forwarder,
         metrics: RouterMetrics,
         retry_after_s: int,
+        parity: ParityChecker | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self.config = config
         self.auth = auth
@@ -87,6 +95,8 @@ class RequestPipeline:
         self.forwarder = forwarder
         self.metrics = metrics
         self.retry_after_s = retry_after_s
+        self.parity = parity
+        self.tenants = tenants
         r = config.retry
         self.retry = RetryPlan(r.max_attempts, r.budget_s, r.backoff_base_s, r.backoff_max_s)
         # Request ids: a random per-process prefix and a counter (uuid4 costs more per request).
@@ -108,28 +118,62 @@ class RequestPipeline:
     async def admit(
         self, request: web.Request, parse: Callable[[bytes], ParsedRequest]
     ) -> web.StreamResponse:
-        """Authenticate, admit (bounded concurrency) and bound the whole request's time."""
-        self.auth.check_client(request)
-        # Counted from here: tokenizing a long prompt is work the limit must bound too.
-        await self.admission.acquire()
-        exchange = ClientExchange(request, self._client_headers(request), False, None)
-        try:
-            if self.deadlines is None:
-                return await self.serve(exchange, parse)
-            return await self._within_total_timeout(exchange, parse, self.deadlines)
-        finally:
-            self.admission.release()
-
-    async def serve(
-        self, exchange: ClientExchange, parse: Callable[[bytes], ParsedRequest]
-    ) -> web.StreamResponse:
-        """The request's path: parse, tokenize, route, try replicas in order, resume."""
-        arrived = time.monotonic()
-        request = exchange.request
+        """Authenticate, check the tenant's budget, admit (bounded concurrency, in fair order)
+        and bound the whole request's time."""
+        key_tenant = self.auth.check_client(request)
+        tenants = self.tenants
+        tenant, priority = (
+            tenants.identify(request.headers, key_tenant)
+            if tenants is not None
+            else (DEFAULT_TENANT, Priority.STANDARD)
+        )
+        full = self.admission.refuses(priority)
+        if full is not None:  # turned away before its body is read, as cheaply as can be
+            if tenants is not None:
+                tenants.refused(Ticket(tenant, priority, 0), full.reason, time.monotonic())
+            raise full
+        # Read and parsed before admission: the budget is checked against the prompt, a bad
+        # request is refused without queueing, and a queued one can be tokenized while it waits
+        # (locality). Tokenizing stays after admission on the unsaturated path: the limit bounds
+        # it, and the queue's length bounds what queued requests tokenize.
         body = await self._read_body(request)
         parsed = parse(body)
         self.catalog.check(parsed.model)
-        route = await self._route(request, parsed)
+        now = time.monotonic()
+        ticket = (
+            tenants.ticket(tenant, priority, parsed.prompt_tokens, now)
+            if tenants is not None
+            else None
+        )
+        admitted = Admitted(body, parsed, ticket)
+        try:
+            admitted.ticket = await self.admission.acquire(
+                ticket, functools.partial(self._tokenize_queued, admitted)
+            )
+        except BaseException as exc:
+            if ticket is not None and self.tenants is not None:
+                reason = exc.reason if isinstance(exc, AdmissionRefused) else "cancelled"
+                self.tenants.refused(ticket, reason, time.monotonic())
+            raise
+        if ticket is not None and self.tenants is not None:
+            self.tenants.admitted(ticket, time.monotonic())
+        exchange = ClientExchange(request, self._client_headers(request), False, None)
+        try:
+            if self.deadlines is None:
+                return await self.serve(exchange, admitted)
+            return await self._within_total_timeout(exchange, admitted, self.deadlines)
+        finally:
+            self._settle(admitted)
+
+    async def serve(self, exchange: ClientExchange, admitted: Admitted) -> web.StreamResponse:
+        """The request's path: tokenize, route, try replicas in order, resume."""
+        arrived = time.monotonic()
+        request = exchange.request
+        body, parsed = admitted.body, admitted.parsed
+        if parsed.stream:
+            body, exchange.strip_usage = asking_usage(body, parsed.include_usage)
+        route = await self._route(request, parsed, admitted)
+        admitted.prompt_tokens = route.request.prompt_tokens
         exchange.expect_stream = parsed.stream
         if parsed.stream and self.config.retry.resume_streams:
             exchange.transcript = StreamTranscript(chat=parsed.messages is not None)
@@ -140,14 +184,44 @@ class RequestPipeline:
             if not tried:  # every ranked replica was ejected or down by now
                 raise errors.no_healthy_replica(self.retry_after_s)
             raise errors.upstream_unavailable(self.retry_after_s)
+        if self.parity is not None and relayed.status < 400:
+            self.parity.offer(parsed, route, relayed.replica)
         transcript = exchange.transcript
         if relayed.broken is not None and relayed.resumable and transcript is not None:
             chat = parsed.messages is not None
             relayed = await self._resume(exchange, route, tried, body, request_id, chat, relayed)
+        admitted.served(relayed, transcript)
         return relayed.response
 
-    async def _route(self, request: web.Request, parsed: ParsedRequest) -> Route:
-        blocks = await self._tokenize(parsed)
+    async def _tokenize_queued(self, admitted: Admitted) -> None:
+        """While it waits for a slot: its block hashes, for the queue to weigh locality by."""
+        if not self.keys.wanted:
+            return
+        blocks = await self._tokenize(admitted.parsed)
+        admitted.blocks, admitted.tokenized = blocks, True
+        if blocks is not None and admitted.ticket is not None:
+            admitted.ticket.block_hashes = blocks.hashes
+
+    def _settle(self, admitted: Admitted) -> None:
+        """The request left: its slot goes to the next, its tenant is charged what it used."""
+        ticket = admitted.ticket
+        usage = admitted.usage
+        input_tokens = usage.get("prompt") if usage else None
+        output_tokens = usage.get("completion", 0) if usage else admitted.output_tokens
+        self.admission.release(ticket, input_tokens, output_tokens, admitted.replica)
+        if ticket is not None and self.tenants is not None:
+            if input_tokens is None:
+                input_tokens = admitted.prompt_tokens if admitted.outcome != "error" else 0
+            now = time.monotonic()
+            self.tenants.finished(ticket, input_tokens, output_tokens, admitted.outcome, now)
+
+    async def _route(
+        self, request: web.Request, parsed: ParsedRequest, admitted: Admitted | None = None
+    ) -> Route:
+        if admitted is not None and admitted.tokenized:
+            blocks = admitted.blocks  # tokenized while it queued
+        else:
+            blocks = await self._tokenize(parsed)
         route_request = RouteRequest(
             blocks.tokens if blocks is not None else parsed.prompt_tokens,
             parsed.max_tokens,
@@ -248,14 +322,14 @@ class RequestPipeline:
     async def _within_total_timeout(
         self,
         exchange: ClientExchange,
-        parse: Callable[[bytes], ParsedRequest],
+        admitted: Admitted,
         deadlines: Deadlines,
     ) -> web.StreamResponse:
         total_s = self.config.timeouts.total_s
         task: asyncio.Task[object] = asyncio.current_task()  # type: ignore[assignment]
         deadlines.track(task, time.monotonic() + total_s)
         try:
-            return await self.serve(exchange, parse)
+            return await self.serve(exchange, admitted)
         except asyncio.CancelledError:
             if not deadlines.release(task):
                 raise  # the client went away
@@ -298,6 +372,39 @@ class RequestPipeline:
         if usable_request_id(request_id):
             return request_id
         return f"kvr-{self._id_prefix}-{next(self._ids):x}"
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A request let in: its body and parse, its tenant's ticket, and what it used."""
+
+    body: bytes
+    parsed: ParsedRequest
+    ticket: Ticket | None
+    blocks: PromptBlocks | None = None
+    tokenized: bool = False  # ``blocks`` were found while it queued
+    prompt_tokens: int = 0  # as routed: exact when tokenized, else the estimate
+    replica: str | None = None  # the replica that answered last
+    usage: dict[str, int] | None = None  # the replica's own counts
+    output_tokens: int = 0  # without usage: the tokens streamed to the client
+    outcome: str = "error"  # ok, error or cancelled
+
+    def served(self, relayed: Relayed, transcript: StreamTranscript | None) -> None:
+        self.replica = relayed.replica
+        if relayed.client_gone:
+            self.outcome = "cancelled"
+        elif relayed.status < 400 and relayed.broken is None:
+            self.outcome = "ok"
+        if transcript is not None and transcript.resumes:
+            # A resumed stream's usage as the client saw it: the whole answer, spliced.
+            usage = transcript.usage or {}
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and isinstance(completion, int):
+                self.usage = {"prompt": prompt, "completion": completion}
+        elif relayed.status < 400:
+            self.usage = relayed.usage
+        if self.usage is None and transcript is not None:
+            self.output_tokens = transcript.generated_tokens
 
 
 def usable_request_id(value: str) -> bool:

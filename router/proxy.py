@@ -18,7 +18,7 @@ from multidict import CIMultiDict
 
 from .resume import StreamTranscript
 from .upstream_client import HOP_BY_HOP, UpstreamClient, UpstreamError, UpstreamResponse
-from .usage import StreamTail, cached_tokens_of
+from .usage import StreamTail, UsageStripper, strip_usage_events, usage_of
 
 
 def sse_error(message: str, code: str = "stream_broken") -> bytes:
@@ -58,6 +58,9 @@ class Relayed:
     # The prompt tokens the engine says it reused from its prefix cache, when the answer's usage
     # says (vLLM with --enable-prompt-tokens-details; a stream's only with include_usage).
     cached_tokens: int | None = None
+    replica: str = ""  # the replica that answered (set by the forwarder)
+    # The replica's token usage (prompt, completion, cached): a stream's only with include_usage.
+    usage: dict[str, int] | None = None
 
 
 # The router's own X-Request-Id replaces the replica's.
@@ -92,6 +95,8 @@ class ClientExchange:
     # up (a total timeout) while a relay is under way, and continuations write into it.
     stream: web.StreamResponse | None = None
     tries: int = 0  # replicas tried so far, retries and resumes included
+    # The router asked for the usage chunk the client did not: keep it from the client.
+    strip_usage: bool = False
 
 
 @dataclass(slots=True)
@@ -161,16 +166,20 @@ async def relay(
                 raise UpstreamUnavailable(exc.kind, str(exc)) from None
             headers = _response_headers(upstream, call.response_headers)
             response = web.Response(body=data, status=status, headers=headers)
-            cached = cached_tokens_of(data, sse=False) if status < 400 else None
-            return Relayed(response, status, time.perf_counter() - started, cached_tokens=cached)
+            usage = usage_of(data, sse=False) if status < 400 else None
+            cached = usage.get("cached") if usage else None
+            return Relayed(
+                response, status, time.perf_counter() - started, cached_tokens=cached, usage=usage
+            )
         ttfb_s = time.perf_counter() - started
         stream = exchange.stream if call.resume else await _open_stream(exchange, upstream, call)
         assert stream is not None
         transcript = exchange.transcript
+        strip = exchange.strip_usage
         if transcript is None or status >= 400:
-            return await _relay_raw(upstream, stream, first, status, ttfb_s, timeouts.idle_s)
+            return await _relay_raw(upstream, stream, first, status, ttfb_s, timeouts.idle_s, strip)
         return await _relay_events(
-            upstream, stream, first, status, ttfb_s, timeouts.idle_s, transcript
+            upstream, stream, first, status, ttfb_s, timeouts.idle_s, transcript, strip
         )
     finally:
         # Closing an unfinished response is how the replica learns the client has gone.
@@ -195,20 +204,28 @@ async def _relay_raw(
     status: int,
     ttfb_s: float,
     idle_timeout_s: float,
+    strip_usage: bool = False,
 ) -> Relayed:
     tail = StreamTail()
+    # Whole events only when the usage chunk must be kept from the client; untouched otherwise.
+    stripper = UsageStripper() if strip_usage else None
     try:
         while chunk:
-            await stream.write(chunk)
+            out = stripper.feed(chunk) if stripper is not None else chunk
+            if out:
+                await stream.write(out)
             tail.add(chunk)
             chunk = await upstream.read_chunk(idle_timeout_s)
+        if stripper is not None and (rest := stripper.end()):
+            await stream.write(rest)
         await stream.write_eof()
     except UpstreamError as exc:
         return await end_broken_stream(stream, status, ttfb_s, str(exc))
     except ConnectionResetError:
         return Relayed(stream, status, ttfb_s, client_gone=True)
-    cached = tail.cached_tokens() if status < 400 else None
-    return Relayed(stream, status, ttfb_s, cached_tokens=cached)
+    usage = tail.usage() if status < 400 else None
+    cached = usage.get("cached") if usage else None
+    return Relayed(stream, status, ttfb_s, cached_tokens=cached, usage=usage)
 
 
 async def _relay_events(
@@ -219,11 +236,14 @@ async def _relay_events(
     ttfb_s: float,
     idle_timeout_s: float,
     transcript: StreamTranscript,
+    strip_usage: bool = False,
 ) -> Relayed:
     tail = StreamTail()  # the replica's own events: the usage is in its last ones
     try:
         while chunk:
             out = transcript.feed(chunk)
+            if out and strip_usage:
+                out = strip_usage_events(out)  # the transcript forwards whole events only
             if out:
                 await stream.write(out)
             tail.add(chunk)
@@ -235,6 +255,8 @@ async def _relay_events(
     else:
         try:
             last = transcript.end()
+            if last and strip_usage:
+                last = strip_usage_events(last)
             if last:
                 await stream.write(last)
         except ConnectionResetError:
@@ -244,7 +266,9 @@ async def _relay_events(
                 await stream.write_eof()
             except ConnectionResetError:
                 return Relayed(stream, status, ttfb_s, client_gone=True)
-            return Relayed(stream, status, ttfb_s, cached_tokens=tail.cached_tokens())
+            usage = tail.usage()
+            cached = usage.get("cached") if usage else None
+            return Relayed(stream, status, ttfb_s, cached_tokens=cached, usage=usage)
         reason = "the replica ended the stream before it finished"
     if transcript.resumable():
         return Relayed(stream, status, ttfb_s, broken=reason, resumable=True)

@@ -103,13 +103,17 @@ class ReplicaRegistry:
         return added, removed
 
     def in_rotation(self) -> int:
-        return sum(1 for r in self.fleet.replicas if r.healthy and not r.ejected)
+        return sum(
+            1 for r in self.fleet.replicas if r.healthy and not r.ejected and not r.quarantined
+        )
 
     # -- may it take traffic? ---------------------------------------------------------
 
     def may_take(self, handle: ReplicaHandle, now: float) -> bool:
-        """Healthy by its probes and let through by its breaker (half-open: a trial slot)."""
-        return handle.state.healthy and handle.breaker.allows(now)
+        """Healthy by its probes, not quarantined by the drift canary, and let through by its
+        breaker (half-open: a trial slot)."""
+        state = handle.state
+        return state.healthy and not state.quarantined and handle.breaker.allows(now)
 
     def candidate(self, ranked: tuple[str, ...], tried: set[str]) -> str | None:
         """The best replica not tried yet that may take traffic now, else any that may."""
@@ -166,7 +170,7 @@ class ReplicaRegistry:
         elif breaker.state is BreakerState.CLOSED:
             if self._tripped.pop(handle.name, None) is not None:
                 log.info("replica %s is back in rotation", handle.name)
-                if handle.state.healthy:
+                if handle.state.healthy and not handle.state.quarantined:
                     handle.out_since = None
             handle.state.ejected = False
         else:
@@ -207,7 +211,8 @@ class ReplicaRegistry:
     def probed(self) -> None:
         """A probe changed something: stamp who left rotation and who came back."""
         for handle in self.handles.values():
-            out = not handle.state.healthy or handle.state.ejected
+            state = handle.state
+            out = not state.healthy or state.ejected or state.quarantined
             if out and handle.out_since is None:
                 handle.out_since = time.time()
             elif not out:

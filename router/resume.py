@@ -83,6 +83,8 @@ class StreamTranscript:
         self._id: str | None = None
         self._tokens_before_resume = 0
         self._continuing = False
+        # The last usage the client got (a continuation's counting the whole answer).
+        self.usage: dict[str, Any] | None = None
 
     @property
     def generated_text(self) -> str:
@@ -159,6 +161,8 @@ class StreamTranscript:
                 usage["completion_tokens"] += before
             if isinstance(usage.get("prompt_tokens"), int):
                 usage["prompt_tokens"] = max(0, usage["prompt_tokens"] - before)
+        if isinstance(usage, dict):
+            self.usage = usage
         choices = obj.get("choices")
         if not isinstance(choices, list):
             return obj

@@ -24,7 +24,7 @@ from kvroute.health.breaker import BreakerState
 from kvroute.policies import FleetView, Policy
 
 from . import errors
-from .admission import Admission
+from .admission import Admission, prefix_locality
 from .auth import Auth
 from .config import Config
 from .core import RoutingCore
@@ -33,10 +33,13 @@ from .forward import Forwarder
 from .loop_lag import LoopLagMonitor
 from .metrics import RouterMetrics
 from .openai_request import parse_chat, parse_completion
+from .parity import ParityChecker
 from .pipeline import RequestPipeline
 from .prompt_tokenizer import PromptTokenizer
 from .proxy import Timeouts
 from .status import StatusFeed, page_html
+from .tenant_metrics import TenantMetrics
+from .tenants import Tenants, fairness_params
 from .upstream_client import UpstreamClient
 from .workers import MetricsExchange, WorkerContext, WorkerLoad
 
@@ -79,10 +82,22 @@ class Router:
             },
             admission=lambda: (self.admission.active, self.admission.queued),
         )
+        if core.canary is not None:
+            core.canary.on_check = self.metrics.observe_canary
         self._loop_lag = LoopLagMonitor(self.metrics.loop_lag)
         self._started_at = int(time.time())
         limits = config.limits
-        slots = (limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s)
+        # Each worker process enforces its share of every tenant's budget.
+        self.tenants = Tenants(config, TenantMetrics(), 1 / max(1, config.listen.workers))
+        self.metrics.parts["tenants"] = self.tenants.metrics
+        slots = (
+            limits.max_concurrent_requests,
+            limits.max_queued_requests,
+            limits.queue_timeout_s,
+            fairness_params(config),
+            self.tenants.limits,
+            prefix_locality(self.index, self.keys.block_size, time.monotonic),
+        )
         # timeouts.total_s, checked on a tick of a tenth of it (at most 1 s): see deadlines.py.
         total_s = config.timeouts.total_s
         self._deadlines = Deadlines(min(1.0, total_s / 10)) if total_s else None
@@ -110,6 +125,18 @@ class Router:
             self.admission = TracedAdmission(tracing, *slots)
             self.forwarder = TracedForwarder(tracing, *forwarding)
             make_pipeline = functools.partial(TracedPipeline, tracing=tracing)
+        # Off for a policy that reads no prefixes: nothing is keyed, nothing to compare.
+        self.parity: ParityChecker | None = None
+        if config.parity.enabled and self.keys.wanted:
+            self.parity = ParityChecker(
+                config.parity,
+                self.keys,
+                self.index,
+                lambda: {name: h.base_url for name, h in self.replicas.items()},
+                lambda: self.scraper.reports,
+                core.follows_events,
+                self.metrics.registry,
+            )
         self.pipeline = make_pipeline(
             config,
             auth=self.auth,
@@ -122,6 +149,8 @@ class Router:
             forwarder=self.forwarder,
             metrics=self.metrics,
             retry_after_s=max(1, math.ceil(config.health.interval_s)),
+            parity=self.parity,
+            tenants=self.tenants,
         )
         # Set when SIGTERM starts the drain: /ready says 503 so load balancers stop sending.
         self.draining = False
@@ -131,6 +160,8 @@ class Router:
             self.metrics.registry,
             self.forwarder.recent,
             self._status_header,
+            self._status_checks,
+            lambda: self.tenants.summary(self.admission.fair, time.monotonic()),
         )
         self._worker_index = worker.index if worker is not None else None
         self._status_closing = asyncio.Event()  # set at shutdown: open /status streams end
@@ -157,6 +188,10 @@ class Router:
         if self.config.metrics.enabled:
             routes.add_get("/metrics", self.handle_metrics, expect_handler=expect)
         routes.add_get("/admin/replicas", self.handle_admin_replicas, expect_handler=expect)
+        routes.add_get("/admin/tenants", self.handle_admin_tenants, expect_handler=expect)
+        routes.add_post(
+            "/admin/replicas/{name}/unquarantine", self.handle_unquarantine, expect_handler=expect
+        )
         routes.add_get("/status", self.handle_status_page, expect_handler=expect)
         routes.add_get("/status/events", self.handle_status_events, expect_handler=expect)
         app.on_startup.append(self._on_startup)
@@ -171,6 +206,8 @@ class Router:
         if self._deadlines is not None:
             self._deadlines.start()
         await self.core.start()
+        if self.parity is not None:
+            self.parity.start()
         if self._exchange is not None:
             self._exchange.start(self.metrics)
 
@@ -178,6 +215,8 @@ class Router:
         self._loop_lag.close()
         if self._deadlines is not None:
             await self._deadlines.close()
+        if self.parity is not None:
+            await self.parity.close()
         await self.core.close()
         if self._exchange is not None:
             await self._exchange.close(self.metrics)
@@ -239,9 +278,38 @@ class Router:
                     "kv_capacity_tokens": state.kv_capacity_tokens,
                     # Its learnt latency lines (kv_aware with an slo:), else null.
                     "latency": state.latency.describe() if state.latency is not None else None,
+                    **_drift_fields(handle),
                 }
             )
         return _json({"replicas": rows, "draining": self.draining})
+
+    async def handle_admin_tenants(self, request: web.Request) -> web.Response:
+        """Each tenant's settings, usage, queue and budget state (this worker's)."""
+        try:
+            self.auth.check_admin(request)
+        except errors.ApiError as exc:
+            return exc.response()
+        return _json(self.tenants.snapshot(self.admission.fair, time.monotonic()))
+
+    async def handle_unquarantine(self, request: web.Request) -> web.Response:
+        """Back into rotation now (after fixing it, say); the next canary round judges it anew."""
+        try:
+            self.auth.check_admin(request)
+        except errors.ApiError as exc:
+            return exc.response()
+        name = request.match_info["name"]
+        handle = self.replicas.get(name)
+        if handle is None:
+            message = f"no replica named {name!r}"
+            return errors.ApiError(404, message, param="name", code="not_found").response()
+        was = handle.drift.quarantined
+        handle.drift.quarantined, handle.drift.quarantined_at = False, None
+        handle.drift.quarantine = None
+        handle.state.quarantined = False
+        self.registry.probed()
+        if was:
+            log.info("replica %s taken out of quarantine by an admin", name)
+        return _json({"name": name, "was_quarantined": was, **_drift_fields(handle)})
 
     # -- the status page (router/status.py) ------------------------------------------
 
@@ -297,6 +365,16 @@ class Router:
             "queued_requests": queued,
         }
 
+    def _status_checks(self) -> dict[str, object]:
+        parity = self.parity
+        if parity is None:
+            return {"parity": "off (no prefix keys to check)"}
+        snapshot = parity.snapshot()
+        if snapshot["alarm"]:
+            return {"parity": "ALARM: " + snapshot["finding"]["detail"], "alarm": True}
+        agreed = sum(c["count"] for c in snapshot["checks"] if c["result"] == "agree")
+        return {"parity": f"ok ({agreed} checks agreed)"} if agreed else {}
+
     async def _end_status_streams(self, app: web.Application) -> None:
         self._status_closing.set()
 
@@ -337,6 +415,18 @@ async def _expect_handler(request: web.Request) -> web.Response | None:
         return None
     message = "Only 'Expect: 100-continue' is supported."
     return errors.ApiError(417, message, param="Expect", code="expectation_failed").response()
+
+
+def _drift_fields(handle: ReplicaHandle) -> dict[str, object]:
+    """What the output-drift canary says of a replica, for /admin/replicas."""
+    drift = handle.drift
+    return {
+        "quarantined": drift.quarantined,
+        "quarantine_reason": "drift" if drift.quarantined else None,
+        # The first divergent position and both continuations (null unless quarantined).
+        "drift": drift.quarantine.to_dict() if drift.quarantine is not None else None,
+        "canary": drift.to_dict(),
+    }
 
 
 def _json(obj: object, status: int = 200) -> web.Response:

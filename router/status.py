@@ -41,6 +41,15 @@ SAMPLE_EVERY_S = 10.0
 REUSE_FAMILY = "kvroute_prefix_reuse_tokens"
 REUSE_ORDER = ("available", "captured", "confirmed")
 NOT_CHECKED = "not checked yet"
+# The regret line ("kv_aware vs round robin over the last hour") has a window of its own, an
+# hour, sampled like the others; its counters sit in a row of their own in ``Counters``.
+REGRET_WINDOW_S = 3600.0
+ROUTING_ROW = "(routing)"
+REGRET_CHOICES = ("chosen", "round_robin", "power_of_two")
+ESTIMATE_FAMILIES = {
+    "kvroute_routing_estimated_ttft_seconds": "choice",
+    "kvroute_routing_estimated_decisions": None,
+}
 
 
 class RecentDispatches(deque[Dispatch]):
@@ -67,17 +76,18 @@ class _History:
 
     start: _Sample  # all zero at the router's start: "since start"
     samples: deque[_Sample] = field(default_factory=deque)
+    window_s: float = WINDOW_S
 
     def add(self, sample: _Sample) -> None:
         if not self.samples or sample.at - self.samples[-1].at >= SAMPLE_EVERY_S:
             self.samples.append(sample)
-        while self.samples and sample.at - self.samples[0].at > WINDOW_S:
+        while self.samples and sample.at - self.samples[0].at > self.window_s:
             self.samples.popleft()
 
     def baseline(self, now: float) -> _Sample:
-        """The oldest sample at most ``WINDOW_S`` old, if it spans ``MIN_WINDOW_S``; else the
+        """The oldest sample at most ``window_s`` old, if it spans ``MIN_WINDOW_S``; else the
         start (the router is young, or nobody looked for a while)."""
-        if now - self.start.at <= WINDOW_S:
+        if now - self.start.at <= self.window_s:
             return self.start
         oldest = self.samples[0] if self.samples else None
         if oldest is not None and now - oldest.at >= MIN_WINDOW_S:
@@ -98,13 +108,18 @@ class StatusFeed:
         metrics: CollectorRegistry,
         recent: RecentDispatches,
         router: Callable[[], dict[str, Any]],
+        checks: Callable[[], dict[str, Any]] | None = None,
+        tenants: Callable[[], Any] | None = None,
     ) -> None:
+        self._checks = checks
+        self._tenants = tenants
         self._handles = handles
         self._reports = reports
         self._metrics = metrics
         self._recent = recent
         self._router = router
         self._history = _History(_Sample(time.monotonic(), {}))
+        self._hour = _History(self._history.start, window_s=REGRET_WINDOW_S)
         self._built_at = -1.0
         self._built = b""
 
@@ -123,6 +138,14 @@ class StatusFeed:
         sample = _Sample(now, counters)
         base = self._history.baseline(now)
         self._history.add(sample)
+        routing = counters.pop(ROUTING_ROW, {})
+        hour = self._hour.baseline(now)
+        self._hour.add(_Sample(now, {ROUTING_ROW: routing}))
+        regret = regret_summary(
+            _difference(routing, hour.counters.get(ROUTING_ROW, {})),
+            now - hour.at,
+            hour is self._hour.start,
+        )
 
         # Per replica, what happened in the window; the fleet's is their sum.
         window = {
@@ -170,9 +193,12 @@ class StatusFeed:
             "fleet": fleet,
             "replicas": replicas,
             "decisions": self._decisions(now),
-            # Filled in as those checks are built; the page says so meanwhile.
-            "checks": {"drift": NOT_CHECKED, "parity": NOT_CHECKED},
-            "tenants": None,
+            # The policy's estimate against round robin (policies/regret.py); None without.
+            "regret": regret,
+            # The router's own checks (parity; drift once built); the page says which are not.
+            "checks": {"drift": NOT_CHECKED, "parity": NOT_CHECKED, "alarm": False}
+            | (self._checks() if self._checks is not None else {}),
+            "tenants": self._tenants() if self._tenants is not None else None,
         }
 
     def _counters(
@@ -196,6 +222,11 @@ class StatusFeed:
                 for s in family.samples:
                     if s.name.endswith("_total"):
                         add(s.labels["replica"], what, s.value)
+            elif family.name in ESTIMATE_FAMILIES:
+                label = ESTIMATE_FAMILIES[family.name]
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        add(ROUTING_ROW, "est:" + (s.labels[label] if label else "n"), s.value)
             elif family.name == REUSE_FAMILY:
                 for kind in REUSE_ORDER:  # exported: shown, at zero before any request
                     add("", "reuse:" + kind, 0.0)
@@ -269,6 +300,31 @@ def _replica_row(handle: ReplicaHandle, report: ReplicaReport | None, now: float
         "latency": state.latency.describe() if state.latency is not None else None,
         "drift": None,  # not checked yet (see "checks")
         "parity": None,
+    }
+
+
+def regret_summary(
+    grown: dict[str, float], seconds: float, since_start: bool
+) -> dict[str, Any] | None:
+    """The estimated TTFT on the policy's choices against round robin's and power of two's
+    over the window, with the line a person reads; None before any decision was estimated."""
+    decisions = grown.get("est:n", 0.0)
+    if decisions <= 0:
+        return None
+    means = {c: grown.get("est:" + c, 0.0) / decisions for c in REGRET_CHOICES}
+    chosen, rr = means["chosen"], means["round_robin"]
+    change = (rr - chosen) / rr if rr > 0 else 0.0
+    word = "better" if change >= 0 else "worse"
+    # A page first opened after hours without a viewer has no sample an hour old: say so.
+    over = "over the last hour"
+    if since_start and seconds > REGRET_WINDOW_S:
+        over = f"since the router started ({seconds / 3600:.1f} h ago)"
+    return {
+        "line": f"kv_aware vs round robin {over}: estimated TTFT {chosen:.3f} s vs {rr:.3f} s "
+        f"({abs(change):.0%} {word})",
+        "window_s": round(seconds, 1),
+        "decisions": int(decisions),
+        "estimated_ttft_s": {c: round(v, 6) for c, v in means.items()},
     }
 
 

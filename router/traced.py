@@ -24,7 +24,7 @@ each on the 2-core dev box), and the replica gets the request span's context, ma
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -34,6 +34,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from kvroute.backends.handle import ReplicaHandle
+from kvroute.kvcore.fair_queue import Ticket
 from kvroute.kvcore.ledger import DispatchLedger, Route
 from kvroute.kvcore.tokenizer import PromptBlocks
 from kvroute.policies import RouteRequest
@@ -58,19 +59,25 @@ def sampled() -> bool:
 
 
 class TracedAdmission(Admission):
-    def __init__(self, tracing: Tracing, limit: int, queue: int, queue_timeout_s: float) -> None:
-        super().__init__(limit, queue, queue_timeout_s)
+    def __init__(self, tracing: Tracing, *args: Any) -> None:
+        super().__init__(*args)
         self._tracer = tracing.tracer
 
-    async def acquire(self) -> None:
+    async def acquire(
+        self,
+        ticket: Ticket | None = None,
+        while_queued: Callable[[], Awaitable[None]] | None = None,
+    ) -> Ticket:
         if not sampled():
-            return await super().acquire()
-        attributes = {
+            return await super().acquire(ticket, while_queued)
+        attributes: dict[str, AttributeValue] = {
             "kvroute.admission.active": self.active,
             "kvroute.admission.queued": self.queued,
         }
+        if ticket is not None:
+            attributes["kvroute.tenant"] = ticket.tenant
         with self._tracer.start_as_current_span("kvroute.admission", attributes=attributes):
-            await super().acquire()
+            return await super().acquire(ticket, while_queued)
 
 
 class TracedPipeline(RequestPipeline):

@@ -79,3 +79,70 @@ class StreamTail:
 
     def cached_tokens(self) -> int | None:
         return cached_tokens_of(b"".join(self._chunks), sse=True)
+
+    def usage(self) -> dict[str, int] | None:
+        return usage_of(b"".join(self._chunks), sse=True)
+
+
+_ASK_USAGE = b',"stream_options":{"include_usage":true}}'
+
+
+def asking_usage(body: bytes, client_asked: bool) -> tuple[bytes, bool]:
+    """A streamed request's body as sent upstream: always asking for the usage chunk (tenants
+    are charged the replica's own counts), and whether the client did not ask for it (then the
+    router strips it from what the client gets)."""
+    if client_asked:
+        return body, False
+    if b'"stream_options"' not in body:
+        # Spliced in, not re-encoded: the body is a JSON object with at least "model" in it.
+        stripped = body.rstrip()
+        if stripped.endswith(b"}"):
+            return stripped[:-1] + _ASK_USAGE, True
+    obj = msgspec.json.decode(body)
+    options = obj.get("stream_options")
+    obj["stream_options"] = {
+        **(options if isinstance(options, dict) else {}),
+        "include_usage": True,
+    }
+    return msgspec.json.encode(obj), True
+
+
+def _usage_only(event: bytes) -> bool:
+    """vLLM's usage chunk: ``"choices": []`` with ``usage`` (what include_usage adds)."""
+    if not event.startswith(b"data:") or b'"usage"' not in event:
+        return False
+    try:
+        obj = msgspec.json.decode(event[5:].strip())
+    except msgspec.DecodeError:
+        return False
+    return isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict)
+
+
+def strip_usage_events(events: bytes) -> bytes:
+    """Whole SSE events without the usage-only one (cheap when there is none)."""
+    if b'"usage"' not in events:
+        return events
+    kept = [e for e in events.split(b"\n\n") if e and not _usage_only(e)]
+    return b"".join(e + b"\n\n" for e in kept)
+
+
+class UsageStripper:
+    """Relays a raw stream as whole events, less the usage chunk the client did not ask for."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> bytes:
+        buffer = self._pending + data if self._pending else data
+        end = buffer.rfind(b"\n\n")
+        if end < 0:
+            self._pending = buffer
+            return b""
+        self._pending = buffer[end + 2 :]
+        return strip_usage_events(buffer[: end + 2])
+
+    def end(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return rest

@@ -43,6 +43,7 @@ from kvroute.simulator.fleet import (
     simulate,
 )
 from kvroute.simulator.fleet.bounds import prefill_alone_s
+from kvroute.simulator.fleet.regret import comparison_lines, counterfactual
 from kvroute.simulator.fleet.report import markdown_report
 from kvroute.simulator.fleet.summary import (
     format_loss,
@@ -736,6 +737,7 @@ def run_replay(args: argparse.Namespace) -> int:
                 },
             )
         )
+    _compare_regret(results, summaries)
     print(format_table(summaries))
     print(f"routers: {describe_routers(config)}")
     print(
@@ -746,6 +748,9 @@ def run_replay(args: argparse.Namespace) -> int:
         line = format_loss(summary)
         if line:
             print(line)
+    for summary in summaries:
+        for line in (summary["estimated_regret"] or {}).get("lines", []):
+            print(line)
     for note in notes:
         print(f"note: {note}")
     for summary in summaries:
@@ -755,6 +760,19 @@ def run_replay(args: argparse.Namespace) -> int:
     _write_outputs(args, trace, units, config, results, summaries)
     print(f"wrote {os.path.join(args.out, 'summary.json')} and report.md")
     return 0
+
+
+def _compare_regret(results: list[SimResult], summaries: list[dict[str, Any]]) -> None:
+    """A run that estimated its regret, next to the baseline runs of the same --compare: the
+    estimate against the counterfactual (simulator/fleet/regret.py)."""
+    for result, summary in zip(results, summaries, strict=True):
+        estimated = summary["estimated_regret"]
+        if estimated is None:
+            continue
+        compared = counterfactual(result, [r for r in results if r is not result])
+        if compared:
+            estimated["counterfactual"] = compared
+            estimated["lines"] = comparison_lines(result.policy, compared)
 
 
 def _simulated_replay(

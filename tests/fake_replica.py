@@ -124,6 +124,10 @@ class FakeReplica:
                     assert request.transport is not None
                     request.transport.close()
                     return response
+            options = body.get("stream_options")
+            if isinstance(options, dict) and options.get("include_usage"):
+                # vLLM's last event with include_usage: no choices, the whole answer's usage.
+                await response.write(_sse(_usage_chunk(body, chat, len(pieces))))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
@@ -136,8 +140,12 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+# The prompt tokens the fake says every request had (its usage; it tokenizes nothing).
+FAKE_PROMPT_TOKENS = 3
+
+
 def _full(body: dict[str, Any], chat: bool, text: str, name: str) -> dict[str, Any]:
-    usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    usage = {"prompt_tokens": FAKE_PROMPT_TOKENS, "completion_tokens": 3, "total_tokens": 6}
     if chat:
         return {
             "id": f"chatcmpl-{name}",
@@ -160,6 +168,22 @@ def _full(body: dict[str, Any], chat: bool, text: str, name: str) -> dict[str, A
         "model": body["model"],
         "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}],
         "usage": usage,
+    }
+
+
+def _usage_chunk(body: dict[str, Any], chat: bool, completion_tokens: int) -> dict[str, Any]:
+    prompt_tokens = FAKE_PROMPT_TOKENS
+    return {
+        "id": "chatcmpl-x" if chat else "cmpl-x",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": 0,
+        "model": body["model"],
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
 
 

@@ -98,7 +98,11 @@ async def kv_router(fleet: LaunchedFleet) -> AsyncIterator[tuple[Router, str]]:
         while not all(s.connected for s in router.kv_events.stats_by_source().values()):
             await asyncio.sleep(0.05)
     yield router, f"http://127.0.0.1:{port}"
+    # With the replicas' own tokenizer the parity check never fires (issue 15's target).
+    assert router.parity is not None
+    snapshot = router.parity.snapshot()
     await runner.cleanup()
+    assert not snapshot["alarm"], snapshot
 
 
 async def _reset_prefix_caches(fleet: LaunchedFleet) -> None:
@@ -460,3 +464,116 @@ async def test_a_killed_replica_is_restarted_and_served_again(
         s.resyncs for (name, _), s in kv.kv_events.stats_by_source().items() if name == victim.name
     ]
     assert resyncs and resyncs[0] >= 1
+
+
+async def test_a_wrong_chat_template_raises_the_parity_alarm_within_the_first_requests(
+    fleet: LaunchedFleet, tmp_path: Path
+) -> None:
+    """The router is given the tiny model's tokenizer with a chat template that adds a newline
+    after each role marker: its keys would never match vLLM's. The alarm fires within 20
+    requests and names the first token where the two differ."""
+    import shutil
+
+    wrong = tmp_path / "wrong-template"
+    wrong.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(DEFAULT_TINY_MODEL_DIR / name, wrong / name)
+    template = (DEFAULT_TINY_MODEL_DIR / "chat_template.jinja").read_text()
+    assert "'|>\\n'" in template
+    (wrong / "chat_template.jinja").write_text(template.replace("'|>\\n'", "'|>\\n\\n'"))
+    config = config_from_dict(
+        {
+            "replicas": [
+                {"url": r.url, "name": r.name, "kv_events": r.kv_events, "kv_replay": r.kv_replay}
+                for r in fleet.replicas
+            ],
+            "routing": {"tokenizer": str(wrong), "block_size": BLOCK_SIZE},
+            "health": {"interval_s": 0.5},
+        }
+    )
+    router = Router(config)
+    runner = web.AppRunner(router.build_app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120
+    )
+    parity = router.parity
+    assert parity is not None
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is a KV cache?"},
+    ]
+    try:
+        async with asyncio.timeout(60):
+            while not any(s.connected for s in router.kv_events.stats_by_source().values()):
+                await asyncio.sleep(0.05)
+        sent = 0
+        async with asyncio.timeout(240):
+            while not parity.verdicts.alarm:
+                assert sent < 20, f"no alarm after {sent} requests: {parity.snapshot()}"
+                await client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+                sent += 1
+                for _ in range(50):  # the check runs after the answer: give it a moment
+                    if parity.verdicts.alarm or not parity._pending:
+                        break
+                    await asyncio.sleep(0.05)
+        finding = parity.verdicts.finding
+        assert finding is not None and finding.check == "tokens"
+        # The position it names is where vLLM's ids and the wrong template's really part.
+        from kvroute.kvcore.tokenizer import HFTokenizerFiles
+
+        ours = HFTokenizerFiles(wrong).encode(
+            HFTokenizerFiles(wrong).apply_chat_template(messages, add_generation_prompt=True),
+            False,
+        )
+        async with httpx.AsyncClient(timeout=60) as http:
+            response = await http.post(
+                fleet.replicas[0].url + "/tokenize", json={"model": "tiny", "messages": messages}
+            )
+        theirs = response.json()["tokens"]
+        position = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
+        assert finding.position == position
+        assert f"from token {position} on" in finding.detail
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_drift_canary_never_quarantines_two_identical_vllm_replicas(
+    fleet: LaunchedFleet,
+) -> None:
+    """10 canary rounds (greedy, logprobs, the real answers of vLLM) on two replicas with the
+    same weights: no drift, no quarantine, and every check a real answer (no errors)."""
+    config = config_from_dict(
+        {
+            "replicas": [{"url": r.url, "name": r.name} for r in fleet.replicas],
+            "health": {"interval_s": 0.5},
+            # Rounds are run below, not on the interval; the first one runs when both are up
+            # and records the fleet's fingerprint, which later rounds would be judged by.
+            "canary": {"enabled": True, "interval_s": 3600, "timeout_s": 120},
+        }
+    )
+    router = Router(config)
+    canary = router.core.canary
+    assert canary is not None
+    runner = web.AppRunner(router.build_app(), handler_cancellation=True)
+    await runner.setup()
+    try:
+        async with asyncio.timeout(240):
+            while not all(h.drift.last_result for h in router.replicas.values()):
+                await asyncio.sleep(0.1)
+        results: dict[str, int] = {}
+        for _ in range(10):
+            report = await canary.run_round()
+            assert set(report.verdicts) == {r.name for r in fleet.replicas}
+            for verdict in report.verdicts.values():
+                results[verdict.result] = results.get(verdict.result, 0) + 1
+            assert report.quarantined == [], report
+        assert not any(h.state.quarantined for h in router.replicas.values())
+        assert "drift" not in results and "error" not in results, results
+        assert len(canary.fingerprint) == len(config.canary.prompts)
+        print(f"10 canary rounds on 2 identical vLLM replicas: {results}")
+    finally:
+        await runner.cleanup()

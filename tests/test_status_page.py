@@ -224,7 +224,8 @@ async def test_status_json_lists_200_replicas() -> None:
     row = status["replicas"][0]
     assert row["status"] == "down" and row["why"] == "no passing health check yet"
     assert status["fleet"]["replicas"] == 200 and status["fleet"]["in_rotation"] == 0
-    assert status["checks"] == {"drift": "not checked yet", "parity": "not checked yet"}
+    checks = {"drift": "not checked yet", "parity": "not checked yet", "alarm": False}
+    assert status["checks"] == checks
     assert status["decisions"] == []
 
 

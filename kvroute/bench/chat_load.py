@@ -58,6 +58,11 @@ class RunResult:
         return percentile(self.latencies, q, method="rank_above")
 
     @property
+    def requests_per_s(self) -> float:
+        """Requests answered per second of the run's wall time (closed loop: its throughput)."""
+        return len(self.latencies) / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
     def load_imbalance(self) -> float:
         """max / mean of the requests each replica served (1.0 is perfectly even)."""
         counts = list(self.per_replica.values())

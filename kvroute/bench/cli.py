@@ -9,6 +9,7 @@ import sys
 
 from kvroute.bench.argtypes import add_report_args, non_negative_int, positive_int
 from kvroute.bench.epp import add_epp_bench
+from kvroute.bench.fairness import add_fairness_bench
 from kvroute.bench.index_bench import add_index_bench
 from kvroute.bench.prefix import add_prefix_bench
 from kvroute.bench.soak_cli import add_soak_bench
@@ -26,6 +27,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_epp_bench(bench_sub)
     add_soak_bench(bench_sub)
     add_streams_bench(bench_sub)
+    add_fairness_bench(bench_sub)
     from kvroute.bench.fidelity import add_fidelity_bench
     from kvroute.simulator.cli_replay import add_replay_bench
 

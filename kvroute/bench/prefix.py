@@ -7,9 +7,12 @@ between. Targets: kvroute kv_aware and round_robin, vllm-router round_robin / ca
 kv_aware (fed by the replicas' KV events with ``--kv-event-source``), smg cache_aware, and an
 affinity oracle (the client pins each tenant to one replica, no router). For each: the
 replicas' own prefix-cache hit rate (their /metrics), TTFT p50/p99, request latency p50, wall
-time and load max/mean (requests each replica finished). Then a workload with no reuse at all
-(every prompt unique) through kvroute kv_aware and round_robin: kv_aware must not cost TTFT
-where there is nothing to gain.
+time and load max/mean (requests each replica finished). Then three negative controls, where
+cache awareness has little to win and peers' users saw cache-aware routing lose to round robin,
+through kvroute kv_aware and round_robin (``--controls``): no reuse at all (every prompt unique),
+one hot system prompt shared by every request (unique user text), and a working set that fits
+in every replica's cache (a few short system prompts, sent to every replica before the run).
+There kv_aware must stay within 5% of round robin's TTFT p50/p99 and requests/s, or beat them.
 
 With ``--saturate``: output tokens/s and TTFT past saturation instead (``kvroute.bench.saturate``).
 
@@ -27,9 +30,10 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,7 +95,19 @@ DEFAULT_TARGETS = tuple(TARGETS)
 TARGET_VS_ORACLE = 0.9
 TARGET_VS_RR = 1.6
 TARGET_IMBALANCE = 1.2
-TARGET_NO_REUSE_TTFT = 1.05
+# Negative controls: kv_aware within 5% of round robin's TTFT (p50, p99) and throughput.
+TARGET_CONTROL = 0.05
+# Each a single-turn workload (one request per user: no session to follow), by name.
+CONTROLS = {
+    "no-reuse": "no reuse (every prompt unique)",
+    "hot-prompt": "one hot system prompt shared by every request, unique user text",
+    "fits": "working set fits every replica's cache (a few short system prompts, prewarmed)",
+}
+# Sent through each router before its caches are reset and its run starts (not measured).
+ROUTER_WARMUP = tuple(Conversation(1000 + i, f"Router warm-up {i}.", ("Hello.",)) for i in range(6))
+# The "fits" control: this many tenants' system prompts of this share of --system-words.
+FITS_TENANTS = 3
+FITS_PROMPT_SHARE = 0.25
 
 
 @dataclass
@@ -105,7 +121,8 @@ class Options:
     concurrency: int = 6
     max_tokens: int = 8
     kv_blocks: int | None = None
-    no_reuse_requests: int = 36
+    control_requests: int = 36  # per negative control and target
+    controls: tuple[str, ...] = tuple(CONTROLS)
     seed: int = 0
     targets: tuple[str, ...] = DEFAULT_TARGETS
     peer_bin_dir: str | None = None
@@ -134,7 +151,8 @@ class Row:
 @dataclass
 class Outcome:
     rows: list[Row]
-    no_reuse: list[Row] = field(default_factory=list)
+    # Negative control name -> its kvroute-kv and kvroute-rr rows, in that order.
+    controls: dict[str, list[Row]] = field(default_factory=dict)
     kv_blocks: int = 0
     prompt_tokens: int = 0
     machine: str = field(default_factory=machine_line)  # at the start: its load is others'
@@ -274,10 +292,23 @@ async def run_target(
     replicas: list[LaunchedReplica],
     conversations: Sequence[Conversation],
     options: Options,
+    warm: Sequence[Conversation] = (),
 ) -> RunResult:
     urls = [r.url for r in replicas]
     names = {r.url: r.name for r in replicas}
+    if base is not None:
+        # A router's first requests pay its own start (a tokenizer's first call, connection
+        # pools): a few unmeasured ones first, so a short run measures routing, not that.
+        await run_conversations(
+            http, _always(base), ROUTER_WARMUP, RunResult("router warm-up"),
+            concurrency=options.concurrency, max_tokens=1, progress=False,
+        )  # fmt: skip
     await reset_prefix_caches(http, urls)
+    for url in urls:  # ``warm`` straight to every replica: each holds all of it (not counted)
+        await run_conversations(
+            http, _always(url), warm, RunResult("warm-up"), concurrency=options.concurrency,
+            max_tokens=1, progress=False,
+        )  # fmt: skip
     before = await replica_counters(http, urls)
     result = RunResult(target.name)
 
@@ -296,15 +327,64 @@ async def run_target(
     return result
 
 
+def _always(url: str) -> Callable[[int], str]:
+    """Every tenant to ``url``."""
+    return lambda _: url
+
+
 def no_reuse_workload(options: Options) -> list[Conversation]:
     """Single-turn conversations whose prompts share nothing (a unique first word each)."""
     base = multi_tenant_chat(
-        options.no_reuse_requests, 1, 1, options.system_words, options.user_words, options.seed + 1
+        options.control_requests, 1, 1, options.system_words, options.user_words, options.seed + 1
     )
     return [
         Conversation(c.tenant, f"Request {i} alone. " + c.system_prompt, c.user_turns)
         for i, c in enumerate(base)
     ]
+
+
+def hot_prompt_workload(options: Options) -> list[Conversation]:
+    """One system prompt in every request, each from its own user with its own question: every
+    replica soon holds the prompt, so there is nothing to win by following it (and piling onto
+    the replica that had it first is what loses)."""
+    (tenant,) = multi_tenant_chat(
+        1, 1, options.control_requests, options.system_words, options.user_words, options.seed + 2
+    )
+    return [
+        Conversation(i, tenant.system_prompt, (f"Question {i}: {text}",))
+        for i, text in enumerate(tenant.user_turns)
+    ]
+
+
+def fits_workload(options: Options) -> tuple[list[Conversation], list[Conversation]]:
+    """A few tenants' short system prompts, single-turn requests from distinct users; and the
+    warm-up that puts every prompt on every replica first (the working set fits in each)."""
+    words = max(1, round(options.system_words * FITS_PROMPT_SHARE))
+    prompts = [
+        c.system_prompt for c in multi_tenant_chat(FITS_TENANTS, 1, 1, words, 1, options.seed + 3)
+    ]
+    questions = multi_tenant_chat(
+        1, 1, options.control_requests, 1, options.user_words, options.seed + 4
+    )[0].user_turns
+    requests = [
+        Conversation(i, prompts[i % len(prompts)], (f"Question {i}: {text}",))
+        for i, text in enumerate(questions)
+    ]
+    warm = [
+        Conversation(FITS_TENANTS + k, prompt, ("Warm-up.",)) for k, prompt in enumerate(prompts)
+    ]
+    return requests, warm
+
+
+def control_workload(name: str, options: Options) -> tuple[list[Conversation], list[Conversation]]:
+    """The negative control ``name``'s requests and what is sent to every replica first."""
+    if name == "no-reuse":
+        return no_reuse_workload(options), []
+    if name == "hot-prompt":
+        return hot_prompt_workload(options), []
+    if name == "fits":
+        return fits_workload(options)
+    raise ValueError(f"no negative control {name!r} (one of {', '.join(CONTROLS)})")
 
 
 def run_bench(options: Options) -> Outcome:
@@ -326,10 +406,12 @@ def run_bench(options: Options) -> Outcome:
         log_dir, replicas = start_fleet(stack, options, kv_blocks, "kvroute bench prefix")
         for name in options.targets:
             outcome.rows.append(_run_one(TARGETS[name], replicas, conversations, options, log_dir))
-        for name in ("kvroute-kv", "kvroute-rr"):
-            outcome.no_reuse.append(
-                _run_one(TARGETS[name], replicas, no_reuse_workload(options), options, log_dir)
-            )
+        for control in options.controls:
+            requests, warm = control_workload(control, options)
+            outcome.controls[control] = [
+                _run_one(TARGETS[name], replicas, requests, options, log_dir, warm)
+                for name in ("kvroute-kv", "kvroute-rr")
+            ]
     return outcome
 
 
@@ -339,6 +421,7 @@ def _run_one(
     conversations: Sequence[Conversation],
     options: Options,
     log_dir: Path,
+    warm: Sequence[Conversation] = (),
 ) -> Row:
     row = Row(target)
     try:
@@ -347,7 +430,9 @@ def _run_one(
             async def go() -> RunResult:
                 timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
                 async with aiohttp.ClientSession(timeout=timeout) as http:
-                    return await run_target(http, target, base, replicas, conversations, options)
+                    return await run_target(
+                        http, target, base, replicas, conversations, options, warm
+                    )
 
             row.result = asyncio.run(go())
     except (processes.StartError, FileNotFoundError, OSError, RuntimeError) as exc:
@@ -400,16 +485,55 @@ def verdict_lines(outcome: Outcome) -> list[str]:
         lines.append(verdict("kv_aware hit rate vs round_robin", ratio, TARGET_VS_RR, ">="))
     if kv:
         lines.append(verdict("kv_aware load max/mean", kv.load_imbalance, TARGET_IMBALANCE, "<="))
-    nr = {r.target.name: r.result for r in outcome.no_reuse if r.result is not None}
-    if nr.get("kvroute-kv") and nr.get("kvroute-rr"):
-        a = nr["kvroute-kv"].ttft_s(0.5)
-        b = nr["kvroute-rr"].ttft_s(0.5)
-        lines.append(
-            verdict(
-                "no reuse: kv_aware TTFT p50 / round_robin's", a / b, TARGET_NO_REUSE_TTFT, "<="
-            )
-        )
+    for control, rows in outcome.controls.items():
+        lines += control_verdicts(control, rows)
     return lines
+
+
+def control_verdicts(control: str, rows: Sequence[Row]) -> list[str]:
+    """kv_aware against round robin on one negative control: TTFT p50 and p99 and requests/s
+    each within ``TARGET_CONTROL`` of round robin's or better, then the control's verdict."""
+    by_name = {r.target.name: r.result for r in rows if r.result is not None}
+    kv, rr = by_name.get("kvroute-kv"), by_name.get("kvroute-rr")
+    if kv is None or rr is None:
+        return [f"- {control}: not measured (a target failed)"]
+    slower, faster = 1 + TARGET_CONTROL, 1 - TARGET_CONTROL
+    lines = [
+        verdict(f"{control}: kv_aware TTFT p50 / round_robin's", _ratio(kv.ttft_s(0.5), rr.ttft_s(0.5)), slower, "<="),
+        verdict(f"{control}: kv_aware TTFT p99 / round_robin's", _ratio(kv.ttft_s(0.99), rr.ttft_s(0.99)), slower, "<="),
+        verdict(f"{control}: kv_aware requests/s / round_robin's", _ratio(kv.requests_per_s, rr.requests_per_s), faster, ">="),
+    ]  # fmt: skip
+    ok = all(line.endswith(": met") for line in lines)
+    lines.append(
+        f"- {control}: kv_aware within {TARGET_CONTROL:.0%} of round robin's or better: "
+        + ("yes" if ok else "NO")
+    )
+    return lines
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+def format_controls(outcome: Outcome) -> str:
+    """The negative controls, kv_aware and round robin side by side."""
+    lines = [
+        "| control | target | hit rate | TTFT p50 ms | TTFT p99 ms | requests/s "
+        "| load max/mean | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for control, rows in outcome.controls.items():
+        for row in rows:
+            res = row.result
+            if res is None:
+                lines.append(f"| {control} | {row.target.name} | {row.error} | | | | | |")
+                continue
+            lines.append(
+                f"| {control} | {row.target.name} | {res.hit_rate:.1%} "
+                f"| {_fmt_ms(res.ttft_s(0.5))} | {_fmt_ms(res.ttft_s(0.99))} "
+                f"| {res.requests_per_s:.2f} | {res.load_imbalance:.2f} | {res.errors} |"
+            )
+    return "\n".join(lines)
 
 
 def verdict(what: str, value: float, target: float, sense: str) -> str:
@@ -422,9 +546,11 @@ def report(outcome: Outcome, options: Options) -> str:
     parts = [
         format_table(outcome.rows),
         "",
-        "No reuse (every prompt unique):",
+        "Negative controls, where cache awareness has little to win ("
+        + "; ".join(f"{name}: {CONTROLS[name]}" for name in outcome.controls)
+        + f"; {options.control_requests} single-turn requests each, one per user):",
         "",
-        format_table(outcome.no_reuse),
+        format_controls(outcome),
         "",
         *verdict_lines(outcome),
         "",
@@ -435,6 +561,8 @@ def report(outcome: Outcome, options: Options) -> str:
         f"- peers: vllm-router {package_version('vllm-router') or 'not installed'}, "
         f"smg {package_version('smg') or 'not installed'}",
         f"- {outcome.machine}",
+        # Other work on a shared machine is the noise in every ratio above: say how much.
+        f"- load average after the run {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
     ]
     return "\n".join(parts)
 
@@ -486,7 +614,16 @@ def add_prefix_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--kv-blocks", type=positive_int, default=None,
         help="KV blocks per replica (default: about two tenants' worth, so eviction matters).",
     )  # fmt: skip
-    p.add_argument("--no-reuse-requests", type=positive_int, default=d.no_reuse_requests)
+    p.add_argument(
+        "--controls", default=",".join(CONTROLS), type=_controls,
+        help=f"Negative controls to run after the targets, comma list from: {', '.join(CONTROLS)}"
+        " ('none': skip them). Each runs through kvroute-kv and kvroute-rr.",
+    )  # fmt: skip
+    p.add_argument(
+        "--control-requests", "--no-reuse-requests", dest="control_requests",
+        type=positive_int, default=d.control_requests,
+        help=f"Requests per negative control and target (default {d.control_requests}).",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--targets",
@@ -533,6 +670,16 @@ def add_prefix_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.set_defaults(func=_cmd_prefix)
 
 
+def _controls(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
+    unknown = [n for n in names if n not in CONTROLS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown control {unknown[0]!r} (one of {', '.join(CONTROLS)}, or none)"
+        )
+    return names
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -556,7 +703,8 @@ def _cmd_prefix(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
         kv_blocks=args.kv_blocks,
-        no_reuse_requests=args.no_reuse_requests,
+        control_requests=args.control_requests,
+        controls=args.controls,
         seed=args.seed,
         targets=targets,
         peer_bin_dir=args.peer_bin_dir,
@@ -581,7 +729,7 @@ def _cmd_prefix(args: argparse.Namespace) -> int:
     if options.record:
         argv = sys.argv[sys.argv.index("prefix") + 1 :] if "prefix" in sys.argv else []
         record(Path(options.output_md), reproduce_command(argv, "prefix"), body)
-    failed = any(r.error for r in outcome.rows + outcome.no_reuse)
+    failed = any(r.error for rows in (outcome.rows, *outcome.controls.values()) for r in rows)
     return 1 if failed else 0
 
 

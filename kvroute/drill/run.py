@@ -22,7 +22,13 @@ from kvroute.bench.processes import Child, managed
 from kvroute.drill.faults import SCENARIOS, DrillError, Target, clear, inject
 from kvroute.drill.load import run_load
 from kvroute.kvcore.stats import parse_metrics, percentile
-from kvroute.router.config import Config, ConfigError, load_config, resolve_secret
+from kvroute.router.config import (
+    Config,
+    ConfigError,
+    api_key_value,
+    load_config,
+    resolve_secret,
+)
 from kvroute.router.launching import start_launched_replicas
 from kvroute.simulator.loadgen import Outcome
 
@@ -121,7 +127,7 @@ async def _drive(
 ) -> DrillReport:
     headers = _admin_headers(config)
     client_key = (
-        resolve_secret(config.auth.api_keys[0], "auth.api_keys[0]")
+        resolve_secret(api_key_value(config.auth.api_keys[0]), "auth.api_keys[0]")
         if config.auth.api_keys
         else None
     )

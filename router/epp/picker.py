@@ -19,17 +19,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvroute.backends.handle import ReplicaHandle
+from kvroute.kvcore.fair_queue import Ticket
 from kvroute.kvcore.ledger import Dispatch, Route
 from kvroute.kvcore.reuse import decompose
 from kvroute.policies import RouteRequest
 
 from .. import errors
-from ..admission import Admission
+from ..admission import Admission, AdmissionRefused
 from ..config import Config, ReplicaConfig, replica_name_from_url
 from ..core import RoutingCore
 from ..ledger_bus import LedgerBus
 from ..metrics import Histogram, RouterMetrics
 from ..openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_chat, parse_completion
+from ..tenant_metrics import TenantMetrics
+from ..tenants import Tenants, fairness_params
 from .endpoints import address_of_url, in_subset
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,8 @@ class Pick:
     first_byte_at: float | None = None
     status: int = 0
     admitted: bool = False
+    ticket: Ticket | None = None  # its tenant's place in admission (tenants.py)
+    usage: Mapping[str, int] | None = None  # the replica's, when the response carried it
 
 
 class EndpointPicker:
@@ -71,8 +76,15 @@ class EndpointPicker:
         self.name_at: dict[str, str] = {}
         self._remember(config.replicas)
         limits = config.limits
+        # The same tenants, budgets and fair admission as ``kvroute serve`` (no locality: the
+        # picker tokenizes after admission only).
+        self.tenants = Tenants(config, TenantMetrics())
         self.admission = Admission(
-            limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s
+            limits.max_concurrent_requests,
+            limits.max_queued_requests,
+            limits.queue_timeout_s,
+            fairness_params(config),
+            self.tenants.limits,
         )
         registry = self.registry
         self.metrics = RouterMetrics(
@@ -83,6 +95,7 @@ class EndpointPicker:
             breaker_states=lambda: {n: h.breaker.state.value for n, h in registry.handles.items()},
             admission=lambda: (self.admission.active, self.admission.queued),
         )
+        self.metrics.parts["tenants"] = self.tenants.metrics
         self.decisions = _DecisionStats()
         self.metrics.registry.register(_PickerCollector(self))
         self._rng = random.Random()
@@ -127,14 +140,25 @@ class EndpointPicker:
         parsed = parse(body) if parse is not None else None
         if parsed is not None:
             self.core.catalog.check(parsed.model)
-        await self.admission.acquire()
+        estimate = parsed.prompt_tokens if parsed is not None else len(body) // CHARS_PER_TOKEN
+        # The gateway authenticates: the tenant is its fairness id (or X-Tenant-Id).
+        tenant, priority = self.tenants.identify(headers, None)
+        ticket = self.tenants.ticket(tenant, priority, estimate, arrived)
+        try:
+            await self.admission.acquire(ticket)
+        except BaseException as exc:
+            reason = exc.reason if isinstance(exc, AdmissionRefused) else "cancelled"
+            self.tenants.refused(ticket, reason, time.monotonic())
+            raise
+        self.tenants.admitted(ticket, time.monotonic())
         try:
             route = await self._route(parsed, body, headers, arrived)
             ranked = self._eligible(route.ranked, subset, arrived)
             if not ranked:
                 raise _no_endpoint(subset)
         except BaseException:
-            self.admission.release()
+            self.admission.release(ticket)
+            self.tenants.finished(ticket, 0, 0, "error", time.monotonic())
             raise
         dispatch = self.ledger.dispatch(route, ranked[0], arrived)
         if self.bus is not None:
@@ -153,6 +177,7 @@ class EndpointPicker:
             headers.get("x-gateway-inference-fairness-id"),
             headers.get("x-gateway-inference-objective"),
             admitted=True,
+            ticket=ticket,
         )
 
     async def _route(
@@ -234,9 +259,9 @@ class EndpointPicker:
         if not pick.admitted:
             return
         pick.admitted = False
-        self.admission.release()
-        now = time.monotonic()
         d = pick.dispatch
+        self._settle(pick, completed)
+        now = time.monotonic()
         self.ledger.finish(d, now)
         if self.bus is not None:
             self.bus.finished(d)
@@ -253,6 +278,19 @@ class EndpointPicker:
             )
             self.metrics.observe_reuse(d.replica, reuse)
 
+    def _settle(self, pick: Pick, completed: bool) -> None:
+        """Its slot to the next request; its tenant charged the replica's counts (a stream's
+        only when the client asked for include_usage: else the estimate, and no output)."""
+        usage, ticket = pick.usage, pick.ticket
+        served = 0 < pick.status < 400
+        prompt = usage.get("prompt") if usage else None
+        output = usage.get("completion", 0) if usage else 0
+        self.admission.release(ticket, prompt, output, pick.dispatch.replica)
+        if ticket is not None:
+            charged = prompt if prompt is not None else (ticket.input_tokens if served else 0)
+            outcome = "ok" if served and completed else "cancelled" if served else "error"
+            self.tenants.finished(ticket, charged, output, outcome, time.monotonic())
+
     def observe_usage(self, usage: Mapping[str, int], pick: Pick | None = None) -> None:
         """A response's usage; with its ``pick``, its cached tokens confirm that pick's reuse
         (read when the request finishes)."""
@@ -260,6 +298,7 @@ class EndpointPicker:
             self.decisions.usage[kind] = self.decisions.usage.get(kind, 0) + count
         if pick is not None:
             pick.dispatch.confirmed_tokens = usage.get("cached")
+            pick.usage = usage
 
 
 def _no_endpoint(subset: frozenset[str] | None) -> errors.ApiError:

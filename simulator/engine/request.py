@@ -22,6 +22,10 @@ class EngineRequest:
     arrival_time: float
     lora_name: str | None = None  # part of every block's hash key, like vLLM
     cache_salt: str | None = None  # part of the first block's hash key, like vLLM
+    # Seed of the generated tokens; None: from the engine seed and the request id (sampling).
+    # A greedy request passes one derived from its prompt, so that every replica answers it
+    # alike, as replicas with the same weights do.
+    token_seed: int | None = None
 
 
 class Status(Enum):
@@ -88,7 +92,9 @@ def new_sequence(request: EngineRequest, seed: int, block_size: int, caching: bo
         num_prompt_tokens=len(request.prompt_token_ids),
         max_tokens=request.max_tokens,
         lora_name=request.lora_name,
-        token_seed=token_seed(seed, request.request_id),
+        token_seed=token_seed(seed, request.request_id)
+        if request.token_seed is None
+        else request.token_seed & 0x7FFF_FFFF_FFFF_FFFF,
         extra_first=extra_first,
         extra_rest=extra_rest,
         event_extra_first=first_key,

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from kvroute.kvcore.ledger import Dispatch, DispatchLedger, Route
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
+from kvroute.policies.regret import TtftEstimate
 
 from .bounds import pooled_lru_hits
 from .config import FleetConfig
@@ -40,6 +41,7 @@ from .fast_engine import FastEngine
 from .kv_units import Holdings, IndexOp
 from .loss import LossTracker
 from .protocol import SimEngine, StepReport
+from .regret import ESTIMATED_CHOICES
 from .results import NAN, SimResult
 from .shared_load import SharedTotals
 from .units import SimRequest, UnitTrace
@@ -270,6 +272,8 @@ class _Fleet:
             del self.flights[request.index]  # no replica left: the request fails
             return
         self.result.reasons[route.reason] += 1
+        if route.estimate is not None:
+            self._estimated(request.index, route.estimate)
         chosen = route.ranked[0]
         r = self.number[chosen]
         flight.dispatch = ledger.dispatch(route, chosen, t)
@@ -283,6 +287,19 @@ class _Fleet:
         self.result.routed_requests[r] += 1
         self.result.routed_tokens[r] += route_request.prompt_tokens
         self._enqueue(r, request, extra, t)
+
+    def _estimated(self, index: int, estimate: TtftEstimate) -> None:
+        """The first decision's estimates (a reroute after a failure is not a fresh choice)."""
+        res = self.result
+        if res.estimated_ttft_s is None:
+            m = len(res.arrival_s)
+            res.estimated_ttft_s = {choice: [NAN] * m for choice in ESTIMATED_CHOICES}
+        est = res.estimated_ttft_s
+        if not math.isnan(est["chosen"][index]):
+            return
+        est["chosen"][index] = estimate.chosen
+        est["round_robin"][index] = estimate.round_robin
+        est["power_of_two"][index] = estimate.power_of_two
 
     def _enqueue(self, r: int, request: SimRequest, extra: int, t: float) -> None:
         engine = self.engines[r]

@@ -69,6 +69,7 @@ def markdown_report(
         "finish (all finished requests when no SLO is set).",
     ]
     lines += _loss_section(summaries)
+    lines += _regret_section(summaries)
     lines += [
         "",
         "## Routing decisions",
@@ -105,6 +106,35 @@ LOSS_COLUMNS = (
     ("not_yet_cached", "not yet cached"),
     ("not_served", "not served"),
 )
+
+
+def _regret_section(summaries: list[dict[str, Any]]) -> list[str]:
+    """The policy's own regret estimate against round robin and power of two (the router's
+    kvroute_routing_estimated_ttft_seconds), and against the baseline runs when compared."""
+    runs = [s for s in summaries if s.get("estimated_regret")]
+    if not runs:
+        return []
+    lines = [
+        "",
+        "## Regret against round robin",
+        "",
+        "At each decision the policy estimates the request's TTFT on its choice, on the replica "
+        "round robin would have picked and on a power-of-two choice, the fleet as it stood "
+        "(the live router's `kvroute_routing_estimated_ttft_seconds`). Negative regret: the "
+        "choice looked better.",
+        "",
+    ]
+    for s in runs:
+        r = s["estimated_regret"]
+        means = r["estimated_ttft_mean_s"]
+        lines.append(
+            f"- {s['policy']}: {r['decisions']:,} decisions, mean estimated TTFT "
+            f"{means['chosen']:.3f} s on its choices, {means['round_robin']:.3f} s on round "
+            f"robin's, {means['power_of_two']:.3f} s on power of two's; estimated worse than "
+            f"round robin's in {r['worse_share']['round_robin']:.1%} of decisions"
+        )
+        lines += [f"- {line}" for line in r.get("lines", [])]
+    return lines
 
 
 def _loss_section(summaries: list[dict[str, Any]]) -> list[str]:

@@ -51,6 +51,9 @@ class SimResult:
     routers: int = 1  # pickers that routed the trace (FleetConfig.routers)
     share: str = "none"  # what they shared (FleetConfig.share)
     loss: LossBreakdown | None = None  # the shortfall against the pooled LRU, by cause
+    # Per request, the policy's TTFT estimate (s) at its first decision, on its choice and on
+    # round robin's / power of two's (policies/regret.py): choice -> list; None without one.
+    estimated_ttft_s: dict[str, list[float]] | None = None
 
     # -- derived ----------------------------------------------------------------------
 

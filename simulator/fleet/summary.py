@@ -17,6 +17,7 @@ from typing import Any
 
 from kvroute.kvcore.stats import percentile
 
+from .regret import estimate_summary
 from .results import SimResult, Slo
 
 
@@ -73,6 +74,9 @@ def summarize(
         "share": result.share,
         # The shortfall against the pooled LRU by cause (loss.py); None with the exact engine.
         "loss": result.loss.as_dict() if result.loss is not None else None,
+        # The policy's TTFT estimates on its choices and round robin's / power of two's
+        # (regret.py); None for a policy that makes none. --compare adds the counterfactual.
+        "estimated_regret": estimate_summary(result),
     }
     if extra:
         summary.update(extra)

@@ -92,6 +92,14 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     faults.add_argument(
         "--exit-after-s", type=float, default=-1.0, help="Exit with code 1 after S seconds."
     )
+    faults.add_argument(
+        "--drift",
+        type=int,
+        default=-1,
+        metavar="POSITION",
+        help="Output drift: from output token POSITION on (0: the first), emit other tokens, "
+        "confidently, as wrong weights would (what the router's drift canary catches).",
+    )
     p.set_defaults(func=run_replica_command)
 
 
@@ -128,6 +136,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
                 slowdown=args.slowdown,
                 drop_after_chunks=args.drop_after_chunks,
                 exit_after_s=args.exit_after_s,
+                drift=args.drift,
             )
         )
         lora_modules = _lora_modules(args.lora_modules)

@@ -1,9 +1,11 @@
 """The emulated replica's HTTP surface: vLLM's OpenAI server, as far as a router can tell.
 
 Completions and chat (streamed and not, vLLM's chunk shapes, usage and
-``stream_options.include_usage``), /v1/models, /health, /metrics (vLLM's names), /tokenize,
-/detokenize, /reset_prefix_cache, /kv_event_sources, /load, /version, and /admin/faults for
-drills. A client that disconnects aborts its request in the engine, as in vLLM.
+``stream_options.include_usage``; ``logprobs`` and ``return_token_ids`` on non-streamed
+completions; at temperature 0 the same answer on every replica), /v1/models, /health, /metrics
+(vLLM's names), /tokenize, /detokenize, /reset_prefix_cache, /kv_event_sources, /load, /version,
+and /admin/faults for drills. A client that disconnects aborts its request in the engine, as in
+vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from xxhash import xxh3_64_intdigest
 
 from kvroute.kvcore.tokenizer import Tokenizer
 from kvroute.simulator.engine import Engine, EngineConfig, EngineRequest, RequestOutput
@@ -30,6 +33,7 @@ from .runner import EngineRunner
 VERSION = "0.32.0+kvroute-emulated"
 DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ class EmulatedReplica:
                     arrival,
                     lora_name=lora_name,
                     cache_salt=salt,
+                    token_seed=_greedy_seed(body, prompt_ids, lora_name),
                 )
             )
         except ValueError as exc:
@@ -260,6 +265,8 @@ class EmulatedReplica:
                 self.metrics.ttft.observe(time.monotonic() - arrival)
             token_ids += last.new_token_ids
         self._finished(last, arrival)
+        # Drift rewrites what is sent, not the engine's cache: a fault, not a model.
+        token_ids = self.faults.drifted(token_ids, 0, self.options.engine.vocab_size)
         text = self.tokenizer.decode(token_ids)
         usage = _usage(last, len(token_ids))
         created = int(time.time())
@@ -290,11 +297,13 @@ class EmulatedReplica:
             choice = {
                 "index": 0,
                 "text": text,
-                "logprobs": None,
+                "logprobs": self._logprobs(body, token_ids),
                 "finish_reason": last.finish_reason,
                 "stop_reason": None,
                 "prompt_logprobs": None,
             }
+            if body.get("return_token_ids") is True:
+                choice["token_ids"] = token_ids
             obj = {
                 "id": request_id,
                 "object": "text_completion",
@@ -349,8 +358,10 @@ class EmulatedReplica:
                 role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
                 await response.write(chunk({**role, "logprobs": None, "finish_reason": None}))
                 chunks += 1
-            generated += len(output.new_token_ids)
-            text = self.tokenizer.decode(output.new_token_ids)
+            vocab = self.options.engine.vocab_size
+            new_ids = self.faults.drifted(output.new_token_ids, generated, vocab)
+            generated += len(new_ids)
+            text = self.tokenizer.decode(new_ids)
             finish = output.finish_reason if output.finished else None
             if chat:
                 choice = {
@@ -386,6 +397,36 @@ class EmulatedReplica:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    def _logprobs(self, body: dict[str, Any], token_ids: list[int]) -> dict[str, Any] | None:
+        """vLLM's completions ``logprobs`` for ``token_ids`` when the request asks (an integer
+        ``logprobs``): each token the top-1 by a clear margin (2-3 nats) over made-up
+        alternatives, the same on every replica."""
+        k = body.get("logprobs")
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS:
+            return None
+        as_ids = body.get("return_tokens_as_token_ids") is True
+        vocab = self.options.engine.vocab_size
+
+        def spell(token: int) -> str:
+            return f"token_id:{token}" if as_ids else self.tokenizer.decode([token])
+
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        offset = 0
+        for position, token in enumerate(token_ids):
+            top = made_up_top_logprobs(token, position, max(1, k), vocab)
+            text = spell(token)
+            tokens.append(text)
+            token_logprobs.append(top[0][1])
+            top_logprobs.append({spell(t): lp for t, lp in top})
+            text_offset.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": text_offset,
+        }
 
     def _finished(self, output: RequestOutput, arrival: float) -> None:
         self.metrics.e2e.observe(time.monotonic() - arrival)
@@ -490,6 +531,35 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
     return body
+
+
+def _greedy_seed(body: dict[str, Any], prompt_ids: list[int], lora_name: str | None) -> int | None:
+    """Temperature 0: tokens seeded by the prompt (and adapter) alone, so every replica gives
+    the same greedy answer, as replicas with the same weights do; else None (sampled)."""
+    temperature = body.get("temperature")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature:
+        return None
+    key = ",".join(map(str, prompt_ids)) + "|" + (lora_name or "")
+    return xxh3_64_intdigest(key.encode())
+
+
+def made_up_top_logprobs(
+    token: int, position: int, k: int, vocab_size: int
+) -> list[tuple[int, float]]:
+    """``token`` and k-1 other tokens with falling logprobs: the top-1 2-3 nats above the next."""
+    h = xxh3_64_intdigest(b"logprobs", token * 65_537 + position)
+    top1 = -(0.02 + (h & 0xFFFF) / 0xFFFF * 0.3)
+    out = [(token, top1)]
+    seen = {token}
+    for j in range(1, min(k, vocab_size)):
+        alt = (
+            token + 1 + xxh3_64_intdigest(b"alt", h % 1_000_003 + j) % (vocab_size - 1)
+        ) % vocab_size
+        while alt in seen:
+            alt = (alt + 1) % vocab_size
+        seen.add(alt)
+        out.append((alt, top1 - 2.0 - ((h >> 16) & 0xFFFF) / 0xFFFF - 0.5 * (j - 1)))
+    return out
 
 
 def _usage(output: RequestOutput, completion_tokens: int) -> dict[str, Any]:

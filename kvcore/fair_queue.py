@@ -1,0 +1,275 @@
+"""Who goes next when the fleet is saturated: priority classes, then token-weighted fairness
+between tenants (a Virtual Token Counter), bent toward cache hits within a bound.
+
+The rules, in the order they apply:
+
+* **Priority classes** ``critical > standard > sheddable`` (the Gateway API Inference
+  Extension's names): a queued request of a higher class is always admitted before any of a
+  lower one.
+* **Virtual Token Counter** (Sheng et al., "Fairness in Serving Large Language Models", OSDI
+  '24): each tenant has a counter of the service it received, ``input tokens + output_weight x
+  output tokens``, divided by its weight. Within a class the queued request of the tenant with
+  the lowest counter goes first. A tenant that becomes backlogged is lifted to the lowest counter
+  of the tenants already backlogged (or to the last admitted one's, when nobody waits), so time
+  spent idle is not banked as credit to spend in a burst later.
+* **Locality** (in the spirit of DLPM, Cao et al. 2025): a slot frees on some replica; among the
+  queued requests of tenants whose counter is within ``locality_bound_tokens`` of the lowest,
+  the one whose prompt that replica holds most of goes first. No tenant falls more than the
+  bound behind what strict VTC order would give it, and fairness does not throw cache hits away.
+* **Shedding**: with the queue full, an arrival takes the place of a queued request of a lower
+  class (sheddable first; from the tenant furthest ahead, its newest request), or is refused
+  itself when nothing lower waits. Critical work is never shed while lower work is queued.
+  Sheddable work waits at most ``sheddable_max_wait_s``.
+
+Pure: no I/O, no asyncio, no clock. The front end (router/admission.py) owns the waiting; it
+calls ``offer``, ``pick``, ``remove``, ``started`` and ``finished`` and passes ``now`` in.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Priority(IntEnum):
+    SHEDDABLE = 0
+    STANDARD = 1
+    CRITICAL = 2
+
+
+PRIORITY_NAMES = {"critical": Priority.CRITICAL, "standard": Priority.STANDARD}
+PRIORITY_NAMES["sheddable"] = Priority.SHEDDABLE
+
+
+def priority_of(value: str) -> Priority | None:
+    """A class from its name, or from an InferenceObjective-style integer priority (higher is
+    more important, 0 the default: > 0 critical, 0 standard, < 0 sheddable); None if neither."""
+    text = value.strip().lower()
+    named = PRIORITY_NAMES.get(text)
+    if named is not None:
+        return named
+    try:
+        number = int(text)
+    except ValueError:
+        return None
+    if number > 0:
+        return Priority.CRITICAL
+    return Priority.STANDARD if number == 0 else Priority.SHEDDABLE
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessParams:
+    output_weight: float = 2.0  # an output token costs this many input tokens of service
+    locality_bound_tokens: float = 4096.0  # how far behind VTC order locality may bend it
+    sheddable_max_wait_s: float = 5.0
+    locality_scan: int = 32  # queued requests at most looked at for locality per pick
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    weight: float = 1.0
+    max_concurrent: int = 0  # 0: no cap of its own
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request asking to be admitted (compared by identity)."""
+
+    tenant: str
+    priority: Priority
+    input_tokens: int  # the router's estimate until the replica's usage says
+    arrived: float = 0.0
+    block_hashes: Sequence[int] = ()  # filled while it waits, for locality (may stay empty)
+    charged: float = 0.0  # weighted service charged to the tenant's counter so far
+    seq: int = 0
+    queued: bool = False
+    running: bool = False
+
+
+@dataclass(slots=True)
+class _Tenant:
+    limits: TenantLimits
+    counter: float = 0.0  # weighted service received (tokens / weight)
+    active: int = 0  # admitted and not finished
+    waiting: list[deque[Ticket]] = field(default_factory=lambda: [deque(), deque(), deque()])
+
+    @property
+    def backlogged(self) -> bool:
+        return any(self.waiting)
+
+
+class QueueFull(Exception):
+    """The queue is full and nothing of a lower class waits to make room."""
+
+
+class FairQueue:
+    def __init__(
+        self,
+        params: FairnessParams,
+        limits: Callable[[str], TenantLimits],
+        capacity: int,
+    ) -> None:
+        self.params = params
+        self._limits = limits
+        self.capacity = capacity  # queued requests at most
+        self.tenants: dict[str, _Tenant] = {}
+        self.queued = 0
+        self._floor = 0.0  # the counter of the tenant admitted last
+        self._seq = itertools.count()
+
+    def tenant(self, name: str) -> _Tenant:
+        t = self.tenants.get(name)
+        if t is None:
+            t = self.tenants[name] = _Tenant(self._limits(name))
+            t.counter = self._floor  # a newcomer starts level, not with a lifetime of credit
+        return t
+
+    # -- the fast path -------------------------------------------------------------------
+
+    def may_start(self, ticket: Ticket) -> bool:
+        """Nothing waits and the tenant is under its own cap: admit without queueing."""
+        if self.queued:
+            return False
+        cap = self.tenant(ticket.tenant).limits.max_concurrent
+        return not cap or self.tenants[ticket.tenant].active < cap
+
+    def started(self, ticket: Ticket) -> None:
+        """``ticket`` was admitted: it runs, and its input is charged now."""
+        t = self.tenant(ticket.tenant)
+        t.active += 1
+        ticket.running = True
+        self._floor = max(self._floor, t.counter)
+        self._charge(t, ticket, ticket.input_tokens)
+
+    def finished(self, ticket: Ticket, input_tokens: int | None, output_tokens: int) -> None:
+        """It left: charge its output, and correct its input to what the replica counted."""
+        t = self.tenants.get(ticket.tenant)
+        if t is None or not ticket.running:
+            return
+        ticket.running = False
+        t.active -= 1
+        extra = output_tokens * self.params.output_weight
+        if input_tokens is not None:
+            extra += input_tokens - ticket.input_tokens
+        self._charge(t, ticket, extra)
+
+    def _charge(self, t: _Tenant, ticket: Ticket, tokens: float) -> None:
+        share = tokens / t.limits.weight
+        t.counter += share
+        ticket.charged += share
+
+    # -- the queue -------------------------------------------------------------------------
+
+    def offer(self, ticket: Ticket) -> Ticket | None:
+        """Queue ``ticket``; the queued ticket it displaced (shed), if any. Raises QueueFull
+        when the queue is full and nothing of a lower class waits."""
+        victim = None
+        if self.queued >= self.capacity:
+            victim = self._victim(ticket.priority)
+            if victim is None:
+                raise QueueFull
+            self.remove(victim)
+        t = self.tenant(ticket.tenant)
+        if not t.backlogged:
+            # VTC's lift: back from idle at the level of those who waited meanwhile.
+            waiting = [o.counter for o in self.tenants.values() if o is not t and o.backlogged]
+            t.counter = max(t.counter, min(waiting) if waiting else self._floor)
+        ticket.seq = next(self._seq)
+        ticket.queued = True
+        t.waiting[ticket.priority].append(ticket)
+        self.queued += 1
+        return victim
+
+    def remove(self, ticket: Ticket) -> None:
+        """Take a queued ticket out (it gave up, timed out or was shed); no-op otherwise."""
+        if not ticket.queued:
+            return
+        ticket.queued = False
+        self.tenants[ticket.tenant].waiting[ticket.priority].remove(ticket)
+        self.queued -= 1
+
+    def would_refuse(self, priority: Priority) -> bool:
+        """Whether an arrival of class ``priority`` would find no place in the queue."""
+        return self.queued >= self.capacity and self._victim(priority) is None
+
+    def _victim(self, arriving: Priority) -> Ticket | None:
+        """The ticket to shed for an arrival of class ``arriving``: from the lowest class below
+        it that has any, the newest of the tenant furthest ahead."""
+        for priority in Priority:
+            if priority >= arriving:
+                return None
+            holders = [t for t in self.tenants.values() if t.waiting[priority]]
+            if holders:
+                furthest = max(holders, key=lambda t: t.counter)
+                return furthest.waiting[priority][-1]
+        return None
+
+    def max_wait_s(self, priority: Priority, queue_timeout_s: float) -> float:
+        if priority == Priority.SHEDDABLE:
+            return min(queue_timeout_s, self.params.sheddable_max_wait_s)
+        return queue_timeout_s
+
+    def pick(self, locality: Callable[[Ticket], int] | None = None) -> Ticket | None:
+        """The queued ticket to admit next (taken out of the queue), or None when nothing
+        queued may start (empty, or every waiting tenant is at its own cap).
+
+        ``locality(ticket)``: prompt tokens the replica that freed the slot holds of it."""
+        if not self.queued:
+            return None
+        for priority in reversed(Priority):
+            heads = [
+                t
+                for t in self.tenants.values()
+                if t.waiting[priority]
+                and (not t.limits.max_concurrent or t.active < t.limits.max_concurrent)
+            ]
+            if not heads:
+                continue
+            # Ties (a tenant just back from idle is lifted level with the rest) go to the
+            # tenant with fewer requests in service, then to the older request.
+            lowest = min(heads, key=lambda t: (t.counter, t.active, t.waiting[priority][0].seq))
+            chosen = lowest.waiting[priority][0]
+            if locality is not None:
+                chosen = self._local(chosen, heads, priority, lowest.counter, locality)
+            self.remove(chosen)
+            return chosen
+        return None
+
+    def _local(
+        self,
+        fair: Ticket,
+        heads: list[_Tenant],
+        priority: Priority,
+        lowest: float,
+        locality: Callable[[Ticket], int],
+    ) -> Ticket:
+        """Within the bound, the ticket whose prefix the freed replica holds most of; the VTC
+        choice unless another holds strictly more."""
+        bound = lowest + self.params.locality_bound_tokens
+        best, best_hit = fair, locality(fair)
+        budget = self.params.locality_scan
+        for t in sorted(heads, key=lambda t: t.counter):
+            if t.counter > bound or budget <= 0:
+                break
+            for ticket in itertools.islice(t.waiting[priority], budget):
+                budget -= 1
+                if ticket is fair:
+                    continue
+                hit = locality(ticket)
+                if hit > best_hit:
+                    best, best_hit = ticket, hit
+        return best
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, float]:
+        return {name: t.counter for name, t in self.tenants.items()}
+
+    def waiting(self, name: str) -> dict[str, int]:
+        t = self.tenants.get(name)
+        if t is None:
+            return {p.name.lower(): 0 for p in reversed(Priority)}
+        return {p.name.lower(): len(t.waiting[p]) for p in reversed(Priority)}
