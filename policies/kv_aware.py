@@ -399,15 +399,20 @@ class KvAware(Policy):
         ``warm_holders`` eligible replicas hold (a shared prefix; a replica that is down or
         serves another model holds nothing this request can use); all of them when off."""
         prefix = request.prefix_tokens or {}
-        limit = self.warm_holders
-        if not limit or len(prefix) <= limit:
+        shared = self._shared(request, eligible)
+        if not shared:
             return prefix
+        return {rid: tokens for rid, tokens in prefix.items() if tokens > shared}
+
+    def _shared(self, request: RouteRequest, eligible: list[ReplicaState]) -> int:
+        """Prompt tokens more than ``warm_holders`` eligible replicas hold (0: none, or off)."""
+        prefix = request.prefix_tokens
+        limit = self.warm_holders
+        if not limit or not prefix or len(prefix) <= limit:
+            return 0
         ids = {r.replica_id for r in eligible}
         held = sorted((t for rid, t in prefix.items() if rid in ids), reverse=True)
-        if len(held) <= limit:
-            return prefix
-        shared = held[limit]  # held by limit + 1 eligible replicas or more
-        return {rid: tokens for rid, tokens in prefix.items() if tokens > shared}
+        return held[limit] if len(held) > limit else 0  # held by limit + 1 or more
 
     def _break_tie(
         self,
@@ -417,7 +422,7 @@ class KvAware(Policy):
         fleet: FleetView,
         bound: int,
     ) -> tuple[ReplicaState, str]:
-        key = self._key(request)
+        key = self._key(request, self._shared(request, eligible))
         if key is None:
             # Nothing to keep a home for: plain power of two choices on load.
             a, b = self._rng.sample(ties, 2)
@@ -440,11 +445,18 @@ class KvAware(Policy):
             return homes[1], SPILL if spilled else SECOND_HOME
         return homes[0], SPILL if spilled else HOME
 
-    def _key(self, request: RouteRequest) -> int | None:
+    def _key(self, request: RouteRequest, shared: int = 0) -> int | None:
+        """The prompt's ring key: the first ``key_blocks`` blocks past the ``shared`` prefix
+        (what many replicas hold says nothing of where this prompt belongs: keyed by it, every
+        conversation behind one system prompt would share its two homes); None when the whole
+        prompt is shared (any replica serves it as well: load decides)."""
         hashes = request.block_hashes
         if hashes:
-            # A chained hash stands for its whole prefix: the first key_blocks blocks.
-            return hashes[min(self.key_blocks, len(hashes)) - 1]
+            skip = shared // request.block_tokens if shared and request.block_tokens else 0
+            if skip >= len(hashes):
+                return None
+            # A chained hash stands for its whole prefix: up to key_blocks blocks past it.
+            return hashes[min(skip + self.key_blocks, len(hashes)) - 1]
         if request.routing_key is not None:
             return hash_key(request.routing_key)
         return None

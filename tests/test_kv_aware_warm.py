@@ -77,3 +77,40 @@ def test_a_holder_that_is_down_does_not_make_a_prefix_shared() -> None:
     next(r for r in view.replicas if r.replica_id == down).healthy = False
     decision = KvAware().decide(request(0, shared), view)
     assert decision.chosen in shared and decision.chosen != down
+
+
+def test_a_prompt_every_replica_holds_goes_by_load_not_to_one_ring_home() -> None:
+    """A working set that fits in every cache: no replica holds more, so load decides. Keyed by
+    its first blocks, every such prompt would go to the same two homes (bench prefix's "fits"
+    control lost to round robin that way)."""
+    view = fleet(3)
+    whole = request(0)
+    everywhere = {r.replica_id: whole.prompt_tokens for r in view.replicas}
+    policy = KvAware(seed=1)
+    chosen = []
+    for _ in range(30):
+        r = request(0, everywhere)
+        r = RouteRequest(r.prompt_tokens, 64, "m", None, r.block_hashes, everywhere, BLOCK)
+        decision = policy.decide(r, view)
+        assert decision.reason == "kv_no_prefix"
+        replica = next(x for x in view.replicas if x.replica_id == decision.chosen)
+        replica.in_flight += 1  # the load a real dispatch adds
+        chosen.append(decision.chosen)
+    counts = [chosen.count(r.replica_id) for r in view.replicas]
+    assert max(counts) - min(counts) <= 2  # power of two choices on load: even, not exact
+
+
+def test_conversations_behind_one_shared_system_prompt_get_homes_of_their_own() -> None:
+    """The first 8 blocks (a system prompt) are held by four replicas: they are cheaper (they
+    hold half the prompt), and among them each conversation's ring key starts past the shared
+    blocks, so new conversations spread over all four instead of that prefix's two homes."""
+    view = fleet(8)
+    system = tuple(random.Random(99).getrandbits(64) for _ in range(8))
+    holders = {r.replica_id: 8 * BLOCK for r in view.replicas[:4]}
+    homes = set()
+    for seed in range(40):
+        own = tuple(random.Random(seed).getrandbits(64) for _ in range(8))
+        hashes = system + own
+        r = RouteRequest(len(hashes) * BLOCK, 64, "m", None, hashes, holders, BLOCK)
+        homes.add(KvAware().decide(r, view).chosen)
+    assert homes == set(holders)
