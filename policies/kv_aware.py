@@ -61,7 +61,6 @@ index and the load fields of ``ReplicaState``; nothing here does I/O or reads a 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -159,7 +158,7 @@ class KvAware(Policy):
         self._prior_latency = ReplicaLatency(self.prior)  # for replicas not yet seen
         self._sessions = LiveSessions(session_ttl_s) if session_ttl_s > 0 else None
         self._seed = seed
-        self._rng = random.Random(seed)
+        self._salt = _mix64(seed) if seed is not None else 0
         self._ring = FleetRing(vnodes)
 
     @property
@@ -425,7 +424,7 @@ class KvAware(Policy):
         key = self._key(request, self._shared(request, eligible))
         if key is None:
             # Nothing to keep a home for: plain power of two choices on load.
-            a, b = self._rng.sample(ties, 2)
+            a, b = self._pair(ties, request, eligible)
             return (a if _load(a) <= _load(b) else b), NO_PREFIX
         ring = self._ring.synced(fleet)
         by_id = {r.replica_id: r for r in ties}
@@ -444,6 +443,29 @@ class KvAware(Policy):
         if len(homes) == 2 and _load(homes[1]) < _load(homes[0]):
             return homes[1], SPILL if spilled else SECOND_HOME
         return homes[0], SPILL if spilled else HOME
+
+    def _pair(
+        self, ties: list[ReplicaState], request: RouteRequest, eligible: list[ReplicaState]
+    ) -> tuple[ReplicaState, ReplicaState]:
+        """Two of ``ties`` for power of two choices, drawn from the request and the fleet's
+        load: the same on every picker that sees the same fleet (a picker's own random stream
+        would make N pickers sharing one view route unlike one router), and a different pair
+        after every dispatch (the load moved)."""
+        hashes = request.block_hashes
+        if hashes:
+            material = hashes[-1]
+        elif request.routing_key is not None:
+            material = hash_key(request.routing_key)
+        else:
+            material = request.prompt_tokens
+        load = sum(r.in_flight for r in eligible)
+        x = _mix64(material ^ (load * 0x9E3779B97F4A7C15) ^ self._salt)
+        n = len(ties)
+        i = x % n
+        j = (x >> 32) % (n - 1)
+        if j >= i:
+            j += 1
+        return ties[i], ties[j]
 
     def _key(self, request: RouteRequest, shared: int = 0) -> int | None:
         """The prompt's ring key: the first ``key_blocks`` blocks past the ``shared`` prefix
@@ -507,6 +529,13 @@ def _warm_ties(
     if top <= floor:
         return ties
     return [r for r in room if prefix.get(r.replica_id, 0) == top]
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: every input bit moves every output bit."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
 
 
 def _load(replica: ReplicaState) -> tuple[int, int]:

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from kvroute.kvcore.autoscale import AutoscaleSettings
 from kvroute.kvcore.stats import percentile
 from kvroute.policies import DEFAULT_POLICY, POLICIES, PolicyConfigError, build_policy
 from kvroute.policies.registry import policy_parameters
@@ -492,6 +493,30 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         "does (see --no-slo-routing).",
     )
     p.add_argument(
+        "--autoscale",
+        type=_autoscale_spec,
+        metavar="min=N,...",
+        help="Autoscale the fleet (kvcore/autoscale.py, the router's autoscale:): --replicas is "
+        "the most it runs, min=N serve from the start; optional target_queue (per replica, 1), "
+        "kv_high (0.6), kv_low (0.35), idle (s of quiet before one leaves, 60), interval (s, "
+        "10), startup (s a started replica loads before it serves, 60). The summary reports "
+        "replica_hours.",
+    )
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="Play the trace K times back to back (before --diurnal): a longer day.",
+    )
+    p.add_argument(
+        "--diurnal",
+        type=_diurnal,
+        metavar="A[@PERIOD_S]",
+        help="Warp arrivals into a day-shaped rate, mean x (1 - A cos(2 pi t / PERIOD)), "
+        "lowest at the start (default period: the whole trace, one compressed day).",
+    )
+    p.add_argument(
         "--no-slo-routing",
         action="store_true",
         help="Measure goodput against --slo but route as without one (the policy's token "
@@ -562,6 +587,8 @@ def _load_trace(args: argparse.Namespace, time_scale: float) -> Any:
             window_s=args.window,
             max_requests=args.max_requests,
             seed=args.seed,
+            diurnal=getattr(args, "diurnal", None),
+            repeat=getattr(args, "repeat", 1),
         )
     except TraceError as exc:
         raise UsageError(str(exc)) from None
@@ -597,9 +624,63 @@ def _fleet_config(
             event_lag_s=args.event_lag_s,
             scrape_interval_s=args.scrape_interval_s,
             failures=tuple(failures),
+            **_autoscale_settings(getattr(args, "autoscale", None), replicas),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+_AUTOSCALE_KEYS = {
+    "min": ("min", int),
+    "max": ("max", int),
+    "target_queue": ("target_queue_per_replica", float),
+    "kv_high": ("kv_high", float),
+    "kv_low": ("kv_low", float),
+    "idle": ("scale_down_idle_s", float),
+    "interval": ("interval_s", float),
+    "startup": ("startup_s", float),
+}
+
+
+def _autoscale_spec(text: str) -> dict[str, float]:
+    """``min=2,target_queue=2,idle=120,interval=10,startup=60,...`` (see --autoscale)."""
+    fields: dict[str, float] = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key not in _AUTOSCALE_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"expected KEY=VALUE with KEY one of {', '.join(_AUTOSCALE_KEYS)}, got {part!r}"
+            )
+        try:
+            fields[key] = _AUTOSCALE_KEYS[key][1](value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{key}: not a number: {value!r}") from None
+    return fields
+
+
+def _autoscale_settings(spec: dict[str, float] | None, replicas: int) -> dict[str, Any]:
+    """FleetConfig's autoscale fields: max defaults to the fleet's --replicas."""
+    if spec is None:
+        return {}
+    fields: dict[str, Any] = {_AUTOSCALE_KEYS[k][0]: v for k, v in spec.items()}
+    startup = fields.pop("startup_s", 60.0)
+    fields.setdefault("max", replicas)
+    return {"autoscale": AutoscaleSettings(**fields), "startup_s": startup}
+
+
+def _diurnal(text: str) -> tuple[float, float | None]:
+    """``A`` or ``A@PERIOD_S``: a day-shaped rate (simulator/traces/transform.py)."""
+    amplitude, _, period = text.partition("@")
+    try:
+        a = float(amplitude)
+        p = float(period) if period else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A or A@PERIOD_S, got {text!r}") from None
+    if not 0 <= a < 1:
+        raise argparse.ArgumentTypeError(f"amplitude must be in [0, 1), got {a}")
+    if p is not None and not (math.isfinite(p) and p > 0):
+        raise argparse.ArgumentTypeError(f"period must be a positive number of seconds, got {p}")
+    return a, p
 
 
 def policy_object(

@@ -70,6 +70,7 @@ def test_decisions_are_the_policys_on_the_index_matches(name: str) -> None:
             request.routing_key,
             hashes,
             by_hand if hashes else None,
+            BS,
         )
         decision = build_policy(name, params).decide(direct, fleet)
         assert (route.ranked, route.reason) == (decision.ranked, decision.reason), trial

@@ -53,6 +53,7 @@ def test_replay_compares_policies_on_a_mooncake_slice_and_writes_the_report(
             "200000",
             "--slo",
             "ttft=2,tpot=0.05",
+            "--no-slo-routing",  # on this slice most prompts miss 2 s anywhere
             "--fail",
             "1@40",
             "--out",
@@ -72,7 +73,10 @@ def test_replay_compares_policies_on_a_mooncake_slice_and_writes_the_report(
         assert run["failed_replicas"] == [1]
         assert 0 <= run["prefix_hit_rate"] <= run["infinite_cache_hit_rate"] <= 1
         assert run["ttft_p50_s"] <= run["ttft_p99_s"]
-    assert summary["prefix_hit_rate"] > summary["runs"][1]["prefix_hit_rate"]
+    # This slice has little reuse (both near the pooled bound): kv_aware wins on load.
+    rr = summary["runs"][1]
+    assert summary["prefix_hit_rate"] >= 0.95 * rr["prefix_hit_rate"]
+    assert summary["ttft_p50_s"] < rr["ttft_p50_s"]
     report = (out / "report.md").read_text()
     assert "| kv_aware |" in report and "| round_robin |" in report
     for png in ("ttft_cdf.png", "tpot_cdf.png", "hit_rate_over_time.png", "load_per_replica.png"):
@@ -130,13 +134,16 @@ def test_plan_says_where_it_stopped_and_why_no_fleet_size_meets_the_slo(
     assert code == 0
     # The row shows the largest fleet simulated, not "> max", and says it missed.
     row = next(line for line in captured.out.splitlines() if line.strip().startswith("1x"))
-    assert row.split()[2:4] == ["64", "(miss)"] and "> max" not in captured.out
-    stopped = (
+    assert row.split()[2:4] == ["8", "(miss)"] and "> max" not in captured.out
+    for rate_stop in (
+        "no fleet size meets the SLO: the search stopped at 8 replicas (limit: --max-replicas "
+        "1024): TTFT p99 6.524 s > 1 s, as at 4 replicas (TTFT p99 6.536 s): more replicas do "
+        "not help",
         "no fleet size meets the SLO: the search stopped at 64 replicas (limit: --max-replicas "
         "1024): TTFT p99 6.532 s > 1 s, as at 32 replicas (TTFT p99 6.532 s): more replicas do "
-        "not help"
-    )
-    assert out.count(stopped) == 2  # one per rate
+        "not help",
+    ):
+        assert out.count(rate_stop) == 1  # one per rate
     assert (
         "why: 18 of 100 requests (18.0%) take longer than 1 s for prefill alone on an idle "
         "replica of llama-3.1-8b-h100 with every reusable prefix cached (a lower bound on TTFT "
@@ -144,12 +151,12 @@ def test_plan_says_where_it_stopped_and_why_no_fleet_size_meets_the_slo(
         "longest prompt, 120,633 tokens, takes 11.0 s to prefill from scratch"
     ) in out
     # Progress lines label their wall time.
-    progress = "1x rate, 64 replicas: TTFT p99 6.532 s, TPOT p99 11.2 ms, misses the SLO"
+    progress = "1x rate, 8 replicas: TTFT p99 6.524 s, TPOT p99 208.4 ms, misses the SLO"
     assert f"{progress} (simulated in " in captured.err
     row_json = json.loads((tmp_path / "plan.json").read_text())["rows"][0]
-    assert row_json["replicas"] is None and row_json["simulated"][-1] == 64
-    assert row_json["largest_tried"]["replicas"] == 64
-    assert row_json["largest_tried"]["ttft_s"] == pytest.approx(6.532, abs=0.001)
+    assert row_json["replicas"] is None and row_json["simulated"][-1] == 8
+    assert row_json["largest_tried"]["replicas"] == 8
+    assert row_json["largest_tried"]["ttft_s"] == pytest.approx(6.524, abs=0.001)
     assert row_json["unreachable"].startswith("no fleet size meets the SLO")
     assert row_json["why"][0].startswith("18 of 100 requests")
 

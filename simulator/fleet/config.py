@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvroute.kvcore.autoscale import AutoscaleSettings
 from kvroute.simulator.engine.config import EngineConfig
 from kvroute.simulator.engine.latency import LatencyModel
 
@@ -56,6 +57,10 @@ class FleetConfig:
     share: str = "none"  # what the pickers share: one of SHARE_MODES
     share_scrape_interval_s: float = 0.05  # share="scrape": the Gateway API picker's interval
     bus_lag_s: float = 0.001  # share="bus": publish to delivery (pub/sub on a LAN)
+    # An autoscaler (kvcore/autoscale.py) over ``replicas`` = its max: ``autoscale.min`` serve
+    # from the start, the rest are off until it starts them (``startup_s`` later they serve).
+    autoscale: AutoscaleSettings | None = None
+    startup_s: float = 60.0  # a started replica loads its model this long before it serves
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -81,6 +86,17 @@ class FleetConfig:
                 raise ValueError(f"{label} must be a finite number >= 0, got {value}")
         if self.scrape_interval_s == 0:
             raise ValueError("scrape_interval_s must be > 0")
+        if self.autoscale is not None:
+            problems = self.autoscale.problems()
+            if self.autoscale.max != self.replicas:
+                problems.append(
+                    f"autoscale.max: the fleet's replicas ({self.replicas}) are its max, got "
+                    f"{self.autoscale.max}"
+                )
+            if not (math.isfinite(self.startup_s) and self.startup_s >= 0):
+                problems.append(f"startup_s: must be a number >= 0, got {self.startup_s}")
+            if problems:
+                raise ValueError("; ".join(problems))
         if self.share_scrape_interval_s == 0:
             raise ValueError("share_scrape_interval_s must be > 0")
         for replica, at in self.failures:

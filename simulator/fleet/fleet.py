@@ -29,6 +29,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
+from kvroute.kvcore.autoscale import Autoscaler, ReplicaSignal
 from kvroute.kvcore.ledger import Dispatch, DispatchLedger, Route
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
@@ -47,7 +48,9 @@ from .shared_load import SharedTotals
 from .units import SimRequest, UnitTrace
 
 # Event kinds, in the order they run when they fall at the same instant.
-_FAIL, _OPS, _STEP, _SCRAPE, _ARRIVAL, _KICK, _BUS = range(7)
+_FAIL, _OPS, _STEP, _SCRAPE, _ARRIVAL, _KICK, _BUS, _SCALE, _READY = range(9)
+# A replica's phase under an autoscaler (always SERVING without one).
+_OFF, _STARTING, _SERVING, _DRAINING = range(4)
 # What a bus message announces: a picker's ledger call, for the others to repeat.
 _DISPATCHED, _ANSWERED, _FINISHED = range(3)
 
@@ -184,6 +187,18 @@ class _Fleet:
         bs = config.engine.block_size
         self._max_blocks = config.engine.num_blocks
         self._block_size = bs
+        self._holdings = holdings
+        self.phase = [_SERVING] * n
+        self.on_since = [0.0] * n  # when each replica was last started (autoscaler)
+        self.autoscaler = Autoscaler(config.autoscale) if config.autoscale is not None else None
+        if config.autoscale is not None:
+            self.result.replica_seconds = 0.0
+            first = reqs[0].arrival_s if reqs else 0.0
+            self.on_since = [first] * n
+            for r in range(config.autoscale.min, n):
+                self.phase[r] = _OFF
+                for router in self.routers:
+                    router.states[r].healthy = False
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -198,6 +213,8 @@ class _Fleet:
             self._push(at, _FAIL, replica)
         if reqs:
             self._push(reqs[0].arrival_s, _SCRAPE, -1)
+            if self.autoscaler is not None:
+                self._push(reqs[0].arrival_s, _SCALE, -1)
         report_every = max(1, total // 200)
         heap = self.heap
         i = 0
@@ -222,7 +239,7 @@ class _Fleet:
                 if not self.busy[replica] and replica not in self.failed:
                     self._start(replica, t)
             elif kind == _OPS:
-                if replica not in self.failed:
+                if replica not in self.failed and self.phase[replica] != _OFF:
                     self._apply_ops(replica, payload)  # type: ignore[arg-type]
             elif kind == _SCRAPE:
                 self._scrape()
@@ -241,6 +258,19 @@ class _Fleet:
                 self._fail(replica, t)
             elif kind == _BUS:
                 self._deliver(payload, t)  # type: ignore[arg-type]
+            elif kind == _SCALE:
+                self._autoscale(t)
+                if i < total or self.flights:
+                    assert self.config.autoscale is not None
+                    self._push(t + self.config.autoscale.interval_s, _SCALE, -1)
+            elif kind == _READY:
+                self._ready(replica)
+        if self.autoscaler is not None:
+            res = self.result
+            end = max([f for f in res.finish_s if not math.isnan(f)], default=t)
+            for r, phase in enumerate(self.phase):
+                if phase != _OFF:
+                    self._count_on(r, end)
         self._finish_stats()
         return self.result
 
@@ -330,6 +360,79 @@ class _Fleet:
         self.busy[r] = False
         self._take_report(r, self.engines[r].complete(), t)
         self._start(r, t)
+        if self.phase[r] == _DRAINING and self._idle(r):
+            self._off(r, t)
+
+    # -- the autoscaler (FleetConfig.autoscale) -----------------------------------------
+
+    def _autoscale(self, t: float) -> None:
+        assert self.autoscaler is not None
+        phase = self.phase
+        serving = [r for r, p in enumerate(phase) if p == _SERVING and r not in self.failed]
+        signals = [
+            ReplicaSignal(self.engines[r].num_waiting, self.engines[r].kv_usage) for r in serving
+        ]
+        starting = phase.count(_STARTING)
+        draining = phase.count(_DRAINING)
+        change = self.autoscaler.decide(t, signals, starting, draining)
+        if change > 0:
+            off = [r for r, p in enumerate(phase) if p == _OFF and r not in self.failed]
+            for r in off[:change]:
+                self._boot(r, t)
+        elif change < 0 and serving:
+            # The one with the least in flight leaves: the least to wait for.
+            r = min(serving, key=lambda k: sum(x.states[k].in_flight for x in self.routers))
+            phase[r] = _DRAINING
+            self.result.scale_actions.append((t, "down", r))
+            for router in self.routers:  # no new requests; those running finish there
+                router.states[r].healthy = False
+            if self._idle(r):
+                self._off(r, t)
+
+    def _boot(self, r: int, t: float) -> None:
+        """Start replica ``r`` with an empty cache: it serves ``startup_s`` later."""
+        self.phase[r] = _STARTING
+        self.on_since[r] = t
+        self.result.scale_actions.append((t, "up", r))
+        engine = make_engine(self.config, self.trace.block_tokens, self._holdings)
+        self.engines[r] = engine
+        if self.pools and isinstance(engine, FastEngine):
+            self.pools[r] = engine.pool
+        self._push(t + self.config.startup_s, _READY, r)
+
+    def _ready(self, r: int) -> None:
+        if self.phase[r] != _STARTING or r in self.failed:
+            return
+        self.phase[r] = _SERVING
+        for router in self.routers:
+            state = router.states[r]
+            state.healthy = True
+            state.reported_waiting = None
+            state.reported_kv_usage = None
+
+    def _idle(self, r: int) -> bool:
+        return (
+            not self.busy[r]
+            and not self.kicked[r]
+            and all(router.states[r].in_flight == 0 for router in self.routers)
+        )
+
+    def _off(self, r: int, t: float) -> None:
+        self.phase[r] = _OFF
+        self._count_on(r, t)
+        if self.pools:
+            self.pools[r].forget()  # its cache leaves the fleet's holdings
+        for router in self.routers:
+            router.index.clear_replica(self.names[r])
+            state = router.states[r]
+            state.reported_waiting = None
+            state.reported_kv_usage = None
+
+    def _count_on(self, r: int, t: float) -> None:
+        res = self.result
+        assert res.replica_seconds is not None
+        res.replica_seconds += max(0.0, t - self.on_since[r])
+        self.on_since[r] = t
 
     def _take_report(self, r: int, report: StepReport, t: float) -> None:
         res = self.result
@@ -381,7 +484,7 @@ class _Fleet:
     def _scrape(self) -> None:
         # Every picker scrapes every replica (at the same instants: a simplification).
         for r, engine in enumerate(self.engines):
-            if r not in self.failed:
+            if r not in self.failed and self.phase[r] != _OFF:
                 waiting, usage = engine.num_waiting, engine.kv_usage
                 for router in self.routers:
                     state = router.states[r]

@@ -54,6 +54,10 @@ class SimResult:
     # Per request, the policy's TTFT estimate (s) at its first decision, on its choice and on
     # round robin's / power of two's (policies/regret.py): choice -> list; None without one.
     estimated_ttft_s: dict[str, list[float]] | None = None
+    # With an autoscaler: replica-seconds started or serving or draining, and each action
+    # (time, "up" | "down", replica); without, the fixed fleet's replicas x the run.
+    replica_seconds: float | None = None
+    scale_actions: list[tuple[float, str, int]] = field(default_factory=list)
 
     # -- derived ----------------------------------------------------------------------
 
@@ -104,6 +108,13 @@ class SimResult:
                 good += 1
         span = self.makespan_s()
         return good, (good / span if span > 0 else NAN)
+
+    def replica_hours(self) -> float:
+        """Replica-hours the run used: the autoscaler's count, else every replica throughout
+        (from the first arrival to the last finish)."""
+        if self.replica_seconds is not None:
+            return self.replica_seconds / 3600
+        return self.replicas * self.makespan_s() / 3600
 
     def load_max_over_mean(self) -> float:
         """max / mean of the requests each replica that stayed up was sent (1.0 is even)."""

@@ -61,6 +61,10 @@ def summarize(
             completed / result.makespan_s() if result.makespan_s() else math.nan
         ),
         "makespan_s": _num(result.makespan_s()),
+        # With --autoscale: what the autoscaler ran; else every replica throughout.
+        "replica_hours": _num(result.replica_hours()),
+        "scale_ups": sum(1 for _, action, _ in result.scale_actions if action == "up"),
+        "scale_downs": sum(1 for _, action, _ in result.scale_actions if action == "down"),
         "ttft_p90_s": _num(percentile(ttfts, 0.9)),
         "tpot_p90_s": _num(percentile(tpots, 0.9)),
         "prompt_tokens": sum(result.input_tokens),

@@ -27,6 +27,8 @@ def load_trace(
     window_s: tuple[float, float] | None = None,
     max_requests: int | None = None,
     seed: int = 0,
+    diurnal: tuple[float, float | None] | None = None,
+    repeat: int = 1,
 ) -> Trace:
     """Load ``path`` (a synthetic spec for ``fmt="synthetic"``) and window, cap and scale it.
 
@@ -48,6 +50,8 @@ def load_trace(
         rate_scale=rate_scale,
         window_s=window_s,
         max_requests=max_requests,
+        diurnal=diurnal,
+        repeat=repeat,
     )
 
 
