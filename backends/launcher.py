@@ -92,6 +92,9 @@ class LaunchedReplica:
     kv_events: str | None
     kv_replay: str | None
     process: ManagedProcess
+    # Its place in the fleet: names it (``{engine}-{slot}``) and picks its GPU group. A
+    # replica replaced (rollout) or added in place of a removed one takes the same slot.
+    slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -266,15 +269,21 @@ class LaunchedFleet:
                 shutil.rmtree(self.kv_dir, ignore_errors=True)
             raise
 
-    def _replica(self, i: int, ports: list[int]) -> LaunchedReplica:
-        plan = plan_replica(self.spec, i, ports, self.kv_dir)
+    def _replica(self, i: int, ports: list[int], spec: LaunchSpec | None = None) -> LaunchedReplica:
+        spec = spec or self.spec
+        if spec.gpu_groups and i >= len(spec.gpu_groups):
+            raise LaunchError(
+                f"no GPUs placed for a replica in slot {i}: launch: placed "
+                f"{len(spec.gpu_groups)} GPU groups (raise launch.count to place more)"
+            )
+        plan = plan_replica(spec, i, ports, self.kv_dir)
         process = ManagedProcess(
             plan.name,
             plan.argv,
             env=plan.env,
             log_path=plan.log_path,
             health_url=plan.url + "/health",
-            max_restarts=self.spec.max_restarts,
+            max_restarts=spec.max_restarts,
         )
         kv = plan.kv
         return LaunchedReplica(
@@ -283,6 +292,7 @@ class LaunchedFleet:
             kv.events if kv is not None else None,
             kv.replay if kv is not None else None,
             process,
+            i,
         )
 
     def start(self) -> None:
@@ -321,6 +331,47 @@ class LaunchedFleet:
         for thread in threads:
             thread.join()
         return errors
+
+    # -- one replica at a time, while the router serves (router/membership.py) -------------
+    # Blocking, like the rest of the launcher: the router runs these in a thread.
+
+    def free_slot(self) -> int:
+        """The lowest slot no running replica holds (a removed replica's GPUs are reused)."""
+        taken = {r.slot for r in self.replicas}
+        return next(i for i in range(len(taken) + 1) if i not in taken)
+
+    def start_replica(self, slot: int, spec: LaunchSpec | None = None) -> LaunchedReplica:
+        """Start a replica in ``slot`` with ``spec`` (default the fleet's) on fresh ports, wait
+        until it is ready, watch it, and count it in the fleet. Raises ``LaunchError``.
+
+        Its KV-event sockets keep the slot's name: whatever held the slot before must be
+        stopped first (``stop_replica``).
+        """
+        replica = self._replica(slot, free_ports(3), spec)
+        replica.process.start()
+        try:
+            replica.process.wait_ready(self.spec.startup_timeout_s)
+        except LaunchError as exc:
+            replica.process.stop(grace_s=5.0)
+            if "address already in use" not in str(exc).lower():
+                raise
+            replica = self._replica(slot, free_ports(3), spec)  # a port taken meanwhile
+            replica.process.start()
+            try:
+                replica.process.wait_ready(self.spec.startup_timeout_s)
+            except LaunchError:
+                replica.process.stop(grace_s=5.0)
+                raise
+        replica.process.watch(self.spec.startup_timeout_s)
+        self.replicas.append(replica)
+        return replica
+
+    def stop_replica(self, name: str, grace_s: float = 10.0) -> LaunchedReplica:
+        """Stop replica ``name`` (its whole process group) and drop it from the fleet."""
+        replica = next(r for r in self.replicas if r.name == name)
+        replica.process.stop(grace_s)
+        self.replicas.remove(replica)
+        return replica
 
     def stop(self, grace_s: float = 10.0) -> None:
         threads = [threading.Thread(target=r.process.stop, args=(grace_s,)) for r in self.replicas]

@@ -268,6 +268,17 @@ class FairQueue:
     def counters(self) -> dict[str, float]:
         return {name: t.counter for name, t in self.tenants.items()}
 
+    def oldest_arrival(self, above: Priority) -> float | None:
+        """When the longest-waiting queued request of a class above ``above`` arrived (None:
+        none waits). The batch lane preempts its own work for such a request."""
+        heads = [
+            t.waiting[p][0].arrived
+            for t in self.tenants.values()
+            for p in Priority
+            if p > above and t.waiting[p]
+        ]
+        return min(heads) if heads else None
+
     def waiting(self, name: str) -> dict[str, int]:
         t = self.tenants.get(name)
         if t is None:

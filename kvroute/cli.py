@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvroute.demo import add_demo_command
     from kvroute.drill.run import add_drill_command
     from kvroute.epp_cli import add_epp_command
+    from kvroute.rollout_cli import add_rollout_command
     from kvroute.simulator.cli_replay import add_replay_parsers
     from kvroute.simulator.replica.cli import add_replica_command
     from kvroute.sweep import add_sweep_command
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_command(sub)
     add_make_tiny_model_command(sub)
     add_drill_command(sub)
+    add_rollout_command(sub)
     add_bench(sub)
     return parser
 
@@ -210,7 +212,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         else:
             from kvroute.router.runner import run
 
-            run(config)
+            run(config, launched=fleet)
     finally:
         if fleet is not None:
             fleet.stop()  # after the router has drained its in-flight requests

@@ -25,6 +25,9 @@ class ReplicaState:
     ejected: bool = False
     # Taken out of rotation by the output-drift canary (its greedy output left the fleet's).
     quarantined: bool = False
+    # Kept out of new routing by the fleet's operator: draining before it is stopped or removed
+    # (a rollout, DELETE /admin/replicas, the autoscaler), or a replacement awaiting its check.
+    draining: bool = False
     # Models the replica serves; None until known (then it is eligible for any model).
     models: frozenset[str] | None = None
     # The router's own accounting, updated at every dispatch and completion.
@@ -85,6 +88,7 @@ class FleetView:
             if r.healthy
             and not r.ejected
             and not r.quarantined
+            and not r.draining
             and (model is None or r.models is None or model in r.models)
         ]
 
@@ -96,6 +100,7 @@ class FleetView:
             replica.healthy
             and not replica.ejected
             and not replica.quarantined
+            and not replica.draining
             and (model is None or replica.models is None or model in replica.models)
         )
 

@@ -31,7 +31,10 @@ from kvroute.backends.placement import (
 )
 from kvroute.backends.vllm_args import owned_flags_in
 from kvroute.health.canary import DEFAULT_PROMPTS
+from kvroute.kvcore.autoscale import AutoscaleSettings
 from kvroute.policies import DEFAULT_POLICY, PolicyConfigError, build_policy
+
+from .batch.store import StoreUrlError, check_store_url
 
 
 class ConfigError(Exception):
@@ -253,9 +256,71 @@ class FairnessConfig(_Section):
     objectives: dict[str, str] = msgspec.field(default_factory=dict)
 
 
+class BatchConfig(_Section):
+    """The batch lane (/v1/files, /v1/batches): its durable queue and when its lines run."""
+
+    # sqlite:///PATH (one router, or the workers of one) or postgresql://USER@HOST/DB (several
+    # routers sharing one queue); null: sqlite in ~/.local/state/kvroute/batches.sqlite3.
+    store: str | None = None
+    # A replica has spare capacity for batch lines while the router's requests in flight on it
+    # are fewer than this (and no online request waits for admission).
+    max_in_flight_per_replica: int = 4
+    # An online request that has waited this long for admission aborts the newest running
+    # batch line (it is re-queued); needs limits.max_concurrent_requests, so requests queue.
+    preempt_after_s: float = 0.5
+    # A job is paced to finish by this fraction of its window; lines it falls behind by run
+    # in the standard class instead of waiting for spare capacity.
+    pace_fraction: float = 0.8
+    # How long a job's "24h" completion window really lasts (shorter for tests and drills).
+    window_s: float = 86400.0
+    # A line held by a router that stopped renewing (killed) is run again after this.
+    lease_s: float = 15.0
+    # How often the runner looks for work, finished jobs, cancellations and expiry.
+    poll_s: float = 0.2
+    # Tries of a line that fails for want of a replica (5xx, none healthy) before its error
+    # is stored; answers the request itself caused (4xx) are stored at once.
+    max_attempts: int = 3
+    max_lines: int = 50000  # request lines in one input file
+    max_file_bytes: int = 200 * 1024 * 1024  # one uploaded file
+
+
 class ShutdownConfig(_Section):
     # On SIGTERM: stop accepting, let in-flight requests finish this long, then exit.
     drain_timeout_s: float = 30.0
+
+
+class RolloutConfig(_Section):
+    """Replacing and removing replicas while serving: rollouts, DELETE /admin/replicas and the
+    autoscaler share these defaults (a rollout request may override them)."""
+
+    # A replica leaving rotation gets this long to finish what it is serving; streams still
+    # open then continue on another replica (resumed from the text already sent).
+    drain_timeout_s: float = 30.0
+    # A replacement or added replica must answer its health check (and pass the drift canary,
+    # when canary: is on) within this; vLLM loading a large model takes minutes.
+    readiness_timeout_s: float = 600.0
+    # Replicas a rollout replaces at once.
+    max_unavailable: int = 1
+
+
+class AutoscaleConfig(_Section):
+    """Launched replicas added and drained on the replicas' own queue and KV usage
+    (kvcore/autoscale.py); needs launch:."""
+
+    min: int = 1
+    max: int = 8
+    # Mean vllm:num_requests_waiting per serving replica above which replicas are added.
+    target_queue_per_replica: float = 2.0
+    # Mean KV-cache usage above which one is added; a replica is drained only when the others
+    # would stay under kv_low without it.
+    kv_high: float = 0.9
+    kv_low: float = 0.6
+    # How long the fleet must be quiet (no queue anywhere) before one replica is drained.
+    scale_down_idle_s: float = 120.0
+    interval_s: float = 10.0
+
+    def settings(self) -> AutoscaleSettings:
+        return AutoscaleSettings(**msgspec.structs.asdict(self))
 
 
 class HealthConfig(_Section):
@@ -377,6 +442,9 @@ class Config(_Section):
     replicas: list[ReplicaConfig] = msgspec.field(default_factory=list)
     # Replicas to start and manage (in addition to any listed under replicas).
     launch: LaunchConfig | None = None
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    # Scale the launched replicas with their load (null: a fixed launch.count).
+    autoscale: AutoscaleConfig | None = None
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     slo: SloConfig = msgspec.field(default_factory=SloConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
@@ -387,6 +455,8 @@ class Config(_Section):
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     tenants: TenantsConfig = msgspec.field(default_factory=TenantsConfig)
     fairness: FairnessConfig = msgspec.field(default_factory=FairnessConfig)
+    # The batch lane (/v1/files, /v1/batches); null: off (those routes answer 404).
+    batch: BatchConfig | None = None
     shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     canary: CanaryConfig = msgspec.field(default_factory=CanaryConfig)
@@ -612,6 +682,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
                 f"routing.block_size: {block_size} differs from launch.block_size "
                 f"{config.launch.block_size}; the router must cut prompts into the replicas' blocks"
             )
+    problems += _autoscale_problems(config)
     for i, model in enumerate(config.models):
         if not model:
             problems.append(f"models[{i}]: must not be empty")
@@ -629,6 +700,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         ("breaker", ("window_s", "cooldown_s", "max_cooldown_s")),
         ("limits", ("queue_timeout_s",)),
         ("shutdown", ("drain_timeout_s",)),
+        ("rollout", ("drain_timeout_s", "readiness_timeout_s")),
     ):
         for field in fields:
             value = getattr(getattr(config, section), field)
@@ -650,6 +722,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
     problems += _canary_problems(config.canary)
     check(_validate_auth, config.auth)
     problems += tenant_problems(config)
+    problems += _batch_problems(config.batch)
     if config.health.unhealthy_after < 1:
         problems.append(
             f"health.unhealthy_after: must be >= 1, got {config.health.unhealthy_after}"
@@ -663,6 +736,51 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
     except PolicyConfigError as exc:
         key = "policy.name" if "unknown policy" in str(exc) else "policy.params"
         problems.append(f"{key}: {exc}")
+    return problems
+
+
+def _autoscale_problems(config: Config) -> list[str]:
+    problems = []
+    if config.rollout.max_unavailable < 1:
+        problems.append(
+            f"rollout.max_unavailable: must be >= 1, got {config.rollout.max_unavailable}"
+        )
+    autoscale = config.autoscale
+    if autoscale is None:
+        return problems
+    problems += autoscale.settings().problems()
+    if config.launch is None:
+        problems.append("autoscale: scales launched replicas only; add a launch: section")
+    elif not autoscale.min <= config.launch.count <= autoscale.max:
+        problems.append(
+            f"launch.count: {config.launch.count} is outside autoscale min..max "
+            f"({autoscale.min}..{autoscale.max})"
+        )
+    if config.listen.workers > 1:
+        problems.append(
+            "autoscale: needs listen.workers: 1 (one router process owns the launched replicas)"
+        )
+    return problems
+
+
+def _batch_problems(batch: BatchConfig | None) -> list[str]:
+    if batch is None:
+        return []
+    problems = []
+    if batch.store is not None:
+        try:
+            check_store_url(batch.store)
+        except StoreUrlError as exc:
+            problems.append(f"batch.store: {exc}, got {batch.store!r}")
+    for field in ("preempt_after_s", "window_s", "lease_s", "poll_s"):
+        value = getattr(batch, field)
+        if not (math.isfinite(value) and value > 0):
+            problems.append(f"batch.{field}: must be a finite number > 0, got {value}")
+    if not 0 < batch.pace_fraction <= 1:
+        problems.append(f"batch.pace_fraction: must be in (0, 1], got {batch.pace_fraction}")
+    for field in ("max_in_flight_per_replica", "max_attempts", "max_lines", "max_file_bytes"):
+        if getattr(batch, field) < 1:
+            problems.append(f"batch.{field}: must be >= 1, got {getattr(batch, field)}")
     return problems
 
 

@@ -48,6 +48,10 @@ class RoutingCore:
         self._subscribers: dict[str, KVEventSubscriber] = {}
         self.registry = ReplicaRegistry(config, hooks)
         self.fleet: FleetView = self.registry.fleet
+        # The fleet as configured now, by name: what ``add_replica``/``remove_replica`` change.
+        self.members: dict[str, ReplicaConfig] = dict(
+            zip(self.registry.handles, config.replicas, strict=True)
+        )
         for name, replica in zip(self.registry.handles, config.replicas, strict=True):
             self._follow_events(name, replica)
         self.ledger = DispatchLedger(
@@ -122,6 +126,7 @@ class RoutingCore:
         traffic at once; otherwise they join on their first passing probe.
         """
         by_name = {r.name or replica_name_from_url(r.url): r for r in replicas}
+        self.members = dict(by_name)
         added, removed = self.registry.replace(replicas, ready=ready)
         if not added and not removed:
             return
@@ -144,6 +149,14 @@ class RoutingCore:
             len(self.registry),
         )
         self._probed()
+
+    async def add_replica(self, replica: ReplicaConfig, *, ready: bool) -> None:
+        """One more replica (admin API, rollout, autoscaler); ``ready`` as in set_replicas."""
+        await self.set_replicas([*self.members.values(), replica], ready=ready)
+
+    async def remove_replica(self, name: str) -> None:
+        """``name`` leaves the fleet: its handle, index entries, probes and KV events."""
+        await self.set_replicas([r for n, r in self.members.items() if n != name], ready=False)
 
     def follows_events(self, name: str) -> bool:
         """Whether the index hears ``name``'s KV events."""

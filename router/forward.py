@@ -98,7 +98,10 @@ class Forwarder:
             return None
         finally:
             ledger.finish(dispatch, time.monotonic())
-        if relayed.broken is not None:
+        if relayed.broken is not None and handle.state.draining:
+            # Cut by a drain (router/drain.py) to continue elsewhere: not the replica's failure.
+            metrics.observe_upstream_error(replica_id, "drained")
+        elif relayed.broken is not None:
             metrics.observe_upstream_error(replica_id, "broken_stream")
             self.registry.record(handle, False, "broken_stream")
         elif relayed.status not in (408, 429):
@@ -128,6 +131,8 @@ class Forwarder:
     def _unavailable(self, handle: ReplicaHandle, exc: UpstreamUnavailable) -> None:
         """The replica failed before the first byte: count it, and may take it out of rotation."""
         self.metrics.observe_upstream_error(handle.name, exc.kind)
+        if exc.kind == "drained":  # moved off a replica being drained: not its failure
+            return
         if exc.kind == "connect":
             self.registry.mark_down(handle)
         if exc.kind != "ejected" and (exc.status or 500) >= 500:

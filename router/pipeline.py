@@ -14,12 +14,13 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from multidict import CIMultiDict
 
 from kvroute.kvcore.fair_queue import Priority, Ticket
 from kvroute.kvcore.ledger import DispatchLedger, Route
@@ -37,7 +38,7 @@ from .metrics import RouterMetrics
 from .openai_request import ParsedRequest
 from .parity import ParityChecker
 from .prompt_keys import PromptKeys
-from .proxy import ClientExchange, Relayed, end_broken_stream, sse_error
+from .proxy import ClientExchange, ClientRequest, Relayed, end_broken_stream, sse_error
 from .registry import ReplicaRegistry
 from .resume import StreamTranscript, continuation_body, resume_blocker
 from .tenants import DEFAULT_TENANT, Tenants
@@ -139,6 +140,40 @@ class RequestPipeline:
         body = await self._read_body(request)
         parsed = parse(body)
         self.catalog.check(parsed.model)
+        return await self._admit_parsed(
+            request, self._client_headers(request), body, parsed, tenant, priority
+        )
+
+    async def serve_internal(
+        self,
+        request: InternalRequest,
+        parse: Callable[[bytes], ParsedRequest],
+        tenant: str,
+        priority: Priority,
+    ) -> web.StreamResponse:
+        """A request the router makes itself (a batch line): checked, admitted in the class
+        ``priority``, routed, forwarded and retried exactly as a client's, with no client
+        connection. Its answer is whole (a ``web.Response``). Raises ApiError as ``admit``."""
+        parsed = parse(request.body)
+        self.catalog.check(parsed.model)
+        full = self.admission.refuses(priority)
+        if full is not None:
+            raise full
+        return await self._admit_parsed(
+            request, request.raw_headers, request.body, parsed, tenant, priority
+        )
+
+    async def _admit_parsed(
+        self,
+        request: ClientRequest,
+        client_headers: Iterable[tuple[bytes, bytes]],
+        body: bytes,
+        parsed: ParsedRequest,
+        tenant: str,
+        priority: Priority,
+    ) -> web.StreamResponse:
+        """Check the tenant's budget, wait for admission, serve within the total timeout."""
+        tenants = self.tenants
         now = time.monotonic()
         ticket = (
             tenants.ticket(tenant, priority, parsed.prompt_tokens, now)
@@ -157,7 +192,7 @@ class RequestPipeline:
             raise
         if ticket is not None and self.tenants is not None:
             self.tenants.admitted(ticket, time.monotonic())
-        exchange = ClientExchange(request, self._client_headers(request), False, None)
+        exchange = ClientExchange(request, client_headers, False, None)
         try:
             if self.deadlines is None:
                 return await self.serve(exchange, admitted)
@@ -175,8 +210,13 @@ class RequestPipeline:
         route = await self._route(request, parsed, admitted)
         admitted.prompt_tokens = route.request.prompt_tokens
         exchange.expect_stream = parsed.stream
+        exchange.retry_until = arrived + self.retry.budget_s - self.retry.backoff_max_s
         if parsed.stream and self.config.retry.resume_streams:
-            exchange.transcript = StreamTranscript(chat=parsed.messages is not None)
+            tracked = StreamTranscript(chat=parsed.messages is not None)
+            exchange.transcript = tracked
+            exchange.resume_check = functools.partial(
+                self._resumable, tracked, body, parsed.messages is not None
+            )
         request_id = self._request_id(request)
         tried: set[str] = set()
         relayed = await self._try_replicas(exchange, route, tried, body, request_id, arrived)
@@ -192,6 +232,14 @@ class RequestPipeline:
             relayed = await self._resume(exchange, route, tried, body, request_id, chat, relayed)
         admitted.served(relayed, transcript)
         return relayed.response
+
+    def _resumable(self, transcript: StreamTranscript, body: bytes, chat: bool) -> bool:
+        """Whether ``_resume`` would continue this stream if it broke now (asked by a drain
+        only, so the body is decoded only then)."""
+        if not transcript.resumable() or transcript.resumes >= self.config.retry.max_resumes:
+            return False
+        original = msgspec.json.decode(body)
+        return isinstance(original, dict) and resume_blocker(original, chat) is None
 
     async def _tokenize_queued(self, admitted: Admitted) -> None:
         """While it waits for a slot: its block hashes, for the queue to weigh locality by."""
@@ -216,7 +264,7 @@ class RequestPipeline:
             self.tenants.finished(ticket, input_tokens, output_tokens, admitted.outcome, now)
 
     async def _route(
-        self, request: web.Request, parsed: ParsedRequest, admitted: Admitted | None = None
+        self, request: ClientRequest, parsed: ParsedRequest, admitted: Admitted | None = None
     ) -> Route:
         if admitted is not None and admitted.tokenized:
             blocks = admitted.blocks  # tokenized while it queued
@@ -367,11 +415,25 @@ class RequestPipeline:
             return request.raw_headers
         return tuple(h for h in request.raw_headers if h[0].lower() != b"authorization")
 
-    def _request_id(self, request: web.Request) -> str:
+    def _request_id(self, request: ClientRequest) -> str:
         request_id = request.headers.get("X-Request-Id", "")
         if usable_request_id(request_id):
             return request_id
         return f"kvr-{self._id_prefix}-{next(self._ids):x}"
+
+
+@dataclass(slots=True)
+class InternalRequest:
+    """A request the router makes itself: the path it would have come on, its headers (the
+    X-Request-Id the replica gets, a session key) and its body."""
+
+    raw_path: str
+    headers: CIMultiDict[str]
+    body: bytes
+
+    @property
+    def raw_headers(self) -> tuple[tuple[bytes, bytes], ...]:
+        return tuple((k.encode(), v.encode()) for k, v in self.headers.items())
 
 
 @dataclass(slots=True)

@@ -8,9 +8,11 @@ events only and remembers what was sent; other streams are relayed chunk by chun
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 from aiohttp import web
@@ -82,11 +84,22 @@ def retryable_status(status: int) -> bool:
     return status >= 500 or status in (408, 429)
 
 
+class ClientRequest(Protocol):
+    """What the path reads of a client's request: an HTTP one (``web.Request``), or one the
+    router makes itself (a batch line, ``pipeline.InternalRequest``)."""
+
+    @property
+    def raw_path(self) -> str: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+
 @dataclass(slots=True)
 class ClientExchange:
     """The client's side of one request, shared by every try at it (retries and resumes)."""
 
-    request: web.Request
+    request: ClientRequest
     headers: Iterable[tuple[bytes, bytes]]  # the client's headers passed on to replicas
     expect_stream: bool
     # Tracks a stream that may be resumed elsewhere (whole SSE events, text sent so far).
@@ -97,6 +110,12 @@ class ClientExchange:
     tries: int = 0  # replicas tried so far, retries and resumes included
     # The router asked for the usage chunk the client did not: keep it from the client.
     strip_usage: bool = False
+    # Whether a break in this stream now would be resumed elsewhere (set by the pipeline for
+    # streams it may resume); a drain cuts only streams that would be.
+    resume_check: Callable[[], bool] | None = None
+    # Until when a failed whole answer would still be tried on another replica (the retry
+    # budget less one backoff); set by the pipeline.
+    retry_until: float = 0.0
 
 
 @dataclass(slots=True)
@@ -157,6 +176,13 @@ async def relay(
             except UpstreamError as exc:
                 raise UpstreamUnavailable(exc.kind, str(exc)) from None
         upstream.started()
+        # What a drain may cut (router/drain.py): a whole answer while another try is left (it
+        # is then retried elsewhere); a stream when the pipeline can resume it.
+        if not streaming:
+            if call.retry_status:
+                upstream.movable = functools.partial(_retry_left, exchange)
+        elif exchange.transcript is not None and status < 400:
+            upstream.movable = exchange.resume_check
         if on_first_byte is not None:
             on_first_byte(status)
         if not streaming:
@@ -186,10 +212,17 @@ async def relay(
         upstream.close()
 
 
+def _retry_left(exchange: ClientExchange) -> bool:
+    return time.monotonic() < exchange.retry_until
+
+
 async def _open_stream(
     exchange: ClientExchange, upstream: UpstreamResponse, call: UpstreamCall
 ) -> web.StreamResponse:
     """The client's stream, with the replica's status and headers (and the router's)."""
+    if not isinstance(exchange.request, web.Request):
+        # An internal request never asks to stream (batch lines are checked for it).
+        raise UpstreamUnavailable("protocol", "a stream answered a request without a client")
     headers = _response_headers(upstream, call.response_headers)
     stream = web.StreamResponse(status=upstream.status, headers=headers)
     await stream.prepare(exchange.request)

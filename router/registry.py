@@ -104,28 +104,41 @@ class ReplicaRegistry:
 
     def in_rotation(self) -> int:
         return sum(
-            1 for r in self.fleet.replicas if r.healthy and not r.ejected and not r.quarantined
+            1
+            for r in self.fleet.replicas
+            if r.healthy and not r.ejected and not r.quarantined and not r.draining
         )
 
     # -- may it take traffic? ---------------------------------------------------------
 
     def may_take(self, handle: ReplicaHandle, now: float) -> bool:
-        """Healthy by its probes, not quarantined by the drift canary, and let through by its
-        breaker (half-open: a trial slot)."""
+        """Healthy by its probes, not quarantined by the drift canary, not draining, and let
+        through by its breaker (half-open: a trial slot)."""
         state = handle.state
-        return state.healthy and not state.quarantined and handle.breaker.allows(now)
+        return (
+            state.healthy
+            and not state.quarantined
+            and not state.draining
+            and handle.breaker.allows(now)
+        )
 
     def candidate(self, ranked: tuple[str, ...], tried: set[str]) -> str | None:
-        """The best replica not tried yet that may take traffic now, else any that may."""
+        """The best replica not tried yet that may take traffic now, else one that joined or
+        came back since the decision (a stream resumed long after it was routed, while the
+        fleet was changing), else any that may."""
         now = time.monotonic()
         fallback = None
         for replica_id in ranked:
-            if not self.may_take(self.handles[replica_id], now):
+            handle = self.handles.get(replica_id)  # gone since the decision (removed, replaced)
+            if handle is None or not self.may_take(handle, now):
                 continue
             if replica_id not in tried:
                 return replica_id
             if fallback is None:
                 fallback = replica_id
+        for replica_id, handle in self.handles.items():
+            if replica_id not in tried and self.may_take(handle, now):
+                return replica_id
         return fallback
 
     def before_decision(self, now: float) -> None:

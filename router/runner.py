@@ -12,6 +12,8 @@ import sys
 import uvloop
 from aiohttp import web
 
+from kvroute.backends.launcher import LaunchedFleet
+
 from .config import Config
 from .fd_limit import needed_fds, raise_fd_limit
 from .malloc_tuning import tune_malloc
@@ -36,8 +38,10 @@ def app_runner(router: Router) -> web.AppRunner:
     )
 
 
-async def serve_forever(config: Config, context: WorkerContext | None = None) -> None:
-    router = Router(config, context)
+async def serve_forever(
+    config: Config, context: WorkerContext | None = None, launched: LaunchedFleet | None = None
+) -> None:
+    router = Router(config, context, launched)
     runner = app_runner(router)
     await runner.setup()
     site = web.TCPSite(
@@ -121,8 +125,12 @@ def check_can_listen(host: str, port: int) -> str | None:
     return None
 
 
-def run(config: Config, context: WorkerContext | None = None) -> None:
+def run(
+    config: Config, context: WorkerContext | None = None, launched: LaunchedFleet | None = None
+) -> None:
+    """``launched``: the replicas this process started (launch:), which the router may then
+    replace, add and stop (rollouts, the admin API, the autoscaler); one worker only."""
     limits = config.limits
     raise_fd_limit(needed_fds(limits.max_concurrent_requests, limits.max_queued_requests))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve_forever(config, context))
+        runner.run(serve_forever(config, context, launched))

@@ -20,15 +20,20 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvroute.backends.handle import ReplicaHandle
+from kvroute.backends.launcher import LaunchedFleet
 from kvroute.health.breaker import BreakerState
 from kvroute.policies import FleetView, Policy
 
 from . import errors
 from .admission import Admission, prefix_locality
 from .auth import Auth
+from .batch.api import off_routes
+from .batch.lane import BatchLane
+from .batch.metrics import BatchMetrics
 from .config import Config
 from .core import RoutingCore
 from .deadlines import Deadlines
+from .fleet_admin import FleetControl
 from .forward import Forwarder
 from .loop_lag import LoopLagMonitor
 from .metrics import RouterMetrics
@@ -54,7 +59,12 @@ STATUS_TICK_S = 1.0
 
 
 class Router:
-    def __init__(self, config: Config, worker: WorkerContext | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        worker: WorkerContext | None = None,
+        launched: LaunchedFleet | None = None,
+    ) -> None:
         self.config = config
         # With several worker processes: shared load, and each other's counters in /metrics.
         self._shared = WorkerLoad(worker) if worker is not None else None
@@ -152,6 +162,20 @@ class Router:
             parity=self.parity,
             tenants=self.tenants,
         )
+        # The batch lane (/v1/files, /v1/batches), when configured; its metrics always exist.
+        self.batch_metrics = BatchMetrics()
+        self.metrics.parts["batch"] = self.batch_metrics
+        self.batch: BatchLane | None = None
+        if config.batch is not None:
+            self.batch = BatchLane(
+                config.batch,
+                self.pipeline,
+                self.admission,
+                self.fleet,
+                self.auth,
+                self.tenants,
+                self.batch_metrics,
+            )
         # Set when SIGTERM starts the drain: /ready says 503 so load balancers stop sending.
         self.draining = False
         self.status = StatusFeed(
@@ -164,6 +188,11 @@ class Router:
             lambda: self.tenants.summary(self.admission.fair, time.monotonic()),
         )
         self._worker_index = worker.index if worker is not None else None
+        # Fleet changes while serving: add/remove replicas, rollouts, the autoscaler.
+        self.fleet_control = FleetControl(
+            config, core, self.auth, lambda: self.forwarder.client, launched
+        )
+        self.metrics.parts["fleet"] = self.fleet_control.metrics
         self._status_closing = asyncio.Event()  # set at shutdown: open /status streams end
 
     @property
@@ -183,6 +212,10 @@ class Router:
         routes.add_post("/v1/completions", handler(parse_completion), expect_handler=expect)
         routes.add_post("/v1/chat/completions", handler(parse_chat), expect_handler=expect)
         routes.add_get("/v1/models", self.handle_models, expect_handler=expect)
+        if self.batch is not None:
+            self.batch.add_routes(routes)
+        else:
+            off_routes(routes)
         routes.add_get("/health", self.handle_health, expect_handler=expect)
         routes.add_get("/ready", self.handle_ready, expect_handler=expect)
         if self.config.metrics.enabled:
@@ -192,6 +225,7 @@ class Router:
         routes.add_post(
             "/admin/replicas/{name}/unquarantine", self.handle_unquarantine, expect_handler=expect
         )
+        self.fleet_control.add_routes(routes, expect)
         routes.add_get("/status", self.handle_status_page, expect_handler=expect)
         routes.add_get("/status/events", self.handle_status_events, expect_handler=expect)
         app.on_startup.append(self._on_startup)
@@ -206,12 +240,18 @@ class Router:
         if self._deadlines is not None:
             self._deadlines.start()
         await self.core.start()
+        if self.batch is not None:
+            await self.batch.start()
         if self.parity is not None:
             self.parity.start()
         if self._exchange is not None:
             self._exchange.start(self.metrics)
+        self.fleet_control.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        if self.batch is not None:
+            await self.batch.close()  # its lines go back to the queue while the client is open
+        await self.fleet_control.close()
         self._loop_lag.close()
         if self._deadlines is not None:
             await self._deadlines.close()
@@ -264,6 +304,9 @@ class Router:
                     "url": handle.base_url,
                     "healthy": state.healthy,
                     "ejected": state.ejected,
+                    # Out of new routing while it drains (or until a replacement is checked).
+                    "draining": state.draining,
+                    **self.fleet_control.row_fields(name),
                     "breaker": breaker.state.value,
                     "breaker_reason": breaker.last_reason or None,
                     # Why its last health probe failed (null while healthy).
@@ -281,7 +324,9 @@ class Router:
                     **_drift_fields(handle),
                 }
             )
-        return _json({"replicas": rows, "draining": self.draining})
+        return _json(
+            {"replicas": rows, "draining": self.draining, "rollout": self.fleet_control.progress()}
+        )
 
     async def handle_admin_tenants(self, request: web.Request) -> web.Response:
         """Each tenant's settings, usage, queue and budget state (this worker's)."""

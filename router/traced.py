@@ -45,7 +45,7 @@ from .forward import Forwarder, Try
 from .metrics import RouterMetrics
 from .openai_request import ParsedRequest
 from .pipeline import RequestPipeline
-from .proxy import ClientExchange, Relayed, Timeouts, UpstreamUnavailable
+from .proxy import ClientExchange, ClientRequest, Relayed, Timeouts, UpstreamUnavailable
 from .registry import ReplicaRegistry
 from .tracing import Tracing, without_trace_headers
 
@@ -129,7 +129,7 @@ class TracedPipeline(RequestPipeline):
         # The replica gets the attempt span's context instead (TracedForwarder).
         return without_trace_headers(super()._client_headers(request))
 
-    def _request_id(self, request: web.Request) -> str:
+    def _request_id(self, request: ClientRequest) -> str:
         request_id = super()._request_id(request)
         trace.get_current_span().set_attribute("kvroute.request_id", request_id)
         return request_id

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 import httptools
@@ -73,6 +73,13 @@ class UpstreamAbandoned(UpstreamError):
     kind = "ejected"
 
 
+class UpstreamDrained(UpstreamError):
+    """The router cut the response because its replica is being drained (router/drain.py):
+    the caller continues it elsewhere."""
+
+    kind = "drained"
+
+
 class UpstreamResponse:
     """One response: status and headers once they arrive, then body chunks."""
 
@@ -85,6 +92,7 @@ class UpstreamResponse:
         "buffered",
         "complete",
         "headers",
+        "movable",
         "status",
     )
 
@@ -98,6 +106,9 @@ class UpstreamResponse:
         self.complete = False
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        # Set by the relay once the answer is under way: whether cutting it now (a drain) would
+        # still let the router finish it elsewhere (retry or resume). None: it would not.
+        self.movable: Callable[[], bool] | None = None
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -133,11 +144,15 @@ class UpstreamResponse:
 
     def started(self) -> None:
         """The replica has started answering: no longer abandoned when it is ejected."""
-        self._conn.pool.waiting.discard(self)
+        pool = self._conn.pool
+        pool.waiting.discard(self)
+        pool.active.add(self)
 
     def close(self) -> None:
         """Abandon the response; an unfinished one closes its connection (the replica sees it)."""
-        self._conn.pool.waiting.discard(self)
+        pool = self._conn.pool
+        pool.waiting.discard(self)
+        pool.active.discard(self)
         if not self.complete:
             self._conn.abort()
 
@@ -291,6 +306,8 @@ class _Pool:
         self.idle: deque[_Connection] = deque()
         # Responses the replica has not started answering yet (see UpstreamClient.abandon_waiting).
         self.waiting: set[UpstreamResponse] = set()
+        # Responses being relayed (started, not yet closed): what a drain may cut.
+        self.active: set[UpstreamResponse] = set()
 
     async def acquire(self) -> _Connection:
         while self.idle:
@@ -401,6 +418,47 @@ class UpstreamClient:
             response._fail(UpstreamAbandoned(reason))
             response._conn.abort()
         return len(waiting)
+
+    def cut_movable(self, base_url: str, reason: str) -> tuple[int, int]:
+        """Break every response from ``base_url`` that the router can still finish elsewhere:
+        those not started yet (retried) and those whose relay says they are movable (resumed
+        streams, retried whole answers). Returns (cut, left): ``left`` could not be moved.
+
+        Used by a drain: what the replica did not finish within its drain time continues on
+        another replica instead of dying with the process.
+        """
+        pool = self._pools.get(base_url)
+        if pool is None:
+            return 0, 0
+        waiting, pool.waiting = pool.waiting, set()
+        cut = [*waiting]
+        left = 0
+        for response in list(pool.active):
+            movable = response.movable
+            if movable is not None and movable():
+                pool.active.discard(response)
+                cut.append(response)
+            else:
+                left += 1
+        for response in cut:
+            response._fail(UpstreamDrained(reason))
+            conn = response._conn
+            if conn.response is response:
+                conn.response = None  # a close-delimited body must not read as complete
+            conn.abort()
+        return len(cut), left
+
+    def unmovable(self, base_url: str) -> int:
+        """Responses from ``base_url`` being relayed that a cut would lose (see cut_movable)."""
+        pool = self._pools.get(base_url)
+        if pool is None:
+            return 0
+        return sum(1 for r in pool.active if r.movable is None or not r.movable())
+
+    def in_flight(self, base_url: str) -> int:
+        """Responses from ``base_url`` waiting or being relayed now."""
+        pool = self._pools.get(base_url)
+        return len(pool.waiting) + len(pool.active) if pool is not None else 0
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -45,6 +45,11 @@ class FakeReplica:
     # Answer every generation request with this status (an error body), whatever the prompt.
     fail_with: int | None = None
     running: int = 0
+    # Whole (non-streamed) answers wait this long first, like a replica busy generating.
+    delay_s: float = 0.0
+    # Prompts of the whole answers it finished sending, and requests whose client went away.
+    completed: list[str] = field(default_factory=list)
+    aborted: int = 0
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -98,8 +103,16 @@ class FakeReplica:
                 await self.gate.wait()
             if body.get("stream"):
                 return await self._stream(request, body, chat, prompt)
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
             text = f"hello from {self.name}"
-            return web.json_response(_full(body, chat, text, self.name))
+            response = web.json_response(_full(body, chat, text, self.name))
+            self.completed.append(prompt)
+            return response
+        except asyncio.CancelledError:
+            self.aborted += 1
+            self.client_gone.set()
+            raise
         finally:
             self.running -= 1
 

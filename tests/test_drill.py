@@ -162,3 +162,19 @@ def test_killing_a_real_vllm_replica_under_load_loses_nothing() -> None:
     # margin.
     detected = detect_s(report)
     assert detected is not None and detected <= 2.0, report
+
+
+@pytest.mark.slow
+def test_a_rollout_of_every_emulated_replica_under_load_loses_and_cuts_nothing() -> None:
+    result = drill(
+        "--config", "configs/drill-emulated.yaml", "--scenario", "rollout", "--at", "1",
+        "--rate", "10", "--duration", "4", "--max-tokens", "200",
+        "--rollout-args=--max-num-seqs 48",
+    )  # fmt: skip
+    report = result.stdout
+    assert result.returncode == 0, report + result.stderr
+    assert field(report, "rollout") == "done, 4 replaced"
+    assert field(report, "failed (lost)") == "0"
+    assert field(report, "cut streams") == "0"
+    assert field(report, "time per replica").count("emulated-") == 4
+    assert report.rstrip().endswith("PASS, nothing lost or cut")

@@ -7,7 +7,8 @@ a connection error, an SSE error event, or a stream that ended without its finis
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -39,22 +40,51 @@ async def run_load(
     """Send ``rate`` requests per second for ``duration_s`` from ``started`` (a
     ``time.monotonic()``), alternating streamed and not."""
     n = int(rate * duration_s)
+    return await _send(url, _plan(url, model, rate, max_tokens, n, None), started, api_key)
 
-    def plan() -> Iterator[Planned]:
-        for i in range(n):
-            prompt = _TENANT_PROMPTS[i % len(_TENANT_PROMPTS)] + f" Question {i}: why?"
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "stream": i % 2 == 0,
-            }
-            yield Planned(i / rate, url + "/v1/completions", body)
 
+async def run_load_until(
+    url: str,
+    model: str,
+    rate: float,
+    max_tokens: int,
+    started: float,
+    stop: Callable[[], bool],
+    api_key: str | None = None,
+) -> LoadResult:
+    """``run_load`` without a set length: requests keep coming until ``stop()`` (a rollout
+    drill lasts as long as its rollout)."""
+    return await _send(url, _plan(url, model, rate, max_tokens, None, stop), started, api_key)
+
+
+def _plan(
+    url: str,
+    model: str,
+    rate: float,
+    max_tokens: int,
+    n: int | None,
+    stop: Callable[[], bool] | None,
+) -> Iterator[Planned]:
+    for i in itertools.count():
+        if (n is not None and i >= n) or (stop is not None and stop()):
+            return
+        prompt = _TENANT_PROMPTS[i % len(_TENANT_PROMPTS)] + f" Question {i}: why?"
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": i % 2 == 0,
+        }
+        yield Planned(i / rate, url + "/v1/completions", body)
+
+
+async def _send(
+    url: str, plan: Iterator[Planned], started: float, api_key: str | None
+) -> LoadResult:
     outcomes: dict[int, Outcome] = {}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as http:
-        await run_open_loop(http, plan(), started=started, on_done=outcomes.__setitem__)
+        await run_open_loop(http, plan, started=started, on_done=outcomes.__setitem__)
     return LoadResult([outcomes[i] for i in sorted(outcomes)])

