@@ -195,6 +195,7 @@ class Target:
         """The fake replicas keep every body they get: memory of the test's, not the router's."""
         for replica in self.replicas:
             replica.seen.clear()
+            replica.completed.clear()
 
 
 def peak_rss_bytes() -> int:
