@@ -14,6 +14,9 @@ from kvroute.bench.loadgen import LoadError, LoadResult, parse_wrk, wrk_script
 from kvroute.bench.overhead import TARGETS, Row
 from kvroute.cli import build_parser
 
+from .conftest import StartReplica, StartRouter
+from .helpers import wait_until
+
 WRK_OK = """\
 Running 2s test @ http://127.0.0.1:9301/v1/completions
   2 threads and 32 connections
@@ -285,3 +288,16 @@ async def test_agent_conversations_grow_turn_by_turn_and_are_measured_after_thei
             assert [m["role"] for m in after[len(before) :]] == ["assistant", "user"]
     # Only turns after every conversation's first one were measured.
     assert done.load.requests <= len(seen) - 3
+
+
+async def test_status_viewers_hold_the_status_page_open_while_measured(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    """kvroute-status's A/B: two /status pages stream the status document while the load runs."""
+    assert TARGETS["kvroute-status"].status_viewers == 2
+    a = await start_replica("a")
+    r = await start_router([a])
+    viewers = overhead.StatusViewers(r.url, 2)
+    with viewers:
+        await wait_until(lambda: viewers.events >= 4, timeout_s=10, what="4 status documents")
+    assert all(not t.is_alive() for t in viewers._threads)

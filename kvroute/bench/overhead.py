@@ -51,6 +51,7 @@ class Target:
     router: str  # "direct", "kvroute", "vllm-router" or "smg"
     policy: str | None  # None: the router's default
     workers: int = 1  # kvroute only: router processes sharing the port
+    status_viewers: int = 0  # kvroute only: /status pages open (SSE streams) while measured
 
 
 TARGETS: dict[str, Target] = {
@@ -61,6 +62,8 @@ TARGETS: dict[str, Target] = {
         Target("kvroute", "kvroute", None),
         Target("kvroute-rr-w2", "kvroute", "round_robin", workers=2),
         Target("kvroute-w2", "kvroute", None, workers=2),
+        # The A/B for the status page: kvroute with two /status pages open (ask with --targets).
+        Target("kvroute-status", "kvroute", None, status_viewers=2),
         Target("vllm-router-rr", "vllm-router", "round_robin"),
         Target("vllm-router-ca", "vllm-router", "cache_aware"),
         Target("smg-ca", "smg", "cache_aware"),
@@ -277,7 +280,8 @@ def measure(
         delay = max(0.0, start - time.monotonic())
         threading.Timer(delay, lambda: spy.append(PySpy(router_pid, end - start, out))).start()
 
-    with sampler or contextlib.nullcontext():
+    viewers = StatusViewers(base_url, row.target.status_viewers)
+    with sampler or contextlib.nullcontext(), viewers:
         if options.workload == "agent":
             spec = Conversations(
                 base_url + "/v1/chat/completions",
@@ -306,6 +310,10 @@ def measure(
             window_opens(start, start + options.duration_s)
             row.result = run_load(wrk, load)
             window = (start, time.monotonic())
+    if viewers.count:
+        row.notes.append(
+            f"{viewers.events} /status documents streamed to {viewers.count} open pages"
+        )
     measured = row.result is not None and row.result.requests and window[1] < float("inf")
     if sampler is not None and measured:
         cpu_s = sampler.cpu_between(*window)
@@ -318,6 +326,42 @@ def measure(
             row.notes.append(problem)
         else:
             row.profile = top_frames(recording.out)
+
+
+class StatusViewers:
+    """``count`` people with the router's /status page open: each an SSE stream of the
+    status document (one a second), read on a thread until the measurement ends."""
+
+    def __init__(self, base_url: str, count: int) -> None:
+        self.url = base_url + "/status/events"
+        self.count = count
+        self.events = 0  # documents received, over all viewers
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> StatusViewers:
+        for _ in range(self.count):
+            thread = threading.Thread(target=self._view, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _view(self) -> None:
+        request = urllib.request.Request(self.url, headers={"Accept": "text/event-stream"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                for line in response:
+                    if line.startswith(b"data: "):
+                        self.events += 1
+                    if self._stop.is_set():
+                        return
+        except (OSError, urllib.error.URLError):
+            return  # the router went away: the row's own numbers say so
 
 
 @contextlib.contextmanager
