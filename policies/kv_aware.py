@@ -292,12 +292,7 @@ class KvAware(Policy):
         work = request.prompt_tokens - cached
         if work < 1:
             work = 1
-        work += replica.prefill_tokens
-        waiting = replica.reported_waiting
-        if waiting:
-            foreign = waiting - replica.prefilling
-            if foreign > 0:
-                work += foreign * self.waiting_request_tokens
+        work += self._queued_prefill(replica)
         latency = replica.latency or self._prior_latency
         return latency.ttft(work), latency.tpot(replica.in_flight + 1)
 
@@ -347,16 +342,23 @@ class KvAware(Policy):
     def _cache_cost(self, replica: ReplicaState, request: RouteRequest, full_cost: float) -> float:
         """``full_cost`` less its queueing terms: the tokens this choice prefills and the fleet
         prefills again or evicts."""
-        queued = float(replica.prefill_tokens)
+        queued = float(self._queued_prefill(replica))
+        decoding = replica.in_flight - replica.prefilling
+        if decoding > 0:
+            queued += self.decode_weight * decoding
+        return full_cost - queued
+
+    def _queued_prefill(self, replica: ReplicaState) -> int:
+        """Prefill work ahead of a new request there: the router's own queued prompts, plus
+        requests the replica reports waiting that the router did not send (``cost`` inlines
+        the same terms: it runs per replica per request)."""
+        queued = replica.prefill_tokens
         waiting = replica.reported_waiting
         if waiting:
             foreign = waiting - replica.prefilling
             if foreign > 0:
                 queued += foreign * self.waiting_request_tokens
-        decoding = replica.in_flight - replica.prefilling
-        if decoding > 0:
-            queued += self.decode_weight * decoding
-        return full_cost - queued
+        return queued
 
     # -- sessions ----------------------------------------------------------------------
 
