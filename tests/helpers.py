@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "") -> None:
@@ -72,3 +73,12 @@ def full_traces_dir() -> Path | None:
     published for the full files; None when unset (those tests then skip, saying why)."""
     value = os.environ.get("KVROUTE_TRACES")
     return Path(value) if value else None
+
+
+def replica_source(running: Any, name: str, events: bool = True) -> dict[str, Any]:
+    """A router config's replica entry for an emulated replica (conftest's ``Running``), with
+    its KV-event and replay endpoints unless ``events`` is False."""
+    entry: dict[str, Any] = {"url": running.url, "name": name}
+    if events:
+        entry |= {"kv_events": running.events, "kv_replay": running.replay}
+    return entry

@@ -20,14 +20,7 @@ from kvroute.router.prompt_tokenizer import PromptTokenizer
 from kvroute.simulator.replica.faults import FaultSpec
 
 from .conftest import Running, StartEmulated, StartRouter
-from .helpers import wait_until
-
-
-def source(running: Running, name: str, events: bool = True) -> dict[str, Any]:
-    entry: dict[str, Any] = {"url": running.url, "name": name}
-    if events:
-        entry |= {"kv_events": running.events, "kv_replay": running.replay}
-    return entry
+from .helpers import replica_source, wait_until
 
 
 def tenant_messages(tenant: int, question: str) -> list[Any]:
@@ -48,7 +41,7 @@ async def test_kv_aware_keeps_tenants_on_their_replica_and_predicts_their_hits(
 ) -> None:
     replicas = [await start_emulated(num_blocks=256) for _ in range(3)]
     r = await start_router(
-        [source(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
+        [replica_source(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
         routing={"tokenizer": "builtin"},
     )
     assert r.router.policy.name == "kv_aware"
@@ -96,7 +89,7 @@ async def test_predictions_route_followers_before_any_event_arrives(
     """Replicas without KV events: the router's own predictions are the whole index."""
     replicas = [await start_emulated(kv_events=False) for _ in range(4)]
     r = await start_router(
-        [source(rep, f"emu-{i}", events=False) for i, rep in enumerate(replicas)],
+        [replica_source(rep, f"emu-{i}", events=False) for i, rep in enumerate(replicas)],
         routing={"tokenizer": "builtin"},
     )
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
@@ -118,7 +111,7 @@ async def test_router_learns_the_block_size_from_the_replica(
     start_emulated: StartEmulated, start_router: StartRouter
 ) -> None:
     running = await start_emulated(block_size=32)
-    r = await start_router([source(running, "emu")], routing={"tokenizer": "builtin"})
+    r = await start_router([replica_source(running, "emu")], routing={"tokenizer": "builtin"})
     # Before any event: from its vllm:cache_config_info, scraped at startup.
     assert r.router.block_size() == 32
     assert r.router.index.block_size is None
@@ -131,7 +124,7 @@ async def test_router_learns_the_block_size_from_the_replica(
 async def test_replicas_reported_load_and_hits_are_scraped_and_exported(
     replica: Running, start_router: StartRouter
 ) -> None:
-    r = await start_router([source(replica, "emu")], routing={"scrape_interval_s": 0.1})
+    r = await start_router([replica_source(replica, "emu")], routing={"scrape_interval_s": 0.1})
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
     prompt = "the same prompt twice over " * 20
     for _ in range(2):
@@ -169,7 +162,7 @@ async def test_long_prompts_are_tokenized_in_a_worker_process_with_the_same_resu
 async def test_events_lost_on_the_live_socket_are_replayed_into_the_index(
     replica: Running, start_router: StartRouter
 ) -> None:
-    r = await start_router([source(replica, "emu")], routing={"tokenizer": "builtin"})
+    r = await start_router([replica_source(replica, "emu")], routing={"tokenizer": "builtin"})
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
     tokenizer = SimpleTokenizer()
 
@@ -196,7 +189,7 @@ async def test_events_lost_on_the_live_socket_are_replayed_into_the_index(
 async def test_a_cache_salt_separates_prefixes_as_it_does_in_vllm(
     replica: Running, start_router: StartRouter
 ) -> None:
-    r = await start_router([source(replica, "emu")], routing={"tokenizer": "builtin"})
+    r = await start_router([replica_source(replica, "emu")], routing={"tokenizer": "builtin"})
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
     prompt = "A prompt two tenants send, one of them salted. " * 10
     ids = SimpleTokenizer().encode(prompt)
@@ -224,7 +217,7 @@ async def test_a_lora_adapters_prefix_goes_where_that_adapter_cached_it(
     # from /v1/models (cards with a parent) and hashes requests naming one the same way.
     replicas = [await start_emulated(lora_modules={"sql-lora": "/adapters/sql"}) for _ in range(2)]
     r = await start_router(
-        [source(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
+        [replica_source(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
         routing={"tokenizer": "builtin"},
     )
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
@@ -260,7 +253,8 @@ async def test_a_replica_that_answers_with_errors_does_not_attract_the_prefix(
     broken, healthy = await start_emulated(), await start_emulated()
     broken.replica.faults.update(FaultSpec(error_rate=1.0))
     r = await start_router(
-        [source(broken, "broken"), source(healthy, "healthy")], routing={"tokenizer": "builtin"}
+        [replica_source(broken, "broken"), replica_source(healthy, "healthy")],
+        routing={"tokenizer": "builtin"},
     )
     errors = r.router.metrics.upstream_errors
     async with aiohttp.ClientSession() as http:
@@ -286,7 +280,7 @@ async def test_a_replica_that_answers_with_errors_does_not_attract_the_prefix(
 async def test_load_accounting_returns_to_zero_after_disconnects(
     replica: Running, start_router: StartRouter
 ) -> None:
-    r = await start_router([source(replica, "emu")], routing={"tokenizer": "builtin"})
+    r = await start_router([replica_source(replica, "emu")], routing={"tokenizer": "builtin"})
     replica.replica.faults.update(FaultSpec(stall_s=30))
     async with aiohttp.ClientSession() as http:
         body = {"model": "tiny", "prompt": "stalled " * 50, "max_tokens": 4, "stream": True}
@@ -303,7 +297,7 @@ async def test_a_dead_tokenizer_worker_costs_one_estimate_not_an_error(
     replica: Running, start_router: StartRouter
 ) -> None:
     r = await start_router(
-        [source(replica, "emu")],
+        [replica_source(replica, "emu")],
         routing={"tokenizer": "builtin", "tokenize_inline_chars": 100},
     )
     tokenizer = r.router.tokenizer

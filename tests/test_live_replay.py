@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,15 +16,7 @@ from kvroute.simulator.traces.live import LiveReplayError, replay_live, replay_l
 from kvroute.simulator.traces.prompts import PromptBuilder
 
 from .conftest import Running, StartEmulated, StartRouter
-
-
-def source(running: Running, name: str) -> dict[str, Any]:
-    return {
-        "url": running.url,
-        "name": name,
-        "kv_events": running.events,
-        "kv_replay": running.replay,
-    }
+from .helpers import replica_source
 
 
 def engine_prefix_tokens(replicas: list[Running]) -> tuple[int, int]:
@@ -85,7 +76,8 @@ async def test_replay_through_the_router_gets_the_trace_prefix_hits(
 ) -> None:
     replicas = [await start_emulated(num_blocks=512) for _ in range(2)]
     router = await start_router(
-        [source(r, f"emu-{i}") for i, r in enumerate(replicas)], routing={"tokenizer": "builtin"}
+        [replica_source(r, f"emu-{i}") for i, r in enumerate(replicas)],
+        routing={"tokenizer": "builtin"},
     )
     spec = "multi-tenant:tenants=3,rate=15,duration=2,system_tokens=320,prompt_tokens=24,output_tokens=4,block_tokens=16"
     trace = load_trace(spec, seed=5)
@@ -126,7 +118,7 @@ async def test_sync_entry_point_replays_in_time_scaled_real_time(
     start_emulated: StartEmulated, start_router: StartRouter
 ) -> None:
     replica = await start_emulated()
-    router = await start_router([source(replica, "emu")], routing={"tokenizer": "builtin"})
+    router = await start_router([replica_source(replica, "emu")], routing={"tokenizer": "builtin"})
     requests = tuple(TraceRequest(t, 48, 2, (1, 2, 3 + int(t))) for t in (0.0, 1.0, 2.0))
     trace = Trace("three", 16, requests)
     lines: list[str] = []

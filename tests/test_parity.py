@@ -26,8 +26,8 @@ from kvroute.health.parity import (
 )
 from kvroute.kvcore.stats import parse_metrics
 
-from .conftest import Running, StartEmulated, StartRouter
-from .helpers import wait_until
+from .conftest import StartEmulated, StartRouter
+from .helpers import replica_source, wait_until
 
 # -- the rules -----------------------------------------------------------------------------
 
@@ -88,15 +88,6 @@ def test_blind_is_hits_on_the_replica_with_no_reuse_predicted_there() -> None:
 # -- a router over emulated replicas -------------------------------------------------------
 
 
-def _source(running: Running, name: str) -> dict[str, Any]:
-    return {
-        "url": running.url,
-        "name": name,
-        "kv_events": running.events,
-        "kv_replay": running.replay,
-    }
-
-
 async def _samples(url: str) -> dict[tuple[str, ...], float]:
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
         text = await resp.text()
@@ -116,7 +107,7 @@ async def test_a_router_that_tokenizes_like_its_replicas_checks_and_agrees(
 ) -> None:
     replicas = [await start_emulated() for _ in range(2)]
     r = await start_router(
-        [_source(running, f"emu{i}") for i, running in enumerate(replicas)],
+        [replica_source(running, f"emu{i}") for i, running in enumerate(replicas)],
         routing={"tokenizer": "builtin"},
         parity={"first_per_replica": 3, "sample_every": 1000},
     )
@@ -148,7 +139,7 @@ async def test_a_router_with_another_tokenizer_than_its_replicas_raises_the_alar
     model's: every lookup would miss, silently. The alarm names the first differing token."""
     running = await start_emulated()
     r = await start_router(
-        [_source(running, "emu")], routing={"tokenizer": str(DEFAULT_TINY_MODEL_DIR)}
+        [replica_source(running, "emu")], routing={"tokenizer": str(DEFAULT_TINY_MODEL_DIR)}
     )
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
     parity = r.router.parity

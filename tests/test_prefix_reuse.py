@@ -18,8 +18,8 @@ from kvroute.router.metrics import RouterMetrics
 from kvroute.router.usage import StreamTail, cached_tokens_of
 from kvroute.simulator.replica.faults import FaultSpec
 
-from .conftest import Running, StartEmulated, StartRouter
-from .helpers import wait_until
+from .conftest import StartEmulated, StartRouter
+from .helpers import replica_source, wait_until
 
 
 def request(prompt: int, prefix: dict[str, int] | None, blocks: int | None = None) -> RouteRequest:
@@ -165,16 +165,12 @@ async def changed(url: str, before: Samples, family: str, label: str = "") -> Sa
     return out
 
 
-def emulated(running: Running, name: str) -> dict[str, str]:
-    return {"url": running.url, "name": name, "kv_events": running.events}
-
-
 async def test_a_repeated_prompt_captures_what_was_available_and_the_engine_confirms_it(
     start_emulated: StartEmulated, start_router: StartRouter
 ) -> None:
     replicas = [await start_emulated(num_blocks=256) for _ in range(2)]
     r = await start_router(
-        [emulated(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
+        [replica_source(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
         routing={"tokenizer": "builtin"},
     )
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
@@ -236,7 +232,7 @@ async def test_load_sending_a_request_away_from_its_holder_is_routing_loss(
 ) -> None:
     replicas = [await start_emulated(num_blocks=512) for _ in range(2)]
     r = await start_router(
-        [emulated(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
+        [replica_source(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
         routing={"tokenizer": "builtin"},
     )
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)

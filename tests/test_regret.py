@@ -23,8 +23,8 @@ from kvroute.policies.round_robin import RoundRobin
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.status import regret_summary
 
-from .conftest import Running, StartEmulated, StartRouter
-from .helpers import MOONCAKE
+from .conftest import StartEmulated, StartRouter
+from .helpers import MOONCAKE, replica_source
 
 
 def fleet(n: int = 3) -> list[ReplicaState]:
@@ -171,16 +171,12 @@ def test_the_status_line_says_better_or_worse_and_over_what() -> None:
     assert regret_summary({}, 10.0, True) is None
 
 
-def emulated(running: Running, name: str) -> dict[str, str]:
-    return {"url": running.url, "name": name, "kv_events": running.events}
-
-
 async def test_router_exports_the_estimates_and_status_shows_the_line(
     start_emulated: StartEmulated, start_router: StartRouter
 ) -> None:
     replicas = [await start_emulated(num_blocks=256) for _ in range(2)]
     r = await start_router(
-        [emulated(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
+        [replica_source(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
         routing={"tokenizer": "builtin"},
     )
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
@@ -216,7 +212,7 @@ async def test_a_policy_without_estimates_exports_zeros_and_no_status_line(
     start_emulated: StartEmulated, start_router: StartRouter
 ) -> None:
     replica = await start_emulated()
-    r = await start_router([emulated(replica, "emu")], policy={"name": "round_robin"})
+    r = await start_router([replica_source(replica, "emu")], policy={"name": "round_robin"})
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
     await client.completions.create(model="tiny", prompt="hello", max_tokens=2)
     async with aiohttp.ClientSession() as http, http.get(r.url + "/metrics") as resp:

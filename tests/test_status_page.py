@@ -24,8 +24,8 @@ from kvroute.router.server import Router
 from kvroute.router.status import WINDOW_S, _History, _Sample
 
 from .cdp import Browser
-from .conftest import Running, StartEmulated, StartReplica, StartRouter, launch_emulated
-from .helpers import wait_until
+from .conftest import StartEmulated, StartReplica, StartRouter, launch_emulated
+from .helpers import replica_source, wait_until
 
 ROOT = Path(__file__).parent.parent
 KEY = "status-admin-key"
@@ -38,15 +38,6 @@ RED = "rgb(207, 34, 46)"
 SYSTEMS = [
     f"You are the assistant of tenant {t}. " + "Answer briefly and well. " * 40 for t in "ABC"
 ]
-
-
-def _source(running: Running, name: str) -> dict[str, str]:
-    return {
-        "url": running.url,
-        "name": name,
-        "kv_events": running.events,
-        "kv_replay": running.replay,
-    }
 
 
 async def _traffic(url: str, stop: asyncio.Event, sent: list[int], workers: int = 3) -> None:
@@ -92,7 +83,7 @@ async def test_status_page_in_a_browser_shows_traffic_and_a_dead_replica(
     traffic: asyncio.Task[None] | None = None
     try:
         r = await start_router(
-            [_source(a, "a"), _source(b, "b"), _source(c, "c")],
+            [replica_source(a, "a"), replica_source(b, "b"), replica_source(c, "c")],
             auth={"admin_api_key": KEY},
             # The emulated replicas' tokenizer: prompts are hashed, so predictions and reuse show.
             routing={"tokenizer": "builtin", "scrape_interval_s": 0.2},
