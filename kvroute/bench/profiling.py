@@ -153,6 +153,20 @@ def top_frames(raw: Path, count: int = 12) -> list[Frame]:
     return [Frame(name, n / total, on_stack[name] / total) for name, n in own.most_common(count)]
 
 
+def share_on_stack(raw: Path, markers: tuple[str, ...]) -> tuple[float, int]:
+    """Of a recording's samples, the share with a frame naming any of ``markers`` on the
+    stack (a function or a file), and the number of samples."""
+    hit = total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        total += int(n)
+        if any(marker in stack for marker in markers):
+            hit += int(n)
+    return (hit / total if total else 0.0), total
+
+
 def _short(frame: str) -> str:
     """``fn (/long/path/site-packages/pkg/mod.py:12)`` as ``fn (pkg/mod.py:12)``; kvroute's
     own files as ``kvroute/...`` wherever the checkout is (py-spy gives paths as imported)."""
