@@ -25,6 +25,14 @@ from kvroute.kvcore.stats import percentile
 from kvroute.policies import DEFAULT_POLICY, POLICIES, PolicyConfigError, build_policy
 from kvroute.policies.registry import policy_parameters
 from kvroute.simulator import capacity
+from kvroute.simulator.batch_cli import (
+    BATCH_HELP,
+    DIP_HELP,
+    batch_report_lines,
+    batch_spec,
+    batch_summary,
+    dip_spec,
+)
 from kvroute.simulator.engine.latency import (
     DEFAULT_PRESET,
     PRESETS,
@@ -43,6 +51,7 @@ from kvroute.simulator.fleet import (
     prepare,
     simulate,
 )
+from kvroute.simulator.fleet.batch import BatchJob, batch_lines
 from kvroute.simulator.fleet.bounds import prefill_alone_s
 from kvroute.simulator.fleet.regret import comparison_lines, counterfactual
 from kvroute.simulator.fleet.report import markdown_report
@@ -52,7 +61,7 @@ from kvroute.simulator.fleet.summary import (
     replay_warnings,
     summarize,
 )
-from kvroute.simulator.fleet.units import scaled
+from kvroute.simulator.fleet.units import SimRequest, scaled
 
 EXIT_USAGE = 2
 
@@ -343,6 +352,16 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     plan.add_argument(
         "--max-replicas", type=positive_int, default=1024, help="Give up above (default 1024)."
     )
+    _add_day_args(plan)
+    plan.add_argument(
+        "--batch-job",
+        type=batch_spec,
+        metavar="lines=N,...",
+        help="Also size the fleet for this batch job beside the trace (as kvroute replay "
+        "--batch-job: lines=N,input=,output=,shared=,window=,slots=,pace=): the smallest fleet "
+        "that meets the SLO and finishes the job within its window, e.g. a day's batch volume "
+        "beside a day of online traffic (--repeat, --diurnal).",
+    )
     plan.add_argument("--out", metavar="DIR", help="Also write DIR/plan.json.")
     plan.add_argument("--quiet", action="store_true", help="No progress lines.")
     plan.set_defaults(func=_cmd_plan)
@@ -474,6 +493,23 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_day_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="Play the trace K times back to back (before --diurnal): a longer day.",
+    )
+    p.add_argument(
+        "--diurnal",
+        type=_diurnal,
+        metavar="A[@PERIOD_S]",
+        help="Warp arrivals into a day-shaped rate, mean x (1 - A cos(2 pi t / PERIOD)), "
+        "lowest at the start (default period: the whole trace, one compressed day).",
+    )
+
+
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy-param",
@@ -502,20 +538,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         "10), startup (s a started replica loads before it serves, 60). The summary reports "
         "replica_hours.",
     )
-    p.add_argument(
-        "--repeat",
-        type=positive_int,
-        default=1,
-        metavar="K",
-        help="Play the trace K times back to back (before --diurnal): a longer day.",
-    )
-    p.add_argument(
-        "--diurnal",
-        type=_diurnal,
-        metavar="A[@PERIOD_S]",
-        help="Warp arrivals into a day-shaped rate, mean x (1 - A cos(2 pi t / PERIOD)), "
-        "lowest at the start (default period: the whole trace, one compressed day).",
-    )
+    _add_day_args(p)
     p.add_argument(
         "--no-slo-routing",
         action="store_true",
@@ -530,6 +553,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         metavar="K@T",
         help="Remove replica K (0-based) at T seconds; repeat for more.",
     )
+    p.add_argument("--batch-job", type=batch_spec, metavar="lines=N,...", help=BATCH_HELP)
+    p.add_argument("--dip", type=dip_spec, metavar="F@T1-T2", help=DIP_HELP)
     p.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
 
 
@@ -624,6 +649,7 @@ def _fleet_config(
             event_lag_s=args.event_lag_s,
             scrape_interval_s=args.scrape_interval_s,
             failures=tuple(failures),
+            dip=getattr(args, "dip", None),
             **_autoscale_settings(getattr(args, "autoscale", None), replicas),
         )
     except ValueError as exc:
@@ -746,12 +772,15 @@ def run_policy(
     quiet: bool,
     params: list[tuple[str, Any]] | None = None,
     slo: Slo | None = None,
+    batch: tuple[BatchJob, tuple[SimRequest, ...]] | None = None,
 ) -> tuple[SimResult, float]:
-    """Replay ``units`` through ``policy_name``; with ``slo`` the policy routes against it."""
+    """Replay ``units`` through ``policy_name``; with ``slo`` the policy routes against it;
+    with ``batch`` (a job and its lines) the batch lane runs the job beside it."""
     policy = policy_object(policy_name, seed, params, fleet_defaults(config, slo))
-    bar = _ProgressBar(policy_name, not quiet)
+    label = policy_name + (" + batch" if batch is not None else "")
+    bar = _ProgressBar(label, not quiet)
     started = time.perf_counter()
-    result = simulate(units, policy, config, bar)
+    result = simulate(units, policy, config, bar, batch)
     return result, time.perf_counter() - started
 
 
@@ -795,10 +824,17 @@ def run_replay(args: argparse.Namespace) -> int:
     prefixes, notes = _prefix_source(args)
     results: list[SimResult] = []
     summaries: list[dict[str, Any]] = []
+    batch = _batch_job(args, units, config)
     for name in policies:
+        alone = None
+        if batch is not None:  # the trace alone first: the batch lane's cost is against it
+            alone, _ = run_policy(
+                units, name, config, args.seed, args.quiet, args.policy_param, _routing_slo(args)
+            )
         result, wall = run_policy(
-            units, name, config, args.seed, args.quiet, args.policy_param, _routing_slo(args)
-        )
+            units, name, config, args.seed, args.quiet, args.policy_param, _routing_slo(args),
+            batch,
+        )  # fmt: skip
         results.append(result)
         summaries.append(
             summarize(
@@ -815,6 +851,7 @@ def run_replay(args: argparse.Namespace) -> int:
                     "prefixes": prefixes,
                     "notes": notes,
                     "warnings": replay_warnings(result, own_prefill),
+                    "batch": batch_summary(alone, result) if alone is not None else None,
                 },
             )
         )
@@ -832,6 +869,10 @@ def run_replay(args: argparse.Namespace) -> int:
     for summary in summaries:
         for line in (summary["estimated_regret"] or {}).get("lines", []):
             print(line)
+    for summary in summaries:
+        if summary.get("batch"):
+            for line in batch_report_lines(summary["policy"], summary["batch"]):
+                print(line)
     for note in notes:
         print(f"note: {note}")
     for summary in summaries:
@@ -879,6 +920,35 @@ def _simulated_replay(
         if not any(key in policy_parameters(name) for name in policies):
             raise UsageError(f"--policy-param {key}: no policy of {', '.join(policies)} takes it")
     return trace, units, config, policies
+
+
+def _batch_job(
+    args: argparse.Namespace, units: UnitTrace, config: FleetConfig
+) -> tuple[BatchJob, tuple[SimRequest, ...]] | None:
+    """--batch-job's job and its lines beside ``units``, or None without one."""
+    job = getattr(args, "batch_job", None)
+    if job is None:
+        return None
+    try:
+        lines = batch_lines(units, job)
+    except ValueError as exc:
+        raise UsageError(f"--batch-job: {exc}") from None
+    too_big = _larger_than_a_replica(lines[:1], config)
+    if too_big:
+        raise UsageError(f"--batch-job: {too_big}")
+    return job, lines
+
+
+def _larger_than_a_replica(lines: tuple[SimRequest, ...], config: FleetConfig) -> str | None:
+    """Why a batch line could never run on one replica of ``config``, or None."""
+    for line in lines:
+        tokens = line.input_tokens + line.output_tokens
+        if -(-(tokens - 1) // config.engine.block_size) > config.engine.num_blocks:
+            return (
+                f"a line of {tokens:,} tokens (input + output) needs more KV cache than one "
+                f"replica holds ({config.kv_capacity_tokens:,} tokens)"
+            )
+    return None
 
 
 def _routing_slo(args: argparse.Namespace) -> Slo | None:
@@ -1049,6 +1119,8 @@ def _plan(args: argparse.Namespace) -> int:
             print("\n".join("  " + line for line in analytic.lines))
             print(flush=True)
         row = _plan_one(args, trace_k, k)
+        if args.batch_job is not None and row["replicas"]:
+            row["with_batch_job"] = _plan_one(args, trace_k, k, args.batch_job, row["replicas"])
         rows.append(row)
         row["gpus"] = row["replicas"] * gpus if row["replicas"] else None
         row["nodes"] = _nodes(row["replicas"], gpus) if figures else None
@@ -1060,6 +1132,9 @@ def _plan(args: argparse.Namespace) -> int:
         if row["unreachable"]:
             row["why"] = _why_unreachable(args, trace_k, row["largest_tried"])
     print(_plan_table(args, rows))
+    for row in rows:
+        if row.get("with_batch_job"):
+            print(_batch_plan_line(args, row))
     if args.explain:
         print("\n".join(_analytic_vs_simulated(args, rows)))
     if args.out:
@@ -1225,12 +1300,22 @@ def _analytic_vs_simulated(args: argparse.Namespace, rows: list[dict[str, Any]])
     return lines
 
 
-def _plan_one(args: argparse.Namespace, units: UnitTrace, k: float) -> dict[str, Any]:
+def _plan_one(
+    args: argparse.Namespace,
+    units: UnitTrace,
+    k: float,
+    job: BatchJob | None = None,
+    start: int = 1,
+) -> dict[str, Any]:
+    """The smallest fleet meeting the SLO at rate ``k``; with ``job``, while running that batch
+    job beside the trace within its window too (the search starts at ``start`` replicas: the
+    fleet the trace alone needs)."""
     tried: dict[int, dict[str, Any]] = {}
 
     def meets(n: int) -> bool:
         config = _fleet_config(args, n, [])
-        result, wall = run_policy(units, args.policy, config, args.seed, True)
+        batch = _batch_job(args, units, config) if job is not None else None
+        result, wall = run_policy(units, args.policy, config, args.seed, True, batch=batch)
         q = args.slo_quantile
         ttft = percentile(result.ttfts(), q)
         tpot = percentile(result.tpots(), q)
@@ -1238,6 +1323,7 @@ def _plan_one(args: argparse.Namespace, units: UnitTrace, k: float) -> dict[str,
             result.completed == result.requests
             and (args.slo.ttft_s is None or ttft <= args.slo.ttft_s)
             and (args.slo.tpot_s is None or math.isnan(tpot) or tpot <= args.slo.tpot_s)
+            and (result.batch is None or result.batch.met_window)
         )
         tried[n] = {
             "replicas": n,
@@ -1248,6 +1334,7 @@ def _plan_one(args: argparse.Namespace, units: UnitTrace, k: float) -> dict[str,
             "completed": result.completed,
             "rejected": sum(result.rejected),
             "ok": ok,
+            "batch": result.batch.as_dict() if result.batch is not None else None,
         }
         if not args.quiet:
             rps = len(units.requests) / units.duration_s if units.duration_s > 0 else 0.0
@@ -1256,15 +1343,17 @@ def _plan_one(args: argparse.Namespace, units: UnitTrace, k: float) -> dict[str,
                 f"p{q * 100:g} {tpot * 1000:.1f} ms, {'meets' if ok else 'misses'} the SLO "
                 f"(simulated in {wall:.1f} s wall time; rate {rps:,.2f} req/s, hit rate "
                 f"{percent(result.hit_rate())}, {result.completed:,} of {result.requests:,} "
-                "requests completed)",
+                "requests completed"
+                + (f"; {_batch_progress(result.batch.as_dict())}" if result.batch else "")
+                + ")",
                 file=sys.stderr,
             )
         return ok
 
-    low, high = 0, 1  # low: largest known to miss; high: candidate
+    low, high = start - 1, start  # low: largest known to miss; high: candidate
     unreachable: str | None = None
     while not meets(high):
-        if low and _saturated(tried[low], tried[high]):
+        if low in tried and _saturated(tried[low], tried[high]):
             # Twice the replicas changed nothing: what misses is a single request's own time
             # (a long prompt's prefill), which no fleet size shortens.
             before = ", ".join(_slo_values(args, tried[low]))
@@ -1307,7 +1396,32 @@ def _plan_one(args: argparse.Namespace, units: UnitTrace, k: float) -> dict[str,
         "unreachable": unreachable,
         # What the largest fleet tried measured, when none met the SLO.
         "largest_tried": tried[max(tried)] if unreachable else None,
+        "batch": best.get("batch"),
     }
+
+
+def _batch_plan_line(args: argparse.Namespace, row: dict[str, Any]) -> str:
+    job, planned = args.batch_job, row["with_batch_job"]
+    what = (
+        f"with the batch job ({job.lines:,} lines of {job.input_tokens:,} + "
+        f"{job.output_tokens:,} tokens, {job.window_s / 3600:g} h window) at "
+        f"{row['rate_multiplier']:.3g}x rate: "
+    )
+    if not planned["replicas"]:
+        return what + (planned["unreachable"] or "no fleet size found")
+    batch = planned["batch"]
+    return what + (
+        f"{planned['replicas']} replicas ({row['replicas']} for the trace alone); "
+        f"{_batch_progress(batch)}, {batch['share_of_computed_tokens']:.0%} of the tokens "
+        f"computed; TTFT p{args.slo_quantile * 100:g} {_opt(planned['ttft_s'], 1, ' s')}"
+    )
+
+
+def _batch_progress(batch: dict[str, Any]) -> str:
+    took = batch["completion_of_window"]
+    if took is None:
+        return f"batch job: {batch['completed']:,} of {batch['lines']:,} lines in its window"
+    return f"batch job done in {took:.0%} of its window"
 
 
 def _slo_values(args: argparse.Namespace, tried: dict[str, Any]) -> list[str]:

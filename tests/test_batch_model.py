@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kvroute.kvcore.batch_pacing import behind, due, should_preempt, spare_slots
 from kvroute.kvcore.fair_queue import FairnessParams, FairQueue, Priority, TenantLimits, Ticket
 from kvroute.router.batch.model import (
     InvalidFile,
@@ -19,7 +20,6 @@ from kvroute.router.batch.model import (
     parse_input,
     render_files,
 )
-from kvroute.router.batch.pacing import behind, due, should_preempt, spare_slots
 from kvroute.router.batch.store import StoreUrlError, check_store_url, store_path
 from kvroute.router.config import ConfigError, config_from_dict
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from multidict import CIMultiDict
 
+from kvroute.kvcore.batch_pacing import behind, should_preempt, spare_slots
 from kvroute.kvcore.fair_queue import Priority
 from kvroute.policies import FleetView
 
@@ -36,7 +37,6 @@ from ..openai_request import ParsedRequest, parse_chat, parse_completion
 from ..pipeline import InternalRequest, RequestPipeline
 from .metrics import BatchMetrics
 from .model import Job, Result, Status, error_of, final_status, render_files
-from .pacing import behind, should_preempt, spare_slots
 from .store import BatchStore, Claim
 
 log = logging.getLogger(__name__)

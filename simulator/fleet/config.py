@@ -9,6 +9,8 @@ from kvroute.kvcore.autoscale import AutoscaleSettings
 from kvroute.simulator.engine.config import EngineConfig
 from kvroute.simulator.engine.latency import LatencyModel
 
+from .batch import CapacityDip
+
 ENGINE_MODELS = ("fast", "exact")
 # What several routers (endpoint pickers behind one gateway) share beyond the KV events that
 # every one of them subscribes to (see FleetConfig.share).
@@ -61,6 +63,8 @@ class FleetConfig:
     # from the start, the rest are off until it starts them (``startup_s`` later they serve).
     autoscale: AutoscaleSettings | None = None
     startup_s: float = 60.0  # a started replica loads its model this long before it serves
+    # Part of the fleet gone for a while (its requests resume elsewhere), back with empty caches.
+    dip: CapacityDip | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -99,6 +103,12 @@ class FleetConfig:
                 raise ValueError("; ".join(problems))
         if self.share_scrape_interval_s == 0:
             raise ValueError("share_scrape_interval_s must be > 0")
+        if self.dip is not None:
+            problems = self.dip.problems()
+            if self.autoscale is not None:
+                problems.append("dip: not modelled with an autoscaler (it would replace them)")
+            if problems:
+                raise ValueError("; ".join(problems))
         for replica, at in self.failures:
             if not 0 <= replica < self.replicas:
                 raise ValueError(

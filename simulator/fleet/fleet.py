@@ -35,6 +35,7 @@ from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
 from kvroute.policies.regret import TtftEstimate
 
+from .batch import BatchJob, BatchLane, split_batch
 from .bounds import pooled_lru_hits
 from .config import FleetConfig
 from .exact_engine import ExactEngine
@@ -48,7 +49,7 @@ from .shared_load import SharedTotals
 from .units import SimRequest, UnitTrace
 
 # Event kinds, in the order they run when they fall at the same instant.
-_FAIL, _OPS, _STEP, _SCRAPE, _ARRIVAL, _KICK, _BUS, _SCALE, _READY = range(9)
+_FAIL, _OPS, _STEP, _SCRAPE, _ARRIVAL, _KICK, _BUS, _SCALE, _READY, _RESTORE, _BATCH = range(11)
 # A replica's phase under an autoscaler (always SERVING without one).
 _OFF, _STARTING, _SERVING, _DRAINING = range(4)
 # What a bus message announces: a picker's ledger call, for the others to repeat.
@@ -116,13 +117,22 @@ def simulate(
     policy: Policy,
     config: FleetConfig,
     progress: Progress | None = None,
+    batch: tuple[BatchJob, tuple[SimRequest, ...]] | None = None,
 ) -> SimResult:
-    """Replay ``trace`` through ``policy`` on the fleet ``config`` describes."""
-    return _Fleet(trace, policy, config).run(progress)
+    """Replay ``trace`` through ``policy`` on the fleet ``config`` describes; with ``batch``
+    (a job and its lines, ``batch.with_batch``), the batch lane runs the job beside it and
+    the result's ``batch`` says how it went (its per-request lists hold the trace's only)."""
+    return _Fleet(trace, policy, config, batch).run(progress)
 
 
 class _Fleet:
-    def __init__(self, trace: UnitTrace, policy: Policy, config: FleetConfig) -> None:
+    def __init__(
+        self,
+        trace: UnitTrace,
+        policy: Policy,
+        config: FleetConfig,
+        batch: tuple[BatchJob, tuple[SimRequest, ...]] | None = None,
+    ) -> None:
         self.trace = trace
         self.policy = policy
         self.config = config
@@ -161,13 +171,17 @@ class _Fleet:
         self.step_end = [0.0] * n
         self.failed: set[int] = set()
         self.flights: dict[int, _Flight] = {}
-        reqs = trace.requests
+        self.online = len(trace.requests)  # request indices from here on are batch lines
+        self.lane = BatchLane(*batch) if batch is not None else None
+        self._batch_kicked = False
+        lines = batch[1] if batch is not None else ()
+        reqs = trace.requests + lines
         m = len(reqs)
         self.result = SimResult(
             policy=policy.name,
             replicas=n,
             kv_capacity_tokens=config.kv_capacity_tokens,
-            arrival_s=[r.arrival_s for r in reqs],
+            arrival_s=[r.arrival_s for r in trace.requests] + [NAN] * len(lines),
             input_tokens=[r.input_tokens for r in reqs],
             output_tokens=[r.output_tokens for r in reqs],
             first_token_s=[NAN] * m,
@@ -211,6 +225,13 @@ class _Fleet:
         total = len(reqs)
         for replica, at in self.config.failures:
             self._push(at, _FAIL, replica)
+        dip = self.config.dip
+        if dip is not None:
+            for replica in dip.replicas(self.config.replicas):
+                self._push(dip.start_s, _FAIL, replica)
+                self._push(dip.end_s, _RESTORE, replica)
+        if self.lane is not None and self._batch_waiting(self.lane.submitted_s):
+            self._push(self.lane.submitted_s, _BATCH, -1, True)
         if reqs:
             self._push(reqs[0].arrival_s, _SCRAPE, -1)
             if self.autoscaler is not None:
@@ -243,7 +264,7 @@ class _Fleet:
                     self._apply_ops(replica, payload)  # type: ignore[arg-type]
             elif kind == _SCRAPE:
                 self._scrape()
-                if i < total or self.flights:
+                if i < total or self.flights or self._batch_waiting(t):
                     every = self.scrape_every
                     due = t + every
                     if not self.flights and i < total and not any(self.busy):
@@ -265,6 +286,10 @@ class _Fleet:
                     self._push(t + self.config.autoscale.interval_s, _SCALE, -1)
             elif kind == _READY:
                 self._ready(replica)
+            elif kind == _RESTORE:
+                self._restore(replica, t)
+            elif kind == _BATCH:
+                self._batch(t, periodic=bool(payload))
         if self.autoscaler is not None:
             res = self.result
             end = max([f for f in res.finish_s if not math.isnan(f)], default=t)
@@ -272,6 +297,8 @@ class _Fleet:
                 if phase != _OFF:
                     self._count_on(r, end)
         self._finish_stats()
+        if self.lane is not None:
+            self.result.batch = split_batch(self.result, self.online, self.lane)
         return self.result
 
     # -- the router's side ------------------------------------------------------------
@@ -300,6 +327,8 @@ class _Fleet:
         route = ledger.route(route_request, t, self.ibt)
         if not route.ranked:
             del self.flights[request.index]  # no replica left: the request fails
+            if self.lane is not None and request.index >= self.online:
+                self.lane.lost(request)  # a batch line goes back to its queue
             return
         self.result.reasons[route.reason] += 1
         if route.estimate is not None:
@@ -307,7 +336,7 @@ class _Fleet:
         chosen = route.ranked[0]
         r = self.number[chosen]
         flight.dispatch = ledger.dispatch(route, chosen, t)
-        if self.loss is not None:
+        if self.loss is not None and request.index < self.online:
             prefix = route.request.prefix_tokens
             predicted = prefix.get(chosen, 0) // self.ibt if prefix else 0
             self.loss.routed(request, self.pools[r], predicted, route.reason)
@@ -362,6 +391,38 @@ class _Fleet:
         self._start(r, t)
         if self.phase[r] == _DRAINING and self._idle(r):
             self._off(r, t)
+
+    # -- the batch lane (simulator/fleet/batch.py) ------------------------------------
+
+    def _batch_waiting(self, t: float) -> bool:
+        """Lines wait to start (until the job's window ends: then it has expired)."""
+        return self.lane is not None and self.lane.active and t < self.lane.expires_s
+
+    def _kick_batch(self, t: float) -> None:
+        """A batch line finished: look for the next at once, as the live runner wakes."""
+        if not self._batch_kicked and self._batch_waiting(t):
+            self._batch_kicked = True
+            self._push(t, _BATCH, -1, False)
+
+    def _batch(self, t: float, periodic: bool) -> None:
+        lane = self.lane
+        assert lane is not None
+        if not periodic:
+            self._batch_kicked = False
+        # The runner lives in one router (the one holding the job's lease): its view decides.
+        states = self.routers[0].states
+        serving = [
+            states[r].in_flight
+            for r in range(len(self.engines))
+            if self.phase[r] == _SERVING and r not in self.failed
+        ]
+        for line in lane.to_start(t, serving):
+            self.result.arrival_s[line.index] = t
+            flight = _Flight(line, 0)
+            self.flights[line.index] = flight
+            self._route(flight, t)
+        if periodic and self._batch_waiting(t):
+            self._push(t + lane.job.poll_s, _BATCH, -1, True)
 
     # -- the autoscaler (FleetConfig.autoscale) -----------------------------------------
 
@@ -454,6 +515,9 @@ class _Fleet:
             self._finish(flight, at, flight.request.output_tokens - flight.delivered)
             res.finish_s[index] = at
             res.replica[index] = r
+            if index >= self.online and self.lane is not None:
+                self.lane.finish(index)
+                self._kick_batch(at)
         if report.index_ops:
             lag = self.config.event_lag_s
             if lag > 0:
@@ -523,6 +587,23 @@ class _Fleet:
             for ledger, d in published.copies:
                 ledger.finish(d, t)
 
+    def _restore(self, r: int, t: float) -> None:
+        """A replica gone in a capacity dip comes back, its cache empty."""
+        if r not in self.failed:
+            return
+        self.failed.discard(r)
+        engine = make_engine(self.config, self.trace.block_tokens, self._holdings)
+        self.engines[r] = engine
+        if self.pools and isinstance(engine, FastEngine):
+            self.pools[r] = engine.pool
+        self.busy[r] = False
+        self.kicked[r] = False
+        for router in self.routers:
+            state = router.states[r]
+            state.healthy = True
+            state.reported_waiting = None
+            state.reported_kv_usage = None
+
     def _fail(self, r: int, t: float) -> None:
         if r in self.failed:
             return
@@ -554,4 +635,4 @@ class _Fleet:
             res.decode_runs += getattr(engine, "runs", 0)
             res.preemptions += getattr(engine, "num_preemptions", 0)
         if self.loss is not None:
-            res.loss = self.loss.breakdown(res.hit_tokens)
+            res.loss = self.loss.breakdown(res.hit_tokens[: self.online])

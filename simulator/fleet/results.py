@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .loss import LossBreakdown
+
+if TYPE_CHECKING:  # batch.py reads SimResult: only the type comes this way
+    from .batch import BatchOutcome
 
 NAN = float("nan")
 
@@ -58,6 +62,8 @@ class SimResult:
     # (time, "up" | "down", replica); without, the fixed fleet's replicas x the run.
     replica_seconds: float | None = None
     scale_actions: list[tuple[float, str, int]] = field(default_factory=list)
+    # With a batch job beside the trace: how it went (its lines are not in the lists above).
+    batch: BatchOutcome | None = None
 
     # -- derived ----------------------------------------------------------------------
 
