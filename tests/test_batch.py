@@ -358,3 +358,42 @@ async def test_the_batch_api_needs_the_client_key_when_keys_are_set(
         await client_for(r).batches.list()
     keyed = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="key-of-batch-1234", max_retries=0)
     assert (await keyed.batches.list()).data == []
+
+
+async def test_a_tenant_sees_and_cancels_only_its_own_files_and_batches(
+    start_replica: StartReplica, start_router: StartRouter, tmp_path: Path
+) -> None:
+    """Files and batches belong to the tenant whose key made them: another tenant's list is
+    empty and its ids answer 404, as ids that do not exist."""
+    a = await start_replica("a")
+    keys = [{"key": "key-of-acme-1234", "tenant": "acme"}, {"key": "key-of-zeta-1234",
+            "tenant": "zeta"}]  # fmt: skip
+    r = await start_router([a], batch=batch_config(tmp_path), auth={"api_keys": keys})
+
+    def client(key: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=r.url + "/v1", api_key=key, max_retries=0, timeout=10)
+
+    acme, zeta = client("key-of-acme-1234"), client("key-of-zeta-1234")
+    upload = await acme.files.create(
+        file=("in.jsonl", io.BytesIO(jsonl([chat_line("c1", "hello")]))), purpose="batch"
+    )
+    batch = await acme.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert [f.id for f in (await acme.files.list()).data] == [upload.id]
+    assert (await zeta.files.list()).data == [] and (await zeta.batches.list()).data == []
+    for call in (
+        zeta.files.retrieve(upload.id),
+        zeta.files.content(upload.id),
+        zeta.batches.retrieve(batch.id),
+        zeta.batches.cancel(batch.id),
+        zeta.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    done = await wait_status(acme, batch.id, {"completed"})
+    assert [line["custom_id"] for line in await lines_of(acme, done.output_file_id)] == ["c1"]
+    with pytest.raises(openai.NotFoundError):
+        await zeta.files.content(done.output_file_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -171,8 +172,9 @@ async def test_one_router_moves_a_job_and_it_ends_once_with_its_files(
     assert output is not None and errors is not None
     assert [json.loads(x)["custom_id"] for x in output.splitlines()] == ["c1"]
     assert [json.loads(x)["custom_id"] for x in errors.splitlines()] == ["c2", "c3"]
-    meta = await a.file(ended.error_file_id)
+    meta = await a.file(ended.error_file_id, "t")  # the job's tenant's, as its input was
     assert meta is not None and meta.purpose == "batch_output" and meta.bytes == len(errors)
+    assert await a.file(ended.error_file_id, "someone-else") is None
 
 
 async def test_jobs_and_files_page_newest_first(stores: tuple[BatchStore, BatchStore]) -> None:
@@ -182,16 +184,41 @@ async def test_jobs_and_files_page_newest_first(stores: tuple[BatchStore, BatchS
         job, lines = make_job(1)
         await a.create(job, lines)
         made.append(job.id)
-    page, more = await a.jobs(100, None, 1000.0)
+    page, more = await a.jobs(100, None, 1000.0, "t")
     mine = [j.id for j in page if j.id in made]
     assert mine == made[::-1]
     after = made[2]
-    page, more = await a.jobs(1, after, 1000.0)
+    page, more = await a.jobs(1, after, 1000.0, "t")
     assert [j.id for j in page] == [made[1]] and more
+    assert (await a.jobs(100, None, 1000.0, "someone-else"))[0] == []
     for k in range(3):
-        await a.add_file(FileMeta(f"file-p{k}-{made[0]}", "batch", "f", 1, 2000.0 + k), b"x")
-    files, _ = await a.files(2, None)
+        meta = FileMeta(f"file-p{k}-{made[0]}", "batch", "f", 1, 2000.0 + k, "t")
+        await a.add_file(meta, b"x")
+    files, _ = await a.files(2, None, "t")
     assert [f.id for f in files] == [f"file-p2-{made[0]}", f"file-p1-{made[0]}"]
+    assert (await a.files(2, None, "someone-else"))[0] == []
+
+
+async def test_a_store_made_before_files_had_tenants_gets_the_column(tmp_path: Path) -> None:
+    """Its files stay readable, as the default tenant's."""
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "CREATE TABLE kvr_files (id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT "
+        "NULL, bytes BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL, seq BIGINT NOT "
+        "NULL, content BLOB NOT NULL)"
+    )
+    conn.execute("INSERT INTO kvr_files VALUES ('file-old', 'batch', 'a.jsonl', 1, 1.0, 1, x'7b')")
+    conn.commit()
+    conn.close()
+    store = SqlStore(SqliteDb(path))
+    await store.open()
+    try:
+        meta = await store.file("file-old", "default")
+        assert meta is not None and meta.filename == "a.jsonl"
+        assert await store.file("file-old", "acme") is None
+    finally:
+        await store.close()
 
 
 async def test_sqlite_store_is_in_wal_mode(tmp_path: Path) -> None:

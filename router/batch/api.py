@@ -72,8 +72,16 @@ class BatchApi:
 
     # -- files -------------------------------------------------------------------------
 
+    def _tenant(self, request: web.Request) -> str:
+        """Whose files and batches this request may see: its tenant (the API key's, else the
+        headers', as for any request), the only one it can read, list or cancel."""
+        key_tenant = self.auth.check_client(request)
+        if self.tenants is None:
+            return DEFAULT_TENANT
+        return self.tenants.identify(request.headers, key_tenant)[0]
+
     async def upload(self, request: web.Request) -> web.Response:
-        self.auth.check_client(request)
+        tenant = self._tenant(request)
         purpose, filename, content = await self._read_upload(request)
         if purpose != "batch":
             raise errors.bad_request(
@@ -87,7 +95,7 @@ class BatchApi:
                 400, f"The batch input file is not valid: {exc}.", param="file",
                 code="invalid_file",
             ) from None  # fmt: skip
-        meta = FileMeta(_new_id("file-"), purpose, filename, len(content), time.time())
+        meta = FileMeta(_new_id("file-"), purpose, filename, len(content), time.time(), tenant)
         await self.store.add_file(meta, content)
         return _json(meta.to_openai())
 
@@ -129,17 +137,15 @@ class BatchApi:
         return purpose, filename, content
 
     async def list_files(self, request: web.Request) -> web.Response:
-        self.auth.check_client(request)
+        tenant = self._tenant(request)
         limit, after = _page(request, default=MAX_PAGE)
-        files, more = await self.store.files(limit, after)
+        files, more = await self.store.files(limit, after, tenant)
         return _json(_list([f.to_openai() for f in files], more))
 
     async def get_file(self, request: web.Request) -> web.Response:
-        self.auth.check_client(request)
         return _json((await self._file(request)).to_openai())
 
     async def file_content(self, request: web.Request) -> web.Response:
-        self.auth.check_client(request)
         meta = await self._file(request)
         content = await self.store.file_content(meta.id)
         if content is None:
@@ -148,7 +154,7 @@ class BatchApi:
 
     async def _file(self, request: web.Request) -> FileMeta:
         file_id = request.match_info["file_id"]
-        meta = await self.store.file(file_id)
+        meta = await self.store.file(file_id, self._tenant(request))
         if meta is None:
             raise _not_found("file", file_id)
         return meta
@@ -156,19 +162,14 @@ class BatchApi:
     # -- batches -----------------------------------------------------------------------
 
     async def create(self, request: web.Request) -> web.Response:
-        key_tenant = self.auth.check_client(request)
-        tenant = (
-            self.tenants.identify(request.headers, key_tenant)[0]
-            if self.tenants is not None
-            else DEFAULT_TENANT
-        )
+        tenant = self._tenant(request)
         body = await _json_body(request)
         problem = check_create(body)
         if problem is not None:
             param, _, why = problem.partition(": ")
             raise errors.bad_request(f"{param}: {why}", param)
         file_id = body["input_file_id"]
-        meta = await self.store.file(file_id)
+        meta = await self.store.file(file_id, tenant)
         content = await self.store.file_content(file_id)
         if meta is None or content is None:
             raise _not_found("file", file_id, "input_file_id")
@@ -204,22 +205,22 @@ class BatchApi:
         return _json(job.to_openai())
 
     async def get_batch(self, request: web.Request) -> web.Response:
-        self.auth.check_client(request)
-        return _json((await self._job(request.match_info["batch_id"])).to_openai())
+        job = await self._job(request.match_info["batch_id"], self._tenant(request))
+        return _json(job.to_openai())
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        self.auth.check_client(request)
+        tenant = self._tenant(request)
         limit, after = _page(request, default=20)
-        jobs, more = await self.store.jobs(limit, after, time.time())
+        jobs, more = await self.store.jobs(limit, after, time.time(), tenant)
         return _json(_list([j.to_openai() for j in jobs], more))
 
     async def cancel(self, request: web.Request) -> web.Response:
-        self.auth.check_client(request)
+        tenant = self._tenant(request)
         batch_id = request.match_info["batch_id"]
-        job = await self._job(batch_id)
+        job = await self._job(batch_id, tenant)
         if await self.store.move(batch_id, CANCELLABLE, Status.CANCELLING, time.time()):
             self.runner.cancel(batch_id)  # this router's lines abort now; others' on their tick
-            job = await self._job(batch_id)
+            job = await self._job(batch_id, tenant)
         elif job.status not in (Status.CANCELLING, Status.CANCELLED):
             raise errors.ApiError(
                 409, f"Batch {batch_id} is {job.status.value} and can no longer be cancelled.",
@@ -227,8 +228,8 @@ class BatchApi:
             )  # fmt: skip
         return _json(job.to_openai())
 
-    async def _job(self, batch_id: str) -> Job:
-        job = await self.store.job(batch_id, time.time())
+    async def _job(self, batch_id: str, tenant: str) -> Job:
+        job = await self.store.job(batch_id, time.time(), tenant)
         if job is None:
             raise _not_found("batch", batch_id, "batch_id")
         return job

@@ -124,6 +124,7 @@ class FileMeta:
     filename: str
     bytes: int
     created_at: float
+    tenant: str = "default"  # whose it is: only that tenant's requests see it
 
     def to_openai(self) -> dict[str, Any]:
         return {

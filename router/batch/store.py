@@ -73,12 +73,16 @@ class BatchStore(Protocol):
     async def open(self) -> None: ...
     async def close(self) -> None: ...
     async def add_file(self, meta: FileMeta, content: bytes) -> None: ...
-    async def file(self, file_id: str) -> FileMeta | None: ...
+    async def file(self, file_id: str, tenant: str) -> FileMeta | None: ...
     async def file_content(self, file_id: str) -> bytes | None: ...
-    async def files(self, limit: int, after: str | None) -> tuple[list[FileMeta], bool]: ...
+    async def files(
+        self, limit: int, after: str | None, tenant: str
+    ) -> tuple[list[FileMeta], bool]: ...
     async def create(self, job: Job, lines: list[InputLine]) -> None: ...
-    async def job(self, batch_id: str, now: float) -> Job | None: ...
-    async def jobs(self, limit: int, after: str | None, now: float) -> tuple[list[Job], bool]: ...
+    async def job(self, batch_id: str, now: float, tenant: str | None = None) -> Job | None: ...
+    async def jobs(
+        self, limit: int, after: str | None, now: float, tenant: str
+    ) -> tuple[list[Job], bool]: ...
     async def unfinished(self, now: float) -> list[Job]: ...
     async def move(
         self,
@@ -103,7 +107,7 @@ def _schema(blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS kvr_files (
             id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL,
             bytes BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL, seq BIGINT NOT NULL,
-            content {blob} NOT NULL)""",
+            content {blob} NOT NULL, tenant TEXT NOT NULL DEFAULT 'default')""",
         """CREATE TABLE IF NOT EXISTS kvr_batches (
             id TEXT PRIMARY KEY, seq BIGINT NOT NULL, endpoint TEXT NOT NULL,
             input_file_id TEXT NOT NULL, tenant TEXT NOT NULL, status TEXT NOT NULL,
@@ -125,6 +129,7 @@ def _schema(blob: str) -> list[str]:
     ]
 
 
+_FILE_COLUMNS = "id, purpose, filename, bytes, created_at, tenant"
 _JOB_COLUMNS = (
     "id, seq, endpoint, input_file_id, tenant, status, ending, created_at, expires_at, times, "
     "output_file_id, error_file_id, metadata, total"
@@ -162,6 +167,7 @@ class SqlStore:
             with self._db.transaction() as tx:
                 for statement in _schema(self._db.blob):
                     tx.count(statement)
+            _add_file_tenants(self._db)
 
         await asyncio.get_running_loop().run_in_executor(self._thread, setup)
 
@@ -177,11 +183,13 @@ class SqlStore:
 
         await self._run(add)
 
-    async def file(self, file_id: str) -> FileMeta | None:
+    async def file(self, file_id: str, tenant: str) -> FileMeta | None:
+        """The file, if it is ``tenant``'s (another tenant's files do not exist for it)."""
+
         def read(tx: Tx) -> FileMeta | None:
             rows = tx.rows(
-                "SELECT id, purpose, filename, bytes, created_at FROM kvr_files WHERE id = ?",
-                (file_id,),
+                f"SELECT {_FILE_COLUMNS} FROM kvr_files WHERE id = ? AND tenant = ?",
+                (file_id, tenant),
             )
             return FileMeta(*rows[0]) if rows else None
 
@@ -194,12 +202,13 @@ class SqlStore:
 
         return await self._run(read)
 
-    async def files(self, limit: int, after: str | None) -> tuple[list[FileMeta], bool]:
+    async def files(
+        self, limit: int, after: str | None, tenant: str
+    ) -> tuple[list[FileMeta], bool]:
         def read(tx: Tx) -> tuple[list[FileMeta], bool]:
-            where, params = _after(tx, "kvr_files", after)
+            where, params = _after(tx, "kvr_files", after, tenant)
             rows = tx.rows(
-                "SELECT id, purpose, filename, bytes, created_at FROM kvr_files"
-                f"{where} ORDER BY seq DESC, id DESC LIMIT ?",
+                f"SELECT {_FILE_COLUMNS} FROM kvr_files{where} ORDER BY seq DESC, id DESC LIMIT ?",
                 (*params, limit + 1),
             )
             return [FileMeta(*r) for r in rows[:limit]], len(rows) > limit
@@ -239,16 +248,21 @@ class SqlStore:
 
         await self._run(insert)
 
-    async def job(self, batch_id: str, now: float) -> Job | None:
+    async def job(self, batch_id: str, now: float, tenant: str | None = None) -> Job | None:
+        """The job; with ``tenant``, only if it is that tenant's."""
+
         def read(tx: Tx) -> Job | None:
             rows = tx.rows(f"SELECT {_JOB_COLUMNS} FROM kvr_batches WHERE id = ?", (batch_id,))
-            return _with_counts(tx, [_job(r) for r in rows], now)[0] if rows else None
+            jobs = [_job(r) for r in rows if tenant is None or r[4] == tenant]
+            return _with_counts(tx, jobs, now)[0] if jobs else None
 
         return await self._run(read)
 
-    async def jobs(self, limit: int, after: str | None, now: float) -> tuple[list[Job], bool]:
+    async def jobs(
+        self, limit: int, after: str | None, now: float, tenant: str
+    ) -> tuple[list[Job], bool]:
         def read(tx: Tx) -> tuple[list[Job], bool]:
-            where, params = _after(tx, "kvr_batches", after)
+            where, params = _after(tx, "kvr_batches", after, tenant)
             rows = tx.rows(
                 f"SELECT {_JOB_COLUMNS} FROM kvr_batches{where} ORDER BY seq DESC, id DESC LIMIT ?",
                 (*params, limit + 1),
@@ -439,8 +453,9 @@ class SqlStore:
                     continue
                 file_id = f"file-{job.id}-{kind}"
                 meta = FileMeta(
-                    file_id, "batch_output", f"{job.id}_{kind}.jsonl", len(content), now
-                )
+                    file_id, "batch_output", f"{job.id}_{kind}.jsonl", len(content), now,
+                    job.tenant,
+                )  # fmt: skip
                 _insert_file(tx, meta, content)
                 ids.append(file_id)
             times = json.loads(status[0][1]) | {f"{final.value}_at": now}
@@ -456,8 +471,8 @@ class SqlStore:
 
 def _insert_file(tx: Tx, meta: FileMeta, content: bytes) -> None:
     tx.count(
-        "INSERT INTO kvr_files (id, purpose, filename, bytes, created_at, seq, content) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+        "INSERT INTO kvr_files (id, purpose, filename, bytes, created_at, seq, content, tenant) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
         (
             meta.id,
             meta.purpose,
@@ -466,18 +481,32 @@ def _insert_file(tx: Tx, meta: FileMeta, content: bytes) -> None:
             meta.created_at,
             int(meta.created_at * 1e6),
             content,
+            meta.tenant,
         ),
     )
 
 
-def _after(tx: Tx, table: str, after: str | None) -> tuple[str, tuple[Any, ...]]:
-    """The WHERE clause of a page that starts after the object ``after`` (newest first)."""
+def _add_file_tenants(db: Db) -> None:
+    """A store made before files had tenants gets the column (its files: the default
+    tenant's). Its own transaction: where the probe fails, PostgreSQL aborts the one it is in."""
+    try:
+        with db.transaction() as tx:
+            tx.rows("SELECT tenant FROM kvr_files WHERE 1 = 0")
+    except Exception:
+        with db.transaction() as tx:
+            tx.count("ALTER TABLE kvr_files ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default'")
+
+
+def _after(tx: Tx, table: str, after: str | None, tenant: str) -> tuple[str, tuple[Any, ...]]:
+    """The WHERE clause of ``tenant``'s page that starts after the object ``after`` (newest
+    first)."""
     if after is None:
-        return "", ()
-    rows = tx.rows(f"SELECT seq FROM {table} WHERE id = ?", (after,))
+        return " WHERE tenant = ?", (tenant,)
+    rows = tx.rows(f"SELECT seq FROM {table} WHERE id = ? AND tenant = ?", (after, tenant))
     if not rows:
         return " WHERE 1 = 0", ()
-    return " WHERE (seq < ? OR (seq = ? AND id < ?))", (rows[0][0], rows[0][0], after)
+    seq = rows[0][0]
+    return " WHERE tenant = ? AND (seq < ? OR (seq = ? AND id < ?))", (tenant, seq, seq, after)
 
 
 def _job(row: tuple[Any, ...]) -> Job:
