@@ -149,3 +149,18 @@ def test_bad_batch_and_dip_flags_are_one_clear_line(
         assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_bench_batch_runs_a_day_live_alone_and_with_a_job(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`kvroute bench batch` on a short day: two fresh emulated fleets, the online trace on
+    both, the job through the openai client on the second; the report says both ways."""
+    code = main(["bench", "batch", "--trace", str(AZURE_CONV), "--day", "8", "--max-requests",
+                 "20", "--lines", "8", "--input-words", "50", "--no-record"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| online alone | 20 | 0 |" in out
+    assert "| online + batch lane | 20 | 0 |" in out and "8/8 lines, completed" in out
+    assert "online TTFT p99 with the lane / alone:" in out
+    assert "the job met its window: **yes**" in out

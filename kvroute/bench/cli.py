@@ -8,6 +8,7 @@ import shutil
 import sys
 
 from kvroute.bench.argtypes import add_report_args, non_negative_int, positive_int
+from kvroute.bench.batch_lane import add_batch_bench
 from kvroute.bench.epp import add_epp_bench
 from kvroute.bench.fairness import add_fairness_bench
 from kvroute.bench.index_bench import add_index_bench
@@ -30,6 +31,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_streams_bench(bench_sub)
     add_fairness_bench(bench_sub)
     add_status_bench(bench_sub)
+    add_batch_bench(bench_sub)
     from kvroute.bench.fidelity import add_fidelity_bench
     from kvroute.simulator.cli_replay import add_replay_bench
 
