@@ -28,7 +28,10 @@ def plan_fleet(spec: LaunchSpec) -> list[ReplicaPlan]:
     ]
 
 
-def describe_plan(spec: LaunchSpec, replicas: list[ReplicaPlan], gpus: GpuPlan | None) -> str:
+def describe_plan(
+    spec: LaunchSpec, replicas: list[ReplicaPlan], gpus: GpuPlan | None, key: str = "launch"
+) -> str:
+    """``key``: the config's name for the launch section ('pools[1].launch' in a pool)."""
     lines = []
     per_replica = f", {gpus.layout.describe()}" if gpus is not None else ""
     lines.append(
@@ -36,7 +39,7 @@ def describe_plan(spec: LaunchSpec, replicas: list[ReplicaPlan], gpus: GpuPlan |
         f"logs in {spec.log_dir}/"
     )
     lines.append("")
-    lines += _gpu_map(replicas, gpus) if gpus is not None else ["GPUs: none (no GPU keys set)"]
+    lines += _gpu_map(replicas, gpus, key) if gpus is not None else ["GPUs: none (no GPU keys set)"]
     for replica in replicas:
         lines.append("")
         where = f", GPUs {','.join(map(str, replica.gpus))}" if replica.gpus else ""
@@ -48,11 +51,11 @@ def describe_plan(spec: LaunchSpec, replicas: list[ReplicaPlan], gpus: GpuPlan |
         lines.append("  command:")
         lines.append(f"    {shlex.join(replica.argv)}")
     lines.append("")
-    lines += _notes(spec, gpus)
+    lines += _notes(spec, gpus, key)
     return "\n".join(lines)
 
 
-def _gpu_map(replicas: list[ReplicaPlan], plan: GpuPlan) -> list[str]:
+def _gpu_map(replicas: list[ReplicaPlan], plan: GpuPlan, key: str) -> list[str]:
     owner = {gpu: (r.name, k) for r in replicas for k, gpu in enumerate(r.gpus)}
     if plan.checked:
         found = plan.discovery
@@ -63,8 +66,10 @@ def _gpu_map(replicas: list[ReplicaPlan], plan: GpuPlan) -> list[str]:
         # The GPUs placement drew from first, then the machine's others.
         shown = [*plan.pool, *sorted(set(plan.info) - set(plan.pool))]
     else:  # a plan for another machine: the note at the end says it was not checked
-        header = f"GPU map (launch.gpus {format_indices(list(plan.pool))}):"
-        shown = list(plan.pool)
+        header = f"GPU map ({key}.gpus {format_indices(list(plan.pool))}):"
+        shown = [*plan.pool, *sorted(set(plan.taken) - set(plan.pool))]
+    if plan.taken:  # the host's GPUs, shared by several pools: in index order
+        shown = sorted(shown)
     rows = []
     for gpu in shown:
         info = plan.info.get(gpu)
@@ -75,10 +80,12 @@ def _gpu_map(replicas: list[ReplicaPlan], plan: GpuPlan) -> list[str]:
         if gpu in owner:
             name, local = owner[gpu]
             use = f"-> {name} as cuda:{local}"
+        elif gpu in plan.taken:  # another pool's
+            use = f"-> {plan.taken[gpu]}"
         elif gpu in plan.pool:
             use = "unused"
         else:
-            use = "not in launch.gpus" if plan.listed else "hidden by CUDA_VISIBLE_DEVICES"
+            use = f"not in {key}.gpus" if plan.listed else "hidden by CUDA_VISIBLE_DEVICES"
         rows.append((f"GPU {gpu}", described, use))
     width = [max(len(row[i]) for row in rows) for i in range(2)] if rows else [0, 0]
     described_any = any(row[1] for row in rows)
@@ -91,7 +98,7 @@ def _gpu_map(replicas: list[ReplicaPlan], plan: GpuPlan) -> list[str]:
     ]
 
 
-def _notes(spec: LaunchSpec, gpus: GpuPlan | None) -> list[str]:
+def _notes(spec: LaunchSpec, gpus: GpuPlan | None, key: str) -> list[str]:
     notes = []
     if gpus is not None and not gpus.checked:
         notes.append(
@@ -105,7 +112,7 @@ def _notes(spec: LaunchSpec, gpus: GpuPlan | None) -> list[str]:
         )
     if spec.engine == "vllm" and spec.model_path and not Path(spec.model_path).exists():
         notes.append(
-            f"launch.model_path {spec.model_path}: not on this machine; it must be on the one "
+            f"{key}.model_path {spec.model_path}: not on this machine; it must be on the one "
             "that serves"
         )
     return ["notes:"] + [f"  {note}" for note in notes]

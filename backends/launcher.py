@@ -71,6 +71,12 @@ class LaunchSpec:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     gpu_memory_utilization: float | None = None  # None: vLLM's default
+    # Starts every replica's name: a model pool's name and '-' (router/pool_config.py), so
+    # that names stay unique across pools; '' for a config without pools.
+    name_prefix: str = ""
+
+    def replica_name(self, slot: int) -> str:
+        return f"{self.name_prefix}{self.engine}-{slot}"
 
     def __post_init__(self) -> None:
         if self.gpu_groups and len(self.gpu_groups) != self.count:
@@ -92,7 +98,7 @@ class LaunchedReplica:
     kv_events: str | None
     kv_replay: str | None
     process: ManagedProcess
-    # Its place in the fleet: names it (``{engine}-{slot}``) and picks its GPU group. A
+    # Its place in the fleet: names it (``LaunchSpec.replica_name``) and picks its GPU group. A
     # replica replaced (rollout) or added in place of a removed one takes the same slot.
     slot: int = 0
 
@@ -207,7 +213,7 @@ def plan_replica(
 ) -> ReplicaPlan:
     """Replica ``i`` on ``ports`` (HTTP, KV events, replay), its ipc sockets in ``kv_dir``."""
     port, events_port, replay_port = ports
-    name = f"{spec.engine}-{i}"
+    name = spec.replica_name(i)
     gpus = spec.gpu_groups[i] if spec.gpu_groups else ()
     kv = kv_endpoints(spec, name, events_port, replay_port, kv_dir)
     env: dict[str, str] = {}

@@ -11,7 +11,7 @@ config errors (exit 2) whether they were found on load or when the GPUs were cou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .gpus import Discovery, GpuInfo
@@ -146,6 +146,9 @@ class GpuPlan:
     # Set when kvroute's environment limits the GPUs it may use (see visible_gpus).
     cuda_visible_devices: str | None = None
     info: dict[int, GpuInfo] = field(default_factory=dict)  # by index, from discovery
+    # GPUs placed before this plan for other model pools: GPU -> who uses it ("chat-vllm-0
+    # as cuda:1"), left out of this one.
+    taken: Mapping[int, str] = field(default_factory=dict)
 
     @property
     def checked(self) -> bool:
@@ -161,13 +164,17 @@ def plan_gpus(
     discovery: Discovery,
     cuda_visible_devices: str | None,
     require_hardware: bool,
+    taken: Mapping[int, str] | None = None,
 ) -> GpuPlan:
     """Assign GPUs to ``count`` replicas; raise ``PlacementError`` naming the key.
 
     ``gpus`` None or "auto": the GPUs discovery found (and kvroute's environment lets it use).
     A list: those GPUs, checked against the machine when its GPUs could be listed; when none
     could, the list stands as a plan (a dry run on a laptop), unless ``require_hardware``.
+    ``taken``: GPUs already placed for other model pools (one host, one inventory): auto
+    leaves them out, a list may not name them.
     """
+    taken = taken or {}
     problems = gpu_list_problems(gpus if gpus is not None else AUTO, count, layout)
     if problems:
         raise PlacementError(*problems)
@@ -185,13 +192,17 @@ def plan_gpus(
         present = [g.index for g in found]
         # Visible entries that name no GPU found here would fail in the replica: left out.
         pool = present if visible is None else [g for g in dict.fromkeys(visible) if g in present]
+        placed = [g for g in pool if g in taken]
+        pool = [g for g in pool if g not in taken]
         if len(pool) < need:
             seen = f"{len(found)} GPUs ({format_indices(present)}, by {discovery.source})"
             if visible is not None:
                 seen += (
-                    f", {len(pool)} of them visible through CUDA_VISIBLE_DEVICES="
+                    f", {len(pool) + len(placed)} of them visible through CUDA_VISIBLE_DEVICES="
                     f"{cuda_visible_devices} in kvroute's environment"
                 )
+            if placed:
+                seen += f", {format_indices(placed)} placed for other pools already"
             raise PlacementError(
                 f"launch.gpus: {AUTO} found {seen}, but launch.count {count} x "
                 f"{layout.describe()} needs {need}"
@@ -220,6 +231,12 @@ def plan_gpus(
                 for g in pool
                 if g not in visible
             ]
+        problems += [
+            f"launch.gpus: GPU {g} is placed for another pool already ({taken[g]}); each GPU "
+            "goes to one replica"
+            for g in pool
+            if g in taken
+        ]
         if problems:
             raise PlacementError(*problems)
     return GpuPlan(
@@ -230,6 +247,7 @@ def plan_gpus(
         listed=isinstance(gpus, list),
         cuda_visible_devices=cuda_visible_devices,
         info={g.index: g for g in found},
+        taken=dict(taken),
     )
 
 

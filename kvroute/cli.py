@@ -13,6 +13,7 @@ import msgspec
 from kvroute.router.config import (
     Config,
     ConfigError,
+    LaunchConfig,
     ReplicaConfig,
     config_from_dict,
     gpus_requested,
@@ -85,7 +86,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description=(
             "Run the router. Give a YAML config with --config, or replicas with --replica; "
             "flags override the config file. Replicas under the config's launch: are started "
-            "first, each on its own GPUs when launch: places GPUs."
+            "first, each on its own GPUs when launch: places GPUs. A config with pools: serves "
+            "several models, each its own pool of replicas (listed and/or launched, GPUs drawn "
+            "from one inventory), tokenizer and policy; requests go to their model's pool."
         ),
     )
     p.add_argument("--config", metavar="FILE", help="YAML config file (see configs/).")
@@ -125,8 +128,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="Print what would be launched and exit without starting anything: the GPU map "
         "(GPU -> replica) and each replica's command line and the environment variables "
-        "kvroute sets for it. Works without GPUs or model files when launch.gpus lists the "
-        "GPUs (a plan made on a laptop); config errors exit 2.",
+        "kvroute sets for it, for every model pool of a config with pools:. Works without "
+        "GPUs or model files when launch.gpus lists the GPUs (a plan made on a laptop); "
+        "config errors exit 2.",
     )
     p.set_defaults(func=_cmd_serve)
 
@@ -163,9 +167,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.workers is not None:
         overrides["listen"]["workers"] = args.workers
     config = config_from_dict(overrides)
-    if not config.replicas and config.launch is None:
+    if not config.replicas and config.launch is None and not config.pools:
         raise ConfigError(
-            "no replicas: give --replica URL, or 'replicas' or 'launch' in the config"
+            "no replicas: give --replica URL, or 'replicas', 'launch' or 'pools' in the config"
         )
     return config
 
@@ -197,10 +201,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"kvroute: {problem}", file=sys.stderr)
         return 1
-    from kvroute.router.launching import start_launched_replicas
+    from kvroute.backends.launcher import LaunchedFleet
+    from kvroute.router.launching import start_launched_replicas, start_pools
 
+    fleet: LaunchedFleet | None = None
+    pool_fleets: list[LaunchedFleet] = []
     try:
-        config, fleet = _in_file(start_launched_replicas, config, args.config)
+        if config.pools:
+            config, pool_fleets = _in_file(start_pools, config, args.config)
+        else:
+            config, fleet = _in_file(start_launched_replicas, config, args.config)
     except LaunchError as exc:
         print(f"kvroute: {exc}", file=sys.stderr)
         return 1
@@ -212,10 +222,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         else:
             from kvroute.router.runner import run
 
-            run(config, launched=fleet)
+            run(config, launched=fleet, pool_fleets=pool_fleets)
     finally:
-        if fleet is not None:
-            fleet.stop()  # after the router has drained its in-flight requests
+        # After the router has drained its in-flight requests.
+        for launched in [fleet] if fleet is not None else pool_fleets:
+            launched.stop()
     return 0
 
 
@@ -229,17 +240,27 @@ def _in_file(fn: Callable[[Config], T], config: Config, path: str | None) -> T:
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.file)
-    fleet = [f"{len(config.replicas)} replicas"] if config.replicas or not config.launch else []
-    if config.launch is not None:  # started by serve: they count as much as the listed ones
-        launch = config.launch
+    listen = f"listen {config.listen.host}:{config.listen.port}"
+    if not config.pools:
+        fleet = _fleet_summary(config.replicas, config.launch)
+        print(f"{args.file}: OK ({fleet}, policy {config.policy.name}, {listen})")
+        return 0
+    pools = "; ".join(
+        f"{p.name} serving {p.model!r}: {_fleet_summary(p.replicas, p.launch)}, "
+        f"policy {(p.policy or config.policy).name}"
+        for p in config.pools
+    )
+    print(f"{args.file}: OK ({len(config.pools)} model pools: {pools}; {listen})")
+    return 0
+
+
+def _fleet_summary(replicas: list[ReplicaConfig], launch: LaunchConfig | None) -> str:
+    fleet = [f"{len(replicas)} replicas"] if replicas or not launch else []
+    if launch is not None:  # started by serve: they count as much as the listed ones
         fleet.append(f"{launch.count} launched replicas, engine {launch.engine}")
         if gpus_requested(launch):  # counted against the machine's GPUs by serve, not here
             fleet[-1] += f", {launch_layout(launch).describe()}"
-    print(
-        f"{args.file}: OK ({' + '.join(fleet)}, policy {config.policy.name}, "
-        f"listen {config.listen.host}:{config.listen.port})"
-    )
-    return 0
+    return " + ".join(fleet)
 
 
 if __name__ == "__main__":

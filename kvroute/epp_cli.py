@@ -125,6 +125,11 @@ def epp_config_from_args(args: argparse.Namespace) -> Config:
     config = config_from_dict(raw)
     if config.launch is not None:
         raise ConfigError("launch: the endpoint picker routes to pods it does not start")
+    if config.pools:
+        raise ConfigError(
+            "pools: the endpoint picker routes one pool of pods (one InferencePool); run one "
+            "picker per model, each with its replicas at the top level"
+        )
     if not config.replicas and not config.epp.pool_name:
         raise ConfigError(
             "no endpoints: give --endpoint HOST:PORT, 'replicas' in the config, or --pool-name"

@@ -126,6 +126,21 @@ class PolicyConfig(_Section):
     params: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+class PoolConfig(_Section):
+    """One model pool (``pools:``): the replicas serving one model name, routed among themselves
+    with their own prefix index, tokenizer and policy (router/pool_config.py)."""
+
+    name: str  # names its launched replicas ({name}-{engine}-{slot}) and its metrics
+    model: str  # the served model name clients ask for; one pool per name
+    replicas: list[ReplicaConfig] = msgspec.field(default_factory=list)
+    launch: LaunchConfig | None = None
+    # As routing.tokenizer and routing.block_size, for this pool's model; null: its launched
+    # replicas', else discovered from its replicas.
+    tokenizer: str | None = None
+    block_size: int | None = None
+    policy: PolicyConfig | None = None  # null: the top-level policy:
+
+
 class SloConfig(_Section):
     # Per-request targets in seconds; kv_aware then prefers any replica predicted to meet both
     # and, among those, the one that keeps the fleet's cache best (null: no target).
@@ -442,6 +457,9 @@ class Config(_Section):
     replicas: list[ReplicaConfig] = msgspec.field(default_factory=list)
     # Replicas to start and manage (in addition to any listed under replicas).
     launch: LaunchConfig | None = None
+    # Several models behind one router, each its own pool of replicas (listed and/or
+    # launched), tokenizer and policy; replaces replicas/launch/models above (empty: one pool).
+    pools: list[PoolConfig] = msgspec.field(default_factory=list)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     # Scale the launched replicas with their load (null: a fixed launch.count).
     autoscale: AutoscaleConfig | None = None
@@ -510,16 +528,24 @@ def config_from_dict(raw: Any) -> Config:
     config = None if usable is _BAD else msgspec.convert(usable, Config)
     if config is not None:
         # The replicas that passed keep their place in the file for the problems below.
-        listed = raw.get("replicas")
-        keys = [
-            f"replicas[{i}]"
-            for i, item in enumerate(listed if isinstance(listed, list) else [])
-            if _check_struct(item, ReplicaConfig, "", []) is not _BAD
-        ]
+        keys = [f"replicas[{i}]" for i, _ in passed_items(raw.get("replicas"), ReplicaConfig)]
         problems += _semantic_problems(config, keys)
+        # Imported here: pool_config reads this module's structs and checks.
+        from .pool_config import pool_problems
+
+        problems += pool_problems(config, passed_items(raw.get("pools"), PoolConfig))
     if problems or config is None:
         raise ConfigError(*sorted(problems, key=_file_order(raw)))
     return config
+
+
+def passed_items(listed: Any, cls: type[msgspec.Struct]) -> list[tuple[int, Any]]:
+    """(position, raw item) of the items of a list in the file that became ``cls`` structs (the
+    others' problems are recorded already): the keys later problems name them by."""
+    items = listed if isinstance(listed, list) else []
+    return [
+        (i, item) for i, item in enumerate(items) if _check_struct(item, cls, "", []) is not _BAD
+    ]
 
 
 def _file_order(raw: Any) -> Callable[[str], tuple[int, int]]:
@@ -675,7 +701,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
             problems.append(f"{key}.name: duplicate replica name {name!r}")
         names.add(name)
     if config.launch is not None:
-        problems += _launch_problems(config.launch)
+        problems += launch_problems(config.launch)
         block_size = config.routing.block_size
         if block_size is not None and block_size != config.launch.block_size:
             problems.append(
@@ -749,6 +775,12 @@ def _autoscale_problems(config: Config) -> list[str]:
     if autoscale is None:
         return problems
     problems += autoscale.settings().problems()
+    if config.pools:
+        return [
+            *problems,
+            "autoscale: scales the one launched fleet of a config without pools:, "
+            "not the fleets of pools",
+        ]
     if config.launch is None:
         problems.append("autoscale: scales launched replicas only; add a launch: section")
     elif not autoscale.min <= config.launch.count <= autoscale.max:
@@ -784,11 +816,12 @@ def _batch_problems(batch: BatchConfig | None) -> list[str]:
     return problems
 
 
-def policy_params(config: Config) -> dict[str, Any]:
-    """``policy.params`` with the ``slo:`` targets as kv_aware's ``slo_ttft_s``/``slo_tpot_s``
-    (a target set in policy.params itself wins)."""
-    params = dict(config.policy.params)
-    if config.policy.name == "kv_aware":
+def policy_params(config: Config, policy: PolicyConfig | None = None) -> dict[str, Any]:
+    """``policy.params`` (or a pool's ``policy``'s) with the ``slo:`` targets as kv_aware's
+    ``slo_ttft_s``/``slo_tpot_s`` (a target set in the params themselves wins)."""
+    policy = policy or config.policy
+    params = dict(policy.params)
+    if policy.name == "kv_aware":
         for key, value in (("slo_ttft_s", config.slo.ttft_s), ("slo_tpot_s", config.slo.tpot_s)):
             if value is not None and value > 0:  # a bad one is slo:'s own problem
                 params.setdefault(key, value)
@@ -816,9 +849,17 @@ def _slo_problems(config: Config) -> list[str]:
     for key, value in targets:
         if value is not None and not (math.isfinite(value) and value > 0):
             problems.append(f"slo.{key}: must be a number of seconds > 0, or null, got {value}")
-    if any(v is not None for _, v in targets) and config.policy.name != "kv_aware":
+    if not any(v is not None for _, v in targets):
+        return problems
+    if not config.pools and config.policy.name != "kv_aware":
         problems.append(
             f"slo: only kv_aware routes against an SLO, and policy.name is {config.policy.name}"
+        )
+    names = {(p.policy or config.policy).name for p in config.pools}
+    if config.pools and "kv_aware" not in names:
+        problems.append(
+            "slo: only kv_aware routes against an SLO, and no pool's policy is kv_aware "
+            f"({', '.join(sorted(names))})"
         )
     return problems
 
@@ -960,18 +1001,20 @@ def resolve_secret(value: str, key: str) -> str:
     return value
 
 
+def tokenizer_problems(key: str, tokenizer: str | None) -> list[str]:
+    if tokenizer is None or tokenizer == "builtin":
+        return []
+    path = Path(tokenizer).expanduser()
+    if (path / "tokenizer.json").is_file() or (path.is_file() and path.name.endswith(".json")):
+        return []
+    return [
+        f"{key}: {tokenizer!r} is not a tokenizer.json file or a directory holding one "
+        "(use 'builtin' for the emulated replica's tokenizer)"
+    ]
+
+
 def _routing_problems(routing: RoutingConfig) -> list[str]:
-    problems = []
-    tokenizer = routing.tokenizer
-    if tokenizer is not None and tokenizer != "builtin":
-        path = Path(tokenizer).expanduser()
-        if not (path / "tokenizer.json").is_file() and not (
-            path.is_file() and path.name.endswith(".json")
-        ):
-            problems.append(
-                f"routing.tokenizer: {tokenizer!r} is not a tokenizer.json file or a directory "
-                "holding one (use 'builtin' for the emulated replica's tokenizer)"
-            )
+    problems = tokenizer_problems("routing.tokenizer", routing.tokenizer)
     if routing.block_size is not None and routing.block_size < 1:
         problems.append(f"routing.block_size: must be >= 1, got {routing.block_size}")
     if routing.tokenize_inline_chars < 0:
@@ -991,7 +1034,7 @@ def _routing_problems(routing: RoutingConfig) -> list[str]:
     return problems
 
 
-def _launch_problems(launch: LaunchConfig) -> list[str]:
+def launch_problems(launch: LaunchConfig) -> list[str]:
     problems = []
     if launch.engine not in ENGINES:
         problems.append(

@@ -1,10 +1,12 @@
 """The routing core every live front end shares: the HTTP router and the endpoint picker.
 
-It holds what a decision needs and keeps it current: the prefix index fed by the replicas' KV
-events, the prompt keys (tokenizer, block size, adapters), the replica registry with its
-probes and metric scrapes, the model catalog, the policy and the dispatch ledger. A front end
-calls ``ledger.route`` / ``dispatch`` / ``first_token`` / ``finish`` and nothing else of it for
-the request path; it may change the fleet (``set_replicas``) when discovery says so.
+It holds what a decision needs and keeps it current: the replica registry with its probes and
+metric scrapes, the model catalog, and per model pool (router/pools.py; one for a config
+without ``pools:``) the prefix index fed by its replicas' KV events, the prompt keys
+(tokenizer, block size, adapters), the policy and the dispatch ledger. A front end finds the
+request's pool (``pools.for_model``) and calls its ``ledger.route`` / ``dispatch`` /
+``first_token`` / ``finish`` and nothing else of it for the request path; it may change the
+fleet (``set_replicas``) when discovery says so.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from kvroute.health.probe import ActiveProber
 from kvroute.health.scrape import MetricsScraper
 from kvroute.kvcore.ledger import DispatchLedger
 from kvroute.kvcore.prefix_index import PrefixIndex
-from kvroute.policies import FleetView, Policy, build_policy
+from kvroute.policies import FleetView, Policy, ReplicaState
 
-from .config import Config, ReplicaConfig, policy_params, replica_name_from_url
-from .kv_subscriber import KVEventSubscriber, KVEventSubscribers
+from .config import Config, ReplicaConfig, replica_name_from_url
+from .kv_subscriber import KVEventSubscribers
 from .pipeline import ModelCatalog
+from .pool_config import pool_specs
+from .pools import OffsetLoad, PoolRouting, Pools
 from .prompt_keys import PromptKeys
 from .prompt_tokenizer import PromptTokenizer
 from .registry import RegistryHooks, ReplicaRegistry
@@ -39,28 +43,36 @@ class RoutingCore:
     ) -> None:
         self.config = config
         routing = config.routing
-        # Which replica holds which prefix blocks: the replicas' own KV events, plus
-        # predictions for requests just routed (all a replica without events has).
-        self.index = PrefixIndex()
-        self.policy: Policy = build_policy(config.policy.name, policy_params(config))
-        self.keys = PromptKeys(routing, self.index, self.policy.reads_prefixes)
-        self.kv_events = KVEventSubscribers(self.index)
-        self._subscribers: dict[str, KVEventSubscriber] = {}
-        self.registry = ReplicaRegistry(config, hooks)
+        specs = pool_specs(config)
+        replicas = [r for spec in specs for r in spec.replicas]
+        # One registry for every pool's replicas, pool by pool (the workers' load board's rows).
+        self.registry = ReplicaRegistry(config, hooks, replicas)
         self.fleet: FleetView = self.registry.fleet
         # The fleet as configured now, by name: what ``add_replica``/``remove_replica`` change.
         self.members: dict[str, ReplicaConfig] = dict(
-            zip(self.registry.handles, config.replicas, strict=True)
+            zip(self.registry.handles, replicas, strict=True)
         )
-        for name, replica in zip(self.registry.handles, config.replicas, strict=True):
-            self._follow_events(name, replica)
-        self.ledger = DispatchLedger(
-            self.policy,
-            self.fleet,
-            self.index,
-            prediction_ttl_s=routing.prediction_ttl_s,
-            shared=shared,
-        )
+        states = [h.state for h in self.registry.handles.values()]
+        pools, first = [], 0
+        for spec in specs:
+            count = len(spec.replicas)
+            # Which replica holds which prefix blocks (the replicas' own KV events, plus
+            # predictions for requests just routed), the keys and the ledger: per pool.
+            pool = PoolRouting(
+                spec,
+                states[first : first + count],
+                prediction_ttl_s=routing.prediction_ttl_s,
+                shared=OffsetLoad(shared, first) if shared is not None and first else shared,
+            )
+            pools.append(pool)
+            first += count
+        self.pools = Pools(pools)
+        members = iter(self.members.items())
+        for pool, spec in zip(pools, specs, strict=True):
+            for _ in spec.replicas:
+                name, replica = next(members)
+                self.pools.assign(name, pool)
+                pool.follow_events(name, replica)
         self.prober = ActiveProber(
             lambda: list(self.registry.handles.values()),
             path=config.health.path,
@@ -73,12 +85,36 @@ class RoutingCore:
             lambda: list(self.registry.handles.values()),
             interval_s=routing.scrape_interval_s,
             timeout_s=config.health.timeout_s,
-            on_block_size=self.keys.on_scraped_block_size,
+            on_block_size=self._scraped_block_size,
         )
-        self.catalog = ModelCatalog(config.models)
+        # With pools, clients ask for the pools' models, and for no other.
+        self.catalog = ModelCatalog(config.models or [p.model for p in config.pools])
         # The output-drift canary (canary: in the config), None when off.
         self.canary = _canary(config, self) if config.canary.enabled else None
         self._expiry: asyncio.Task[None] | None = None
+
+    # The single pool's parts, for the endpoint picker (one InferencePool, one pool) and
+    # tests; with several pools they raise: a request's pool is ``pools.for_model``.
+
+    @property
+    def index(self) -> PrefixIndex:
+        return self.pools.sole.index
+
+    @property
+    def keys(self) -> PromptKeys:
+        return self.pools.sole.keys
+
+    @property
+    def policy(self) -> Policy:
+        return self.pools.sole.policy
+
+    @property
+    def ledger(self) -> DispatchLedger:
+        return self.pools.sole.ledger
+
+    @property
+    def kv_events(self) -> KVEventSubscribers:
+        return self.pools.sole.kv_events
 
     @property
     def tokenizer(self) -> PromptTokenizer | None:
@@ -88,8 +124,8 @@ class RoutingCore:
         return self.keys.block_size()
 
     async def start(self) -> None:
-        self.kv_events.start_all()
-        self.keys.start()
+        for pool in self.pools:
+            pool.start()
         await self.prober.probe_all()
         self.prober.start()
         await self.scraper.scrape_all()
@@ -103,7 +139,9 @@ class RoutingCore:
         every_s = max(0.05, min(0.5, self.config.routing.prediction_ttl_s / 8))
         while True:
             await asyncio.sleep(every_s)
-            self.ledger.expire_predictions(time.monotonic())
+            now = time.monotonic()
+            for pool in self.pools:
+                pool.ledger.expire_predictions(now)
 
     async def close(self) -> None:
         if self._expiry is not None:
@@ -114,34 +152,44 @@ class RoutingCore:
         await self.scraper.close()
         if self.canary is not None:
             await self.canary.close()
-        await self.kv_events.close_all()
-        self.keys.close()
+        for pool in self.pools:
+            await pool.close()
 
     # -- membership ---------------------------------------------------------------------
 
-    async def set_replicas(self, replicas: Sequence[ReplicaConfig], *, ready: bool) -> None:
+    async def set_replicas(
+        self, replicas: Sequence[ReplicaConfig], *, ready: bool, pool: str | None = None
+    ) -> None:
         """Discovery changed the fleet: follow the new replicas' events, forget the gone ones'.
 
-        ``ready``: the new replicas are known to be ready (Kubernetes readiness) and take
-        traffic at once; otherwise they join on their first passing probe.
+        ``replicas`` are now all of ``pool``'s (the only pool when None); other pools keep
+        theirs. ``ready``: the new replicas are known to be ready (Kubernetes readiness) and
+        take traffic at once; otherwise they join on their first passing probe.
         """
+        target = self._pool(pool)
         by_name = {r.name or replica_name_from_url(r.url): r for r in replicas}
-        self.members = dict(by_name)
-        added, removed = self.registry.replace(replicas, ready=ready)
+        others = {n: r for n, r in self.members.items() if self.pools.of_replica(n) is not target}
+        clash = sorted(by_name.keys() & others.keys())
+        if clash:
+            raise ValueError(f"replica {clash[0]} is in another pool already")
+        self.members = {**others, **by_name}
+        added, removed = self.registry.replace(list(self.members.values()), ready=ready)
         if not added and not removed:
             return
-        self.ledger.members_changed()
-        for handle in removed:
-            self.index.clear_replica(handle.name)  # its cache is nobody's now
+        # Before anything awaits: no decision may see a replica the registry has dropped.
+        left = [(handle, self.pools.unassign(handle.name)) for handle in removed]
+        for handle in added:
+            self.pools.assign(handle.name, target)
+        self._regroup()
+        for handle, owner in left:
             self.scraper.forget(handle.name)
             self.prober.forget(handle.name)
-            subscriber = self._subscribers.pop(handle.name, None)
-            if subscriber is not None:
-                await self.kv_events.remove(subscriber)
+            if owner is not None:
+                await owner.forget(handle.name)  # its cache is nobody's now
         for handle in added:
             replica = by_name.get(handle.name)
             if replica is not None:
-                self._follow_events(handle.name, replica)
+                target.follow_events(handle.name, replica)
         log.info(
             "fleet changed: +%s -%s (%d replicas)",
             ",".join(h.name for h in added) or "none",
@@ -150,27 +198,70 @@ class RoutingCore:
         )
         self._probed()
 
-    async def add_replica(self, replica: ReplicaConfig, *, ready: bool) -> None:
-        """One more replica (admin API, rollout, autoscaler); ``ready`` as in set_replicas."""
-        await self.set_replicas([*self.members.values(), replica], ready=ready)
+    def _pool(self, name: str | None) -> PoolRouting:
+        if name is None:
+            return self.pools.sole
+        pool = self.pools.named(name)
+        if pool is None:
+            raise ValueError(f"no model pool named {name!r}")
+        return pool
+
+    def _regroup(self) -> None:
+        """Each pool's ledger sees its replicas as the registry now lists them."""
+        grouped: dict[str, list[ReplicaState]] = {p.name: [] for p in self.pools}
+        for name, handle in self.registry.handles.items():
+            owner = self.pools.of_replica(name)
+            if owner is not None:
+                grouped[owner.name].append(handle.state)
+        for pool in self.pools:
+            pool.set_states(grouped[pool.name])
+
+    async def add_replica(
+        self, replica: ReplicaConfig, *, ready: bool, pool: str | None = None
+    ) -> None:
+        """One more replica in ``pool`` (the only one when None): the admin API, a rollout,
+        the autoscaler; ``ready`` as in set_replicas."""
+        target = self._pool(pool)
+        mine = [r for n, r in self.members.items() if self.pools.of_replica(n) is target]
+        await self.set_replicas([*mine, replica], ready=ready, pool=target.name)
 
     async def remove_replica(self, name: str) -> None:
         """``name`` leaves the fleet: its handle, index entries, probes and KV events."""
-        await self.set_replicas([r for n, r in self.members.items() if n != name], ready=False)
+        owner = self.pools.of_replica(name)
+        if owner is None:
+            return
+        mine = [
+            r for n, r in self.members.items() if n != name and self.pools.of_replica(n) is owner
+        ]
+        await self.set_replicas(mine, ready=False, pool=owner.name)
 
     def follows_events(self, name: str) -> bool:
         """Whether the index hears ``name``'s KV events."""
-        return name in self._subscribers
+        pool = self.pools.of_replica(name)
+        return pool is not None and name in pool.subscribers
 
-    def _follow_events(self, name: str, replica: ReplicaConfig) -> None:
-        if replica.kv_events:
-            self._subscribers[name] = self.kv_events.add(name, replica.kv_events, replica.kv_replay)
+    def clear_cached(self, name: str) -> None:
+        """Nothing prefers ``name`` for its cache any more (a drain starts)."""
+        pool = self.pools.of_replica(name)
+        if pool is not None:
+            pool.index.clear_replica(name)
+
+    def _scraped_block_size(self, name: str, block_size: int) -> None:
+        pool = self.pools.of_replica(name)
+        if pool is not None:
+            pool.keys.on_scraped_block_size(name, block_size)
 
     def _probed(self) -> None:
-        """A probe changed something: who is in rotation, the tokenizer, adapters, models."""
+        """A probe changed something: who is in rotation, the tokenizers, adapters, models."""
         self.registry.probed()
-        self.keys.discover(self.prober.model_roots.values())
-        self.keys.lora_adapters = frozenset().union(*self.prober.lora_adapters.values())
+        roots, adapters = self.prober.model_roots, self.prober.lora_adapters
+        for pool in self.pools:
+            # Only the pool's own replicas say what its model's tokenizer and adapters are.
+            names = [s.replica_id for s in pool.fleet.replicas]
+            pool.keys.discover(roots[n] for n in names if n in roots)
+            pool.keys.lora_adapters = frozenset().union(
+                *(adapters.get(n, frozenset()) for n in names)
+            )
         known: set[str] = set()
         for state in self.fleet.replicas:
             known.update(state.models or ())

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvroute.backends.handle import ReplicaHandle
-from kvroute.kvcore.prefix_index import PrefixIndex
 
 from .upstream_client import UpstreamClient
 
@@ -59,11 +58,11 @@ class DrainReport:
 class Drainer:
     def __init__(
         self,
-        index: PrefixIndex,
+        clear_cached: Callable[[str], None],
         client: Callable[[], UpstreamClient | None],
         poll_s: float = POLL_S,
     ) -> None:
-        self._index = index
+        self._clear_cached = clear_cached  # out of its pool's prefix index
         self._client = client  # opened with the app, so asked for each time
         self._poll_s = poll_s
 
@@ -74,7 +73,7 @@ class Drainer:
         started = time.monotonic()
         report = DrainReport(handle.name)
         state.draining = True
-        self._index.clear_replica(handle.name)
+        self._clear_cached(handle.name)
         at_start = state.in_flight
         deadline = started + timeout_s
         while state.in_flight > 0 and time.monotonic() < deadline:

@@ -1,8 +1,9 @@
 """The admin API that changes the fleet while the router serves, and its metrics.
 
-* ``POST /admin/replicas``: ``{"url": ..., "name"?, "kv_events"?, "kv_replay"?}`` registers a
-  static replica; ``{"launch": true}`` starts one more launched replica (``"wait": false``
-  answers 202 at once instead of when it is in rotation).
+* ``POST /admin/replicas``: ``{"url": ..., "name"?, "kv_events"?, "kv_replay"?, "pool"?}``
+  registers a static replica (in model pool ``pool``, which a router of several pools needs);
+  ``{"launch": true}`` starts one more launched replica (``"wait": false`` answers 202 at once
+  instead of when it is in rotation; a config without ``pools:`` only).
 * ``DELETE /admin/replicas/{name}``: drains it (router/drain.py), then unregisters it and stops
   its process if the router launched it; ``?drain_timeout_s=`` overrides ``rollout:``.
 * ``POST /admin/rollout``: ``{"args"?, "model_path"?, "max_unavailable"?, "drain_timeout_s"?,
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ class AddReplicaBody(msgspec.Struct, forbid_unknown_fields=True):
     name: str | None = None
     kv_events: str | None = None
     kv_replay: str | None = None
+    pool: str | None = None
     launch: bool = False
     wait: bool = True
     readiness_timeout_s: float | None = None
@@ -117,11 +119,14 @@ class FleetControl:
         auth: Auth,
         client: Callable[[], UpstreamClient | None],
         launched: LaunchedFleet | None,
+        pool_fleets: Sequence[LaunchedFleet] = (),
     ) -> None:
         self.config = config
         self.auth = auth
-        drainer = Drainer(core.index, client)
-        self.membership = FleetMembership(core, drainer, launched, workers=config.listen.workers)
+        drainer = Drainer(core.clear_cached, client)
+        self.membership = FleetMembership(
+            core, drainer, launched, workers=config.listen.workers, pool_fleets=pool_fleets
+        )
         self.metrics = FleetMetrics(self.membership.counts)
         self.membership.on_drained = self.metrics.drain
         self.rollout: Rollout | None = None
@@ -167,7 +172,11 @@ class FleetControl:
 
     def row_fields(self, name: str) -> dict[str, Any]:
         """A replica's fields of /admin/replicas that this part knows."""
-        return {"phase": self.membership.phase(name)}
+        owner = self.membership.core.pools.of_replica(name)
+        return {
+            "phase": self.membership.phase(name),
+            "pool": owner.name if owner is not None else None,
+        }
 
     # -- handlers -----------------------------------------------------------------------
 
@@ -196,11 +205,11 @@ class FleetControl:
             )
         if body.url is not None:
             replica = ReplicaConfig(body.url, body.name, body.kv_events, body.kv_replay)
-            handle = await membership.add_static(replica)
+            handle = await membership.add_static(replica, body.pool)
             return _json(self._row(handle), 201)
-        if body.name or body.kv_events or body.kv_replay:
+        if body.name or body.kv_events or body.kv_replay or body.pool:
             raise errors.bad_request(
-                "name, kv_events and kv_replay are set by the launcher for launched replicas"
+                "name, kv_events, kv_replay and pool are set by the launcher for launched replicas"
             )
         membership.check_changeable(launched=True)
         timeout_s = _positive(

@@ -7,10 +7,11 @@ import time
 from dataclasses import dataclass
 
 from kvroute.backends.handle import ReplicaHandle
-from kvroute.kvcore.ledger import DispatchLedger, Route
+from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.reuse import available_tokens, decompose
 
 from .metrics import RouterMetrics
+from .pools import Pools
 from .proxy import ClientExchange, Relayed, Timeouts, UpstreamCall, UpstreamUnavailable, relay
 from .registry import ReplicaRegistry
 from .status import RecentDispatches
@@ -33,13 +34,13 @@ class Try:
 class Forwarder:
     def __init__(
         self,
-        ledger: DispatchLedger,
+        pools: Pools,
         registry: ReplicaRegistry,
         metrics: RouterMetrics,
         timeouts: Timeouts,
         decision_headers: bool,
     ) -> None:
-        self.ledger = ledger
+        self.pools = pools  # a dispatch goes in the ledger of its replica's pool
         self.registry = registry
         self.metrics = metrics
         self.timeouts = timeouts
@@ -52,7 +53,7 @@ class Forwarder:
     ) -> Relayed | None:
         """Relay to one replica; None when it failed before the first byte."""
         handle = self.registry.handles[replica_id]
-        ledger = self.ledger
+        ledger = self.pools.owner(replica_id).ledger
         dispatch = ledger.dispatch(route, replica_id, time.monotonic(), attempt.reason)
         self.recent.append(dispatch)  # O(1), bounded: all /status costs the data path
         if route.estimate is not None:

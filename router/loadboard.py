@@ -48,12 +48,13 @@ class LoadBoard:
         for i in range(start, start + self._row):
             self._slots[i] = 0
 
-    def totals_into(self, states: Sequence[ReplicaState]) -> None:
-        """Write the load summed over all workers into ``states`` (in replica order)."""
+    def totals_into(self, states: Sequence[ReplicaState], first: int = 0) -> None:
+        """Write the load summed over all workers into ``states`` (in replica order, from
+        replica ``first``: a model pool's replicas follow the pools before it)."""
         slots = self._slots
         row = self._row
         rows = range(0, self.workers * row, row)
-        for i, state in enumerate(states):
+        for i, state in enumerate(states, first):
             base = i * _FIELDS
             state.in_flight = sum(slots[r + base] for r in rows)
             state.in_flight_tokens = sum(slots[r + base + 1] for r in rows)

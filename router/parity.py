@@ -45,6 +45,7 @@ from kvroute.kvcore.tokenizer import ChatTemplateError, token_id_blocks
 
 from .config import ParityConfig
 from .openai_request import ParsedRequest
+from .pools import PoolRouting
 from .prompt_keys import PromptKeys
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class _Sample:
     base_url: str
     block_size: int
     key: str | None
+    keys: PromptKeys  # the answering replica's pool's: its tokenizer
+    index: PrefixIndex  # and its prefix index
 
 
 class ParityMetrics:
@@ -87,16 +90,14 @@ class ParityChecker:
     def __init__(
         self,
         config: ParityConfig,
-        keys: PromptKeys,
-        index: PrefixIndex,
+        pool_of: Callable[[str], PoolRouting | None],
         base_urls: Callable[[], Mapping[str, str]],
         reports: Callable[[], Mapping[str, ReplicaReport]],
         has_kv_events: Callable[[str], bool],
         registry: CollectorRegistry,
     ) -> None:
         self.config = config
-        self._keys = keys
-        self._index = index
+        self._pool_of = pool_of  # a replica's model pool: the keys and index it is checked by
         self._base_urls = base_urls
         self._reports = reports
         self._has_kv_events = has_kv_events
@@ -125,16 +126,20 @@ class ParityChecker:
         if not self.sampler.wants(replica) or len(self._pending) >= self.config.max_pending:
             return
         base_url = self._base_urls().get(replica)
-        if base_url is None:
+        pool = self._pool_of(replica)
+        if base_url is None or pool is None:
             return
-        lora = parsed.model if parsed.model in self._keys.lora_adapters else None
+        keys = pool.keys
+        lora = parsed.model if parsed.model in keys.lora_adapters else None
         sample = _Sample(
             parsed,
             route,
             replica,
             base_url,
-            route.block_tokens or self._keys.block_size(),
+            route.block_tokens or keys.block_size(),
             extra_key(lora, parsed.cache_salt),
+            keys,
+            pool.index,
         )
         task = asyncio.get_running_loop().create_task(self._check(sample))
         self._pending.add(task)
@@ -187,7 +192,7 @@ class ParityChecker:
     async def _check_tokens(self, sample: _Sample) -> None:
         parsed = sample.parsed
         body = _tokenize_body(parsed)
-        tokenizer = self._keys.tokenizer
+        tokenizer = sample.keys.tokenizer
         if body is None or tokenizer is None:
             self._record(sample.replica, TOKENS, SKIPPED)
             return
@@ -242,7 +247,7 @@ class ParityChecker:
         first = hashes[:1]
         deadline = time.monotonic() + self.config.events_wait_s
         while True:
-            match = self._index.match(first, time.monotonic()).get(sample.replica)
+            match = sample.index.match(first, time.monotonic()).get(sample.replica)
             if match is not None and match.confirmed >= 1:
                 self._record(sample.replica, BLOCKS, AGREE)
                 return

@@ -1,8 +1,10 @@
 """A request's path through the router: parse, tokenize, route, try replicas, relay, resume.
 
 ``RequestPipeline.serve`` reads on one screen; each step is a call into the component that
-owns it: ``PromptKeys`` (tokens and block hashes), the ``DispatchLedger`` (the decision),
-``try_in_order`` (retries over the ranking) and the ``Forwarder`` (one try on one replica).
+owns it, in the model pool serving the requested model (``Pools.for_model``): its
+``PromptKeys`` (tokens and block hashes), its ``DispatchLedger`` (the decision),
+``try_in_order`` (retries over the ranking, within the pool) and the ``Forwarder`` (one try on
+one replica).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
 from kvroute.kvcore.fair_queue import Priority, Ticket
-from kvroute.kvcore.ledger import DispatchLedger, Route
+from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.tokenizer import PromptBlocks
 from kvroute.policies import RouteRequest
 
@@ -37,7 +39,7 @@ from .forward import Forwarder, Try
 from .metrics import RouterMetrics
 from .openai_request import ParsedRequest
 from .parity import ParityChecker
-from .prompt_keys import PromptKeys
+from .pools import PoolRouting, Pools
 from .proxy import ClientExchange, ClientRequest, Relayed, end_broken_stream, sse_error
 from .registry import ReplicaRegistry
 from .resume import StreamTranscript, continuation_body, resume_blocker
@@ -76,8 +78,7 @@ class RequestPipeline:
         admission: Admission,
         deadlines: Deadlines | None,
         catalog: ModelCatalog,
-        keys: PromptKeys,
-        ledger: DispatchLedger,
+        pools: Pools,
         registry: ReplicaRegistry,
         forwarder: Forwarder,
         metrics: RouterMetrics,
@@ -90,8 +91,7 @@ class RequestPipeline:
         self.admission = admission
         self.deadlines = deadlines
         self.catalog = catalog
-        self.keys = keys
-        self.ledger = ledger
+        self.pools = pools
         self.registry = registry
         self.forwarder = forwarder
         self.metrics = metrics
@@ -243,7 +243,7 @@ class RequestPipeline:
 
     async def _tokenize_queued(self, admitted: Admitted) -> None:
         """While it waits for a slot: its block hashes, for the queue to weigh locality by."""
-        if not self.keys.wanted:
+        if not self._pool(admitted.parsed.model).keys.wanted:
             return
         blocks = await self._tokenize(admitted.parsed)
         admitted.blocks, admitted.tokenized = blocks, True
@@ -282,15 +282,23 @@ class RequestPipeline:
     # Tokenizing and deciding are methods of their own so that tracing (traced.py) can wrap
     # each in a span; a plain call returning the awaitable adds no coroutine frame here.
     def _tokenize(self, parsed: ParsedRequest) -> Awaitable[PromptBlocks | None]:
-        return self.keys.blocks(parsed)
+        return self._pool(parsed.model).keys.blocks(parsed)
 
     def _decide(self, route_request: RouteRequest) -> Route:
+        pool = self._pool(route_request.model)
         now = time.monotonic()
         self.registry.before_decision(now)
-        route = self.ledger.route(route_request, now, self.keys.block_size())
+        route = pool.ledger.route(route_request, now, pool.keys.block_size())
         if not route.ranked:
             raise errors.no_healthy_replica(self.retry_after_s)
         return route
+
+    def _pool(self, model: str | None) -> PoolRouting:
+        """The pool serving ``model`` (the catalog admitted it already)."""
+        pool = self.pools.for_model(model)
+        if pool is None:
+            raise errors.model_not_found(model or "", self.catalog.names)
+        return pool
 
     def _try_replicas(
         self,
@@ -316,8 +324,10 @@ class RequestPipeline:
         def retried() -> None:
             self.metrics.observe_retry("resume" if resume else "retry")
 
+        members = self._pool(route.request.model).members  # never outside the model's pool
+
         def pick() -> str | None:
-            return self.registry.candidate(route.ranked, tried)
+            return self.registry.candidate(route.ranked, tried, members)
 
         return try_in_order(self.retry, started, pick, try_one, retried)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Protocol
 
 from kvroute.backends.handle import ReplicaHandle
@@ -52,13 +52,19 @@ def breaker_settings(config: Config) -> BreakerSettings:
 
 
 class ReplicaRegistry:
-    def __init__(self, config: Config, hooks: RegistryHooks) -> None:
+    def __init__(
+        self,
+        config: Config,
+        hooks: RegistryHooks,
+        replicas: Sequence[ReplicaConfig] | None = None,
+    ) -> None:
+        """``replicas``: the fleet (every model pool's, pool by pool); default the config's."""
         self.breakers_enabled = config.breaker.enabled
         self._hooks = hooks
         self._settings = breaker_settings(config)
         self._positions = 0
         self.handles: dict[str, ReplicaHandle] = {}
-        for replica in config.replicas:
+        for replica in config.replicas if replicas is None else replicas:
             self._add(replica)
         self.fleet = FleetView([h.state for h in self.handles.values()], membership_version=1)
         # Replicas whose breaker is not closed: reinstated when their cool-down is over.
@@ -122,10 +128,13 @@ class ReplicaRegistry:
             and handle.breaker.allows(now)
         )
 
-    def candidate(self, ranked: tuple[str, ...], tried: set[str]) -> str | None:
+    def candidate(
+        self, ranked: tuple[str, ...], tried: set[str], members: Container[str] | None = None
+    ) -> str | None:
         """The best replica not tried yet that may take traffic now, else one that joined or
         came back since the decision (a stream resumed long after it was routed, while the
-        fleet was changing), else any that may."""
+        fleet was changing), else any that may. ``members``: the replicas of the request's
+        model pool, the only ones a joiner may come from."""
         now = time.monotonic()
         fallback = None
         for replica_id in ranked:
@@ -137,6 +146,8 @@ class ReplicaRegistry:
             if fallback is None:
                 fallback = replica_id
         for replica_id, handle in self.handles.items():
+            if members is not None and replica_id not in members:
+                continue
             if replica_id not in tried and self.may_take(handle, now):
                 return replica_id
         return fallback

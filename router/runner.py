@@ -8,6 +8,7 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 
 import uvloop
 from aiohttp import web
@@ -39,9 +40,12 @@ def app_runner(router: Router) -> web.AppRunner:
 
 
 async def serve_forever(
-    config: Config, context: WorkerContext | None = None, launched: LaunchedFleet | None = None
+    config: Config,
+    context: WorkerContext | None = None,
+    launched: LaunchedFleet | None = None,
+    pool_fleets: Sequence[LaunchedFleet] = (),
 ) -> None:
-    router = Router(config, context, launched)
+    router = Router(config, context, launched, pool_fleets)
     runner = app_runner(router)
     await runner.setup()
     site = web.TCPSite(
@@ -61,7 +65,8 @@ async def serve_forever(
     worker = f" worker {context.index}" if context is not None else ""
     print(
         f"kvroute{worker} listening on http://{config.listen.host}:{config.listen.port} "
-        f"(policy {router.policy.name}, {healthy}/{len(router.replicas)} replicas healthy)",
+        f"(policy {router.pools.describe_policies()}, {healthy}/{len(router.replicas)} "
+        "replicas healthy)",
         file=sys.stderr,
         flush=True,
     )
@@ -126,11 +131,15 @@ def check_can_listen(host: str, port: int) -> str | None:
 
 
 def run(
-    config: Config, context: WorkerContext | None = None, launched: LaunchedFleet | None = None
+    config: Config,
+    context: WorkerContext | None = None,
+    launched: LaunchedFleet | None = None,
+    pool_fleets: Sequence[LaunchedFleet] = (),
 ) -> None:
     """``launched``: the replicas this process started (launch:), which the router may then
-    replace, add and stop (rollouts, the admin API, the autoscaler); one worker only."""
+    replace, add and stop (rollouts, the admin API, the autoscaler); one worker only.
+    ``pool_fleets``: the model pools' launched replicas (the admin API may remove them)."""
     limits = config.limits
     raise_fd_limit(needed_fds(limits.max_concurrent_requests, limits.max_queued_requests))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve_forever(config, context, launched))
+        runner.run(serve_forever(config, context, launched, pool_fleets))

@@ -2,7 +2,8 @@
 
 A request's path is ``pipeline.RequestPipeline``; the replicas and their breakers are
 ``registry.ReplicaRegistry``; decisions, predictions and load are the pure dispatch ledger
-(``kvroute.kvcore.ledger``) that the simulator and the endpoint picker call too.
+(``kvroute.kvcore.ledger``) that the simulator and the endpoint picker call too, one per model
+pool (``pools.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -22,10 +24,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvroute.backends.handle import ReplicaHandle
 from kvroute.backends.launcher import LaunchedFleet
 from kvroute.health.breaker import BreakerState
+from kvroute.kvcore.ledger import DispatchLedger
+from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy
 
 from . import errors
-from .admission import Admission, prefix_locality
+from .admission import Admission
 from .auth import Auth
 from .batch.api import off_routes
 from .batch.lane import BatchLane
@@ -35,11 +39,14 @@ from .core import RoutingCore
 from .deadlines import Deadlines
 from .fleet_admin import FleetControl
 from .forward import Forwarder
+from .kv_subscriber import KVEventSubscribers
 from .loop_lag import LoopLagMonitor
 from .metrics import RouterMetrics
 from .openai_request import parse_chat, parse_completion
 from .parity import ParityChecker
 from .pipeline import RequestPipeline
+from .pools import PoolMetrics, pools_locality
+from .prompt_keys import PromptKeys
 from .prompt_tokenizer import PromptTokenizer
 from .proxy import Timeouts
 from .status import StatusFeed, page_html
@@ -64,34 +71,34 @@ class Router:
         config: Config,
         worker: WorkerContext | None = None,
         launched: LaunchedFleet | None = None,
+        pool_fleets: Sequence[LaunchedFleet] = (),
     ) -> None:
+        """``launched``: the replicas of a config without pools that this process started;
+        ``pool_fleets``: those of its model pools (removing one of them stops it)."""
         self.config = config
         # With several worker processes: shared load, and each other's counters in /metrics.
         self._shared = WorkerLoad(worker) if worker is not None else None
         self._exchange = MetricsExchange(worker) if worker is not None else None
         self.core = core = RoutingCore(config, _Hooks(self), self._shared)
-        self.index = core.index
-        self.keys = core.keys
-        self.kv_events = core.kv_events
+        self.pools = core.pools
         self.registry = core.registry
         self.replicas: dict[str, ReplicaHandle] = core.registry.handles
         self.fleet: FleetView = core.fleet
-        self.policy: Policy = core.policy
-        self.ledger = core.ledger
         self.prober = core.prober
         self.scraper = core.scraper
         self.catalog = core.catalog
         self.metrics = RouterMetrics(
             lambda: self.fleet.replicas,
             self._exchange.peers if self._exchange else list,
-            kv_sources=self.kv_events.stats_by_source,
-            index_entries=lambda: self.index.entries,
+            kv_sources=core.pools.kv_sources,
+            index_entries=core.pools.index_entries,
             replica_reports=lambda: self.scraper.reports,
             breaker_states=lambda: {
                 name: h.breaker.state.value for name, h in self.replicas.items()
             },
             admission=lambda: (self.admission.active, self.admission.queued),
         )
+        self.metrics.parts["pools"] = PoolMetrics(core.pools)
         if core.canary is not None:
             core.canary.on_check = self.metrics.observe_canary
         self._loop_lag = LoopLagMonitor(self.metrics.loop_lag)
@@ -106,14 +113,14 @@ class Router:
             limits.queue_timeout_s,
             fairness_params(config),
             self.tenants.limits,
-            prefix_locality(self.index, self.keys.block_size, time.monotonic),
+            pools_locality(core.pools, time.monotonic),
         )
         # timeouts.total_s, checked on a tick of a tenth of it (at most 1 s): see deadlines.py.
         total_s = config.timeouts.total_s
         self._deadlines = Deadlines(min(1.0, total_s / 10)) if total_s else None
         t = config.timeouts
         forwarding = (
-            self.ledger,
+            core.pools,
             self.registry,
             self.metrics,
             Timeouts(t.first_byte_s, t.first_token_s, t.idle_s),
@@ -137,11 +144,10 @@ class Router:
             make_pipeline = functools.partial(TracedPipeline, tracing=tracing)
         # Off for a policy that reads no prefixes: nothing is keyed, nothing to compare.
         self.parity: ParityChecker | None = None
-        if config.parity.enabled and self.keys.wanted:
+        if config.parity.enabled and any(p.keys.wanted for p in core.pools):
             self.parity = ParityChecker(
                 config.parity,
-                self.keys,
-                self.index,
+                core.pools.of_replica,
                 lambda: {name: h.base_url for name, h in self.replicas.items()},
                 lambda: self.scraper.reports,
                 core.follows_events,
@@ -153,8 +159,7 @@ class Router:
             admission=self.admission,
             deadlines=self._deadlines,
             catalog=self.catalog,
-            keys=self.keys,
-            ledger=self.ledger,
+            pools=core.pools,
             registry=self.registry,
             forwarder=self.forwarder,
             metrics=self.metrics,
@@ -190,10 +195,32 @@ class Router:
         self._worker_index = worker.index if worker is not None else None
         # Fleet changes while serving: add/remove replicas, rollouts, the autoscaler.
         self.fleet_control = FleetControl(
-            config, core, self.auth, lambda: self.forwarder.client, launched
+            config, core, self.auth, lambda: self.forwarder.client, launched, pool_fleets
         )
         self.metrics.parts["fleet"] = self.fleet_control.metrics
         self._status_closing = asyncio.Event()  # set at shutdown: open /status streams end
+
+    # The single pool's parts (``RoutingCore``'s; they raise with several model pools).
+
+    @property
+    def index(self) -> PrefixIndex:
+        return self.core.index
+
+    @property
+    def keys(self) -> PromptKeys:
+        return self.core.keys
+
+    @property
+    def kv_events(self) -> KVEventSubscribers:
+        return self.core.kv_events
+
+    @property
+    def policy(self) -> Policy:
+        return self.core.policy
+
+    @property
+    def ledger(self) -> DispatchLedger:
+        return self.core.ledger
 
     @property
     def tokenizer(self) -> PromptTokenizer | None:
@@ -402,7 +429,12 @@ class Router:
     def _status_header(self) -> dict[str, object]:
         active, queued = self.admission.active, self.admission.queued
         return {
-            "policy": self.policy.name,
+            "policy": self.pools.describe_policies(),
+            # Model pools: name, model ("*": any) and policy each.
+            "pools": [
+                {"name": p.name, "model": p.model or "*", "policy": p.policy.name}
+                for p in self.pools
+            ],
             "draining": self.draining,
             "started_at": self._started_at,
             "worker": self._worker_index,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .config import Config
 from .loadboard import LoadBoard
+from .pool_config import all_replicas
 from .runner import run
 from .workers import WorkerContext
 
@@ -32,7 +33,7 @@ def run_workers(config: Config) -> None:
     """Start ``config.listen.workers`` workers and supervise them until SIGINT/SIGTERM."""
     count = config.listen.workers
     ctx = multiprocessing.get_context("fork")  # the board's shared memory is inherited
-    board = LoadBoard(count, len(config.replicas))
+    board = LoadBoard(count, len(all_replicas(config)))  # every model pool's, pool by pool
     metrics_dir = Path(tempfile.mkdtemp(prefix="kvroute-metrics-"))
     stopping = False
 

@@ -35,7 +35,7 @@ from opentelemetry.util.types import AttributeValue
 
 from kvroute.backends.handle import ReplicaHandle
 from kvroute.kvcore.fair_queue import Ticket
-from kvroute.kvcore.ledger import DispatchLedger, Route
+from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.tokenizer import PromptBlocks
 from kvroute.policies import RouteRequest
 
@@ -45,6 +45,7 @@ from .forward import Forwarder, Try
 from .metrics import RouterMetrics
 from .openai_request import ParsedRequest
 from .pipeline import RequestPipeline
+from .pools import Pools
 from .proxy import ClientExchange, ClientRequest, Relayed, Timeouts, UpstreamUnavailable
 from .registry import ReplicaRegistry
 from .tracing import Tracing, without_trace_headers
@@ -152,7 +153,7 @@ class TracedPipeline(RequestPipeline):
     def _decide(self, route_request: RouteRequest) -> Route:
         if not sampled():
             return super()._decide(route_request)
-        policy = self.ledger.policy.name
+        policy = self._pool(route_request.model).policy.name
         with self._tracer.start_as_current_span(
             "kvroute.route", attributes={"kvroute.policy": policy}
         ) as span:
@@ -178,13 +179,13 @@ class TracedForwarder(Forwarder):
     def __init__(
         self,
         tracing: Tracing,
-        ledger: DispatchLedger,
+        pools: Pools,
         registry: ReplicaRegistry,
         metrics: RouterMetrics,
         timeouts: Timeouts,
         decision_headers: bool,
     ) -> None:
-        super().__init__(ledger, registry, metrics, timeouts, decision_headers)
+        super().__init__(pools, registry, metrics, timeouts, decision_headers)
         self._tracing = tracing
         self._tracer = tracing.tracer
 

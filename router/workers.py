@@ -51,8 +51,8 @@ class WorkerLoad:
     ) -> None:
         self._board.add(self._worker, replica, requests, tokens, prefilling, prefill_tokens)
 
-    def totals_into(self, states: Sequence[ReplicaState]) -> None:
-        self._board.totals_into(states)
+    def totals_into(self, states: Sequence[ReplicaState], first: int = 0) -> None:
+        self._board.totals_into(states, first)
 
 
 class MetricsExchange:

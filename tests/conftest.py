@@ -113,12 +113,13 @@ async def launch_emulated(
     block_size: int = 16,
     kv_events: bool = True,
     lora_modules: dict[str, str] | None = None,
+    model: str = "tiny",
 ) -> tuple[web.AppRunner, Running]:
     """An in-process emulated vLLM replica (built-in tokenizer) publishing KV events over ZMQ;
     the caller cleans its runner up."""
     port, events_port, replay_port = free_ports(3)
     options = ReplicaOptions(
-        served_model_name="tiny",
+        served_model_name=model,
         engine=EngineConfig(
             block_size=block_size,
             num_blocks=num_blocks,

@@ -419,4 +419,4 @@ def test_gpu_keys_load_and_lift_the_cpu_block_size_rule(tmp_path: Path) -> None:
 )
 def test_shipped_configs_are_valid(path: Path) -> None:
     config = load_config(path)
-    assert config.replicas or config.launch, f"{path.name} declares no replicas"
+    assert config.replicas or config.launch or config.pools, f"{path.name} declares no replicas"
