@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvroute.backends.handle import ReplicaHandle
@@ -67,10 +67,13 @@ class FleetMembership:
         launched: LaunchedFleet | None,
         *,
         workers: int = 1,
+        pool_fleets: Sequence[LaunchedFleet] = (),
     ) -> None:
         self.core = core
         self.drainer = drainer
         self.launched = launched
+        # Model pools' launched replicas: removed ones are stopped, none are added (yet).
+        self.pool_fleets = list(pool_fleets)
         self._workers = workers
         # Replicas not serving: name -> STARTING or DRAINING (names being started may not be
         # in the registry yet).
@@ -103,6 +106,13 @@ class FleetMembership:
                 "fleet changes need listen.workers: 1: each worker process keeps its own view of "
                 "the fleet, and only one may own the launched replicas",
             )
+        if launched and len(self.core.pools) > 1:
+            raise FleetError(
+                409,
+                f"this router serves {len(self.core.pools)} model pools: launching replicas and "
+                "rollouts through the admin API need a config without pools: (register a "
+                'running replica instead: {"url": ..., "pool": ...})',
+            )
         if launched and self.launched is None:
             raise FleetError(
                 409,
@@ -112,9 +122,18 @@ class FleetMembership:
 
     # -- adding ---------------------------------------------------------------------------
 
-    async def add_static(self, replica: ReplicaConfig) -> ReplicaHandle:
-        """Register a replica by URL; it joins rotation on its first passing probe."""
+    async def add_static(self, replica: ReplicaConfig, pool: str | None = None) -> ReplicaHandle:
+        """Register a replica by URL in model pool ``pool`` (needed when there are several);
+        it joins rotation on its first passing probe."""
         self.check_changeable()
+        pools = self.core.pools
+        names = ", ".join(p.name for p in pools)
+        if pool is None and len(pools) > 1:
+            raise FleetError(
+                400, f"pool: this router serves {len(pools)} model pools ({names}): say which"
+            )
+        if pool is not None and pools.named(pool) is None:
+            raise FleetError(400, f"pool: no model pool named {pool!r} (pools: {names})")
         try:
             check_replica_url(replica.url, "url")
         except ConfigError as exc:
@@ -131,7 +150,7 @@ class FleetMembership:
             raise FleetError(400, "name: must not be empty")
         if name in self.core.registry.handles or name in self.phases:
             raise FleetError(409, f"a replica named {name!r} is already in the fleet")
-        await self.core.add_replica(replica, ready=False)
+        await self.core.add_replica(replica, ready=False, pool=pool)
         await self.core.prober.probe_all()
         log.info("replica %s (%s) registered by an admin", name, replica.url)
         return self.core.registry.handles[name]
@@ -163,7 +182,7 @@ class FleetMembership:
         readiness_timeout_s: float,
     ) -> tuple[ReplicaHandle, LaunchedReplica]:
         deadline = time.monotonic() + readiness_timeout_s
-        name = f"{(spec or launched.spec).engine}-{slot}"
+        name = (spec or launched.spec).replica_name(slot)
         self.phases[name] = STARTING
         try:
             try:
@@ -212,10 +231,18 @@ class FleetMembership:
             checked = drift.checked_at is not None and drift.checked_at >= since
             if checked and drift.last_result not in (None, ERROR):
                 if drift.last_result == DRIFT or drift.quarantined:
+                    where = drift.quarantine or drift.last_divergence
+                    detail = (
+                        f": on {where.prompt!r} its output token {where.position} is "
+                        f"{list(where.got[:1])} where the {where.reference} has "
+                        f"{list(where.expected[:1])}"
+                        if where is not None
+                        else ""
+                    )
                     raise FleetError(
                         502,
                         f"replica {handle.name}: the drift canary finds its output differs from "
-                        "the fleet's (see /admin/replicas); kept out of rotation",
+                        f"the fleet's{detail}",
                     )
                 return
             if time.monotonic() >= deadline:
@@ -239,13 +266,17 @@ class FleetMembership:
         handle = self.handle(name)
         if name in self.phases:
             raise FleetError(409, f"replica {name} is already {self.phases[name]}")
+        owner = self.core.pools.of_replica(name)
         others = [
             h
             for n, h in self.core.registry.handles.items()
-            if n != name and self.core.registry.may_take(h, time.monotonic())
+            if n != name
+            and self.core.pools.of_replica(n) is owner
+            and self.core.registry.may_take(h, time.monotonic())
         ]
         if not others:
-            raise FleetError(409, f"removing {name} would leave no replica in rotation")
+            where = f" of model pool {owner.name}" if len(self.core.pools) > 1 and owner else ""
+            raise FleetError(409, f"removing {name} would leave no replica{where} in rotation")
         self.phases[name] = DRAINING
         try:
             report = await self.drainer.drain(
@@ -262,13 +293,33 @@ class FleetMembership:
     async def _stop(self, name: str) -> LaunchedReplica | None:
         """Out of the core's fleet, and its process stopped when launched here."""
         await self.core.remove_replica(name)
-        launched = self.launched
-        if launched is None or not any(r.name == name for r in launched.replicas):
+        fleets = [self.launched] if self.launched is not None else self.pool_fleets
+        launched = next((f for f in fleets if any(r.name == name for r in f.replicas)), None)
+        if launched is None:
             return None
         return await asyncio.to_thread(launched.stop_replica, name, STOP_GRACE_S)
 
     def launched_names(self) -> list[str]:
         return [r.name for r in self.launched.replicas] if self.launched is not None else []
+
+    async def _roll_back(
+        self,
+        launched: LaunchedFleet,
+        slot: int,
+        name: str,
+        failure: FleetError,
+        readiness_timeout_s: float,
+    ) -> None:
+        """A replacement that failed (did not start, not ready, or drifting): start the slot
+        again on the fleet's own arguments, so a failed step costs no capacity. The failure's
+        message says which happened."""
+        try:
+            await self._start_and_join(launched, slot, None, readiness_timeout_s)
+        except FleetError as again:
+            failure.args = (f"{failure}; starting {name} again on its previous arguments "
+                            f"failed too: {again}",)  # fmt: skip
+        else:
+            failure.args = (f"{failure}; {name} runs its previous arguments again",)
 
     async def replace(
         self, name: str, spec: LaunchSpec, drain_timeout_s: float, readiness_timeout_s: float
@@ -288,7 +339,13 @@ class FleetMembership:
             await self._stop(name)
             self.phases.pop(name, None)
             started = time.monotonic()
-            _, replica = await self._start_and_join(launched, old.slot, spec, readiness_timeout_s)
+            try:
+                _, replica = await self._start_and_join(
+                    launched, old.slot, spec, readiness_timeout_s
+                )
+            except FleetError as exc:
+                await self._roll_back(launched, old.slot, name, exc, readiness_timeout_s)
+                raise
         finally:
             self.phases.pop(name, None)
             self._slots_busy.discard(old.slot)
