@@ -1404,7 +1404,7 @@ def _batch_plan_line(args: argparse.Namespace, row: dict[str, Any]) -> str:
     job, planned = args.batch_job, row["with_batch_job"]
     what = (
         f"with the batch job ({job.lines:,} lines of {job.input_tokens:,} + "
-        f"{job.output_tokens:,} tokens, {job.window_s / 3600:g} h window) at "
+        f"{job.output_tokens:,} tokens, {job.window_s / 3600:.3g} h window) at "
         f"{row['rate_multiplier']:.3g}x rate: "
     )
     if not planned["replicas"]:

@@ -164,3 +164,19 @@ def test_bench_batch_runs_a_day_live_alone_and_with_a_job(
     assert "| online + batch lane | 20 | 0 |" in out and "8/8 lines, completed" in out
     assert "online TTFT p99 with the lane / alone:" in out
     assert "the job met its window: **yes**" in out
+
+
+def test_plan_sizes_the_fleet_for_the_trace_and_then_for_the_job_within_its_window(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["plan", "--trace", str(AZURE_CONV), "--preset", "llama-3.1-70b-2xh200", "--slo",
+            "ttft=2", "--rate-multipliers", "1", "--quiet", "--out", str(tmp_path)]  # fmt: skip
+    big = "lines=6000,input=1500,output=300,window=10m"
+    assert main([*args, "--batch-job", big]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    row = plan["rows"][0]
+    alone, with_job = row["replicas"], row["with_batch_job"]
+    assert with_job["replicas"] > alone >= 1  # the job needed more than the trace alone
+    assert with_job["batch"]["met_window"] and with_job["batch"]["lines"] == 6000
+    assert f"{with_job['replicas']} replicas ({alone} for the trace alone)" in out
