@@ -11,18 +11,31 @@ The rules, in the order they apply:
   output tokens``, divided by its weight. Within a class the queued request of the tenant with
   the lowest counter goes first. A tenant that becomes backlogged is lifted to the lowest counter
   of the tenants already backlogged (or to the last admitted one's, when nobody waits), so time
-  spent idle is not banked as credit to spend in a burst later.
+  spent idle is not banked as credit to spend in a burst later. Ties (what the lift makes) go
+  to the tenant with the lighter load, requests in service and waiting per weight: the sparse
+  tenant before the flooding one (FQ-CoDel's new flows before old ones, RFC 8290).
 * **Locality** (in the spirit of DLPM, Cao et al. 2025): a slot frees on some replica; among the
   queued requests of tenants whose counter is within ``locality_bound_tokens`` of the lowest,
   the one whose prompt that replica holds most of goes first. No tenant falls more than the
   bound behind what strict VTC order would give it, and fairness does not throw cache hits away.
+* **Reserved slots** (``reserved_slots``): slots cannot be preempted, so a request that is
+  next in that order still waits for one to free, and under a flood of alike requests that
+  finish together that is up to a whole request's time. So an arrival that finds every slot
+  taken while other tenants' requests of its class wait, and that the queue would admit next
+  (lifted and tie-broken as above: in practice a tenant below its share, with nothing
+  waiting), starts at once above the limit on one of ``reserved_slots``. The next slots to
+  free are not refilled until the count is back under the limit: the admission stays
+  work-conserving, the order stays VTC's, at most ``limit + reserved_slots`` run at once.
+  Fairness within a class only: never for sheddable work, nor past a tenant's own cap; a
+  lone tenant has nobody waiting to go ahead of.
 * **Shedding**: with the queue full, an arrival takes the place of a queued request of a lower
   class (sheddable first; from the tenant furthest ahead, its newest request), or is refused
   itself when nothing lower waits. Critical work is never shed while lower work is queued.
   Sheddable work waits at most ``sheddable_max_wait_s``.
 
-Pure: no I/O, no asyncio, no clock. The front end (router/admission.py) owns the waiting; it
-calls ``offer``, ``pick``, ``remove``, ``started`` and ``finished`` and passes ``now`` in.
+Pure: no I/O, no asyncio, no clock. The front end (router/admission.py) owns the waiting and
+counts the slots; it calls ``may_start``, ``sparse``, ``offer``, ``pick``, ``remove``,
+``started`` and ``finished`` and passes ``now`` in.
 """
 
 from __future__ import annotations
@@ -66,6 +79,7 @@ class FairnessParams:
     locality_bound_tokens: float = 4096.0  # how far behind VTC order locality may bend it
     sheddable_max_wait_s: float = 5.0
     locality_scan: int = 32  # queued requests at most looked at for locality per pick
+    reserved_slots: int = 3  # above the admission limit, for requests next in fair order only
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +149,30 @@ class FairQueue:
             return False
         cap = self.tenant(ticket.tenant).limits.max_concurrent
         return not cap or self.tenants[ticket.tenant].active < cap
+
+    def sparse(self, ticket: Ticket) -> bool:
+        """Whether ``ticket``, arriving with every slot taken while other tenants' requests of
+        its class wait, is the one the queue would admit next (its tenant lifted as ``offer``
+        would lift it, ties to the lighter load as in ``pick``): then it may start at once on a
+        reserved slot (the caller counts those) instead of waiting for one. Never for
+        sheddable work or past the tenant's own cap; a tenant with requests waiting is never
+        next with a new one."""
+        priority = ticket.priority
+        if priority == Priority.SHEDDABLE or self.params.reserved_slots <= 0:
+            return False
+        t = self.tenant(ticket.tenant)
+        if t.backlogged or not _may_run(t):
+            return False
+        backlogged = [o for o in self.tenants.values() if o is not t and o.backlogged]
+        rivals = [o for o in backlogged if o.waiting[priority]]
+        if not rivals:
+            return False  # none of its class waits: no flood to skip, nobody to go ahead of
+        if any(o.waiting[p] for o in backlogged for p in Priority if p > priority):
+            return False
+        lifted = max(t.counter, min(o.counter for o in backlogged))
+        mine = (lifted, (t.active + 1) / t.limits.weight)
+        # A rival at least as low goes first (on a tie its request is the older one).
+        return all((o.counter, _load(o)) > mine for o in rivals if _may_run(o))
 
     def started(self, ticket: Ticket) -> None:
         """``ticket`` was admitted: it runs, and its input is charged now."""
@@ -220,17 +258,13 @@ class FairQueue:
         if not self.queued:
             return None
         for priority in reversed(Priority):
-            heads = [
-                t
-                for t in self.tenants.values()
-                if t.waiting[priority]
-                and (not t.limits.max_concurrent or t.active < t.limits.max_concurrent)
-            ]
+            heads = [t for t in self.tenants.values() if t.waiting[priority] and _may_run(t)]
             if not heads:
                 continue
-            # Ties (a tenant just back from idle is lifted level with the rest) go to the
-            # tenant with fewer requests in service, then to the older request.
-            lowest = min(heads, key=lambda t: (t.counter, t.active, t.waiting[priority][0].seq))
+            # Ties (a tenant back from idle is lifted level with the rest) go to the tenant
+            # with the lighter load (requests in service and waiting, per weight): the sparse
+            # one before the flood. Then to the older request.
+            lowest = min(heads, key=lambda t: (t.counter, _load(t), t.waiting[priority][0].seq))
             chosen = lowest.waiting[priority][0]
             if locality is not None:
                 chosen = self._local(chosen, heads, priority, lowest.counter, locality)
@@ -284,3 +318,13 @@ class FairQueue:
         if t is None:
             return {p.name.lower(): 0 for p in reversed(Priority)}
         return {p.name.lower(): len(t.waiting[p]) for p in reversed(Priority)}
+
+
+def _may_run(t: _Tenant) -> bool:
+    """Under its own cap (if it has one)."""
+    return not t.limits.max_concurrent or t.active < t.limits.max_concurrent
+
+
+def _load(t: _Tenant) -> float:
+    """Requests in service and waiting, per weight: who is lighter when counters tie."""
+    return (t.active + sum(map(len, t.waiting))) / t.limits.weight

@@ -4,7 +4,10 @@ Who goes next when a slot frees is decided by the pure fair queue (kvcore/fair_q
 priority classes, token-weighted fairness between tenants, locality within a bound, shedding);
 this module is its asyncio shell: it parks each queued request on a future, wakes the one the
 queue picks, and turns the queue's refusals into 429s. With nothing queued a request passes at
-once, as cheaply as a counter check.
+once, as cheaply as a counter check. A request the fair queue would admit next anyway, arriving
+with every slot taken while other tenants' requests wait (its ``sparse``), passes at once on one
+of its ``reserved_slots`` above the limit instead of waiting for a slot to free; the next slots
+to free then go unfilled until the count is back under the limit.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ class AdmissionRefused(errors.ApiError):
 
 
 class Admission:
-    """``limit`` requests in service at once (0: no limit); ``queue`` more may wait for a slot."""
+    """``limit`` requests in service at once (0: no limit), and up to the fair queue's
+    ``reserved_slots`` more for sparse tenants; ``queue`` more may wait for a slot."""
 
     def __init__(
         self,
@@ -89,6 +93,11 @@ class Admission:
             ticket = Ticket("default", Priority.STANDARD, 0)
         fair = self.fair
         if (not self.limit or self.active < self.limit) and fair.may_start(ticket):
+            self._start(ticket)
+            return ticket
+        if self.active < self.limit + fair.params.reserved_slots and fair.sparse(ticket):
+            # Its turn anyway: it starts above the limit rather than wait for a slot to free;
+            # ``_pump`` refills none until the count is back under the limit.
             self._start(ticket)
             return ticket
         try:

@@ -267,6 +267,11 @@ class FairnessConfig(_Section):
     locality_scan: int = 32
     # A sheddable request waits at most this long for a slot, then gets 429.
     sheddable_max_wait_s: float = 5.0
+    # Slots above limits.max_concurrent_requests for a request that is next in fair order anyway
+    # while every slot is taken (a light tenant during a flood): it starts at once instead of
+    # waiting for one to free; the next slots to free are not refilled until back under the
+    # limit (kvcore/fair_queue.py). 0: it waits.
+    reserved_slots: int = 3
     # x-gateway-inference-objective values (InferenceObjective names) -> priority class.
     objectives: dict[str, str] = msgspec.field(default_factory=dict)
 
@@ -979,6 +984,8 @@ def tenant_problems(config: Config) -> list[str]:
         )
     if fairness.locality_scan < 0:
         problems.append(f"fairness.locality_scan: must be >= 0, got {fairness.locality_scan}")
+    if fairness.reserved_slots < 0:
+        problems.append(f"fairness.reserved_slots: must be >= 0, got {fairness.reserved_slots}")
     for name, value in fairness.objectives.items():
         if value not in PRIORITY_CLASSES:
             problems.append(

@@ -56,8 +56,9 @@ class TenantSettings:
 def fairness_params(config: Config) -> FairnessParams:
     f = config.fairness
     return FairnessParams(
-        f.output_weight, f.locality_bound_tokens, f.sheddable_max_wait_s, f.locality_scan
-    )
+        f.output_weight, f.locality_bound_tokens, f.sheddable_max_wait_s, f.locality_scan,
+        f.reserved_slots,
+    )  # fmt: skip
 
 
 class Tenants:

@@ -205,6 +205,116 @@ def test_ten_to_one_load_gets_equal_service_under_saturation() -> None:
     assert 0.9 <= ratio <= 1.1, served
 
 
+def test_a_tie_goes_to_the_lighter_tenant_not_the_flood() -> None:
+    """Level counters (what the lift makes): the tenant with fewer requests in service and
+    waiting goes first, though the flood has fewer of them in service."""
+    q = make()
+    for name, running in (("heavy", 1), ("light", 2)):
+        for _ in range(running):
+            q.started(Ticket(name, STANDARD, 0))
+    for _ in range(10):
+        q.offer(Ticket("heavy", STANDARD, 1))
+    q.offer(Ticket("light", STANDARD, 1))
+    assert q.counters()["light"] == q.counters()["heavy"]
+    first = q.pick()
+    assert first is not None and first.tenant == "light"
+
+
+def flooded(reserved_slots: int = FairnessParams().reserved_slots) -> FairQueue:
+    """Every slot held by the heavy tenant, ten more of its requests waiting."""
+    q = make(limits={"capped": TenantLimits(max_concurrent=1)}, reserved_slots=reserved_slots)
+    for _ in range(4):
+        q.started(Ticket("heavy", STANDARD, 300))
+    for _ in range(10):
+        q.offer(Ticket("heavy", STANDARD, 300))
+    return q
+
+
+def test_a_request_next_in_fair_order_is_sparse_and_skips_the_wait_for_a_slot() -> None:
+    q = flooded()
+    light = Ticket("light", STANDARD, 300)
+    assert q.sparse(light)  # next anyway: lifted level with the flood, and lighter
+    q.started(light)
+    assert q.sparse(Ticket("light", STANDARD, 300))  # still behind the flood in service
+    # Never for sheddable work, nor past a tenant's own cap, nor with reserved_slots 0.
+    assert not q.sparse(Ticket("other", SHEDDABLE, 1))
+    q.started(Ticket("capped", STANDARD, 1))
+    assert not q.sparse(Ticket("capped", STANDARD, 1))
+    assert not flooded(reserved_slots=0).sparse(Ticket("light", STANDARD, 300))
+
+
+def test_a_request_not_next_in_fair_order_waits_for_a_slot() -> None:
+    # A lone tenant holding every slot: nobody waits, nobody to go ahead of.
+    alone = make()
+    for _ in range(4):
+        alone.started(Ticket("heavy", STANDARD, 300))
+    assert not alone.sparse(Ticket("heavy", STANDARD, 300))
+    q = flooded()
+    # The flood's own new request: its older ones go first.
+    assert not q.sparse(Ticket("heavy", STANDARD, 300))
+    # A tenant with a request of its own waiting.
+    q.offer(Ticket("queued", STANDARD, 1))
+    assert not q.sparse(Ticket("queued", STANDARD, 1))
+    # A tenant ahead of the flood in service (as the flood is charged, it falls behind).
+    ahead = flooded()
+    for _ in range(5):
+        ahead.started(Ticket("light", STANDARD, 300))
+    assert not ahead.sparse(Ticket("light", STANDARD, 300))
+    # Fairness within a class: a higher class waiting goes first, and a flood of a lower
+    # class is priority's business (a critical arrival waits only for the next slot).
+    higher = flooded()
+    higher.offer(Ticket("vip", CRITICAL, 1))
+    assert not higher.sparse(Ticket("light", STANDARD, 300))
+    assert not higher.sparse(Ticket("ops", CRITICAL, 1))
+
+
+def test_reserved_slots_keep_a_light_tenant_from_waiting_and_service_fair() -> None:
+    """The slot counting of router/admission.py over the pure queue: 4 slots and 2 reserved.
+    A heavy tenant floods, a light one sends a request every third completion: every light
+    request starts on arrival, never more than 6 run, never fewer than 4 while requests wait
+    (work-conserving). With both tenants backlogged, weighted service still comes out 1:1."""
+    limit, reserved = 4, 2
+    q = make(capacity=10**6, output_weight=2.0, reserved_slots=reserved)
+    running: list[Ticket] = []
+
+    def fill() -> None:
+        while len(running) < limit and (t := q.pick()) is not None:
+            q.started(t)
+            running.append(t)
+
+    def arrive(t: Ticket) -> None:
+        if (len(running) < limit and q.may_start(t)) or (
+            len(running) < limit + reserved and q.sparse(t)
+        ):
+            q.started(t)
+            running.append(t)
+        else:
+            q.offer(t)
+
+    for step in range(600):
+        while q.waiting("heavy")["standard"] < 10:
+            arrive(Ticket("heavy", STANDARD, 200))
+        if step % 3 == 0:
+            arrive(Ticket("light", STANDARD, 200))
+            assert q.waiting("light")["standard"] == 0, step  # it did not wait
+        fill()
+        assert limit <= len(running) <= limit + reserved
+        q.finished(running.pop(0), 200, 50)
+        fill()
+    # Both backlogged (the light tenant's queue never empties): VTC's shares, as before.
+    served = {"heavy": 0.0, "light": 0.0}
+    for step in range(1500):
+        arrive(Ticket("heavy", STANDARD, 200))
+        arrive(Ticket("light", STANDARD, 200))
+        fill()
+        done = running.pop(0)
+        q.finished(done, 200, 50)
+        if step >= 200:
+            served[done.tenant] += 200 + 2.0 * 50
+    ratio = served["heavy"] / served["light"]
+    assert 0.9 <= ratio <= 1.1, served
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [

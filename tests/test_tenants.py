@@ -141,8 +141,10 @@ async def test_streams_are_charged_the_replicas_usage_and_its_chunk_kept_only_wh
 async def test_a_saturated_router_serves_a_flooding_tenant_and_a_light_one_fairly(
     start_replica: StartReplica, start_router: StartRouter
 ) -> None:
-    """One slot, held; the heavy tenant queues 10 requests, the light one 3: once the slot
-    frees they take turns (equal service) until the light tenant has nothing left."""
+    """One slot, held; the heavy tenant queues 10 requests. The light tenant's first request
+    is next in fair order, so it does not wait for the slot: it starts at once on a reserved
+    slot (fairness.reserved_slots). Its next two queue (it is now ahead in service); once the
+    slots free the two tenants take turns (equal service) until the light one has nothing left."""
     a = await start_replica("a")
     r = await start_router([a], limits={"max_concurrent_requests": 1, "max_queued_requests": 50})
     holder = asyncio.create_task(
@@ -158,16 +160,21 @@ async def test_a_saturated_router_serves_a_flooding_tenant_and_a_light_one_fairl
         for i in range(10)
     ]
     await wait_until(lambda: r.router.admission.queued == 10, what="heavy queued")
+    tasks.append(asyncio.create_task(light.completions.create(model="tiny", prompt="hold")))
+    await wait_until(lambda: a.running == 2, what="light served beside the held slot")
+    assert r.router.admission.queued == 10  # the heavy backlog still waits
     tasks += [
         asyncio.create_task(light.completions.create(model="tiny", prompt=f"l{i}"))
-        for i in range(3)
+        for i in range(2)
     ]
-    await wait_until(lambda: r.router.admission.queued == 13, what="light queued")
+    await wait_until(lambda: r.router.admission.queued == 12, what="light queued")
     a.gate.set()
     await asyncio.gather(holder, *tasks)
     order = [s.headers["X-Tenant-Id"] for s in a.seen[1:]]
+    assert order[0] == "light", order
     # While both were backlogged, the service was shared equally: 3 light in the first 6.
     assert order[:6].count("light") == 3, order
+    assert r.router.admission.active == 0
     tenants = await tenants_of(r)
     assert tenants["heavy"]["requests"] == {"ok": 10}
     assert tenants["light"]["requests"] == {"ok": 3}
@@ -271,7 +278,11 @@ def test_bad_tenant_settings_are_one_line_each_naming_the_key() -> None:
             "defaults": {"weight": 0, "priority": "urgent"},
             "by_name": {"acme": {"input_tokens_per_minute": -5, "max_concurent": 2}},
         },
-        "fairness": {"sheddable_max_wait_s": 0, "objectives": {"pager": "high"}},
+        "fairness": {
+            "sheddable_max_wait_s": 0,
+            "objectives": {"pager": "high"},
+            "reserved_slots": -1,
+        },
     }
     with pytest.raises(ConfigError) as info:
         config_from_dict(raw)
@@ -290,6 +301,7 @@ def test_bad_tenant_settings_are_one_line_each_naming_the_key() -> None:
         "tenants.by_name.acme.input_tokens_per_minute: must be >= 0",
         "fairness.sheddable_max_wait_s: must be a number of seconds > 0",
         "fairness.objectives.pager: must be one of",
+        "fairness.reserved_slots: must be >= 0",
     ):
         assert any(p.startswith(prefix) for p in problems), (prefix, problems)
     # A plain key list, as configs had it, stays valid.
