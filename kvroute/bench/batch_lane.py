@@ -118,9 +118,12 @@ async def run_once(options: Options, trace: Any, scale: float, with_job: bool) -
 
     from kvroute.simulator.traces.live import replay_live_async
 
-    with processes.log_directory() as log_dir, fleet(
-        options, log_dir, log_dir / ("with.sqlite3" if with_job else "alone.sqlite3")
-    ) as base:
+    with (
+        processes.log_directory() as log_dir,
+        fleet(
+            options, log_dir, log_dir / ("with.sqlite3" if with_job else "alone.sqlite3")
+        ) as base,
+    ):
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         batch_id = None
         submitted = time.monotonic()
@@ -192,35 +195,38 @@ def report(options: Options, alone: Run, both: Run, command: str) -> str:
             f"{o['ttft_p99_s'] * 1000:.0f} ms | {(o['tpot_p99_s'] or 0) * 1000:.1f} ms | "
             f"{job_cell} |"
         )
-    return "\n".join(
-        [
-            f"## Batch lane on idle capacity, live (`kvroute bench batch`), {date}",
-            "",
-            "```",
-            command,
-            "```",
-            "",
-            f"- machine: {machine_line()}",
-            f"- fleet: {options.replicas} emulated replicas (`kvroute replica --preset "
-            f"{options.preset}`, each a process, in real time) behind `kvroute serve` with "
-            f"`batch: {{window_s: {options.day_s:g}, max_in_flight_per_replica: {options.slots}}}`;"
-            " a fresh fleet and store for each run",
-            f"- online: {Path(options.trace).name}, {both.online['requests']} requests warped into "
-            f"one day-shaped cycle (diurnal amplitude {options.diurnal}) played in "
-            f"{options.day_s:g} s; prompts capped at {options.max_prompt_tokens} tokens, answers "
-            f"at {options.max_output_tokens}, streamed",
-            f"- batch job: {options.lines} completions of {options.input_words} words, "
-            f"{options.output_tokens} tokens out, submitted as the day starts, its \"24h\" "
-            f"window the {options.day_s:g} s day",
-            "",
-            *rows,
-            "",
-            f"- online TTFT p99 with the lane / alone: {ratio:.2f}x (target <= {TARGET_RATIO}x): "
-            f"**{'met' if met_ttft else 'not met'}**",
-            f"- the job met its window: **{'yes' if job.get('met_window') else 'no'}**",
-            f"- the job's share of the tokens the fleet processed (prompt + output): {share:.0%}",
-        ]
-    ) + "\n"
+    return (
+        "\n".join(
+            [
+                f"## Batch lane on idle capacity, live (`kvroute bench batch`), {date}",
+                "",
+                "```",
+                command,
+                "```",
+                "",
+                f"- machine: {machine_line()}",
+                f"- fleet: {options.replicas} emulated replicas (`kvroute replica --preset "
+                f"{options.preset}`, each a process, in real time) behind `kvroute serve` with "
+                f"`batch: {{window_s: {options.day_s:g}, max_in_flight_per_replica: {options.slots}}}`;"
+                " a fresh fleet and store for each run",
+                f"- online: {Path(options.trace).name}, {both.online['requests']} requests warped into "
+                f"one day-shaped cycle (diurnal amplitude {options.diurnal}) played in "
+                f"{options.day_s:g} s; prompts capped at {options.max_prompt_tokens} tokens, answers "
+                f"at {options.max_output_tokens}, streamed",
+                f"- batch job: {options.lines} completions of {options.input_words} words, "
+                f'{options.output_tokens} tokens out, submitted as the day starts, its "24h" '
+                f"window the {options.day_s:g} s day",
+                "",
+                *rows,
+                "",
+                f"- online TTFT p99 with the lane / alone: {ratio:.2f}x (target <= {TARGET_RATIO}x): "
+                f"**{'met' if met_ttft else 'not met'}**",
+                f"- the job met its window: **{'yes' if job.get('met_window') else 'no'}**",
+                f"- the job's share of the tokens the fleet processed (prompt + output): {share:.0%}",
+            ]
+        )
+        + "\n"
+    )
 
 
 def add_batch_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
