@@ -31,9 +31,12 @@ Signals = Callable[[list[ReplicaHandle]], list[ReplicaSignal]]
 
 
 def scraped_signals(handles: list[ReplicaHandle]) -> list[ReplicaSignal]:
-    """What each replica last reported in /metrics (health/scrape.py); unknown counts as idle."""
+    """What each replica last reported in /metrics (health/scrape.py), unknown counting as idle,
+    and the router's own requests in flight there (its dispatch ledger's)."""
     return [
-        ReplicaSignal(h.state.reported_waiting or 0, h.state.reported_kv_usage or 0.0)
+        ReplicaSignal(
+            h.state.reported_waiting or 0, h.state.reported_kv_usage or 0.0, h.state.in_flight
+        )
         for h in handles
     ]
 

@@ -339,6 +339,11 @@ class AutoscaleConfig(_Section):
     scale_down_idle_s: float = 120.0
     interval_s: float = 10.0
 
+    # 0: off. Else scale on the router's own requests in flight per serving replica instead of
+    # the replicas' queue (a leading signal, kvcore/autoscale.py); one is drained when the
+    # others would stay under in_flight_low of it.
+    target_in_flight_per_replica: float = 0.0
+    in_flight_low: float = 0.8
     def settings(self) -> AutoscaleSettings:
         return AutoscaleSettings(**msgspec.structs.asdict(self))
 

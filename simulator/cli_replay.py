@@ -535,7 +535,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         help="Autoscale the fleet (kvcore/autoscale.py, the router's autoscale:): --replicas is "
         "the most it runs, min=N serve from the start; optional target_queue (per replica, 1), "
         "kv_high (0.6), kv_low (0.35), idle (s of quiet before one leaves, 60), interval (s, "
-        "10), startup (s a started replica loads before it serves, 60). The summary reports "
+        "10), startup (s a started replica loads before it serves, 60); in_flight=N scales on "
+        "the router's own requests in flight per serving replica instead (a leading signal), "
+        "in_flight_low (0.8 of N on one replica fewer before one leaves). The summary reports "
         "replica_hours.",
     )
     _add_day_args(p)
@@ -665,6 +667,8 @@ _AUTOSCALE_KEYS = {
     "idle": ("scale_down_idle_s", float),
     "interval": ("interval_s", float),
     "startup": ("startup_s", float),
+    "in_flight": ("target_in_flight_per_replica", float),
+    "in_flight_low": ("in_flight_low", float),
 }
 
 

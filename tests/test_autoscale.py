@@ -65,6 +65,53 @@ def test_never_below_min_nor_while_one_fits_badly_on_fewer() -> None:
     assert Autoscaler(SETTINGS).decide(0.0, signals((0, 0.1)), starting=0, draining=0) == 1
 
 
+LEADING = AutoscaleSettings(
+    min=2, max=8, target_in_flight_per_replica=10, in_flight_low=0.8, scale_down_idle_s=60
+)
+
+
+def in_flight(*counts: int, waiting: int = 0, kv: float = 0.1) -> list[ReplicaSignal]:
+    return [ReplicaSignal(waiting, kv, c) for c in counts]
+
+
+def test_in_flight_past_its_target_starts_enough_replicas_before_any_queue() -> None:
+    scaler = Autoscaler(LEADING)
+    # 45 in flight on 2 replicas, no queue yet: 5 replicas' worth at 10 each, 3 more.
+    assert scaler.decide(0.0, in_flight(25, 20), starting=0, draining=0) == 3
+    # Those starting count: with 3 starting nothing more; with 1, the 2 still lacking.
+    assert scaler.decide(0.0, in_flight(25, 20), starting=3, draining=0) == 0
+    assert scaler.decide(0.0, in_flight(25, 20), starting=1, draining=0) == 2
+    # Never past max.
+    assert scaler.decide(0.0, in_flight(100, 100), starting=0, draining=0) == 6
+    # At the target: hold.
+    assert scaler.decide(0.0, in_flight(10, 10), starting=0, draining=0) == 0
+
+
+def test_in_flight_mode_ignores_the_lagging_queue_but_not_a_full_cache() -> None:
+    scaler = Autoscaler(LEADING)
+    # A queue with little in flight (a burst of long prompts, say) starts nothing.
+    assert scaler.decide(0.0, in_flight(4, 4, waiting=5), starting=0, draining=0) == 0
+    # KV usage past kv_high still does.
+    assert scaler.decide(0.0, in_flight(4, 4, kv=0.95), starting=0, draining=0) >= 1
+
+
+def test_in_flight_scale_down_when_one_fewer_stays_under_the_low_mark() -> None:
+    scaler = Autoscaler(LEADING)
+    # 3 replicas, 15 in flight: 7.5 each on two, under 8 (0.8 x 10), with a queue (ignored).
+    quiet = in_flight(5, 5, 5, waiting=1)
+    assert scaler.decide(0.0, quiet, starting=0, draining=0) == 0
+    assert scaler.decide(59.0, quiet, starting=0, draining=0) == 0
+    assert scaler.decide(60.0, quiet, starting=0, draining=0) == -1
+    assert scaler.decide(65.0, quiet, starting=0, draining=1) == 0
+    # 18 in flight: 9 each on two, over the low mark: the spell breaks.
+    assert scaler.decide(70.0, in_flight(6, 6, 6), starting=0, draining=0) == 0
+    assert scaler.decide(80.0, quiet, starting=0, draining=0) == 0
+    assert scaler.decide(140.0, quiet, starting=0, draining=0) == -1
+    # Never below min.
+    two = in_flight(0, 0)
+    assert all(Autoscaler(LEADING).decide(t, two, 0, 0) == 0 for t in (0.0, 100.0, 1000.0))
+
+
 def test_bad_settings_name_the_key() -> None:
     bad = AutoscaleSettings(min=0, max=-1, interval_s=0, kv_low=0.95, kv_high=0.9)
     problems = bad.problems()
@@ -72,6 +119,9 @@ def test_bad_settings_name_the_key() -> None:
     assert any(p.startswith("autoscale.max:") for p in problems)
     assert any(p.startswith("autoscale.interval_s:") for p in problems)
     assert any(p.startswith("autoscale.kv_low/kv_high:") for p in problems)
+    leading = AutoscaleSettings(target_in_flight_per_replica=-1, in_flight_low=1.5).problems()
+    assert any(p.startswith("autoscale.target_in_flight_per_replica:") for p in leading)
+    assert any(p.startswith("autoscale.in_flight_low:") for p in leading)
     assert SETTINGS.problems() == []
 
 
@@ -129,3 +179,17 @@ def test_bad_autoscale_flags_are_one_clear_line(
         assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_the_leading_signal_is_a_key_of_the_replay_flag_and_the_router_config() -> None:
+    from kvroute.router.config import AutoscaleConfig
+    from kvroute.simulator.cli_replay import _autoscale_settings, _autoscale_spec
+
+    spec = _autoscale_spec("min=2,in_flight=60,in_flight_low=0.7")
+    settings = _autoscale_settings(spec, 12)["autoscale"]
+    assert (settings.target_in_flight_per_replica, settings.in_flight_low) == (60.0, 0.7)
+    assert settings.max == 12 and settings.problems() == []
+    live = AutoscaleConfig(target_in_flight_per_replica=60).settings()
+    assert live.target_in_flight_per_replica == 60 and live.in_flight_low == 0.8
+    # Off by default: the replicas' own queue and KV usage, as before.
+    assert AutoscaleConfig().settings().target_in_flight_per_replica == 0

@@ -431,7 +431,12 @@ class _Fleet:
         phase = self.phase
         serving = [r for r, p in enumerate(phase) if p == _SERVING and r not in self.failed]
         signals = [
-            ReplicaSignal(self.engines[r].num_waiting, self.engines[r].kv_usage) for r in serving
+            ReplicaSignal(
+                self.engines[r].num_waiting,
+                self.engines[r].kv_usage,
+                sum(router.states[r].in_flight for router in self.routers),
+            )
+            for r in serving
         ]
         starting = phase.count(_STARTING)
         draining = phase.count(_DRAINING)
