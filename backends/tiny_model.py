@@ -108,6 +108,43 @@ _SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in "aeiou"]
 _PUNCT = [".", ".", ".", ",", ",", "?", "!", ":", ";"]
 
 
+def make_tiny_lora(directory: Path, base: Path, *, seed: int, rank: int = 8) -> Path:
+    """A LoRA adapter for the tiny model in ``directory`` (PEFT layout, as vLLM's
+    ``--lora-modules`` and ``/v1/load_lora_adapter`` read it): random ``lora_A``/``lora_B`` on
+    every layer's ``q_proj`` and ``v_proj``, deterministic for a seed, a few hundred KB."""
+    _require_packages()
+    import torch
+    from safetensors.torch import save_file
+
+    directory = Path(directory).expanduser().resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    head_dim = HIDDEN_SIZE // NUM_HEADS
+    outputs = {"q_proj": HIDDEN_SIZE, "v_proj": NUM_KV_HEADS * head_dim}
+    tensors = {}
+    for layer in range(NUM_LAYERS):
+        for module, out in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            a = torch.randn(rank, HIDDEN_SIZE, generator=generator) * 0.05
+            tensors[f"{name}.lora_A.weight"] = a
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.05
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(outputs),
+        "base_model_name_or_path": str(base),
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
 def make_tiny_model(directory: Path, *, seed: int = 0, force: bool = False) -> Path:
     """Build (or reuse) the tiny model in ``directory`` and return the directory.
 

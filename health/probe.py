@@ -94,6 +94,7 @@ class ActiveProber:
                 if adapters != self.lora_adapters.get(state.replica_id, frozenset()):
                     self.lora_adapters[state.replica_id] = adapters
                     changed = True
+                state.lora_adapters = adapters
                 if models != state.models:
                     state.models = models
                     changed = True

@@ -1,4 +1,5 @@
-"""Read each replica's own /metrics: queue depth, KV usage, prefix-cache hits, block size.
+"""Read each replica's own /metrics: queue depth, KV usage, prefix-cache hits, block size,
+LoRA adapters in use.
 
 vLLM's /metrics page is large (histograms with many buckets), so only the lines of the few
 families we use are parsed (``kvcore.stats.parse_metrics``); the router stays cheap at one scrape
@@ -39,7 +40,10 @@ WANTED = (
     "vllm:inter_token_latency_seconds_count",
     "vllm:time_per_output_token_seconds_sum",  # before vLLM 0.11
     "vllm:time_per_output_token_seconds_count",
+    # Only with LoRA on: max_lora, running_lora_adapters, waiting_lora_adapters as labels.
+    "vllm:lora_requests_info",
 )
+LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 
 
 @dataclass(slots=True)
@@ -55,6 +59,9 @@ class ReplicaReport:
     kv_capacity_tokens: int | None = None  # num_gpu_blocks x block_size
     itl_sum: float | None = None  # inter-token latency histogram: seconds, cumulative
     itl_count: float | None = None  # and output tokens after the first, cumulative
+    max_loras: int | None = None  # adapter slots (None: LoRA off)
+    lora_running: frozenset[str] = frozenset()  # adapters of running requests
+    lora_waiting: frozenset[str] = frozenset()  # adapters of waiting requests
 
 
 def parse_vllm_metrics(text: bytes) -> ReplicaReport:
@@ -89,7 +96,29 @@ def parse_vllm_metrics(text: bytes) -> ReplicaReport:
             report.itl_sum = page.sum(name + "_sum")
             report.itl_count = page.sum(name + "_count")
             break
+    _read_lora_info(page, report)
     return report
+
+
+def _read_lora_info(page: MetricsPage, report: ReplicaReport) -> None:
+    """``vllm:lora_requests_info``: vLLM sets a new label set to the current time at every
+    stats update and never drops the old ones, so the newest sample (the largest value) per
+    engine is now; adapters are comma-separated names, united over data-parallel engines."""
+    newest: dict[tuple[tuple[str, str], ...], tuple[float, dict[str, str]]] = {}
+    for labels, value in page.series("vllm:lora_requests_info"):
+        engine = tuple(sorted((k, v) for k, v in labels.items() if k not in LORA_LABELS))
+        if engine not in newest or value >= newest[engine][0]:
+            newest[engine] = (value, labels)
+    running: set[str] = set()
+    waiting: set[str] = set()
+    for _, labels in newest.values():
+        slots = labels.get("max_lora", "")
+        if slots.isdigit() and int(slots) > 0:
+            report.max_loras = max(report.max_loras or 0, int(slots))
+        running.update(n for n in labels.get("running_lora_adapters", "").split(",") if n)
+        waiting.update(n for n in labels.get("waiting_lora_adapters", "").split(",") if n)
+    report.lora_running = frozenset(running)
+    report.lora_waiting = frozenset(waiting)
 
 
 def observe_decode(state: ReplicaState, before: ReplicaReport | None, now: ReplicaReport) -> None:
@@ -149,6 +178,7 @@ class MetricsScraper:
             # Stale signals are worse than none: the policy falls back to its own accounting.
             state.reported_waiting = None
             state.reported_kv_usage = None
+            state.lora_running = frozenset()
             log.debug("scrape of %s failed: %s", state.replica_id, exc)
             return
         observe_decode(state, self.reports.get(state.replica_id), report)
@@ -156,6 +186,9 @@ class MetricsScraper:
         self.scraped_at[state.replica_id] = time.monotonic()
         state.reported_waiting = report.waiting
         state.reported_kv_usage = report.kv_usage
+        # Waiting adapters are about to take a slot as much as running ones hold one.
+        state.lora_running = report.lora_running | report.lora_waiting
+        state.max_loras = report.max_loras
         if report.kv_capacity_tokens is not None:
             state.kv_capacity_tokens = report.kv_capacity_tokens
         if report.block_size is not None:

@@ -46,6 +46,13 @@ context. And a live session's tokens count as taken: a replica whose cache the l
 its running requests fill costs ``session_evict_weight`` per token a new prompt would evict
 there (``ReplicaState.kv_capacity_tokens``, from vLLM's ``cache_config_info``).
 
+LoRA adapters (policies/lora.py): a request for an adapter costs ``lora_load_tokens`` more on a
+replica that does not have it in an adapter slot (it must be activated there first), and
+``lora_swap_tokens`` more where every one of the replica's ``max_loras`` slots is held by other
+busy adapters (it waits for a slot, then evicts one: the thrash of alternating adapters). Near
+ties keep to the replicas that have the adapter resident, so residency is affinity beside the
+prefix; replicas that do not serve the adapter at all are not eligible (``FleetView.eligible``).
+
 Against an SLO (``slo_ttft_s``/``slo_tpot_s``): each replica's latency lines
 (policies/latency.py, learnt online from the prior ``ttft_base_s``... ``tpot_per_seq_s``) turn
 the queue into predicted seconds. Of the replicas predicted to meet both targets, the one that
@@ -66,6 +73,7 @@ from typing import Any
 
 from .hash_ring import FleetRing, hash_key, load_bound
 from .latency import LatencyPrior, ReplicaLatency
+from .lora import AdapterSlots, adapter_of
 from .sessions import LiveSessions
 from .types import NO_HEALTHY_REPLICA, Decision, FleetView, Policy, ReplicaState, RouteRequest
 
@@ -108,6 +116,9 @@ class KvAware(Policy):
         prefill_s_per_token: float = 3.2e-5,
         tpot_base_s: float = 0.007,
         tpot_per_seq_s: float = 1e-4,
+        lora_load_tokens: int = 256,
+        lora_swap_tokens: int = 4096,
+        lora_busy_s: float = 10.0,
         seed: int | None = None,
     ) -> None:
         for label, value in (
@@ -119,11 +130,17 @@ class KvAware(Policy):
             ("session_ttl_s", session_ttl_s),
             ("session_eps", session_eps),
             ("session_evict_weight", session_evict_weight),
+            ("lora_busy_s", lora_busy_s),
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{label} must be a finite number >= 0, got {value}")
         if margin_tokens < 0 or waiting_request_tokens < 0:
             raise ValueError("margin_tokens and waiting_request_tokens must be >= 0")
+        if lora_load_tokens < 0 or lora_swap_tokens < lora_load_tokens:
+            raise ValueError(
+                "lora_load_tokens must be >= 0 and lora_swap_tokens >= lora_load_tokens, got "
+                f"{lora_load_tokens} and {lora_swap_tokens}"
+            )
         if warm_holders < 0:
             raise ValueError(f"warm_holders must be >= 0 (0: off), got {warm_holders}")
         if not 0 < kv_high <= 1:
@@ -157,6 +174,9 @@ class KvAware(Policy):
         self.latency_prior = self.prior if self.has_slo else None
         self._prior_latency = ReplicaLatency(self.prior)  # for replicas not yet seen
         self._sessions = LiveSessions(session_ttl_s) if session_ttl_s > 0 else None
+        self.lora_load_tokens = lora_load_tokens
+        self.lora_swap_tokens = lora_swap_tokens
+        self._adapters = AdapterSlots(lora_busy_s)
         self._seed = seed
         self._salt = _mix64(seed) if seed is not None else 0
         self._ring = FleetRing(vnodes)
@@ -173,12 +193,15 @@ class KvAware(Policy):
         request: RouteRequest,
         held_elsewhere: int = 0,
         own_session: int = 0,
+        now: float = 0.0,
     ) -> float:
         """Expected time to first token on ``replica``, in prefill-token equivalents, plus the
         fleet's cost of prefilling again the ``held_elsewhere`` prefix tokens another replica
         with room holds (``decide`` passes it; 0 leaves the plain expected TTFT), plus the live
         sessions' tokens the new blocks would evict there (``own_session``: this request's own
-        session's tokens on it, which it reuses rather than evicts)."""
+        session's tokens on it, which it reuses rather than evicts), plus activating the
+        request's LoRA adapter there when it is not in a slot (``now``: the fleet's time, for
+        which adapters are busy there)."""
         # Conditional expressions, not max()/min(): this runs per replica per request.
         prompt = request.prompt_tokens
         prefix = request.prefix_tokens
@@ -211,7 +234,20 @@ class KvAware(Policy):
             free = capacity - replica.in_flight_tokens - taken
             if taken > 0 and uncached > free:
                 cost += self.session_evict_weight * (uncached - (free if free > 0 else 0))
+        if replica.lora_adapters:
+            cost += self.adapter_cost(replica, request.model, now)
         return cost
+
+    def adapter_cost(self, replica: ReplicaState, model: str | None, now: float) -> float:
+        """What ``model``'s LoRA adapter costs before prefill starts on ``replica``: nothing when
+        it is in a slot (or ``model`` is no adapter), a load when a slot is free or idle, a
+        swap when busy adapters hold them all."""
+        adapter = adapter_of(replica, model)
+        if adapter is None or self._adapters.resident(replica, adapter):
+            return 0.0
+        if self._adapters.slots_full(replica, adapter, now):
+            return float(self.lora_swap_tokens)
+        return float(self.lora_load_tokens)
 
     # -- the decision ------------------------------------------------------------------
 
@@ -227,8 +263,9 @@ class KvAware(Policy):
         warm = self._warm(request, eligible)
         held = _held_with_room(warm, eligible, bound) if warm else 0
         cost = self.cost
+        now = fleet.now
         costs = [
-            (cost(r, request, held, own if r.replica_id == home_id else 0), k)
+            (cost(r, request, held, own if r.replica_id == home_id else 0, now), k)
             for k, r in enumerate(eligible)
         ]
         costs.sort()  # by cost, then fleet order (as a stable sort by cost)
@@ -253,6 +290,9 @@ class KvAware(Policy):
             self._sessions.touch(
                 request.routing_key, chosen.replica_id, request.prompt_tokens, fleet.now
             )
+        adapter = adapter_of(chosen, request.model)
+        if adapter is not None:
+            self._adapters.touch(chosen.replica_id, adapter, fleet.now)
         rest = tuple(r.replica_id for r in ranked if r is not chosen)
         return Decision((chosen.replica_id, *rest), reason)
 
@@ -274,6 +314,8 @@ class KvAware(Policy):
             margin = float(self.margin_tokens)
         limit = best + margin
         ties = [eligible[k] for c, k in costs if c <= limit]
+        if len(ties) > 1 and request.model is not None:
+            ties = self._resident_ties(ties, request.model, bound)
         if len(ties) > 1 and prefix:
             ties = _warm_ties(ties, eligible, warm, bound)
         if len(ties) == 1:
@@ -281,6 +323,20 @@ class KvAware(Policy):
             held = prefix.get(chosen.replica_id, 0)
             return chosen, (AFFINITY if held > 0 and held >= longest else LEAST_COST)
         return self._break_tie(ties, eligible, request, fleet, bound)
+
+    def _resident_ties(
+        self, ties: list[ReplicaState], model: str, bound: int
+    ) -> list[ReplicaState]:
+        """Of near ties for a LoRA request, the ones below the bound that have the adapter in a
+        slot, when some have and some have not: residency is affinity, like a prefix."""
+        resident = [
+            r
+            for r in ties
+            if r.in_flight < bound
+            and (adapter := adapter_of(r, model)) is not None
+            and self._adapters.resident(r, adapter)
+        ]
+        return resident if resident else ties
 
     # -- against an SLO ----------------------------------------------------------------
 
@@ -509,6 +565,9 @@ class KvAware(Policy):
             "prefill_s_per_token": self.prior.prefill_s_per_token,
             "tpot_base_s": self.prior.tpot_base_s,
             "tpot_per_seq_s": self.prior.tpot_per_seq_s,
+            "lora_load_tokens": self.lora_load_tokens,
+            "lora_swap_tokens": self.lora_swap_tokens,
+            "lora_busy_s": self._adapters.busy_s,
             "seed": self._seed,
         }
 

@@ -45,6 +45,14 @@ class ReplicaState:
     # Its latency lines in seconds, learnt online (policies/latency.py); None unless the policy
     # asks for them (``Policy.latency_prior``).
     latency: ReplicaLatency | None = None
+    # LoRA adapters it serves (its /v1/models cards with a ``parent``): loaded at start or at
+    # runtime, servable without a load. Empty: none, or not known yet.
+    lora_adapters: frozenset[str] = frozenset()
+    # Adapters its own requests use now (vLLM's ``vllm:lora_requests_info``, running and
+    # waiting): they hold its adapter slots. And how many slots it has (``max_lora``; None:
+    # not reported, i.e. LoRA off or not scraped yet).
+    lora_running: frozenset[str] = frozenset()
+    max_loras: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

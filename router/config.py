@@ -32,6 +32,7 @@ from kvroute.backends.placement import (
 from kvroute.backends.vllm_args import owned_flags_in
 from kvroute.health.canary import DEFAULT_PROMPTS
 from kvroute.kvcore.autoscale import AutoscaleSettings
+from kvroute.kvcore.lora_spread import SpreadSettings
 from kvroute.policies import DEFAULT_POLICY, PolicyConfigError, build_policy
 
 from .batch.store import StoreUrlError, check_store_url
@@ -338,14 +339,36 @@ class AutoscaleConfig(_Section):
     # How long the fleet must be quiet (no queue anywhere) before one replica is drained.
     scale_down_idle_s: float = 120.0
     interval_s: float = 10.0
-
     # 0: off. Else scale on the router's own requests in flight per serving replica instead of
     # the replicas' queue (a leading signal, kvcore/autoscale.py); one is drained when the
     # others would stay under in_flight_low of it.
     target_in_flight_per_replica: float = 0.0
     in_flight_low: float = 0.8
+
     def settings(self) -> AutoscaleSettings:
         return AutoscaleSettings(**msgspec.structs.asdict(self))
+
+
+class LoraConfig(_Section):
+    """LoRA adapters: a hot adapter is loaded on more replicas (kvcore/lora_spread.py)."""
+
+    # Off by default: loading needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the replicas.
+    spread: bool = False
+    # The adapters the router may load: name -> path on the replicas (vLLM's lora_path).
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    # An adapter in use is hot when every replica serving it has this many requests in flight.
+    hot_in_flight: int = 4
+    cooldown_s: float = 30.0  # between two loads of one adapter
+    min_residency_s: float = 300.0  # an adapter the router loaded stays at least this long
+    idle_unload_s: float = 120.0  # ... and is unloaded once unused there this long
+    max_replicas: int = 0  # an adapter on at most this many replicas (0: no limit)
+    retry_after_s: float = 300.0  # a replica that refused a load is asked again after this
+    interval_s: float = 2.0  # one look at the fleet this often
+
+    def settings(self) -> SpreadSettings:
+        fields = msgspec.structs.asdict(self)
+        del fields["spread"], fields["interval_s"]
+        return SpreadSettings(**fields)
 
 
 class HealthConfig(_Section):
@@ -488,6 +511,7 @@ class Config(_Section):
     shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     canary: CanaryConfig = msgspec.field(default_factory=CanaryConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     parity: ParityConfig = msgspec.field(default_factory=ParityConfig)
@@ -756,6 +780,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
     problems += _tracing_problems(config.tracing)
     problems += _breaker_problems(config.breaker)
     problems += _canary_problems(config.canary)
+    problems += _lora_problems(config.lora)
     check(_validate_auth, config.auth)
     problems += tenant_problems(config)
     problems += _batch_problems(config.batch)
@@ -900,6 +925,18 @@ def _breaker_problems(breaker: BreakerConfig) -> list[str]:
         problems.append(f"breaker.failure_rate: must be in (0, 1], got {breaker.failure_rate}")
     if breaker.max_cooldown_s < breaker.cooldown_s:
         problems.append("breaker.max_cooldown_s: must be >= breaker.cooldown_s")
+    return problems
+
+
+def _lora_problems(lora: LoraConfig) -> list[str]:
+    problems = lora.settings().problems("lora")
+    if not (math.isfinite(lora.interval_s) and lora.interval_s > 0):
+        problems.append(f"lora.interval_s: must be a finite number > 0, got {lora.interval_s}")
+    if lora.spread and not lora.adapters:
+        problems.append(
+            "lora.adapters: lora.spread needs the adapters it may load, as name: path on the "
+            "replicas (e.g. sql-lora: /adapters/sql)"
+        )
     return problems
 
 

@@ -26,6 +26,7 @@ from kvroute.policies import FleetView, Policy, ReplicaState
 
 from .config import Config, ReplicaConfig, replica_name_from_url
 from .kv_subscriber import KVEventSubscribers
+from .lora_spread import LoraSpreader
 from .pipeline import ModelCatalog
 from .pool_config import pool_specs
 from .pools import OffsetLoad, PoolRouting, Pools
@@ -91,6 +92,8 @@ class RoutingCore:
         self.catalog = ModelCatalog(config.models or [p.model for p in config.pools])
         # The output-drift canary (canary: in the config), None when off.
         self.canary = _canary(config, self) if config.canary.enabled else None
+        # Hot LoRA adapters loaded on more replicas (lora.spread), None when off.
+        self.lora_spreader = _lora_spreader(config, self) if config.lora.spread else None
         self._expiry: asyncio.Task[None] | None = None
 
     # The single pool's parts, for the endpoint picker (one InferencePool, one pool) and
@@ -132,6 +135,8 @@ class RoutingCore:
         self.scraper.start()
         if self.canary is not None:
             self.canary.start()
+        if self.lora_spreader is not None:
+            self.lora_spreader.start()
         self._expiry = asyncio.create_task(self._expire_predictions(), name="kvroute-expiry")
 
     async def _expire_predictions(self) -> None:
@@ -152,6 +157,8 @@ class RoutingCore:
         await self.scraper.close()
         if self.canary is not None:
             await self.canary.close()
+        if self.lora_spreader is not None:
+            await self.lora_spreader.close()
         for pool in self.pools:
             await pool.close()
 
@@ -184,6 +191,8 @@ class RoutingCore:
         for handle, owner in left:
             self.scraper.forget(handle.name)
             self.prober.forget(handle.name)
+            if self.lora_spreader is not None:
+                self.lora_spreader.forget(handle.name)
             if owner is not None:
                 await owner.forget(handle.name)  # its cache is nobody's now
         for handle in added:
@@ -273,6 +282,21 @@ class RoutingCore:
         """Seconds since each replica's metrics were last scraped successfully."""
         now = time.monotonic() if now is None else now
         return {name: now - at for name, at in self.scraper.scraped_at.items()}
+
+
+def _lora_spreader(config: Config, core: RoutingCore) -> LoraSpreader:
+    def base_url(name: str) -> str | None:
+        handle = core.registry.handles.get(name)
+        return handle.base_url if handle is not None else None
+
+    return LoraSpreader(
+        config.lora.settings(),
+        lambda: [pool.fleet.replicas for pool in core.pools],
+        base_url,
+        core.prober.probe_all,
+        interval_s=config.lora.interval_s,
+        timeout_s=max(config.health.timeout_s, 30.0),
+    )
 
 
 def _canary(config: Config, core: RoutingCore) -> CanaryRunner:

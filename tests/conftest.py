@@ -114,6 +114,9 @@ async def launch_emulated(
     kv_events: bool = True,
     lora_modules: dict[str, str] | None = None,
     model: str = "tiny",
+    max_loras: int = 0,
+    runtime_lora: bool = False,
+    time_scale: float = 1.0,
 ) -> tuple[web.AppRunner, Running]:
     """An in-process emulated vLLM replica (built-in tokenizer) publishing KV events over ZMQ;
     the caller cleans its runner up."""
@@ -125,7 +128,9 @@ async def launch_emulated(
             num_blocks=num_blocks,
             max_num_seqs=8,
             latency=latency_preset("tiny-cpu"),
+            max_loras=max_loras,
         ),
+        time_scale=time_scale,
         kv_events={
             "enable_kv_cache_events": True,
             "publisher": "zmq",
@@ -136,6 +141,8 @@ async def launch_emulated(
         if kv_events
         else None,
         lora_modules=lora_modules or {},
+        enable_lora=bool(max_loras),
+        allow_runtime_lora_updating=runtime_lora,
     )
     emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
     runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)

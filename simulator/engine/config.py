@@ -20,6 +20,8 @@ class EngineConfig:
     latency: LatencyModel = PRESETS[DEFAULT_PRESET]
     vocab_size: int = 32000  # generated token ids lie in [0, vocab_size)
     seed: int = 0
+    # Distinct LoRA adapters in one running batch (vLLM's --max-loras); 0: no limit.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -33,3 +35,5 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"EngineConfig.max_loras must be >= 0, got {self.max_loras!r}")

@@ -8,6 +8,8 @@ steps it in real time, the fleet simulator in simulated time.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from .config import EngineConfig
 from .hashing import extend_block_hashes, token_bytes
 from .kv_cache_manager import KVCacheManager
@@ -24,7 +26,9 @@ class Engine:
         self._kv = KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self._scheduler = Scheduler(self._kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self._scheduler = Scheduler(
+            self._kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_loras
+        )
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._prompt_tokens = 0
@@ -174,4 +178,11 @@ class Engine:
             num_preemptions=self._scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            running_loras=_adapters(self._scheduler.running),
+            waiting_loras=_adapters(self._scheduler.waiting),
         )
+
+
+def _adapters(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The distinct LoRA adapters of ``seqs``, in first-seen order."""
+    return tuple(dict.fromkeys(s.lora_name for s in seqs if s.lora_name is not None))

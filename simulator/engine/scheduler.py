@@ -6,7 +6,9 @@ requests in arrival order, up to ``max_num_seqs`` running. A prompt longer than 
 the budget is chunked over several steps. When a running request needs a block and none is free,
 the youngest running request is preempted by recompute: its blocks are freed (they stay cached)
 and it goes back to the front of the queue; no waiting request is admitted in a step that
-preempted. The mechanism (blocks, hits, caching) is the KV cache manager's.
+preempted. With ``max_loras``, a waiting request whose LoRA adapter would be one too many in
+the running batch is skipped (it keeps its place) for the next one, as vLLM does. The mechanism
+(blocks, hits, caching) is the KV cache manager's.
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ from .request import Sequence, Status
 class Scheduler:
     """Waiting queue, running batch, and the choice of what each step computes."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int = 0,
+    ) -> None:
         self.kv = kv
+        self.max_loras = max_loras  # 0: no limit
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -74,8 +83,17 @@ class Scheduler:
         if not preempted:
             waiting = self.waiting
             bs = kv.block_size
+            limit = self.max_loras
+            loras = {s.lora_name for s in running if s.lora_name is not None} if limit else None
+            skipped: list[Sequence] = []
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 seq = waiting[0]
+                lora = seq.lora_name
+                if loras is not None and lora is not None and lora not in loras:
+                    if len(loras) >= limit:
+                        skipped.append(waiting.popleft())  # no adapter slot for it this step
+                        continue
+                    loras.add(lora)
                 hits = kv.get_computed_blocks(seq)
                 num_hit_tokens = len(hits) * bs
                 n = min(len(seq.token_ids) - num_hit_tokens, budget)
@@ -90,6 +108,7 @@ class Scheduler:
                 running.append(seq)
                 scheduled.append((seq, n))
                 budget -= n
+            waiting.extendleft(reversed(skipped))
 
         for seq, n in scheduled:
             seq.num_computed_tokens += n

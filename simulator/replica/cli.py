@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -40,6 +42,20 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         metavar="NAME=PATH",
         help="LoRA adapters to serve, as vLLM's flag: requests naming one are served by the base "
         "engine, with the adapter's name in their blocks' hash keys and KV events.",
+    )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="Serve LoRA adapters (implied by --lora-modules, and by "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in the environment, which also serves "
+        "/v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM).",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="Distinct LoRA adapters in one running batch, as vLLM's (default 1): a request "
+        "whose adapter would be one too many waits for a slot.",
     )
     p.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
     p.add_argument(
@@ -126,6 +142,11 @@ def _lora_modules(specs: list[str]) -> dict[str, str]:
     return modules
 
 
+def runtime_lora_updating(env: Mapping[str, str]) -> bool:
+    """vLLM's reading of VLLM_ALLOW_RUNTIME_LORA_UPDATING: "1" or "true", any case."""
+    return env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+
+
 def run_replica_command(args: argparse.Namespace) -> int:
     try:
         faults = Faults()
@@ -140,6 +161,10 @@ def run_replica_command(args: argparse.Namespace) -> int:
             )
         )
         lora_modules = _lora_modules(args.lora_modules)
+        runtime_lora = runtime_lora_updating(os.environ)
+        lora = args.enable_lora or bool(lora_modules) or runtime_lora
+        if args.max_loras < 1:
+            raise ValueError(f"--max-loras must be >= 1, got {args.max_loras}")
         tokenizer = load_tokenizer(args.tokenizer, clock=datetime.now)
         engine = EngineConfig(
             block_size=args.block_size,
@@ -150,6 +175,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
             latency=latency_preset(args.preset),
             vocab_size=tokenizer.vocab_size,
             seed=args.seed,
+            max_loras=args.max_loras if lora else 0,
         )
     except (ValueError, RuntimeError) as exc:
         print(f"kvroute replica: {exc}", file=sys.stderr)
@@ -163,6 +189,8 @@ def run_replica_command(args: argparse.Namespace) -> int:
         event_layout=args.event_layout,
         model_path=args.tokenizer or "kvroute-emulated",
         lora_modules=lora_modules,
+        enable_lora=args.enable_lora,
+        allow_runtime_lora_updating=runtime_lora,
     )
     replica = EmulatedReplica(options, tokenizer, faults)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -27,7 +28,11 @@ LABELS = ["model_name", "engine"]
 
 class ReplicaMetrics:
     def __init__(
-        self, model_name: str, config: EngineConfig, stats: Callable[[], EngineStats]
+        self,
+        model_name: str,
+        config: EngineConfig,
+        stats: Callable[[], EngineStats],
+        lora: bool = False,
     ) -> None:
         self.registry = CollectorRegistry()
         labels = (model_name, "0")
@@ -48,7 +53,7 @@ class ReplicaMetrics:
             [*LABELS, "finished_reason"], registry=self.registry,
         )  # fmt: skip
         self._labels = labels
-        self.registry.register(_EngineCollector(model_name, config, stats))
+        self.registry.register(_EngineCollector(model_name, config, stats, lora))
 
     def finished(self, reason: str) -> None:
         self._success.labels(*self._labels, reason).inc()
@@ -56,11 +61,16 @@ class ReplicaMetrics:
 
 class _EngineCollector(Collector):
     def __init__(
-        self, model_name: str, config: EngineConfig, stats: Callable[[], EngineStats]
+        self,
+        model_name: str,
+        config: EngineConfig,
+        stats: Callable[[], EngineStats],
+        lora: bool,
     ) -> None:
         self._labels = [model_name, "0"]
         self._config = config
         self._stats = stats
+        self._lora = lora  # vLLM exports lora_requests_info only with LoRA enabled
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         s = self._stats()
@@ -106,3 +116,16 @@ class _EngineCollector(Collector):
         )
         gauge.add_metric(list(info.values()), 1.0)
         yield gauge
+        if self._lora:
+            # vLLM sets a label set to the current time at every stats update (and keeps the
+            # old ones: readers take the newest); only the current one here.
+            lora = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            lora.add_metric(
+                [str(c.max_loras), ",".join(s.waiting_loras), ",".join(s.running_loras)],
+                time.time(),
+            )
+            yield lora

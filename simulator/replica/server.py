@@ -3,8 +3,10 @@
 Completions and chat (streamed and not, vLLM's chunk shapes, usage and
 ``stream_options.include_usage``; ``logprobs`` and ``return_token_ids`` on non-streamed
 completions; at temperature 0 the same answer on every replica), /v1/models, /health, /metrics
-(vLLM's names), /tokenize, /detokenize, /reset_prefix_cache, /kv_event_sources, /load, /version,
-and /admin/faults for drills. A client that disconnects aborts its request in the engine, as in
+(vLLM's names, ``vllm:lora_requests_info`` with LoRA on), /tokenize, /detokenize,
+/reset_prefix_cache, /kv_event_sources, /load, /version, /v1/load_lora_adapter and
+/v1/unload_lora_adapter (only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, as vLLM), and
+/admin/faults for drills. A client that disconnects aborts its request in the engine, as in
 vLLM.
 """
 
@@ -50,6 +52,14 @@ class ReplicaOptions:
     # LoRA adapters as vLLM's --lora-modules: name -> path. A request naming one is served
     # by the base engine with the adapter's name in its blocks' hash keys and KV events.
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # vLLM's --enable-lora (implied by lora_modules); ``engine.max_loras`` is --max-loras.
+    enable_lora: bool = False
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: serve /v1/load_lora_adapter and unload.
+    allow_runtime_lora_updating: bool = False
+
+    @property
+    def lora(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules) or self.allow_runtime_lora_updating
 
 
 class BadRequest(Exception):
@@ -79,8 +89,10 @@ class EmulatedReplica:
         self.faults = faults or Faults()
         self.engine = Engine(options.engine)
         self.metrics = ReplicaMetrics(
-            options.served_model_name, options.engine, lambda: self.engine.stats
+            options.served_model_name, options.engine, lambda: self.engine.stats, options.lora
         )
+        # Adapters served now: name -> path (--lora-modules, then runtime loads and unloads).
+        self.lora_modules = dict(options.lora_modules)
         self.publisher: KVEventPublisher | None = None
         kv = options.kv_events or {}
         if kv.get("enable_kv_cache_events") and kv.get("publisher", "zmq") == "zmq":
@@ -114,6 +126,9 @@ class EmulatedReplica:
         app.router.add_get("/kv_event_sources", self.kv_event_sources)
         app.router.add_get("/load", self.load)
         app.router.add_get("/version", self.version)
+        if self.options.allow_runtime_lora_updating:
+            app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/admin/faults", self.get_faults)
         app.router.add_post("/admin/faults", self.set_faults)
         app.on_startup.append(self._startup)
@@ -190,14 +205,14 @@ class EmulatedReplica:
 
     def _lora_name(self, body: dict[str, Any]) -> str | None:
         model = body.get("model")
-        return model if isinstance(model, str) and model in self.options.lora_modules else None
+        return model if isinstance(model, str) and model in self.lora_modules else None
 
     def _prepare(self, body: dict[str, Any], chat: bool) -> tuple[list[int], int]:
         model = body.get("model")
         if (
             model is not None
             and model != self.options.served_model_name
-            and model not in self.options.lora_modules
+            and model not in self.lora_modules
         ):
             raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
         if chat:
@@ -446,9 +461,41 @@ class EmulatedReplica:
         }
         adapters = [
             {**card, "id": name, "root": path, "parent": self.options.served_model_name}
-            for name, path in self.options.lora_modules.items()
+            for name, path in self.lora_modules.items()
         ]
         return web.json_response({"object": "list", "data": [card, *adapters]})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime load: ``{"lora_name", "lora_path"}``; the adapter is then listed and
+        served (its slot is taken when its requests run, as in vLLM)."""
+        try:
+            body = await _json_body(request)
+        except BadRequest as exc:
+            return _error(str(exc), 400, "BadRequestError")
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return _error(
+                "Both 'lora_name' and 'lora_path' must be provided.", 400, "InvalidUserInput"
+            )
+        if name in self.lora_modules:
+            return _error(
+                f"The lora adapter '{name}' has already been loaded.", 400, "InvalidUserInput"
+            )
+        self.lora_modules[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+        except BadRequest as exc:
+            return _error(str(exc), 400, "BadRequestError")
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            return _error("'lora_name' needs to be provided to unload a LoRA adapter.", 400,
+                          "InvalidUserInput")  # fmt: skip
+        if self.lora_modules.pop(name, None) is None:
+            return _error(f"The lora adapter '{name}' cannot be found.", 404, "NotFoundError")
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
