@@ -303,23 +303,16 @@ class FleetMembership:
         return [r.name for r in self.launched.replicas] if self.launched is not None else []
 
     async def _roll_back(
-        self,
-        launched: LaunchedFleet,
-        slot: int,
-        name: str,
-        failure: FleetError,
-        readiness_timeout_s: float,
-    ) -> None:
+        self, launched: LaunchedFleet, slot: int, name: str, readiness_timeout_s: float
+    ) -> str:
         """A replacement that failed (did not start, not ready, or drifting): start the slot
-        again on the fleet's own arguments, so a failed step costs no capacity. The failure's
-        message says which happened."""
+        again on the fleet's own arguments, so a failed step costs no capacity. Says how that
+        went, for the step's error."""
         try:
             await self._start_and_join(launched, slot, None, readiness_timeout_s)
         except FleetError as again:
-            failure.args = (f"{failure}; starting {name} again on its previous arguments "
-                            f"failed too: {again}",)  # fmt: skip
-        else:
-            failure.args = (f"{failure}; {name} runs its previous arguments again",)
+            return f"starting {name} again on its previous arguments failed too: {again}"
+        return f"{name} runs its previous arguments again"
 
     async def replace(
         self, name: str, spec: LaunchSpec, drain_timeout_s: float, readiness_timeout_s: float
@@ -344,8 +337,8 @@ class FleetMembership:
                     launched, old.slot, spec, readiness_timeout_s
                 )
             except FleetError as exc:
-                await self._roll_back(launched, old.slot, name, exc, readiness_timeout_s)
-                raise
+                rolled = await self._roll_back(launched, old.slot, name, readiness_timeout_s)
+                raise FleetError(exc.status, f"{exc}; {rolled}") from None
         finally:
             self.phases.pop(name, None)
             self._slots_busy.discard(old.slot)

@@ -947,7 +947,7 @@ def _larger_than_a_replica(lines: tuple[SimRequest, ...], config: FleetConfig) -
     """Why a batch line could never run on one replica of ``config``, or None."""
     for line in lines:
         tokens = line.input_tokens + line.output_tokens
-        if -(-(tokens - 1) // config.engine.block_size) > config.engine.num_blocks:
+        if not config.engine.fits(tokens):
             return (
                 f"a line of {tokens:,} tokens (input + output) needs more KV cache than one "
                 f"replica holds ({config.kv_capacity_tokens:,} tokens)"
@@ -1468,10 +1468,7 @@ def _why_unreachable(
             "fleet size"
         )
     # The fleet turns away what one replica cannot hold: the rest is what the quantile is over.
-    fits = [
-        -(-(r.input_tokens + r.output_tokens - 1) // engine.block_size) <= engine.num_blocks
-        for r in units.requests
-    ]
+    fits = [engine.fits(r.input_tokens + r.output_tokens) for r in units.requests]
     bound = [
         b for b, ok in zip(prefill_alone_s(units, engine, cached=True), fits, strict=True) if ok
     ]

@@ -106,12 +106,18 @@ def run_rounds(options: Options, rounds: int, viewers: int) -> tuple[list[Round]
                     one.status_share, one.samples = share_on_stack(raw, STATUS_MARKERS)
                     raw.unlink()
             done.append(one)
-            print(f"round {k + 1}/{rounds}: {round_cells(one)}", flush=True)
+            cells = round_cells(one)
+            print(
+                f"round {k + 1}/{rounds}: {cells[0]} first | " + " | ".join(cells[1:]), flush=True
+            )
             notes += [n for row in rows.values() for n in row.notes if "documents" not in n]
     return done, notes
 
 
-def round_cells(one: Round) -> str:
+def round_cells(one: Round) -> list[str]:
+    """One round as table cells: which side ran first, req/s each side, their ratio, CPU per
+    request each side, its ratio, and the status code's share of samples."""
+
     def rps(row: Row) -> str:
         return f"{row.result.requests_per_s:,.0f}" if row.result else "-"
 
@@ -121,12 +127,12 @@ def round_cells(one: Round) -> str:
 
     tr, cr = one.throughput_ratio, one.cpu_ratio
     if tr is None or cr is None:
-        return f"{one.first} first | no result"
+        return [one.first, "no result", "", "", "", "", ""]
     share = "-" if one.status_share is None else f"{one.status_share:.2%} of {one.samples}"
-    return (
-        f"{one.first} first | {rps(one.without)} | {rps(one.with_page)} | {tr:.3f} | "
-        f"{cpu(one.without)} / {cpu(one.with_page)} | {cr:.3f} | {share}"
-    )
+    return [
+        one.first, rps(one.without), rps(one.with_page), f"{tr:.3f}",
+        f"{cpu(one.without)} / {cpu(one.with_page)}", f"{cr:.3f}", share,
+    ]  # fmt: skip
 
 
 def interval(values: list[float]) -> tuple[float, float]:
@@ -196,8 +202,7 @@ def markdown(
         "|--:|---|--:|--:|--:|--:|--:|--:|",
     ]
     for k, one in enumerate(rounds, 1):
-        cells = round_cells(one).split(" | ")
-        table.append(f"| {k} | " + " | ".join(c.replace(" first", "") for c in cells) + " |")
+        table.append(f"| {k} | " + " | ".join(round_cells(one)) + " |")
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
         "\n".join(

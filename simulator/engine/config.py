@@ -23,6 +23,11 @@ class EngineConfig:
     # Distinct LoRA adapters in one running batch (vLLM's --max-loras); 0: no limit.
     max_loras: int = 0
 
+    def fits(self, tokens: int) -> bool:
+        """Whether a sequence of ``tokens`` (prompt and output; the last output token needs no
+        slot) fits this engine's KV cache at all: larger ones are refused at any load."""
+        return -(-(tokens - 1) // self.block_size) <= self.num_blocks
+
     def __post_init__(self) -> None:
         for name in (
             "block_size",

@@ -198,9 +198,6 @@ class _Fleet:
             routers=config.routers,
             share=config.share,
         )
-        bs = config.engine.block_size
-        self._max_blocks = config.engine.num_blocks
-        self._block_size = bs
         self._holdings = holdings
         self.phase = [_SERVING] * n
         self.on_since = [0.0] * n  # when each replica was last started (autoscaler)
@@ -306,8 +303,7 @@ class _Fleet:
     def _arrive(self, request: SimRequest, t: float) -> None:
         # The gateway spreads requests over the pickers evenly and blindly (round robin).
         flight = _Flight(request, request.index % len(self.routers))
-        blocks = -(-(request.input_tokens + request.output_tokens - 1) // self._block_size)
-        if blocks > self._max_blocks:
+        if not self.config.engine.fits(request.input_tokens + request.output_tokens):
             self.result.rejected[request.index] = True
             return
         self.flights[request.index] = flight
