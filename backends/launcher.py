@@ -71,6 +71,9 @@ class LaunchSpec:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     gpu_memory_utilization: float | None = None  # None: vLLM's default
+    # vLLM's --kv-transfer-config as JSON text, for the replicas of a prefill or decode pool
+    # (P/D disaggregation); None: no KV connector.
+    kv_transfer_config: str | None = None
     # Starts every replica's name: a model pool's name and '-' (router/pool_config.py), so
     # that names stay unique across pools; '' for a config without pools.
     name_prefix: str = ""
@@ -150,6 +153,8 @@ def emulated_command(spec: LaunchSpec, port: int, kv: KVEndpoints | None) -> lis
             "--kv-events-config",
             kv_events_config_json(kv.bind_events, kv.bind_replay, spec.kv_topic),
         ]
+    if spec.kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", spec.kv_transfer_config]
     return argv + list(spec.extra_args)
 
 
@@ -219,6 +224,12 @@ def plan_replica(
     env: dict[str, str] = {}
     if spec.engine == "vllm":
         argv, env = vllm_command(spec, port, kv, on_gpus=bool(gpus), build_model=build_model)
+        if spec.kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", spec.kv_transfer_config]
+            if "NixlConnector" in spec.kv_transfer_config:
+                # NIXL's handshake listens on one port per replica (5600 by default): replicas
+                # sharing a host need their own.
+                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(1)[0])
     else:
         # The emulator uses no GPU, but takes its share like vLLM would: placement is then
         # visible (and testable) without GPUs.

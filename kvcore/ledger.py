@@ -53,6 +53,9 @@ class Route:
     # The policy's TTFT estimate on its choice and on round robin's / power of two's
     # (policies/regret.py); None for a policy without one. A front end records it once.
     estimate: TtftEstimate | None = None
+    # A decode leg (P/D disaggregation): the prompt's KV arrives from a prefill replica, so the
+    # replica it goes to computes none of it (no queued prefill; no prefill latency to learn).
+    transferred: bool = False
 
 
 @dataclass(slots=True)
@@ -74,6 +77,7 @@ class Dispatch:
     answered_at: float = -1.0  # ``now`` at its first token (-1: not yet)
     batch: int = 0  # requests in flight on the replica then: the batch it decodes in
     confirmed_tokens: int | None = None  # prompt tokens the engine reported reusing (its usage)
+    transferred: bool = False  # a decode leg: its prompt's KV came from a prefill replica
     prefilling: bool = True
     open: bool = True
 
@@ -154,6 +158,7 @@ class DispatchLedger:
         slot = self._slots[replica]
         prefix = request.prefix_tokens
         cached = min(prefix.get(replica, 0), request.prompt_tokens) if prefix else 0
+        computed = 0 if route.transferred else request.prompt_tokens - cached
         d = Dispatch(
             replica,
             reason or route.reason,
@@ -161,10 +166,11 @@ class DispatchLedger:
             request,
             cached,
             request.token_cost,
-            max(1, request.prompt_tokens - cached),
+            max(1, computed),
             slot,
             self.fleet.replicas[slot],
         )
+        d.transferred = route.transferred
         d.sent_at = now
         d.ahead = d.state.prefill_tokens
         if request.block_hashes:
@@ -202,9 +208,10 @@ class DispatchLedger:
         if self._shared is not None:
             self._shared.add(d.slot, 0, 0, -1, -d.prefill)
         if ok and state.latency is not None:
-            # The replica's time to first token as the router sees it, with the work it knew
-            # was queued there: what the latency line predicts for the next request.
-            state.latency.observe_prefill(d.ahead + d.prefill, now - d.sent_at)
+            if not d.transferred:
+                # The replica's time to first token as the router sees it, with the work it
+                # knew was queued there: what the latency line predicts for the next request.
+                state.latency.observe_prefill(d.ahead + d.prefill, now - d.sent_at)
             d.answered_at = now
             d.batch = state.in_flight
         hashes = d.request.block_hashes

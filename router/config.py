@@ -140,6 +140,21 @@ class PoolConfig(_Section):
     tokenizer: str | None = None
     block_size: int | None = None
     policy: PolicyConfig | None = None  # null: the top-level policy:
+    # Prefill/decode disaggregation: a "prefill" pool and a "decode" pool serving one model
+    # make a pair (router/disaggregation.py); null: an ordinary pool that does both.
+    role: str | None = None
+    # A role pool's vLLM --kv-transfer-config, passed to its launched replicas; null: NIXL
+    # ({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}, kv_consumer on decode).
+    kv_transfer_config: dict[str, Any] | None = None
+    # A decode pool's rule for which requests go through a prefill replica first.
+    disaggregate: DisaggregateConfig | None = None
+
+
+class DisaggregateConfig(_Section):
+    # conditional: split a request only when at least min_uncached_tokens of its prompt are
+    # not cached on its decode replica; always; never (the prefill pool is left idle).
+    mode: str = "conditional"
+    min_uncached_tokens: int = 512
 
 
 class SloConfig(_Section):

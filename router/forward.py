@@ -62,10 +62,12 @@ class Forwarder:
             route.estimate = None
         self.registry.dispatched(handle)
         metrics = self.metrics
+        transferred = dispatch.transferred
 
         def answered(status: int) -> None:
             ok = status < 400
-            if ledger.first_token(dispatch, time.monotonic(), ok) and ok:
+            # A decode leg's prompt was routed (and counted) as its prefill leg.
+            if ledger.first_token(dispatch, time.monotonic(), ok) and ok and not transferred:
                 prompt = dispatch.request.prompt_tokens
                 metrics.observe_routed(replica_id, prompt, dispatch.cached_tokens)
 
@@ -111,7 +113,7 @@ class Forwarder:
         metrics.observe_request(
             replica_id, relayed.status, dispatch.reason, relayed.ttfb_s, elapsed
         )
-        if not attempt.resume and relayed.status < 400:
+        if not attempt.resume and not transferred and relayed.status < 400:
             # A continuation's prompt is not the one routed: only the first answer counts.
             dispatch.confirmed_tokens = relayed.cached_tokens  # /status shows it too
             reuse = decompose(

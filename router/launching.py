@@ -3,10 +3,11 @@ the router routes to, or into the plan ``serve --dry-run`` prints."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 
@@ -25,7 +26,7 @@ from .config import (
     gpus_requested,
     launch_layout,
 )
-from .pool_config import PoolSpec, in_key, pool_specs
+from .pool_config import PoolSpec, default_kv_transfer_config, in_key, pool_specs
 
 # The launch keys that placement resolves before they reach the launcher.
 _GPU_KEYS = (
@@ -175,6 +176,9 @@ def plan_pools(
             key=key,
         )
         spec = launch_spec(pool.launch, gpus, model=pool.model, name_prefix=pool.replica_prefix)
+        if pool.role is not None:
+            transfer = pool.kv_transfer_config or default_kv_transfer_config(pool.role)
+            spec = replace(spec, kv_transfer_config=json.dumps(transfer))
         for slot, group in enumerate(gpus.groups if gpus is not None else ()):
             for local, gpu in enumerate(group):
                 taken[gpu] = f"{spec.replica_name(slot)} as cuda:{local}"

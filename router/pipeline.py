@@ -24,6 +24,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
+from kvroute.kvcore import pd
 from kvroute.kvcore.fair_queue import Priority, Ticket
 from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.tokenizer import PromptBlocks
@@ -35,6 +36,7 @@ from .attempts import RetryPlan, try_in_order
 from .auth import Auth
 from .config import Config
 from .deadlines import Deadlines
+from .disaggregation import Disaggregation, PdMetrics, decode_body, transferred
 from .forward import Forwarder, Try
 from .metrics import RouterMetrics
 from .openai_request import ParsedRequest
@@ -103,6 +105,12 @@ class RequestPipeline:
         # Request ids: a random per-process prefix and a counter (uuid4 costs more per request).
         self._id_prefix = os.urandom(6).hex()
         self._ids = itertools.count(1)
+        # Prefill/decode pairs among the pools: their requests may be split.
+        self.disaggregation: Disaggregation | None = None
+        if any(pools.prefill_for(p) is not None for p in pools):
+            pd_metrics = PdMetrics()
+            metrics.parts["disaggregation"] = pd_metrics
+            self.disaggregation = Disaggregation(registry, forwarder, self.retry, pd_metrics)
 
     def handler(
         self, parse: Callable[[bytes], ParsedRequest]
@@ -219,7 +227,12 @@ class RequestPipeline:
             )
         request_id = self._request_id(request)
         tried: set[str] = set()
-        relayed = await self._try_replicas(exchange, route, tried, body, request_id, arrived)
+        first_route, first_body = await self._disaggregate(
+            exchange, route, parsed, body, request_id
+        )
+        relayed = await self._try_replicas(
+            exchange, first_route, tried, first_body, request_id, arrived
+        )
         if relayed is None:
             if not tried:  # every ranked replica was ejected or down by now
                 raise errors.no_healthy_replica(self.retry_after_s)
@@ -232,6 +245,33 @@ class RequestPipeline:
             relayed = await self._resume(exchange, route, tried, body, request_id, chat, relayed)
         admitted.served(relayed, transcript)
         return relayed.response
+
+    async def _disaggregate(
+        self,
+        exchange: ClientExchange,
+        route: Route,
+        parsed: ParsedRequest,
+        body: bytes,
+        request_id: str,
+    ) -> tuple[Route, bytes]:
+        """For a decode pool's request worth splitting: its prefill leg on the paired prefill
+        pool, and the decode leg's route and body (router/disaggregation.py). Anything else, or
+        a prefill leg that failed: the route and body as they were (prefilled where decoded).
+        Resumes and continuations never carry the transfer parameters."""
+        disaggregation = self.disaggregation
+        if disaggregation is None:
+            return route, body
+        decode = self._pool(parsed.model)
+        prefill = self.pools.prefill_for(decode)
+        if prefill is None or disaggregation.decide(decode, prefill, route) != pd.SPLIT:
+            return route, body
+        original = msgspec.json.decode(body)
+        params = await disaggregation.prefill(
+            prefill, exchange.request, exchange.headers, parsed, original, request_id
+        )
+        if params is None:
+            return route, body
+        return transferred(route), decode_body(original, params)
 
     def _resumable(self, transcript: StreamTranscript, body: bytes, chat: bool) -> bool:
         """Whether ``_resume`` would continue this stream if it broke now (asked by a drain

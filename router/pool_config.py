@@ -11,16 +11,18 @@ the dry run read.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from kvroute.kvcore.pd import EMULATED_CONNECTORS, MODES, DisaggregationRule
 from kvroute.policies import PolicyConfigError, build_policy
 
 from .config import (
     Config,
     ConfigError,
+    DisaggregateConfig,
     LaunchConfig,
     PolicyConfig,
     PoolConfig,
@@ -53,6 +55,10 @@ class PoolSpec:
     routing: RoutingConfig  # the top-level routing: with this pool's tokenizer and block size
     policy: PolicyConfig
     policy_params: dict[str, Any]
+    # Prefill/decode disaggregation (kvcore/pd.py): "prefill", "decode" or None (both).
+    role: str | None = None
+    disaggregate: DisaggregationRule = field(default_factory=DisaggregationRule)  # decode's
+    kv_transfer_config: dict[str, Any] | None = None  # a role pool's; None: NIXL
 
     @property
     def implicit(self) -> bool:
@@ -99,9 +105,26 @@ def pool_specs(config: Config) -> list[PoolSpec]:
                 routing,
                 policy,
                 policy_params(config, policy),
+                pool.role,
+                _rule(pool.disaggregate),
+                pool.kv_transfer_config,
             )
         )
     return specs
+
+
+def _rule(written: DisaggregateConfig | None) -> DisaggregationRule:
+    if written is None:
+        return DisaggregationRule()
+    return DisaggregationRule(written.mode, written.min_uncached_tokens)  # type: ignore[arg-type]
+
+
+def default_kv_transfer_config(role: str) -> dict[str, Any]:
+    """What a role pool's launched replicas get as --kv-transfer-config unless the pool says:
+    NIXL, producing on prefill replicas and consuming on decode ones (vLLM deprecates
+    kv_both for P/D pairs)."""
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    return {"kv_connector": "NixlConnector", "kv_role": kv_role}
 
 
 def all_replicas(config: Config) -> list[ReplicaConfig]:
@@ -126,7 +149,7 @@ def pool_problems(config: Config, passed: list[tuple[int, Any]]) -> list[str]:
         return []
     problems = _top_level_problems(config)
     names: dict[str, str] = {}  # pool name -> its key
-    models: dict[str, str] = {}  # model -> the key of the pool serving it
+    models: dict[tuple[str, str | None], str] = {}  # (model, role) -> the key of its pool
     replica_names: dict[str, str] = {}  # replica name -> where it comes from
     gpus: dict[int, str] = {}  # a GPU listed by a pool's launch.gpus -> that key
     for (position, raw), pool in zip(passed, config.pools, strict=True):
@@ -143,12 +166,9 @@ def pool_problems(config: Config, passed: list[tuple[int, Any]]) -> list[str]:
         names.setdefault(pool.name, where)
         if not pool.model.strip():
             problems.append(f"{where}.model: must not be empty (the model name clients ask for)")
-        elif pool.model in models:
-            problems.append(
-                f"{where}.model: {pool.model!r} is already served by {models[pool.model]}; "
-                "each model name is served by one pool"
-            )
-        models.setdefault(pool.model, where)
+        else:
+            problems += _model_problems(pool, where, models)
+        models.setdefault((pool.model, pool.role), where)
         if not pool.replicas and pool.launch is None:
             problems.append(
                 f"{where}: no replicas: give replicas: (running replicas' URLs) or launch: "
@@ -164,6 +184,83 @@ def pool_problems(config: Config, passed: list[tuple[int, Any]]) -> list[str]:
         if pool.block_size is not None and pool.block_size < 1:
             problems.append(f"{where}.block_size: must be >= 1, got {pool.block_size}")
         problems += _policy_problems(config, pool, where)
+        problems += _role_problems(pool, where)
+    return problems + _pair_problems(config, passed)
+
+
+def _model_problems(
+    pool: PoolConfig, where: str, models: dict[tuple[str, str | None], str]
+) -> list[str]:
+    """One pool per model, except a prefill pool and a decode pool that make a P/D pair."""
+    same = [key for (model, role), key in models.items() if model == pool.model]
+    if not same:
+        return []
+    if (pool.model, pool.role) in models or pool.role is None or (pool.model, None) in models:
+        return [
+            f"{where}.model: {pool.model!r} is already served by {same[0]}; each model name is "
+            "served by one pool, or by one role: prefill and one role: decode pool"
+        ]
+    return []
+
+
+def _role_problems(pool: PoolConfig, where: str) -> list[str]:
+    problems = []
+    if pool.role is not None and pool.role not in ("prefill", "decode"):
+        problems.append(
+            f"{where}.role: {pool.role!r} is not a role: prefill or decode (leave it out for a "
+            "pool whose replicas do both)"
+        )
+    if pool.disaggregate is not None:
+        rule = pool.disaggregate
+        if pool.role != "decode":
+            problems.append(
+                f"{where}.disaggregate: only a role: decode pool has one (it decides which of "
+                "its requests go through the prefill pool first)"
+            )
+        if rule.mode not in MODES:
+            problems.append(
+                f"{where}.disaggregate.mode: {rule.mode!r} is not one of {', '.join(MODES)}"
+            )
+        if rule.min_uncached_tokens < 0:
+            problems.append(
+                f"{where}.disaggregate.min_uncached_tokens: must be >= 0, got "
+                f"{rule.min_uncached_tokens}"
+            )
+    if pool.kv_transfer_config is not None:
+        if pool.role is None:
+            problems.append(
+                f"{where}.kv_transfer_config: only a role: prefill or decode pool moves KV "
+                "between replicas"
+            )
+        elif not isinstance(connector := pool.kv_transfer_config.get("kv_connector"), str):
+            problems.append(
+                f"{where}.kv_transfer_config.kv_connector: must name vLLM's KV connector "
+                "(e.g. NixlConnector)"
+            )
+        elif (
+            pool.launch is not None
+            and pool.launch.engine == "emulated"
+            and connector not in EMULATED_CONNECTORS
+        ):
+            problems.append(
+                f"{where}.kv_transfer_config.kv_connector: emulated replicas speak "
+                f"{', '.join(EMULATED_CONNECTORS)}'s protocol only, not {connector!r}"
+            )
+    return problems
+
+
+def _pair_problems(config: Config, passed: list[tuple[int, Any]]) -> list[str]:
+    """Every role pool has its partner: a prefill pool alone would never be used, and a
+    decode pool alone is an ordinary pool by another name."""
+    problems = []
+    roles = {(p.model, p.role) for p in config.pools}
+    for (position, _), pool in zip(passed, config.pools, strict=True):
+        other = {"prefill": "decode", "decode": "prefill"}.get(pool.role or "")
+        if other and (pool.model, other) not in roles:
+            problems.append(
+                f"pools[{position}].role: a role: {pool.role} pool needs a role: {other} pool "
+                f"serving the same model ({pool.model!r})"
+            )
     return problems
 
 

@@ -43,6 +43,8 @@ class PoolRouting:
     ) -> None:
         self.name = spec.name
         self.model = spec.model  # None: the implicit pool, any model
+        self.role = spec.role  # "prefill", "decode" or None (P/D disaggregation)
+        self.disaggregate = spec.disaggregate  # a decode pool's rule
         self.index = PrefixIndex()
         self.policy: Policy = build_policy(spec.policy.name, spec.policy_params)
         self.keys = PromptKeys(spec.routing, self.index, self.policy.reads_prefixes)
@@ -106,7 +108,14 @@ class Pools:
     def __init__(self, pools: list[PoolRouting]) -> None:
         self._pools = pools
         self._by_name = {p.name: p for p in pools}
-        self._by_model = {p.model: p for p in pools if p.model is not None}
+        # A model's requests go to its pool, or to the decode pool of a P/D pair, which sends
+        # some through the pair's prefill pool first (``prefill_for``).
+        self._by_model = {p.model: p for p in pools if p.model is not None and p.role != "prefill"}
+        self._prefill = {
+            self._by_model[p.model].name: p
+            for p in pools
+            if p.role == "prefill" and p.model in self._by_model
+        }
         # A config without pools: its one pool takes every model the catalog admits.
         self._any = pools[0] if len(pools) == 1 and pools[0].model is None else None
         self._of: dict[str, PoolRouting] = {}
@@ -133,6 +142,10 @@ class Pools:
         if self._any is not None:
             return self._any
         return self._by_model.get(model) if model is not None else None
+
+    def prefill_for(self, pool: PoolRouting) -> PoolRouting | None:
+        """The prefill pool paired with decode pool ``pool`` (None: not a decode pool)."""
+        return self._prefill.get(pool.name)
 
     def of_replica(self, name: str) -> PoolRouting | None:
         return self._of.get(name)

@@ -117,6 +117,8 @@ async def launch_emulated(
     max_loras: int = 0,
     runtime_lora: bool = False,
     time_scale: float = 1.0,
+    kv_transfer: dict[str, Any] | None = None,
+    preset: str = "tiny-cpu",
 ) -> tuple[web.AppRunner, Running]:
     """An in-process emulated vLLM replica (built-in tokenizer) publishing KV events over ZMQ;
     the caller cleans its runner up."""
@@ -127,7 +129,7 @@ async def launch_emulated(
             block_size=block_size,
             num_blocks=num_blocks,
             max_num_seqs=8,
-            latency=latency_preset("tiny-cpu"),
+            latency=latency_preset(preset),
             max_loras=max_loras,
         ),
         time_scale=time_scale,
@@ -143,6 +145,7 @@ async def launch_emulated(
         lora_modules=lora_modules or {},
         enable_lora=bool(max_loras),
         allow_runtime_lora_updating=runtime_lora,
+        kv_transfer=kv_transfer,
     )
     emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
     runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)

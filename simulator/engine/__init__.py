@@ -10,12 +10,13 @@ together; nothing here does I/O or reads a clock.
 from .config import EngineConfig
 from .engine import Engine
 from .latency import DEFAULT_PRESET, PRESETS, LatencyModel, latency_preset
-from .outputs import EngineStats, RequestOutput, StepOutput
+from .outputs import PROMPT_SOURCES, EngineStats, RequestOutput, StepOutput
 from .request import EngineRequest
 
 __all__ = [
     "DEFAULT_PRESET",
     "PRESETS",
+    "PROMPT_SOURCES",
     "Engine",
     "EngineConfig",
     "EngineRequest",

@@ -4,6 +4,10 @@
 sample deterministic tokens) and report the step's modelled duration, per-request outputs and
 the KV events it caused. Nothing here reads a clock, sleeps or does I/O: the emulated replica
 steps it in real time, the fleet simulator in simulated time.
+
+For prefill/decode disaggregation a request may arrive with its prompt's KV moved in from
+another replica (``external_computed_tokens``), or keep its blocks held when it finishes
+(``hold_blocks``) until ``release_held``; moving the KV is the caller's business.
 """
 
 from __future__ import annotations
@@ -31,12 +35,24 @@ class Engine:
         )
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
+        # Finished requests whose blocks stay held for a remote reader (P/D prefill side).
+        self._held: dict[str, Sequence] = {}
         self._prompt_tokens = 0
+        self._prompt_by_source = [0, 0, 0]  # in PROMPT_SOURCES' order
+        self._prompt_cached = 0
         self._generation_tokens = 0
         self.last_step_time = 0.0
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request. ValueError, with the reason, for one the engine could never serve."""
+        self.check_request(request)
+        cfg = self.config
+        seq = new_sequence(request, cfg.seed, cfg.block_size, cfg.enable_prefix_caching)
+        self._requests[request.request_id] = seq
+        self._scheduler.add(seq)
+
+    def check_request(self, request: EngineRequest) -> None:
+        """What ``add_request`` checks, without queueing: a ValueError says what is wrong."""
         cfg = self.config
         rid = request.request_id
         prompt = request.prompt_token_ids
@@ -65,10 +81,14 @@ class Engine:
             token_bytes(prompt)
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"request {rid!r}: prompt token ids must be int64 integers") from exc
-
-        seq = new_sequence(request, cfg.seed, cfg.block_size, cfg.enable_prefix_caching)
-        self._requests[rid] = seq
-        self._scheduler.add(seq)
+        external = request.external_computed_tokens
+        if not isinstance(external, int) or not 0 <= external <= len(prompt):
+            raise ValueError(
+                f"request {rid!r}: external_computed_tokens must lie in [0, {len(prompt)}], "
+                f"got {external!r}"
+            )
+        if rid in self._held:
+            raise ValueError(f"request {rid!r}: a finished request with this id holds blocks")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks are freed (and stay cached). Unknown ids are ignored.
@@ -132,11 +152,15 @@ class Engine:
             token_ids.append(token)
             generated += 1
             if position == 0:
-                self._prompt_tokens += seq.num_prompt_tokens
+                self._count_prompt(seq)
             finished = position + 1 >= seq.max_tokens
+            held = None
             if finished:
                 seq.status = Status.FINISHED
-                self._kv.free(seq)
+                if seq.hold_blocks:
+                    held = self._hold(seq)
+                else:
+                    self._kv.free(seq)
                 del self._requests[seq.request_id]
                 any_finished = True
             elif caching and len(token_ids) % bs == 0:
@@ -151,6 +175,7 @@ class Engine:
                     "length" if finished else None,
                     seq.num_prompt_tokens,
                     seq.num_cached_tokens,
+                    held,
                 )
             )
         self._generation_tokens += generated
@@ -159,8 +184,56 @@ class Engine:
         duration = cfg.latency.step_time(num_tokens, attention_context, kv_read)
         return StepOutput(duration, outputs, self._kv.pool.take_events())
 
+    def _count_prompt(self, seq: Sequence) -> None:
+        """A request's prompt tokens by source, at its first token: vLLM's
+        ``PromptTokenStats.update_from_output``, quirk included (a prompt hit in full but its
+        last token counts that token as a cache hit and as computed, once too many)."""
+        prompt, cached, external = (
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            seq.num_external_tokens,
+        )
+        recomputed = 1 if cached + 1 == prompt else 0
+        by_source = self._prompt_by_source
+        by_source[0] += prompt - cached
+        by_source[1] += cached + recomputed - external
+        by_source[2] += external
+        self._prompt_cached += cached
+        self._prompt_tokens += prompt
+
+    def _hold(self, seq: Sequence) -> list[int]:
+        self._held[seq.request_id] = seq
+        return [block.block_id for block in seq.blocks]
+
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        """The blocks a finished request still holds for a remote reader (None: holds none)."""
+        seq = self._held.get(request_id)
+        return None if seq is None else [block.block_id for block in seq.blocks]
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a finished request's held blocks (they stay cached); False if it holds none."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self._kv.free(seq)
+        return True
+
+    @property
+    def num_held(self) -> int:
+        """Finished requests whose blocks are held for a remote reader."""
+        return len(self._held)
+
+    def cached_prompt_tokens(self, request: EngineRequest) -> int:
+        """Prompt tokens of ``request`` that this engine's prefix cache holds now, as its
+        admission would find them (whole blocks, never the last token): the part a decode
+        replica need not read from a prefill replica."""
+        cfg = self.config
+        seq = new_sequence(request, cfg.seed, cfg.block_size, cfg.enable_prefix_caching)
+        return len(self._kv.get_computed_blocks(seq)) * cfg.block_size
+
     def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache, like vLLM: refused (False) while a request holds any block.
+        """Forget the prefix cache, like vLLM: refused (False) while a request holds any block
+        (a finished one held for a remote reader too).
 
         On success the next ``step`` carries an AllBlocksCleared event.
         """
@@ -180,6 +253,12 @@ class Engine:
             generation_tokens=self._generation_tokens,
             running_loras=_adapters(self._scheduler.running),
             waiting_loras=_adapters(self._scheduler.waiting),
+            prompt_tokens_by_source=(
+                self._prompt_by_source[0],
+                self._prompt_by_source[1],
+                self._prompt_by_source[2],
+            ),
+            prompt_tokens_cached=self._prompt_cached,
         )
 
 

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from kvroute.kvcore.kv_events import KVEvent
 
+# The sources of vllm:prompt_tokens_by_source, in EngineStats.prompt_tokens_by_source's order.
+PROMPT_SOURCES: tuple[str, str, str] = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
 
 @dataclass
 class RequestOutput:
@@ -17,6 +20,8 @@ class RequestOutput:
     finish_reason: str | None  # "length" | "abort"
     num_prompt_tokens: int
     num_cached_tokens: int  # prefix-cache hit tokens, known after the request's first schedule
+    # A finished request asked to hold its blocks (P/D prefill side): their ids, still held.
+    held_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -43,3 +48,7 @@ class EngineStats:
     # LoRA adapters of the running and waiting requests (vllm:lora_requests_info).
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    # vllm:prompt_tokens_by_source{source} (local_compute, local_cache_hit, external_kv_transfer)
+    # and vllm:prompt_tokens_cached, counted as vLLM's PromptTokenStats does.
+    prompt_tokens_by_source: tuple[int, int, int] = (0, 0, 0)
+    prompt_tokens_cached: int = 0

@@ -26,6 +26,12 @@ class EngineRequest:
     # A greedy request passes one derived from its prompt, so that every replica answers it
     # alike, as replicas with the same weights do.
     token_seed: int | None = None
+    # P/D disaggregation, decode side: the KV of the prompt's first N tokens was moved in from a
+    # prefill replica, so they are not computed here (vLLM's external computed tokens).
+    external_computed_tokens: int = 0
+    # P/D, prefill side (do_remote_decode): when it finishes, its blocks stay held for a decode
+    # replica to read until ``Engine.release_held`` (NixlConnector's delay_free_blocks).
+    hold_blocks: bool = False
 
 
 class Status(Enum):
@@ -59,6 +65,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # one per full block of token_ids
     num_cached_tokens: int = -1  # prefix-hit tokens at the first schedule; -1 before it
     num_preemptions: int = 0
+    external_tokens: int = 0  # prompt tokens moved in, taken as computed at the first schedule
+    num_external_tokens: int = 0  # of those, the ones no local prefix hit covered (metrics)
+    hold_blocks: bool = False  # keep the blocks held when it finishes (P/D prefill side)
 
 
 def token_seed(seed: int, request_id: str) -> int:
@@ -99,6 +108,8 @@ def new_sequence(request: EngineRequest, seed: int, block_size: int, caching: bo
         extra_rest=extra_rest,
         event_extra_first=first_key,
         event_extra_rest=rest_key,
+        external_tokens=request.external_computed_tokens,
+        hold_blocks=request.hold_blocks,
     )
     if caching:
         extend_block_hashes(seq.block_hashes, seq.token_ids, block_size, extra_first, extra_rest)

@@ -6,7 +6,8 @@ requests in arrival order, up to ``max_num_seqs`` running. A prompt longer than 
 the budget is chunked over several steps. When a running request needs a block and none is free,
 the youngest running request is preempted by recompute: its blocks are freed (they stay cached)
 and it goes back to the front of the queue; no waiting request is admitted in a step that
-preempted. With ``max_loras``, a waiting request whose LoRA adapter would be one too many in
+preempted. A request whose prompt KV was moved in from a prefill replica (P/D) is admitted with
+those tokens computed: only its last prompt token is, as in vLLM. With ``max_loras``, a waiting request whose LoRA adapter would be one too many in
 the running batch is skipped (it keeps its place) for the next one, as vLLM does. The mechanism
 (blocks, hits, caching) is the KV cache manager's.
 """
@@ -96,14 +97,24 @@ class Scheduler:
                     loras.add(lora)
                 hits = kv.get_computed_blocks(seq)
                 num_hit_tokens = len(hits) * bs
-                n = min(len(seq.token_ids) - num_hit_tokens, budget)
-                if not kv.allocate_slots(seq, n, hits):
+                # KV already here: the prefix hit, or more when moved in from a prefill replica
+                # (whose blocks are allocated and cached now, as vLLM's once received); the
+                # prompt's last token is computed all the same, for its logits.
+                ready = num_hit_tokens
+                if seq.external_tokens:
+                    ready = max(ready, min(seq.external_tokens, len(seq.token_ids) - 1))
+                n = min(len(seq.token_ids) - ready, budget)
+                if not kv.allocate_slots(seq, ready - num_hit_tokens + n, hits):
                     break
                 waiting.popleft()
                 kv.record_lookup(seq, num_hit_tokens)
-                seq.num_computed_tokens = num_hit_tokens
+                seq.num_computed_tokens = ready
                 if seq.num_cached_tokens < 0:
-                    seq.num_cached_tokens = num_hit_tokens
+                    seq.num_cached_tokens = ready
+                if seq.external_tokens:
+                    # As vLLM's connector count: every moved-in token no local hit covers.
+                    seq.num_external_tokens = max(0, seq.external_tokens - num_hit_tokens)
+                    seq.external_tokens = 0  # moved in once: after a preemption, recomputed
                 seq.status = Status.RUNNING
                 running.append(seq)
                 scheduled.append((seq, n))

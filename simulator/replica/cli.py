@@ -15,6 +15,7 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
+from kvroute.kvcore import pd
 from kvroute.kvcore.tokenizer import load_tokenizer
 from kvroute.simulator.engine import PRESETS, EngineConfig, latency_preset
 
@@ -80,6 +81,28 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         help="KV event encoding: map (vLLM >= 0.24, default) or array (vLLM <= 0.23).",
     )
     p.add_argument(
+        "--kv-transfer-config",
+        metavar="JSON",
+        type=_kv_transfer_config,
+        help='As vLLM, for prefill/decode disaggregation: {"kv_connector": "NixlConnector", '
+        '"kv_role": "kv_both"} (or kv_producer, kv_consumer). Requests\' kv_transfer_params '
+        "are then served as NixlConnector does: do_remote_decode holds the prompt's KV blocks "
+        "for a decode replica (until read, or VLLM_NIXL_ABORT_REQUEST_TIMEOUT seconds, 480), "
+        "do_remote_prefill reads them from the prefill replica over this replica's HTTP port "
+        "(VLLM_NIXL_SIDE_CHANNEL_HOST overrides the host it advertises) instead of computing "
+        "them, or computes them when the read fails. Without it, kv_transfer_params are "
+        "ignored and answered null.",
+    )
+    p.add_argument(
+        "--kv-link",
+        metavar="LINK",
+        type=_kv_link,
+        default="rdma",
+        help="Emulator only: the link a prompt's KV moves over from a prefill replica, for the "
+        "modelled transfer time (setup + tokens x the preset's KV bytes per token / speed): "
+        "nvlink (450 GB/s), rdma (50 GB/s per GPU of the preset, default) or GB/s as a number.",
+    )
+    p.add_argument(
         "--preset", default="llama-3.1-8b-h100", choices=sorted(PRESETS), help="Latency model."
     )
     p.add_argument(
@@ -131,6 +154,35 @@ def _kv_config(text: str | None) -> dict[str, Any] | None:
     return config
 
 
+def _kv_transfer_config(text: str) -> dict[str, Any]:
+    try:
+        return pd.parse_kv_transfer_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kv_link(text: str) -> str:
+    try:
+        pd.link_bytes_per_s(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _hold_timeout_s(env: Mapping[str, str]) -> float:
+    """vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT (seconds), default 480."""
+    text = env.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT")
+    if text is None:
+        return pd.HOLD_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"VLLM_NIXL_ABORT_REQUEST_TIMEOUT must be seconds > 0, not {text!r}")
+    return seconds
+
+
 def _lora_modules(specs: list[str]) -> dict[str, str]:
     """vLLM's ``--lora-modules name=path`` (a bare name is its own path)."""
     modules: dict[str, str] = {}
@@ -165,6 +217,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
         lora = args.enable_lora or bool(lora_modules) or runtime_lora
         if args.max_loras < 1:
             raise ValueError(f"--max-loras must be >= 1, got {args.max_loras}")
+        hold_timeout_s = _hold_timeout_s(os.environ)
         tokenizer = load_tokenizer(args.tokenizer, clock=datetime.now)
         engine = EngineConfig(
             block_size=args.block_size,
@@ -191,6 +244,10 @@ def run_replica_command(args: argparse.Namespace) -> int:
         lora_modules=lora_modules,
         enable_lora=args.enable_lora,
         allow_runtime_lora_updating=runtime_lora,
+        kv_transfer=args.kv_transfer_config,
+        kv_link=args.kv_link,
+        kv_hold_timeout_s=hold_timeout_s,
+        side_channel_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or None,
     )
     replica = EmulatedReplica(options, tokenizer, faults)
     try:

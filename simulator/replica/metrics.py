@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvroute.simulator.engine import EngineConfig, EngineStats
+from kvroute.simulator.engine import PROMPT_SOURCES, EngineConfig, EngineStats
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -104,6 +104,7 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=LABELS)
             counter.add_metric(self._labels, value)
             yield counter
+        yield from _prompt_sources(self._labels, s)
         c = self._config
         info = {
             "block_size": str(c.block_size),
@@ -129,3 +130,23 @@ class _EngineCollector(Collector):
                 time.time(),
             )
             yield lora
+
+
+def _prompt_sources(labels: list[str], s: EngineStats) -> Iterable[CounterMetricFamily]:
+    """vllm:prompt_tokens_by_source (computed here, local prefix hits, moved in from a prefill
+    replica) and vllm:prompt_tokens_cached (the two last, as vLLM counts them)."""
+    by_source = CounterMetricFamily(
+        "vllm:prompt_tokens_by_source",
+        "Number of prompt tokens by source.",
+        labels=[*LABELS, "source"],
+    )
+    for source, value in zip(PROMPT_SOURCES, s.prompt_tokens_by_source, strict=True):
+        by_source.add_metric([*labels, source], value)
+    yield by_source
+    cached = CounterMetricFamily(
+        "vllm:prompt_tokens_cached",
+        "Number of cached prompt tokens (local + external).",
+        labels=LABELS,
+    )
+    cached.add_metric(labels, s.prompt_tokens_cached)
+    yield cached

@@ -7,7 +7,9 @@ completions; at temperature 0 the same answer on every replica), /v1/models, /he
 /reset_prefix_cache, /kv_event_sources, /load, /version, /v1/load_lora_adapter and
 /v1/unload_lora_adapter (only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, as vLLM), and
 /admin/faults for drills. A client that disconnects aborts its request in the engine, as in
-vLLM.
+vLLM. With ``--kv-transfer-config`` (NixlConnector), requests' ``kv_transfer_params`` take part
+in prefill/decode disaggregation (``kv_connector``); without it they are ignored and answered
+null, as vLLM does.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from xxhash import xxh3_64_intdigest
 
+from kvroute.kvcore import pd
 from kvroute.kvcore.tokenizer import Tokenizer
 from kvroute.simulator.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 
 from .faults import Faults, FaultSpec
+from .kv_connector import KV_READ_PATH, KVConnector, KVRead
 from .kv_publisher import KVEventPublisher
 from .metrics import ReplicaMetrics
 from .runner import EngineRunner
@@ -36,6 +40,18 @@ VERSION = "0.32.0+kvroute-emulated"
 DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+@dataclass(frozen=True)
+class _Transfer:
+    """A request that carried ``kv_transfer_params``: what its answer needs to know."""
+
+    params: pd.KVTransferParams | None  # None: no KV connector here, so ignored (answered null)
+    local_address: tuple[str, int]  # where it came in: how decode replicas reach this one
+
+
+# Marks a streamed chunk without a kv_transfer_params key (the request carried none).
+_NO_KV: Any = object()
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,17 @@ class ReplicaOptions:
     enable_lora: bool = False
     # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: serve /v1/load_lora_adapter and unload.
     allow_runtime_lora_updating: bool = False
+    # vLLM's --kv-transfer-config (checked by kvcore.pd.parse_kv_transfer_config): a
+    # NixlConnector serves requests' kv_transfer_params (P/D disaggregation); None: ignored.
+    kv_transfer: dict[str, Any] | None = None
+    # Emulator only: the link prompt KV moves over, for the modelled transfer time
+    # (kvcore.pd.link_bytes_per_s: "nvlink", "rdma" or GB/s).
+    kv_link: str = "rdma"
+    # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT: how long unread blocks stay held.
+    kv_hold_timeout_s: float = pd.HOLD_TIMEOUT_S
+    # vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST: the host decode replicas read KV from; None: the
+    # address each prefill request came in on (the side channel is this replica's HTTP port).
+    side_channel_host: str | None = None
 
     @property
     def lora(self) -> bool:
@@ -110,6 +137,17 @@ class EmulatedReplica:
             self.publisher.publish if self.publisher else lambda events: None,
             slowdown=lambda: self.faults.spec.slowdown,
         )
+        self.connector: KVConnector | None = None
+        if options.kv_transfer is not None:
+            pd.check_kv_transfer_config(options.kv_transfer)
+            latency = options.engine.latency
+            self.connector = KVConnector(
+                self.engine,
+                pd.link_bytes_per_s(options.kv_link, latency.num_gpus),
+                options.time_scale,
+                options.kv_hold_timeout_s,
+                options.side_channel_host,
+            )
         self._ids = itertools.count()
         self._created = int(time.time())
 
@@ -129,6 +167,8 @@ class EmulatedReplica:
         if self.options.allow_runtime_lora_updating:
             app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+        if self.connector is not None:
+            app.router.add_post(KV_READ_PATH, self.kv_read)
         app.router.add_get("/admin/faults", self.get_faults)
         app.router.add_post("/admin/faults", self.set_faults)
         app.on_startup.append(self._startup)
@@ -145,6 +185,8 @@ class EmulatedReplica:
         await self.runner.close()
         if self.publisher is not None:
             await self.publisher.close()
+        if self.connector is not None:
+            await self.connector.close()
 
     def _schedule_exit(self) -> None:
         if self.faults.spec.exit_after_s >= 0:
@@ -168,26 +210,32 @@ class EmulatedReplica:
             body = await _json_body(request)
             prompt_ids, max_tokens = self._prepare(body, chat)
             lora_name = self._lora_name(body)
+            transfer = self._transfer(request, body)
         except BadRequest as exc:
             return _error(str(exc), exc.status, exc.error_type, exc.param)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{request.headers.get('X-Request-Id') or os.urandom(8).hex()}-{next(self._ids)}"
         arrival = time.monotonic()
+        params = transfer.params if transfer is not None else None
         try:
             salt = body.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise ValueError("cache_salt must be a string")
-            queue = self.runner.submit(
-                EngineRequest(
-                    request_id,
-                    prompt_ids,
-                    max_tokens,
-                    arrival,
-                    lora_name=lora_name,
-                    cache_salt=salt,
-                    token_seed=_greedy_seed(body, prompt_ids, lora_name),
-                )
+            engine_request = EngineRequest(
+                request_id,
+                prompt_ids,
+                max_tokens,
+                arrival,
+                lora_name=lora_name,
+                cache_salt=salt,
+                token_seed=_greedy_seed(body, prompt_ids, lora_name),
+                hold_blocks=params is not None and params.do_remote_decode,
             )
+            if params is not None and params.do_remote_prefill and self.connector is not None:
+                self.engine.check_request(engine_request)  # before a transfer, not after it
+                external = await self.connector.pull(params, engine_request)
+                engine_request.external_computed_tokens = external
+            queue = self.runner.submit(engine_request)
         except ValueError as exc:
             return _error(str(exc), 400, "BadRequestError")
         stream = bool(body.get("stream"))
@@ -196,12 +244,44 @@ class EmulatedReplica:
         try:
             if stream:
                 return await self._stream(
-                    request, body, chat, request_id, queue, arrival, include_usage
+                    request, body, chat, request_id, queue, arrival, include_usage, transfer
                 )
-            return await self._complete(body, chat, request_id, queue, arrival)
+            return await self._complete(body, chat, request_id, queue, arrival, transfer)
         except (asyncio.CancelledError, ConnectionResetError):
             self.runner.abort(request_id)
+            if self.connector is not None:
+                self.connector.release(request_id)  # no decode replica will learn of its blocks
             raise
+
+    def _transfer(self, request: web.Request, body: dict[str, Any]) -> _Transfer | None:
+        """The request's ``kv_transfer_params`` (None: it carries none). Its type is checked
+        always, as vLLM's request model does; its fields only with a KV connector, as only
+        NixlConnector reads them: a BadRequest names a wrong one."""
+        raw = body.get("kv_transfer_params")
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise BadRequest(
+                "kv_transfer_params must be an object or null", param="kv_transfer_params"
+            )
+        params = None
+        if self.connector is not None:
+            try:
+                params = pd.parse_kv_transfer_params(raw)
+            except ValueError as exc:
+                raise BadRequest(str(exc), param="kv_transfer_params") from None
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        local = ("127.0.0.1", 0)
+        if isinstance(sockname, tuple):  # (host, port), and more for IPv6
+            local = (str(sockname[0]), int(sockname[1]))
+        return _Transfer(params, local)
+
+    def _kv_answer(self, transfer: _Transfer, output: RequestOutput) -> dict[str, Any] | None:
+        """The answer's ``kv_transfer_params``: where a finished request's held blocks are
+        (prefill side); null otherwise, as vLLM answers."""
+        if output.held_block_ids is None or self.connector is None:
+            return None
+        return self.connector.hold(output.request_id, output.held_block_ids, transfer.local_address)
 
     def _lora_name(self, body: dict[str, Any]) -> str | None:
         model = body.get("model")
@@ -269,6 +349,7 @@ class EmulatedReplica:
         request_id: str,
         queue: asyncio.Queue[RequestOutput],
         arrival: float,
+        transfer: _Transfer | None = None,
     ) -> web.Response:
         token_ids: list[int] = []
         first: RequestOutput | None = None
@@ -327,6 +408,8 @@ class EmulatedReplica:
                 "choices": [choice],
                 "usage": usage,
             }
+        if transfer is not None:
+            obj["kv_transfer_params"] = self._kv_answer(transfer, last)
         return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
 
     async def _stream(
@@ -338,6 +421,7 @@ class EmulatedReplica:
         queue: asyncio.Queue[RequestOutput],
         arrival: float,
         include_usage: bool,
+        transfer: _Transfer | None = None,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -346,7 +430,7 @@ class EmulatedReplica:
         kind = "chat.completion.chunk" if chat else "text_completion"
         drop_after = self.faults.spec.drop_after_chunks
 
-        def chunk(choice: dict[str, Any]) -> bytes:
+        def chunk(choice: dict[str, Any], kv_params: Any = _NO_KV) -> bytes:
             obj = {
                 "id": request_id,
                 "object": kind,
@@ -354,6 +438,8 @@ class EmulatedReplica:
                 "model": model,
                 "choices": [choice],
             }
+            if kv_params is not _NO_KV:
+                obj["kv_transfer_params"] = kv_params
             return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
         chunks = 0
@@ -389,7 +475,10 @@ class EmulatedReplica:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             if finish:
                 choice["stop_reason"] = None
-            await response.write(chunk(choice))
+            kv_params = _NO_KV
+            if transfer is not None:  # vLLM's content chunks carry it: null but on the last
+                kv_params = self._kv_answer(transfer, output) if output.finished else None
+            await response.write(chunk(choice, kv_params))
             chunks += 1
             if drop_after and chunks >= drop_after and not output.finished:
                 self.runner.abort(request_id)
@@ -556,6 +645,19 @@ class EmulatedReplica:
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VERSION})
+
+    async def kv_read(self, request: web.Request) -> web.Response:
+        """``POST /kvroute/kv_read`` (emulator only): a decode replica reads a request's held
+        KV blocks, which ends their hold; 404 when this replica does not hold them."""
+        assert self.connector is not None
+        try:
+            read = msgspec.json.decode(await request.read(), type=KVRead)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return _error(f"bad KV read: {exc}", 400, "BadRequestError")
+        problem = self.connector.serve_read(read)
+        if problem is not None:
+            return _error(problem, 404, "NotFoundError")
+        return web.json_response({"request_id": read.request_id, "block_ids": read.block_ids})
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return web.json_response(self.faults.as_dict())
