@@ -24,8 +24,8 @@ def add_rollout_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "rollout",
         help="Rolling upgrade of a running router's launched replicas, one at a time.",
         description=(
-            "Replace every replica the router launched (launch: in its config), one at a "
-            "time: drain it (no new requests; open streams get --drain-timeout seconds, then "
+            "Replace every replica the router launched (launch: in its config, or one pool's "
+            "launch: with --pool), one at a time: drain it (no new requests; open streams get --drain-timeout seconds, then "
             "continue on another replica), stop it, start it with the new arguments, wait until "
             "it answers its health check (and passes the drift canary when canary: is on), "
             "return it to rotation, next. Prints progress until the rollout ends; exits 0 when "
@@ -41,6 +41,12 @@ def add_rollout_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--url", help="The router's URL (default: from the config's listen:).")
     p.add_argument(
         "--admin-key", metavar="KEY", help="Admin key (default: the config's auth.admin_api_key)."
+    )
+    p.add_argument(
+        "--pool",
+        metavar="NAME",
+        help="The model pool whose launched replicas to replace (needed when several pools "
+        "launch replicas; pools[N].name in the config).",
     )
     p.add_argument(
         "--args",
@@ -150,6 +156,7 @@ def _run(http: httpx.Client, args: argparse.Namespace) -> int:
     if args.args is not None:
         body["args"] = shlex.split(args.args)
     for key, value in (
+        ("pool", args.pool),
         ("model_path", args.model_path),
         ("max_unavailable", args.max_unavailable),
         ("drain_timeout_s", args.drain_timeout),

@@ -2,12 +2,13 @@
 
 * ``POST /admin/replicas``: ``{"url": ..., "name"?, "kv_events"?, "kv_replay"?, "pool"?}``
   registers a static replica (in model pool ``pool``, which a router of several pools needs);
-  ``{"launch": true}`` starts one more launched replica (``"wait": false`` answers 202 at once
-  instead of when it is in rotation; a config without ``pools:`` only).
+  ``{"launch": true, "pool"?}`` starts one more of a pool's launched replicas (``"wait": false``
+  answers 202 at once instead of when it is in rotation; ``pool`` when several pools launch).
 * ``DELETE /admin/replicas/{name}``: drains it (router/drain.py), then unregisters it and stops
   its process if the router launched it; ``?drain_timeout_s=`` overrides ``rollout:``.
-* ``POST /admin/rollout``: ``{"args"?, "model_path"?, "max_unavailable"?, "drain_timeout_s"?,
-  "readiness_timeout_s"?}`` replaces every launched replica (router/rollout.py);
+* ``POST /admin/rollout``: ``{"pool"?, "args"?, "model_path"?, "max_unavailable"?,
+  "drain_timeout_s"?, "readiness_timeout_s"?}`` replaces every launched replica of the pool
+  (``pool`` when several pools launch; one rollout at a time) (router/rollout.py);
   ``POST /admin/rollout/pause|resume|abort``; ``GET /admin/rollout`` its progress (also the
   ``rollout`` object of ``/admin/replicas``).
 
@@ -57,6 +58,7 @@ class AddReplicaBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class RolloutBody(msgspec.Struct, forbid_unknown_fields=True):
+    pool: str | None = None
     args: list[str] | None = None
     model_path: str | None = None
     max_unavailable: int | None = None
@@ -207,15 +209,15 @@ class FleetControl:
             replica = ReplicaConfig(body.url, body.name, body.kv_events, body.kv_replay)
             handle = await membership.add_static(replica, body.pool)
             return _json(self._row(handle), 201)
-        if body.name or body.kv_events or body.kv_replay or body.pool:
+        if body.name or body.kv_events or body.kv_replay:
             raise errors.bad_request(
-                "name, kv_events, kv_replay and pool are set by the launcher for launched replicas"
+                "name, kv_events and kv_replay are set by the launcher for launched replicas"
             )
-        membership.check_changeable(launched=True)
+        pool = membership.launched_pool(body.pool)
         timeout_s = _positive(
             body.readiness_timeout_s, self.config.rollout.readiness_timeout_s, "readiness_timeout_s"
         )
-        adding = membership.add_launched(timeout_s)
+        adding = membership.add_launched(timeout_s, pool)
         if not body.wait:
             task: asyncio.Task[object] = asyncio.create_task(adding)
             self._background.add(task)
@@ -246,13 +248,11 @@ class FleetControl:
     async def handle_rollout(self, request: web.Request) -> web.Response:
         body = await _decode(request, RolloutBody)
         membership = self.membership
-        membership.check_changeable(launched=True)
-        launched = membership.launched
-        assert launched is not None
+        pool = membership.launched_pool(body.pool)
         if self.rollout is not None and self.rollout.active:
             raise FleetError(409, f"a rollout is already {self.rollout.state}")
         defaults = self.config.rollout
-        spec = launched.spec
+        spec = membership.fleets[pool].spec
         if body.args is not None and spec.engine == "vllm":
             owned = owned_flags_in(body.args)
             if owned:
@@ -274,15 +274,17 @@ class FleetControl:
             max_unavailable = defaults.max_unavailable
         if max_unavailable < 1:
             raise errors.bad_request("max_unavailable: must be >= 1", "max_unavailable")
-        targets = membership.launched_names()
-        in_rotation = membership.core.registry.in_rotation()
+        targets = membership.launched_names(pool)
+        in_rotation = membership.in_rotation(pool)
         if in_rotation < 2:
+            where = f" of pool {pool}" if len(membership.core.pools) > 1 else ""
             raise FleetError(
                 409,
-                f"{in_rotation} replica in rotation: a rollout replaces one replica while the "
-                "others serve, so it needs at least 2 (add one first: POST /admin/replicas)",
+                f"{in_rotation} replica{where} in rotation: a rollout replaces one replica while "
+                "the others serve, so it needs at least 2 (add one first: POST /admin/replicas)",
             )
         plan = RolloutPlan(
+            pool,
             new_spec(spec, body.args, body.model_path),
             # At least one replica keeps serving whatever was asked.
             min(max_unavailable, in_rotation - 1),

@@ -71,14 +71,20 @@ class FleetMembership:
     ) -> None:
         self.core = core
         self.drainer = drainer
-        self.launched = launched
-        # Model pools' launched replicas: removed ones are stopped, none are added (yet).
-        self.pool_fleets = list(pool_fleets)
+        # Each pool's launched replicas, by pool name: a config without pools has one pool
+        # (``launched``), a config with pools a fleet per pool with launch: (``pool_fleets``,
+        # whose replicas' names start with their pool's).
+        self.fleets: dict[str, LaunchedFleet] = {}
+        if launched is not None:
+            self.fleets[core.pools.sole.name] = launched
+        for fleet in pool_fleets:
+            self.fleets[fleet.spec.name_prefix.removesuffix("-")] = fleet
         self._workers = workers
         # Replicas not serving: name -> STARTING or DRAINING (names being started may not be
         # in the registry yet).
         self.phases: dict[str, str] = {}
-        self._slots_busy: set[int] = set()  # launcher slots being (re)started
+        # Launcher slots being (re)started, per pool.
+        self._slots_busy: dict[str, set[int]] = {name: set() for name in self.fleets}
         self.on_drained: Callable[[DrainReport], None] = lambda report: None  # metrics
 
     # -- what the fleet is doing --------------------------------------------------------
@@ -98,7 +104,7 @@ class FleetMembership:
         )
         return out
 
-    def check_changeable(self, *, launched: bool = False) -> None:
+    def check_changeable(self) -> None:
         """Refuse fleet changes this router cannot make (409), saying why."""
         if self._workers > 1:
             raise FleetError(
@@ -106,19 +112,39 @@ class FleetMembership:
                 "fleet changes need listen.workers: 1: each worker process keeps its own view of "
                 "the fleet, and only one may own the launched replicas",
             )
-        if launched and len(self.core.pools) > 1:
+
+    @property
+    def launched(self) -> LaunchedFleet | None:
+        """The launched fleet of a router with one (the autoscaler's); None otherwise."""
+        return next(iter(self.fleets.values())) if len(self.fleets) == 1 else None
+
+    def launched_pool(self, pool: str | None) -> str:
+        """The pool whose launched replicas a launch or rollout acts on: ``pool``, or the only
+        one that launched any. Refused (400/409) saying why otherwise."""
+        self.check_changeable()
+        names = ", ".join(self.fleets)
+        if pool is None:
+            if len(self.fleets) == 1:
+                return next(iter(self.fleets))
+            if not self.fleets:
+                raise FleetError(
+                    409,
+                    "this router launched no replicas (no launch: in its config): it can only "
+                    'register static replicas ({"url": ...}) and remove replicas',
+                )
+            raise FleetError(
+                400, f"pool: this router launched replicas in several pools ({names}): say which"
+            )
+        if self.core.pools.named(pool) is None:
+            known = ", ".join(p.name for p in self.core.pools)
+            raise FleetError(400, f"pool: no model pool named {pool!r} (pools: {known})")
+        if pool not in self.fleets:
             raise FleetError(
                 409,
-                f"this router serves {len(self.core.pools)} model pools: launching replicas and "
-                "rollouts through the admin API need a config without pools: (register a "
-                'running replica instead: {"url": ..., "pool": ...})',
+                f"pool {pool} launched no replicas (no launch: in its config); pools that did: "
+                f"{names or 'none'}",
             )
-        if launched and self.launched is None:
-            raise FleetError(
-                409,
-                "this router launched no replicas (no launch: in its config): it can only "
-                'register static replicas ({"url": ...}) and remove replicas',
-            )
+        return pool
 
     # -- adding ---------------------------------------------------------------------------
 
@@ -155,32 +181,33 @@ class FleetMembership:
         log.info("replica %s (%s) registered by an admin", name, replica.url)
         return self.core.registry.handles[name]
 
-    async def add_launched(self, readiness_timeout_s: float) -> ReplicaHandle:
-        """Start one more launched replica (the fleet's arguments) and bring it into rotation."""
-        self.check_changeable(launched=True)
-        launched = self.launched
-        assert launched is not None
-        slot = self._reserve_slot()
+    async def add_launched(
+        self, readiness_timeout_s: float, pool: str | None = None
+    ) -> ReplicaHandle:
+        """Start one more of ``pool``'s launched replicas (its fleet's arguments) and bring it
+        into rotation."""
+        pool = self.launched_pool(pool)
+        slot = self._reserve_slot(pool)
         try:
-            handle, _ = await self._start_and_join(launched, slot, None, readiness_timeout_s)
+            handle, _ = await self._start_and_join(pool, slot, None, readiness_timeout_s)
             return handle
         finally:
-            self._slots_busy.discard(slot)
+            self._slots_busy[pool].discard(slot)
 
-    def _reserve_slot(self) -> int:
-        assert self.launched is not None
-        taken = {r.slot for r in self.launched.replicas} | self._slots_busy
+    def _reserve_slot(self, pool: str) -> int:
+        taken = {r.slot for r in self.fleets[pool].replicas} | self._slots_busy[pool]
         slot = next(i for i in range(len(taken) + 1) if i not in taken)
-        self._slots_busy.add(slot)
+        self._slots_busy[pool].add(slot)
         return slot
 
     async def _start_and_join(
         self,
-        launched: LaunchedFleet,
+        pool: str,
         slot: int,
         spec: LaunchSpec | None,
         readiness_timeout_s: float,
     ) -> tuple[ReplicaHandle, LaunchedReplica]:
+        launched = self.fleets[pool]
         deadline = time.monotonic() + readiness_timeout_s
         name = (spec or launched.spec).replica_name(slot)
         self.phases[name] = STARTING
@@ -190,7 +217,7 @@ class FleetMembership:
             except LaunchError as exc:
                 raise FleetError(502, f"replica {name} did not start: {exc}") from None
             try:
-                handle = await self._join(replica, deadline)
+                handle = await self._join(replica, deadline, pool)
             except FleetError:
                 await self.core.remove_replica(replica.name)
                 await asyncio.to_thread(launched.stop_replica, replica.name, STOP_GRACE_S)
@@ -199,7 +226,7 @@ class FleetMembership:
             self.phases.pop(name, None)
         return handle, replica
 
-    async def _join(self, replica: LaunchedReplica, deadline: float) -> ReplicaHandle:
+    async def _join(self, replica: LaunchedReplica, deadline: float, pool: str) -> ReplicaHandle:
         """Into the core's fleet; in rotation once probed (and checked by the canary, if on)."""
         joined_at = time.time()
         config = ReplicaConfig(
@@ -208,7 +235,7 @@ class FleetMembership:
             kv_events=replica.kv_events,
             kv_replay=replica.kv_replay,
         )
-        await self.core.add_replica(config, ready=False)
+        await self.core.add_replica(config, ready=False, pool=pool)
         handle = self.core.registry.handles[replica.name]
         gated = self.core.canary is not None
         handle.state.draining = gated  # out of new routing until the canary has seen it
@@ -293,23 +320,39 @@ class FleetMembership:
     async def _stop(self, name: str) -> LaunchedReplica | None:
         """Out of the core's fleet, and its process stopped when launched here."""
         await self.core.remove_replica(name)
-        fleets = [self.launched] if self.launched is not None else self.pool_fleets
-        launched = next((f for f in fleets if any(r.name == name for r in f.replicas)), None)
-        if launched is None:
+        pool = self._launched_by(name)
+        if pool is None:
             return None
-        return await asyncio.to_thread(launched.stop_replica, name, STOP_GRACE_S)
+        return await asyncio.to_thread(self.fleets[pool].stop_replica, name, STOP_GRACE_S)
 
-    def launched_names(self) -> list[str]:
-        return [r.name for r in self.launched.replicas] if self.launched is not None else []
+    def _launched_by(self, name: str) -> str | None:
+        """The pool whose launched fleet runs ``name`` (None: not launched here)."""
+        return next(
+            (p for p, f in self.fleets.items() if any(r.name == name for r in f.replicas)), None
+        )
 
-    async def _roll_back(
-        self, launched: LaunchedFleet, slot: int, name: str, readiness_timeout_s: float
-    ) -> str:
+    def in_rotation(self, pool: str) -> int:
+        """Replicas of ``pool`` taking traffic now."""
+        now = time.monotonic()
+        registry = self.core.registry
+        members = self.core.pools.named(pool)
+        return sum(
+            1
+            for name, handle in registry.handles.items()
+            if members is not None and name in members.members and registry.may_take(handle, now)
+        )
+
+    def launched_names(self, pool: str | None = None) -> list[str]:
+        """``pool``'s launched replicas (None: the only launched fleet's, if any)."""
+        fleet = self.fleets.get(pool) if pool is not None else self.launched
+        return [r.name for r in fleet.replicas] if fleet is not None else []
+
+    async def _roll_back(self, pool: str, slot: int, name: str, readiness_timeout_s: float) -> str:
         """A replacement that failed (did not start, not ready, or drifting): start the slot
         again on the fleet's own arguments, so a failed step costs no capacity. Says how that
         went, for the step's error."""
         try:
-            await self._start_and_join(launched, slot, None, readiness_timeout_s)
+            await self._start_and_join(pool, slot, None, readiness_timeout_s)
         except FleetError as again:
             return f"starting {name} again on its previous arguments failed too: {again}"
         return f"{name} runs its previous arguments again"
@@ -318,14 +361,13 @@ class FleetMembership:
         self, name: str, spec: LaunchSpec, drain_timeout_s: float, readiness_timeout_s: float
     ) -> Replaced:
         """One rollout step: drain ``name``, stop it, start its slot again with ``spec``."""
-        launched = self.launched
-        assert launched is not None
         handle = self.handle(name)
-        old = next((r for r in launched.replicas if r.name == name), None)
-        if old is None:
+        pool = self._launched_by(name)
+        if pool is None:
             raise FleetError(409, f"replica {name} was not launched by this router")
+        old = next(r for r in self.fleets[pool].replicas if r.name == name)
         self.phases[name] = DRAINING
-        self._slots_busy.add(old.slot)
+        self._slots_busy[pool].add(old.slot)
         try:
             drain = await self.drainer.drain(handle, drain_timeout_s)
             self.on_drained(drain)
@@ -333,13 +375,11 @@ class FleetMembership:
             self.phases.pop(name, None)
             started = time.monotonic()
             try:
-                _, replica = await self._start_and_join(
-                    launched, old.slot, spec, readiness_timeout_s
-                )
+                _, replica = await self._start_and_join(pool, old.slot, spec, readiness_timeout_s)
             except FleetError as exc:
-                rolled = await self._roll_back(launched, old.slot, name, readiness_timeout_s)
+                rolled = await self._roll_back(pool, old.slot, name, readiness_timeout_s)
                 raise FleetError(exc.status, f"{exc}; {rolled}") from None
         finally:
             self.phases.pop(name, None)
-            self._slots_busy.discard(old.slot)
+            self._slots_busy[pool].discard(old.slot)
         return Replaced(drain, time.monotonic() - started, replica.process.pid)

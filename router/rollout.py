@@ -31,6 +31,7 @@ RUNNING, PAUSED, ABORTED, DONE, FAILED = "running", "paused", "aborted", "done",
 
 @dataclass(frozen=True)
 class RolloutPlan:
+    pool: str  # whose launched replicas it replaces
     spec: LaunchSpec  # what every replica runs afterwards
     max_unavailable: int
     drain_timeout_s: float
@@ -110,8 +111,7 @@ class Rollout:
                     log.error("rollout failed at replica %s: %s", name, self.error)
         if self.state == RUNNING:
             self.state = DONE
-            if membership.launched is not None:
-                membership.launched.spec = plan.spec  # replicas added later run it too
+            membership.fleets[plan.pool].spec = plan.spec  # replicas added later run it too
         self.finished_at = time.time()
         log.info("rollout %s: %d of %d replaced", self.state, len(self.replaced), len(self.targets))
 
@@ -143,6 +143,7 @@ class Rollout:
         done = {r["name"] for r in self.replaced}
         return {
             "state": self.state,
+            "pool": self.plan.pool,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "targets": self.targets,

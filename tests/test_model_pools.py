@@ -239,6 +239,7 @@ async def test_serve_mixes_listed_and_launched_replicas_in_pools(
         await wait_until(lambda: not alive(reapers[0]), 15, "the removed replica's process")
         alpha_seen = {(await served_by(client, "alpha", f"c {i}"))[0] for i in range(3)}
         assert alpha_seen == {"alpha-static"}
+        await _launch_and_roll_out_in_a_pool(url)
     finally:
         if router.returncode is None:
             router.send_signal(signal.SIGTERM)
@@ -248,6 +249,39 @@ async def test_serve_mixes_listed_and_launched_replicas_in_pools(
     assert "Traceback" not in text
     assert "kvroute: pool mixed: starting 1 emulated replicas" in text
     await wait_until(lambda: not any(alive(p) for p in reapers), 10, "the launched replica to stop")
+
+
+async def _launch_and_roll_out_in_a_pool(url: str) -> None:
+    """Launching one more replica and a rollout act on a pool's own launched replicas."""
+    async with aiohttp.ClientSession() as http:
+        add = url + "/admin/replicas"
+        async with http.post(add, json={"launch": True, "pool": "solo"}) as response:
+            assert response.status == 409
+            assert "pool solo launched no replicas" in (await response.json())["error"]["message"]
+        # Only "mixed" launches replicas: no need to name it.
+        async with http.post(add, json={"launch": True}) as response:
+            assert response.status == 201, await response.text()
+            row = await response.json()
+        assert (row["name"], row["pool"], row["healthy"]) == ("mixed-emulated-0", "mixed", True)
+        body = {"pool": "mixed", "args": ["--seed", "7"], "drain_timeout_s": 1}
+        async with http.post(url + "/admin/rollout", json=body) as response:
+            assert response.status == 202, await response.text()
+        rollout: dict[str, Any] = {}
+
+        async def rollout_done() -> bool:
+            nonlocal rollout
+            rollout = (await get_json(url + "/admin/rollout"))["rollout"]
+            return rollout["state"] not in ("running", "paused")
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while not await rollout_done():
+            assert loop.time() < deadline, f"the rollout did not end in 60s: {rollout}"
+            await asyncio.sleep(0.1)
+    assert rollout["state"] == "done", rollout
+    assert rollout["pool"] == "mixed"
+    assert [r["name"] for r in rollout["replaced"]] == ["mixed-emulated-0"]
+    assert rollout["args"] == ["--seed", "7"]
 
 
 def _cmdline(pid: int) -> bytes:
@@ -269,7 +303,7 @@ OTHER_STATIC = "replicas: [{url: 'http://127.0.0.1:9002'}]"
         (
             f"  - {{name: a, model: m, {STATIC}}}\n  - {{name: b, model: m, {OTHER_STATIC}}}\n",
             "pools[1].model: 'm' is already served by pools[0]; each model name is served by "
-            "one pool",
+            "one pool, or by one role: prefill and one role: decode pool",
         ),
         (
             f"  - {{name: a, model: m, tokenzier: builtin, {STATIC}}}\n",
