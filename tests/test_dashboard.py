@@ -24,6 +24,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.router.config import config_from_dict
+from kvroute.router.disaggregation import PdMetrics
 from kvroute.router.epp.picker import EndpointPicker
 
 from .conftest import Running, StartReplica, StartRouter
@@ -188,6 +189,11 @@ async def kvroute_series(start_replica: StartReplica, start_router: StartRouter)
     names = exported(await scrape(r.url))
     picker = EndpointPicker(config_from_dict({"replicas": [{"url": a.url}]}))
     names |= exported(generate_latest(picker.metrics.registry).decode())
+    # A router with a prefill/decode pair also exports these (tests/test_pd_router.py).
+    pd_metrics = PdMetrics()
+    pd_metrics.decided("decode", "split")
+    pd_metrics.prefilled("prefill", "ok")
+    names |= series_names(pd_metrics.families([]))
     return names
 
 
