@@ -266,12 +266,19 @@ class RequestPipeline:
         if prefill is None or disaggregation.decide(decode, prefill, route) != pd.SPLIT:
             return route, body
         original = msgspec.json.decode(body)
-        params = await disaggregation.prefill(
-            prefill, exchange.request, exchange.headers, parsed, original, request_id
-        )
+        # Its decode replica is counted as busy with it while the prefill runs, as the
+        # simulator does: else every request arriving meanwhile sees that replica idle.
+        split = transferred(route)
+        hold = decode.ledger.dispatch(split, route.ranked[0], time.monotonic(), "pd_hold")
+        try:
+            params = await disaggregation.prefill(
+                prefill, exchange.request, exchange.headers, parsed, original, request_id
+            )
+        finally:
+            decode.ledger.finish(hold, time.monotonic())
         if params is None:
             return route, body
-        return transferred(route), decode_body(original, params)
+        return split, decode_body(original, params)
 
     def _resumable(self, transcript: StreamTranscript, body: bytes, chat: bool) -> bool:
         """Whether ``_resume`` would continue this stream if it broke now (asked by a drain

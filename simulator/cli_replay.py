@@ -18,9 +18,10 @@ import sys
 import textwrap
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from kvroute.kvcore.autoscale import AutoscaleSettings
+from kvroute.kvcore.pd import DisaggregationRule, Mode, link_bytes_per_s
 from kvroute.kvcore.stats import percentile
 from kvroute.policies import DEFAULT_POLICY, POLICIES, PolicyConfigError, build_policy
 from kvroute.policies.registry import policy_parameters
@@ -53,6 +54,10 @@ from kvroute.simulator.fleet import (
 )
 from kvroute.simulator.fleet.batch import BatchJob, batch_lines
 from kvroute.simulator.fleet.bounds import prefill_alone_s
+from kvroute.simulator.fleet.pd_outcome import format_pd
+from kvroute.simulator.fleet.pd_search import search_pd
+from kvroute.simulator.fleet.pd_setup import PD_MODES, PdSetup
+from kvroute.simulator.fleet.pd_table import PD_FLEETS, format_pd_plan
 from kvroute.simulator.fleet.regret import comparison_lines, counterfactual
 from kvroute.simulator.fleet.report import markdown_report
 from kvroute.simulator.fleet.summary import (
@@ -179,6 +184,43 @@ def _multipliers(text: str) -> list[float]:
     return values
 
 
+def _pd_counts(text: str) -> tuple[int, int]:
+    """``P:D``: prefill and decode replicas, at least 1 each."""
+    prefill, sep, decode = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        p, d = int(prefill), int(decode)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected P:D (prefill and decode replicas), e.g. 2:6, got {text!r}"
+        ) from None
+    if p < 1 or d < 1:
+        raise argparse.ArgumentTypeError(
+            f"a P/D fleet needs at least 1 prefill and 1 decode replica, got {text!r}"
+        )
+    return p, d
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _kv_link(text: str) -> str:
+    """``nvlink``, ``rdma`` or GB/s (kvcore/pd.py's links)."""
+    try:
+        link_bytes_per_s(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 # -- parsers ----------------------------------------------------------------------------
 
 
@@ -197,14 +239,17 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
             "writes DIR/summary.json, DIR/report.md and PNG plots. --compare runs several "
             "policies on the same trace; --fail K@T removes replica K at T seconds (its "
             "requests resume elsewhere); --routers N puts N routers (endpoint pickers) in front "
-            "of the fleet, sharing what --share says. --live URL replays against a running "
-            "router instead."
+            "of the fleet, sharing what --share says; --pd P:D makes it a disaggregated fleet of "
+            "P prefill and D decode replicas. --live URL replays against a running router "
+            "instead."
         ),
         epilog=SYNTHETIC_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_trace_args(replay, FORMATS)
-    replay.add_argument("--replicas", type=positive_int, default=4, help="Fleet size (default 4).")
+    replay.add_argument(
+        "--replicas", type=positive_int, help="Fleet size (default 4; with --pd P:D, P+D)."
+    )
     replay.add_argument(
         "--policy",
         type=policy_name,
@@ -220,6 +265,16 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     _add_fleet_args(replay)
     _add_router_args(replay)
     _add_run_args(replay)
+    replay.add_argument(
+        "--pd",
+        type=_pd_counts,
+        metavar="P:D",
+        help="A disaggregated fleet of P prefill and D decode replicas (P+D in all): the decode "
+        "pool's policy picks each request's decode replica; a request split off (--pd-mode) "
+        "prefills on a prefill replica picked by the prefill pool's policy, its KV moves over "
+        "--kv-link, and it decodes on its decode replica; the rest run there whole.",
+    )
+    _add_pd_args(replay, mode=True)
     replay.add_argument(
         "--out", metavar="DIR", help="Directory for summary.json, report.md, plots."
     )
@@ -273,7 +328,9 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
             "(--gpu-price per GPU-hour, times the preset's GPUs per replica), and the 8-GPU "
             "nodes that hold it. --target-rps R plans for R req/s instead of the trace's rate; "
             "--explain first prints the analytic sizing, step by step from the preset's model "
-            "and GPU figures, and afterwards sets it beside the simulated answer. "
+            "and GPU figures, and afterwards sets it beside the simulated answer. --pd compares "
+            "the aggregated fleet with always- and conditionally-disaggregated ones at one rate "
+            "and the same SLO. "
             "--kv --context T --batch N needs no trace or SLO: it sizes the KV cache of N "
             "sequences of T tokens against one replica of the preset, and ranks what FP8 KV, "
             "GQA/MLA, a smaller batch, paging with preemption, host offload and context "
@@ -353,6 +410,16 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--max-replicas", type=positive_int, default=1024, help="Give up above (default 1024)."
     )
     _add_day_args(plan)
+    plan.add_argument(
+        "--pd",
+        action="store_true",
+        help="At the base rate (the trace's, or --target-rps), size three fleets for the same "
+        "SLO and compare them: aggregated (as without --pd), always disaggregated and "
+        "conditionally disaggregated (--pd-min-uncached), each P/D fleet the fewest replicas "
+        "P+D found meeting the SLO; one table with TTFT and TPOT p50/p99, goodput per GPU and "
+        "the share of requests split.",
+    )
+    _add_pd_args(plan, mode=False)
     plan.add_argument(
         "--batch-job",
         type=batch_spec,
@@ -493,6 +560,33 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_pd_args(p: argparse.ArgumentParser, mode: bool) -> None:
+    """The split rule and the KV link of a P/D fleet (kvcore/pd.py)."""
+    if mode:
+        p.add_argument(
+            "--pd-mode",
+            choices=PD_MODES,
+            help="With --pd: conditional (default) splits a request only when at least "
+            "--pd-min-uncached of its prompt tokens are not cached on its decode replica; "
+            "always splits every request.",
+        )
+    p.add_argument(
+        "--pd-min-uncached",
+        type=_non_negative_int,
+        metavar="N",
+        help="With --pd: the conditional rule's threshold in prompt tokens (default "
+        f"{DisaggregationRule().min_uncached_tokens}).",
+    )
+    p.add_argument(
+        "--kv-link",
+        type=_kv_link,
+        metavar="nvlink|rdma|GBps",
+        help="With --pd: the link a split request's KV crosses: nvlink (450 GB/s, within a "
+        "node), rdma (default: a 400 Gb/s NIC per GPU of the replica, between nodes) or a "
+        "speed in GB/s.",
+    )
+
+
 def _add_day_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeat",
@@ -585,6 +679,11 @@ def replay_args(**values: Any) -> argparse.Namespace:
     return args
 
 
+def _describe_pd(config: FleetConfig) -> str:
+    assert config.pd is not None
+    return config.pd.describe(config.engine.latency.num_gpus)
+
+
 def describe_routers(config: FleetConfig) -> str:
     """The routers in front of the fleet and what they share, for the summary."""
     shared = f"queue depth and KV usage scraped every {config.scrape_every_s:g} s"
@@ -632,7 +731,10 @@ def _load(args: argparse.Namespace) -> tuple[Any, UnitTrace]:
 
 
 def _fleet_config(
-    args: argparse.Namespace, replicas: int, failures: list[tuple[int, float]]
+    args: argparse.Namespace,
+    replicas: int,
+    failures: list[tuple[int, float]],
+    pd: PdSetup | None = None,
 ) -> FleetConfig:
     latency = latency_preset(args.preset)
     try:
@@ -652,6 +754,7 @@ def _fleet_config(
             scrape_interval_s=args.scrape_interval_s,
             failures=tuple(failures),
             dip=getattr(args, "dip", None),
+            pd=pd,
             **_autoscale_settings(getattr(args, "autoscale", None), replicas),
         )
     except ValueError as exc:
@@ -802,6 +905,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def run_replay(args: argparse.Namespace) -> int:
     """``kvroute replay`` once its flags are parsed; bad input raises ``UsageError``."""
     if args.live:
+        if getattr(args, "pd", None) is not None:
+            raise UsageError(
+                "--pd simulates a P/D fleet; with --live the router at the URL routes (give it "
+                "its prefill and decode pools in its config)"
+            )
         if args.routers != 1 or args.share != "none":
             raise UsageError(
                 "--routers and --share set up simulated routers; with --live the router at "
@@ -821,7 +929,8 @@ def run_replay(args: argparse.Namespace) -> int:
         print(
             f"{len(units.requests)} requests over {units.duration_s:,.0f} s, {args.replicas} "
             f"replicas of {args.preset}, {config.kv_capacity_tokens:,} KV tokens each, "
-            f"behind {describe_routers(config)}",
+            f"behind {describe_routers(config)}"
+            + (f"; P/D: {_describe_pd(config)}" if config.pd is not None else ""),
             file=sys.stderr,
         )
     own_prefill = prefill_alone_s(units, config.engine, cached=False)
@@ -867,7 +976,7 @@ def run_replay(args: argparse.Namespace) -> int:
         f"{percent(pooled)} (token-weighted hit rates)"
     )
     for summary in summaries:
-        line = format_loss(summary)
+        line = format_loss(summary) or format_pd(summary)
         if line:
             print(line)
     for summary in summaries:
@@ -905,13 +1014,23 @@ def _simulated_replay(
     args: argparse.Namespace,
 ) -> tuple[Any, UnitTrace, FleetConfig, list[str]]:
     """The trace, fleet and policies of a simulated replay, its flags checked."""
+    pd = _replay_pd(args)
+    if pd is not None:
+        if args.replicas not in (None, pd.replicas):
+            raise UsageError(
+                f"--replicas {args.replicas} and --pd {pd.prefill}:{pd.decode} disagree: a P/D "
+                f"fleet has P+D = {pd.replicas} replicas (leave out --replicas)"
+            )
+        args.replicas = pd.replicas
+    elif args.replicas is None:
+        args.replicas = 4
     trace, units = _load(args)
     for k, _ in args.fail:
         if k >= args.replicas:
             raise UsageError(f"--fail {k}@...: replicas are numbered 0..{args.replicas - 1}")
     try:
         config = replace(
-            _fleet_config(args, args.replicas, args.fail),
+            _fleet_config(args, args.replicas, args.fail, pd),
             routers=args.routers,
             share=args.share,
             share_scrape_interval_s=args.share_scrape_interval_s,
@@ -924,6 +1043,57 @@ def _simulated_replay(
         if not any(key in policy_parameters(name) for name in policies):
             raise UsageError(f"--policy-param {key}: no policy of {', '.join(policies)} takes it")
     return trace, units, config, policies
+
+
+def _replay_pd(args: argparse.Namespace) -> PdSetup | None:
+    """--pd's fleet with its rule and link, or None without --pd (whose flags then refuse)."""
+    counts = getattr(args, "pd", None)
+    if counts is None:
+        _pd_flags_alone(args, "--pd P:D")
+        return None
+    refused = [
+        flag
+        for flag, given in (
+            ("--live", bool(getattr(args, "live", None))),
+            ("--fail", bool(args.fail)),
+            ("--autoscale", args.autoscale is not None),
+            ("--dip", args.dip is not None),
+            ("--batch-job", args.batch_job is not None),
+            ("--routers", args.routers != 1),
+            ("--share", args.share != "none"),
+            ("--engine-model exact", args.engine_model != "fast"),
+        )
+        if given
+    ]
+    if refused:
+        raise UsageError(
+            f"{', '.join(refused)}: not modelled with --pd (a simulated P/D fleet has one "
+            "router, the fast engine model, and no failures, autoscaling, dips or batch jobs)"
+        )
+    return _pd_setup(args, counts[0], counts[1], args.pd_mode or "conditional")
+
+
+def _pd_flags_alone(args: argparse.Namespace, needs: str) -> None:
+    """The split rule's and the link's flags, given without a P/D fleet to apply to."""
+    for flag, value in (
+        ("--pd-mode", getattr(args, "pd_mode", None)),
+        ("--pd-min-uncached", getattr(args, "pd_min_uncached", None)),
+        ("--kv-link", getattr(args, "kv_link", None)),
+    ):
+        if value is not None:
+            raise UsageError(f"{flag} goes with {needs}")
+
+
+def _pd_setup(args: argparse.Namespace, prefill: int, decode: int, mode: str) -> PdSetup:
+    minimum = args.pd_min_uncached
+    if minimum is None:
+        minimum = DisaggregationRule().min_uncached_tokens
+    rule = DisaggregationRule(cast(Mode, mode), minimum)  # PdSetup.problems checks the mode
+    setup = PdSetup(prefill, decode, rule, args.kv_link or "rdma")
+    problems = setup.problems()
+    if problems:
+        raise UsageError("--pd: " + "; ".join(problems))
+    return setup
 
 
 def _batch_job(
@@ -1029,6 +1199,7 @@ def _write_outputs(
         "event_lag_s": config.event_lag_s,
         "scrape_interval_s": config.scrape_every_s,
         "routers": describe_routers(config),
+        "pd": _describe_pd(config) if config.pd is not None else None,
         "seed": args.seed,
         "failures": list(config.failures),
         "command": command,
@@ -1105,6 +1276,9 @@ def _plan(args: argparse.Namespace) -> int:
                 "--target-rps needs a trace with a rate: its requests all arrive at one instant"
             )
         base = args.target_rps / trace_rps
+    if args.pd:
+        return _plan_pd(args, units, base)
+    _pd_flags_alone(args, "--pd")
     multipliers = args.rate_multipliers
     if multipliers is None:
         multipliers = [] if args.target_rps is not None else [2.0, 4.0]
@@ -1206,8 +1380,8 @@ def _plan_kv(args: argparse.Namespace) -> int:
     """``plan --kv``: the KV budget of one replica, no trace and no simulation."""
     if args.context is None or args.batch is None:
         raise UsageError("--kv needs --context TOKENS and --batch N")
-    if args.trace is not None or args.explain:
-        raise UsageError("--kv takes no --trace or --explain: it sizes the KV cache alone")
+    if args.trace is not None or args.explain or args.pd:
+        raise UsageError("--kv takes no --trace, --explain or --pd: it sizes the KV cache alone")
     figures = capacity.figures_by_name(args.preset)
     if figures is None:
         raise UsageError(f"--kv needs a preset with model and GPU figures; {args.preset} has none")
@@ -1323,11 +1497,8 @@ def _plan_one(
         q = args.slo_quantile
         ttft = percentile(result.ttfts(), q)
         tpot = percentile(result.tpots(), q)
-        ok = (
-            result.completed == result.requests
-            and (args.slo.ttft_s is None or ttft <= args.slo.ttft_s)
-            and (args.slo.tpot_s is None or math.isnan(tpot) or tpot <= args.slo.tpot_s)
-            and (result.batch is None or result.batch.met_window)
+        ok = _meets_slo(args, result, ttft, tpot) and (
+            result.batch is None or result.batch.met_window
         )
         tried[n] = {
             "replicas": n,
@@ -1402,6 +1573,148 @@ def _plan_one(
         "largest_tried": tried[max(tried)] if unreachable else None,
         "batch": best.get("batch"),
     }
+
+
+def _meets_slo(args: argparse.Namespace, result: SimResult, ttft: float, tpot: float) -> bool:
+    """Every request finished, and ``ttft`` and ``tpot`` (at the SLO quantile) meet --slo."""
+    return (
+        result.completed == result.requests
+        and (args.slo.ttft_s is None or ttft <= args.slo.ttft_s)
+        and (args.slo.tpot_s is None or math.isnan(tpot) or tpot <= args.slo.tpot_s)
+    )
+
+
+# -- plan --pd ----------------------------------------------------------------------------
+
+
+def _plan_pd(args: argparse.Namespace, units: UnitTrace, k: float) -> int:
+    """``plan --pd``: at rate ``k``, the aggregated fleet as plan sizes it, then the fewest
+    replicas P+D of an always- and a conditionally-disaggregated fleet meeting the same SLO
+    (simulator/fleet/pd_search.py), in one table."""
+    for flag, given in (
+        ("--rate-multipliers", args.rate_multipliers is not None),
+        ("--batch-job", args.batch_job is not None),
+        ("--explain", args.explain),
+    ):
+        if given:
+            raise UsageError(
+                f"{flag} does not go with --pd: it compares three fleets at one rate (the "
+                "trace's, or --target-rps)"
+            )
+    setup = _pd_setup(args, 1, 1, "conditional")  # the rule and the link, checked up front
+    trace_k = scaled(units, k)
+    aggregated = _plan_one(args, trace_k, k)
+    size = aggregated["replicas"] or aggregated["largest_tried"]["replicas"]
+    row = _pd_measure(args, trace_k, size, None)
+    row["simulated"] = [[n, None] for n in aggregated["simulated"]]
+    rows = [row] + [_pd_fleet(args, trace_k, size, mode) for mode in PD_FLEETS[1:]]
+    latency = latency_preset(args.preset)
+    rps = len(trace_k.requests) / trace_k.duration_s if trace_k.duration_s > 0 else 0.0
+    slo = ", ".join(
+        f"{name} <= {v:g} s"
+        for name, v in (("TTFT", args.slo.ttft_s), ("TPOT", args.slo.tpot_s))
+        if v is not None
+    )
+    title = [
+        f"plan --pd for {args.policy} on {args.preset} at {_rate_label(k, trace_k)} "
+        f"({len(trace_k.requests):,} requests), SLO p{args.slo_quantile * 100:g}: {slo}",
+        f"split requests' KV over {setup.link} at "
+        f"{setup.link_bytes_per_s(latency.num_gpus) / 1e9:,.0f} GB/s per replica; conditional "
+        f"splits a request when >= {setup.rule.min_uncached_tokens:,} of its prompt tokens are "
+        "not cached on its decode replica",
+    ]
+    print(format_pd_plan(title, rows))
+    if aggregated["unreachable"]:
+        print(_indented(f"aggregated: {aggregated['unreachable']}"))
+    if args.out:
+        with open(os.path.join(args.out, "plan.json"), "w") as f:
+            json.dump(
+                {
+                    "slo": vars(args.slo),
+                    "slo_quantile": args.slo_quantile,
+                    "preset": args.preset,
+                    "policy": args.policy,
+                    "target_rps": args.target_rps,
+                    "rate_multiplier": k,
+                    "rate_rps": rps,
+                    "pd": {
+                        "link": setup.link,
+                        "link_bytes_per_s": setup.link_bytes_per_s(latency.num_gpus),
+                        "min_uncached_tokens": setup.rule.min_uncached_tokens,
+                    },
+                    "rows": rows,
+                },
+                f,
+                indent=2,
+            )
+            f.write("\n")
+    return 0
+
+
+def _pd_fleet(args: argparse.Namespace, units: UnitTrace, size: int, mode: str) -> dict[str, Any]:
+    """The row of the P/D fleet in ``mode`` with the fewest replicas meeting the SLO, searched
+    around the aggregated fleet's ``size`` (or, when none met, the largest one simulated)."""
+    measured: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def meets(p: int, d: int) -> bool:
+        measured[p, d] = _pd_measure(args, units, p + d, _pd_setup(args, p, d, mode))
+        return bool(measured[p, d]["ok"])
+
+    search = search_pd(meets, size, args.max_replicas)
+    row = measured[search.best or max(measured, key=sum)]
+    row["simulated"] = [[p, d] for p, d in search.simulated]
+    return row
+
+
+def _pd_measure(
+    args: argparse.Namespace, units: UnitTrace, replicas: int, pd: PdSetup | None
+) -> dict[str, Any]:
+    """One fleet (``pd`` None: aggregated) simulated: a row of plan --pd's table."""
+    config = _fleet_config(args, replicas, [], pd)
+    result, wall = run_policy(units, args.policy, config, args.seed, True)
+    q = args.slo_quantile
+    ttfts, tpots = result.ttfts(), result.tpots()
+    ttft, tpot = percentile(ttfts, q), percentile(tpots, q)
+    ok = _meets_slo(args, result, ttft, tpot)
+    good, goodput = result.goodput(args.slo)
+    gpus = replicas * config.engine.latency.num_gpus
+    fleet = "aggregated" if pd is None else pd.rule.mode
+    row = {
+        "fleet": fleet,
+        "prefill": pd.prefill if pd is not None else None,
+        "decode": pd.decode if pd is not None else None,
+        "replicas": replicas,
+        "gpus": gpus,
+        "ok": ok,
+        "requests": result.requests,
+        "completed": result.completed,
+        "ttft_p50_s": _finite(percentile(ttfts, 0.5)),
+        "ttft_p99_s": _finite(percentile(ttfts, 0.99)),
+        "tpot_p50_s": _finite(percentile(tpots, 0.5)),
+        "tpot_p99_s": _finite(percentile(tpots, 0.99)),
+        "ttft_at_slo_quantile_s": _finite(ttft),
+        "tpot_at_slo_quantile_s": _finite(tpot),
+        "slo_met_requests": good,
+        "goodput_rps": _finite(goodput),
+        "goodput_per_gpu": _finite(goodput / gpus),
+        "split_share": _finite(result.pd.split_share) if result.pd is not None else None,
+        "hit_rate": _finite(result.hit_rate()),
+    }
+    if not args.quiet:
+        where = f"{pd.prefill}+{pd.decode}" if pd is not None else str(replicas)
+        split = f", {row['split_share']:.0%} split" if row["split_share"] is not None else ""
+        print(
+            f"  {fleet}, {where} replicas: TTFT p{q * 100:g} {ttft:.3f} s, TPOT p{q * 100:g} "
+            f"{tpot * 1000:.1f} ms, {'meets' if ok else 'misses'} the SLO (simulated in "
+            f"{wall:.1f} s wall time; goodput {goodput:.3f} req/s{split})",
+            file=sys.stderr,
+        )
+    return row
+
+
+def _finite(v: float) -> float | None:
+    """plan.json's numbers: None for "none measured" (JSON has no NaN)."""
+    return None if math.isnan(v) else v
 
 
 def _batch_plan_line(args: argparse.Namespace, row: dict[str, Any]) -> str:

@@ -5,6 +5,8 @@ client) and an operator (the router's and the replicas' Prometheus metrics) see 
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
@@ -54,8 +56,7 @@ async def start_pd(
         for _ in range(prefill)
     ]
     d = [
-        await start_emulated(model="llama", kv_transfer=NIXL, num_blocks=256)
-        for _ in range(decode)
+        await start_emulated(model="llama", kv_transfer=NIXL, num_blocks=256) for _ in range(decode)
     ]
     router = await start_router(
         [],
@@ -215,3 +216,29 @@ async def test_replicas_without_a_kv_connector_still_answer(
     )
     assert answer.choices[0].text
     assert await metric(router.url, "kvroute_pd_prefill_legs_total", outcome="no_params") == 1
+
+
+async def test_the_decode_replica_counts_a_split_request_while_it_is_prefilled(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    """Else every request arriving during a long prefill would see its decode replica idle."""
+    router, prefill, _ = await start_pd(start_emulated, start_router, decode=1, mode="always")
+    prefill[0].replica.faults.update(FaultSpec(stall_s=1.0))  # a long prefill
+    client = client_for(router.url)
+    asking = asyncio.create_task(
+        client.completions.create(model="llama", prompt=LONG, max_tokens=4)
+    )
+
+    async def in_flight() -> dict[str, int]:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(router.url + "/admin/replicas") as response:
+                rows = (await response.json())["replicas"]
+        return {row["name"]: row["in_flight"] for row in rows}
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while (seen := await in_flight()) != {"pre-0": 1, "dec-0": 1}:
+        assert not asking.done() and loop.time() < deadline, seen
+        await asyncio.sleep(0.02)
+    assert (await asking).choices[0].text
+    assert await in_flight() == {"pre-0": 0, "dec-0": 0}

@@ -2,7 +2,8 @@
 
 Pure: no I/O, no asyncio, no wall clock; deterministic for a seed. ``prepare`` turns a
 ``Trace`` into unit keys and router hashes, ``simulate`` replays it through one policy on a
-``FleetConfig``, ``bounds`` gives the infinite-cache and pooled-LRU hit rates of the same trace.
+``FleetConfig`` (a disaggregated one with ``PdSetup``), ``bounds`` gives the infinite-cache and
+pooled-LRU hit rates of the same trace.
 """
 
 from .bounds import infinite_cache_hit_rate, pooled_lru_hit_rate
@@ -14,6 +15,7 @@ from .config import (
     engine_config,
 )
 from .fleet import simulate
+from .pd_setup import PdSetup
 from .results import SimResult, Slo
 from .units import SimRequest, UnitTrace, prepare
 
@@ -21,6 +23,7 @@ __all__ = [
     "ENGINE_MODELS",
     "SHARE_MODES",
     "FleetConfig",
+    "PdSetup",
     "SimRequest",
     "SimResult",
     "Slo",

@@ -10,6 +10,7 @@ from kvroute.simulator.engine.config import EngineConfig
 from kvroute.simulator.engine.latency import LatencyModel
 
 from .batch import CapacityDip
+from .pd_setup import PdSetup
 
 ENGINE_MODELS = ("fast", "exact")
 # What several routers (endpoint pickers behind one gateway) share beyond the KV events that
@@ -46,6 +47,9 @@ class FleetConfig:
     token and finish (load and predictions) published to the others ``bus_lag_s`` later;
     ``load``, in-flight load summed over the routers at once, predictions each its own (the
     workers of ``kvroute serve --workers N``, simulator/fleet/shared_load.py).
+
+    ``pd``: a disaggregated fleet of ``pd.prefill`` + ``pd.decode`` = ``replicas`` replicas
+    (simulator/fleet/pd_fleet.py).
     """
 
     replicas: int
@@ -65,6 +69,7 @@ class FleetConfig:
     startup_s: float = 60.0  # a started replica loads its model this long before it serves
     # Part of the fleet gone for a while (its requests resume elsewhere), back with empty caches.
     dip: CapacityDip | None = None
+    pd: PdSetup | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -109,6 +114,8 @@ class FleetConfig:
                 problems.append("dip: not modelled with an autoscaler (it would replace them)")
             if problems:
                 raise ValueError("; ".join(problems))
+        if self.pd is not None:
+            self._check_pd(self.pd)
         for replica, at in self.failures:
             if not 0 <= replica < self.replicas:
                 raise ValueError(
@@ -116,6 +123,25 @@ class FleetConfig:
                 )
             if not (math.isfinite(at) and at >= 0):
                 raise ValueError(f"failure time must be a finite number >= 0, got {at}")
+
+    def _check_pd(self, pd: PdSetup) -> None:
+        problems = pd.problems()
+        if pd.replicas != self.replicas:
+            problems.append(
+                f"replicas: a P/D fleet has prefill + decode = {pd.replicas}, got {self.replicas}"
+            )
+        # What the P/D fleet does not model (yet): each would need its own rules for two pools.
+        for what, present in (
+            ("the exact engine model (the fast one moves KV)", self.engine_model != "fast"),
+            ("several routers", self.routers != 1),
+            ("an autoscaler", self.autoscale is not None),
+            ("a capacity dip", self.dip is not None),
+            ("replica failures", bool(self.failures)),
+        ):
+            if present:
+                problems.append(f"{what}: not modelled with P/D disaggregation")
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @property
     def scrape_every_s(self) -> float:

@@ -14,6 +14,12 @@ departures make a 12k-request trace take seconds instead of minutes:
 
 Preemption frees a request's output blocks uncached (vLLM keeps the full ones cached, so a
 resumed request may hit them): slightly pessimistic under KV pressure.
+
+P/D disaggregation (``pd_fleet``): ``add_prefilled`` queues a request whose prompt's KV was
+computed on a prefill replica and moved here. On admission it takes blocks for its whole prompt
+(and caches it, as vLLM does once the transferred blocks land) and computes only its last prompt
+token, as vLLM's scheduler does for a request whose KV is all external: that step samples its
+first token. Preempted, it recomputes its prompt here like any other request.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class _Seq:
         "length",
         "next_unit",
         "preempted",
+        "prefilled",
         "private",
         "request",
         "to_generate",
@@ -60,6 +67,7 @@ class _Seq:
         self.next_unit = 0  # first prompt unit not yet hit or cached
         self.first_pending = True  # this engine's first token (the fleet knows the client's)
         self.preempted = False
+        self.prefilled = False  # its prompt's KV arrives from a prefill replica (P/D)
 
 
 @dataclass(slots=True)
@@ -112,6 +120,17 @@ class FastEngine:
         seq = _Seq(request, bounds, extra_tokens, to_generate)
         self.seqs[request.index] = seq
         self.waiting.append(seq)
+
+    def add_prefilled(self, request: SimRequest) -> None:
+        """Queue a request whose prompt was prefilled on another replica (see the module doc)."""
+        self.add(request, 0, request.output_tokens)
+        self.seqs[request.index].prefilled = True
+
+    def cached_prompt_tokens(self, request: SimRequest) -> int:
+        """Prompt tokens of ``request`` this replica's cache holds now, in whole KV blocks."""
+        hits = self.pool.lookup(request.unit_keys)
+        n = request.input_tokens
+        return min(len(hits) * self.block_tokens, n) // self.block_size * self.block_size
 
     def start(self, now: float) -> float | None:
         scheduled, admitted_or_preempted = self._schedule()
@@ -237,8 +256,11 @@ class FastEngine:
         hit_blocks = seq.bounds[len(hits) - 1] if hits else 0
         # The last token is always computed (its logits give the next token).
         hit_tokens = min(hit_blocks * bs, (seq.length - 1) // bs * bs)
-        n = min(seq.length - hit_tokens, budget)
-        new_blocks = max(0, -(-(hit_tokens + n) // bs) - hit_blocks)
+        # A prefilled prompt's KV is here already but for its last token: its blocks are
+        # allocated below, and only that token is computed (no prefix-cache lookup is counted).
+        done = seq.length - 1 if seq.prefilled else hit_tokens
+        n = min(seq.length - done, budget)
+        new_blocks = max(0, -(-(done + n) // bs) - hit_blocks)
         from_queue = sum(u.blocks for u in hits if u.ref == 0)
         if new_blocks + from_queue > pool.free_blocks:
             return 0
@@ -248,10 +270,10 @@ class FastEngine:
         seq.unit_blocks = hit_blocks
         seq.private = new_blocks
         seq.next_unit = len(hits)
-        seq.computed = hit_tokens
-        if not seq.preempted:
+        seq.computed = done
+        if not seq.preempted and not seq.prefilled:
             self._lookups.append((seq.request.index, seq.length, hit_tokens))
-        self._cache_full(seq, hit_tokens + n)
+        self._cache_full(seq, done + n)
         return n
 
     def _allocate(self, seq: _Seq, n: int) -> bool:
@@ -306,6 +328,7 @@ class FastEngine:
         seq.units = []
         seq.unit_blocks = seq.private = seq.computed = seq.next_unit = 0
         seq.preempted = True
+        seq.prefilled = False  # its transferred KV is gone: it recomputes its prompt here
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -17,6 +17,10 @@ routed by picker i % N. KV events, scrapes and failures reach every picker; firs
 finishes reach the one that dispatched, and with ``share="bus"`` the others too, ``bus_lag_s``
 later, as a replay of the same ledger calls (``_deliver``).
 
+A disaggregated fleet (``FleetConfig.pd``) is this loop with a prefill and a decode pool, each
+its own router, and KV moved between them: ``pd_fleet.PdFleet``, through the hooks below
+(``_replica_names``, ``_make_routers``, ``_kv_arrived``, ...).
+
 Deterministic: no wall clock, no unseeded randomness; ties in time resolve by event kind,
 then by the order events were created.
 """
@@ -48,8 +52,11 @@ from .results import NAN, SimResult
 from .shared_load import SharedTotals
 from .units import SimRequest, UnitTrace
 
-# Event kinds, in the order they run when they fall at the same instant.
-_FAIL, _OPS, _STEP, _SCRAPE, _ARRIVAL, _KICK, _BUS, _SCALE, _READY, _RESTORE, _BATCH = range(11)
+# Event kinds, in the order they run when they fall at the same instant. _KV: a request's KV
+# reaches its decode replica (P/D fleets, pd_fleet.py), an arrival there.
+(_FAIL, _OPS, _STEP, _SCRAPE, _ARRIVAL, _KV, _KICK, _BUS, _SCALE, _READY, _RESTORE, _BATCH) = range(
+    12
+)
 # A replica's phase under an autoscaler (always SERVING without one).
 _OFF, _STARTING, _SERVING, _DRAINING = range(4)
 # What a bus message announces: a picker's ledger call, for the others to repeat.
@@ -104,6 +111,19 @@ class _Published:
         self.copies: list[tuple[DispatchLedger, Dispatch]] = []
 
 
+def apply_ops(index: PrefixIndex, name: str, ops: list[IndexOp]) -> None:
+    """Replica ``name``'s KV events, applied to one router's prefix index."""
+    for op in ops:
+        kind = op[0]
+        if kind == "stored":
+            _, hashes, parent, tokens, block_size = op
+            index.apply_stored(name, hashes, parent, tokens, block_size)  # type: ignore[arg-type]
+        elif kind == "removed":
+            index.apply_removed(name, op[1])  # type: ignore[arg-type]
+        else:
+            index.clear_replica(name)
+
+
 def make_engine(
     config: FleetConfig, block_tokens: int, holdings: Holdings | None = None
 ) -> SimEngine:
@@ -121,7 +141,14 @@ def simulate(
 ) -> SimResult:
     """Replay ``trace`` through ``policy`` on the fleet ``config`` describes; with ``batch``
     (a job and its lines, ``batch.with_batch``), the batch lane runs the job beside it and
-    the result's ``batch`` says how it went (its per-request lists hold the trace's only)."""
+    the result's ``batch`` says how it went (its per-request lists hold the trace's only).
+    With ``config.pd``, the fleet is disaggregated (pd_fleet.py)."""
+    if config.pd is not None:
+        if batch is not None:
+            raise ValueError("a batch job is not modelled on a P/D fleet")
+        from .pd_fleet import PdFleet  # imported here: pd_fleet builds on _Fleet below
+
+        return PdFleet(trace, policy, config).run(progress)
     return _Fleet(trace, policy, config, batch).run(progress)
 
 
@@ -137,23 +164,18 @@ class _Fleet:
         self.policy = policy
         self.config = config
         n = config.replicas
-        self.names = [f"r{i}" for i in range(n)]
+        self.names = self._replica_names()
         self.number = {name: i for i, name in enumerate(self.names)}
-        # Each picker its own policy object, copied before any decision: what N processes
-        # started from one config hold (a policy keeps state: its ring, its random stream).
-        policies = [policy, *(copy.deepcopy(policy) for _ in range(config.routers - 1))]
         # share="load": one board of in-flight load for all, as --workers share it.
         self.board = SharedTotals(n) if config.share == "load" and config.routers > 1 else None
-        self.routers = [
-            _Router(self.names, p, config.prediction_ttl_s, config.kv_capacity_tokens, self.board)
-            for p in policies
-        ]
+        self.routers = self._make_routers(policy)
         self.ledgers = [router.ledger for router in self.routers]
         self.indexes = [router.index for router in self.routers]
         self.bus = config.share == "bus" and config.routers > 1
         self.scrape_every = config.scrape_every_s
-        # The loss decomposition (loss.py) needs the fast engine's unit pools.
-        holdings = Holdings() if config.engine_model == "fast" else None
+        # The loss decomposition (loss.py) needs the fast engine's unit pools (and one pool of
+        # replicas: none for a P/D fleet).
+        holdings = Holdings() if config.engine_model == "fast" and config.pd is None else None
         self.engines = [make_engine(config, trace.block_tokens, holdings) for _ in range(n)]
         self.pools = [e.pool for e in self.engines if isinstance(e, FastEngine)]
         self.loss: LossTracker | None = None
@@ -211,6 +233,19 @@ class _Fleet:
                 for router in self.routers:
                     router.states[r].healthy = False
 
+    def _replica_names(self) -> list[str]:
+        return [f"r{i}" for i in range(self.config.replicas)]
+
+    def _make_routers(self, policy: Policy) -> list[_Router]:
+        config = self.config
+        # Each picker its own policy object, copied before any decision: what N processes
+        # started from one config hold (a policy keeps state: its ring, its random stream).
+        policies = [policy, *(copy.deepcopy(policy) for _ in range(config.routers - 1))]
+        return [
+            _Router(self.names, p, config.prediction_ttl_s, config.kv_capacity_tokens, self.board)
+            for p in policies
+        ]
+
     # -- the loop ---------------------------------------------------------------------
 
     def _push(self, t: float, kind: int, replica: int, payload: object = None) -> None:
@@ -252,6 +287,8 @@ class _Fleet:
             if kind == _STEP:
                 if payload == self.version[replica] and replica not in self.failed:
                     self._step_done(replica, t)
+            elif kind == _KV:
+                self._kv_arrived(payload, t)
             elif kind == _KICK:
                 self.kicked[replica] = False
                 if not self.busy[replica] and replica not in self.failed:
@@ -356,13 +393,23 @@ class _Fleet:
         est["round_robin"][index] = estimate.round_robin
         est["power_of_two"][index] = estimate.power_of_two
 
+    def _kv_arrived(self, payload: object, t: float) -> None:
+        raise AssertionError("only a P/D fleet moves KV between replicas")
+
     def _enqueue(self, r: int, request: SimRequest, extra: int, t: float) -> None:
-        engine = self.engines[r]
+        self._cut_run(r, t)
+        self.engines[r].add(request, extra, request.output_tokens - extra)
+        self._kick(r, t)
+
+    def _cut_run(self, r: int, t: float) -> None:
+        """A request joins replica ``r`` at ``t``: a planned decode run ends at the next step
+        boundary, so the request is scheduled when it would be step by step."""
         if self.busy[r]:
-            end = engine.split(t)
+            end = self.engines[r].split(t)
             if end != self.step_end[r]:
                 self._schedule_step(r, end)
-        engine.add(request, extra, request.output_tokens - extra)
+
+    def _kick(self, r: int, t: float) -> None:
         if not self.busy[r] and not self.kicked[r]:
             # Start after every arrival of this instant, so a burst shares the first step.
             self.kicked[r] = True
@@ -498,9 +545,7 @@ class _Fleet:
 
     def _take_report(self, r: int, report: StepReport, t: float) -> None:
         res = self.result
-        for index, queried, hit in report.lookups:
-            res.queried_tokens[index] += queried
-            res.hit_tokens[index] += hit
+        self._count_lookups(report)
         ledgers = self.ledgers
         for index, at in report.first_tokens:
             flight = self.flights[index]
@@ -519,12 +564,23 @@ class _Fleet:
             if index >= self.online and self.lane is not None:
                 self.lane.finish(index)
                 self._kick_batch(at)
-        if report.index_ops:
+        self._send_ops(r, report.index_ops, t)
+
+    def _count_lookups(self, report: StepReport) -> None:
+        res = self.result
+        for index, queried, hit in report.lookups:
+            res.queried_tokens[index] += queried
+            res.hit_tokens[index] += hit
+
+    def _send_ops(self, r: int, ops: list[IndexOp], t: float) -> None:
+        """Replica ``r``'s KV events of a step ending at ``t`` reach the index ``event_lag_s``
+        later."""
+        if ops:
             lag = self.config.event_lag_s
             if lag > 0:
-                self._push(t + lag, _OPS, r, report.index_ops)
+                self._push(t + lag, _OPS, r, ops)
             else:
-                self._apply_ops(r, report.index_ops)
+                self._apply_ops(r, ops)
 
     def _finish(self, flight: _Flight, t: float, output_tokens: int = 0) -> None:
         assert flight.dispatch is not None
@@ -534,17 +590,8 @@ class _Fleet:
 
     def _apply_ops(self, r: int, ops: list[IndexOp]) -> None:
         # Every picker subscribes to every replica's KV events.
-        name = self.names[r]
         for index in self.indexes:
-            for op in ops:
-                kind = op[0]
-                if kind == "stored":
-                    _, hashes, parent, tokens, block_size = op
-                    index.apply_stored(name, hashes, parent, tokens, block_size)  # type: ignore[arg-type]
-                elif kind == "removed":
-                    index.apply_removed(name, op[1])  # type: ignore[arg-type]
-                else:
-                    index.clear_replica(name)
+            apply_ops(index, self.names[r], ops)
 
     def _scrape(self) -> None:
         # Every picker scrapes every replica (at the same instants: a simplification).

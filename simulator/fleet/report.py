@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .pd_outcome import format_pd
+
 PLOTS = (
     ("ttft_cdf.png", "Time to first token (CDF)"),
     ("tpot_cdf.png", "Time per output token (CDF)"),
@@ -30,6 +32,8 @@ def markdown_report(
         f"- routers: {context.get('routers', '1 router')}",
         f"- SLO: {_slo(first['slo'])}",
     ]
+    if context.get("pd"):
+        lines.append(f"- P/D disaggregation: {context['pd']}")
     if context.get("failures"):
         fails = ", ".join(f"replica {k} at {t:g} s" for k, t in context["failures"])
         lines.append(f"- failures: {fails}")
@@ -69,6 +73,7 @@ def markdown_report(
         "finish (all finished requests when no SLO is set).",
     ]
     lines += _loss_section(summaries)
+    lines += _pd_section(summaries)
     lines += _regret_section(summaries)
     lines += [
         "",
@@ -106,6 +111,24 @@ LOSS_COLUMNS = (
     ("not_yet_cached", "not yet cached"),
     ("not_served", "not served"),
 )
+
+
+def _pd_section(summaries: list[dict[str, Any]]) -> list[str]:
+    """What a P/D fleet split off and what moving the KV cost (none for an aggregated one)."""
+    found = [line for line in map(format_pd, summaries) if line]
+    if not found:
+        return []
+    return [
+        "",
+        "## P/D disaggregation",
+        "",
+        *(f"- {line}" for line in found),
+        "",
+        "Split: prefilled on a prefill replica, its KV moved to its decode replica. The hit rate "
+        "counts prefix-cache hits where prompts are computed (prefill replicas, and decode "
+        "replicas for requests not split); a decode replica's own copy of a moved prompt "
+        "saves transfer, not compute, and is not counted.",
+    ]
 
 
 def _regret_section(summaries: list[dict[str, Any]]) -> list[str]:

@@ -11,6 +11,7 @@ from .loss import LossBreakdown
 
 if TYPE_CHECKING:  # batch.py reads SimResult: only the type comes this way
     from .batch import BatchOutcome
+    from .pd_outcome import PdOutcome
 
 NAN = float("nan")
 
@@ -64,6 +65,8 @@ class SimResult:
     scale_actions: list[tuple[float, str, int]] = field(default_factory=list)
     # With a batch job beside the trace: how it went (its lines are not in the lists above).
     batch: BatchOutcome | None = None
+    # A P/D fleet's splits and transfers (pd_fleet.py); None for an aggregated fleet.
+    pd: PdOutcome | None = None
 
     # -- derived ----------------------------------------------------------------------
 
@@ -123,7 +126,9 @@ class SimResult:
         return self.replicas * self.makespan_s() / 3600
 
     def load_max_over_mean(self) -> float:
-        """max / mean of the requests each replica that stayed up was sent (1.0 is even)."""
-        counts = [c for i, c in enumerate(self.routed_requests) if i not in self.failed_replicas]
+        """max / mean of the requests each replica that stayed up was sent (1.0 is even); in a
+        P/D fleet, over its decode pool (every request goes through it)."""
+        pool = self.pd.decode_replicas() if self.pd is not None else range(self.replicas)
+        counts = [self.routed_requests[i] for i in pool if i not in self.failed_replicas]
         total = sum(counts)
         return max(counts) / (total / len(counts)) if counts and total else NAN

@@ -82,6 +82,8 @@ def summarize(
         # (regret.py); None for a policy that makes none. --compare adds the counterfactual.
         "estimated_regret": estimate_summary(result),
     }
+    if result.pd is not None:  # only then: an aggregated summary.json stays as it was
+        summary["pd"] = result.pd.as_dict(result.arrival_s, result.first_token_s, result.finish_s)
     if extra:
         summary.update(extra)
     return summary
