@@ -24,7 +24,7 @@ from google.protobuf import struct_pb2
 from kvroute.router.epp import messages
 from kvroute.router.epp.endpoints import address, in_subset, parse_subset
 from kvroute.router.epp.server import PickerServer
-from kvroute.router.epp.service import usage_of
+from kvroute.router.epp.service import _status_and_type, usage_of
 
 from .conftest import Running, launch_emulated
 from .helpers import wait_until
@@ -381,3 +381,49 @@ async def test_an_oversized_body_is_refused_before_it_is_all_in() -> None:
     finally:
         await server.stop(0)
         await runner.cleanup()
+
+
+def test_streamed_bodies_split_only_past_the_chunk_bound() -> None:
+    def bodies(body: bytes) -> list[tuple[bytes, bool]]:
+        out = []
+        for answer in messages.streamed_bodies(body, True, request=False):
+            streamed = answer.response_body.response.body_mutation.streamed_response
+            out.append((streamed.body, streamed.end_of_stream))
+        return out
+
+    bound = messages.BODY_CHUNK_BYTES
+    assert bodies(b"") == [(b"", True)]
+    assert bodies(b"y" * bound) == [(b"y" * bound, True)]  # one message, as it came
+    assert bodies(b"y" * (bound + 1)) == [(b"y" * bound, False), (b"y", True)]
+
+
+def test_the_shared_constant_answers_are_the_ones_built_per_stream() -> None:
+    """The picker answers from module-level messages; they must be what it used to build."""
+    assert messages.response_headers() == ep.ProcessingResponse(
+        response_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(header_mutation=ep.HeaderMutation())
+        )
+    )
+    assert messages.passed_body(request=True) == ep.ProcessingResponse(
+        request_body=ep.BodyResponse()
+    )
+    assert messages.trailers(request=False) == ep.ProcessingResponse(
+        response_trailers=ep.TrailersResponse()
+    )
+    with_header = messages.response_headers([("x-kvroute-replica", "a")])
+    assert set_headers(with_header.response_headers.response) == {"x-kvroute-replica": "a"}
+    assert messages.response_headers() == ep.ProcessingResponse(
+        response_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(header_mutation=ep.HeaderMutation())
+        )
+    )  # untouched by the call that added a header
+
+
+def test_response_status_and_type_read_from_raw_or_plain_values() -> None:
+    headers = [
+        base_pb2.HeaderValue(key=":status", raw_value=b"200"),
+        base_pb2.HeaderValue(key="Content-Type", value="text/event-stream; charset=utf-8"),
+        base_pb2.HeaderValue(key="x-other", raw_value=b"1"),
+    ]
+    assert _status_and_type(headers) == ("200", "text/event-stream; charset=utf-8")
+    assert _status_and_type([]) == ("", "")

@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import Config, ReplicaConfig
-from ..malloc_tuning import tune_malloc
+from ..runner import settle_heap
 from .endpoints import url_of_address
 from .picker import EndpointPicker
 from .service import ExternalProcessor
@@ -183,9 +183,12 @@ class PickerServer:
 
 async def serve(config: Config) -> None:
     """Run until SIGTERM or SIGINT, then stop taking streams and finish the open ones."""
-    tune_malloc()  # 220 KB bodies, like the router's
     server = PickerServer(config)
     ports = await server.start()
+    # As the router does: its startup objects frozen out of every collection and rarer young
+    # collections (each stream allocates dozens of protobuf and gRPC objects); bodies of
+    # 220 KB stay on the heap.
+    settle_heap()
     epp = config.epp
     mode = "TLS" if epp.tls else "plaintext"
     source = (

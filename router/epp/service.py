@@ -62,7 +62,10 @@ class _Exchange:
         self.response_mode = FULL_DUPLEX
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
-        self.body = bytearray()
+        # The request body's chunks as Envoy sent them, joined once for the pick (a body in
+        # one chunk, the usual 1 KB prompt, is never copied).
+        self.chunks: list[bytes] = []
+        self.body_bytes = 0
         self.pick: Pick | None = None
         self.picked = False
         self.status = 0
@@ -80,14 +83,16 @@ class _Exchange:
             return self._on_request_headers(message)
         if kind == "request_body":
             body = message.request_body
-            self.body += body.body
-            limit = self.picker.config.limits.max_body_bytes
-            if len(self.body) > limit and not self.picked:
-                self.picked = True  # refused before the rest arrives: nothing more to pick
-                self.body.clear()
-                return [_immediate(self.picker, errors.body_too_large(limit))]
             if self.picked:
                 return []
+            chunk = body.body  # upb copies the field on every read: once
+            self.chunks.append(chunk)
+            self.body_bytes += len(chunk)
+            limit = self.picker.config.limits.max_body_bytes
+            if self.body_bytes > limit:
+                self.picked = True  # refused before the rest arrives: nothing more to pick
+                self.chunks.clear()
+                return [_immediate(self.picker, errors.body_too_large(limit))]
             if not body.end_of_stream:
                 if self.request_mode == FULL_DUPLEX:
                     return []
@@ -131,8 +136,8 @@ class _Exchange:
     async def _picked(self, ended: bool = True) -> list[ep.ProcessingResponse]:
         """The body is complete: pick, and answer in the order the mode requires."""
         self.picked = True
-        body = bytes(self.body)
-        self.body.clear()
+        body = b"".join(self.chunks)
+        self.chunks.clear()
         try:
             self.pick = pick = await self.picker.pick(
                 self.headers.get(":path", ""), body, self.headers, self.subset
@@ -160,9 +165,9 @@ class _Exchange:
     # -- response -----------------------------------------------------------------------
 
     def _on_response_headers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
-        headers = _header_map(message.response_headers.headers.headers)
-        self.status = int(headers.get(":status", "0") or 0)
-        self.sse = headers.get("content-type", "").startswith("text/event-stream")
+        status, content_type = _status_and_type(message.response_headers.headers.headers)
+        self.status = int(status or 0)
+        self.sse = content_type.startswith("text/event-stream")
         pick = self.pick
         added: list[tuple[str, str]] = []
         if pick is not None:
@@ -187,15 +192,17 @@ class _Exchange:
 
     def _on_response_body(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
         pick = self.pick
+        chunk = body.body  # upb copies the field on every read: once
+        ended = body.end_of_stream
         if pick is not None:
-            if body.body:
+            if chunk:
                 self.picker.first_byte(pick, self.status)
-            self._keep_for_usage(body.body)
-            if body.end_of_stream:
+            self._keep_for_usage(chunk)
+            if ended:
                 self._read_usage()
                 self._finish(completed=True)
         if self.response_mode == FULL_DUPLEX:
-            return list(messages.streamed_bodies(body.body, body.end_of_stream, request=False))
+            return list(messages.streamed_bodies(chunk, ended, request=False))
         return [messages.passed_body(request=False)]
 
     def _keep_for_usage(self, chunk: bytes) -> None:
@@ -228,6 +235,18 @@ class _Exchange:
 
 def _header_map(headers: Any) -> dict[str, str]:
     return {h.key.lower(): h.raw_value.decode("latin-1") or h.value for h in headers}
+
+
+def _status_and_type(headers: Any) -> tuple[str, str]:
+    """A response's ``:status`` and ``content-type``, all it needs of its headers."""
+    status = content_type = ""
+    for h in headers:
+        key = h.key.lower()
+        if key == ":status":
+            status = h.raw_value.decode("latin-1") or h.value
+        elif key == "content-type":
+            content_type = h.raw_value.decode("latin-1") or h.value
+    return status, content_type
 
 
 def _metadata_field(message: ep.ProcessingRequest, namespace: str, key: str) -> Any:
