@@ -82,3 +82,16 @@ def replica_source(running: Any, name: str, events: bool = True) -> dict[str, An
     if events:
         entry |= {"kv_events": running.events, "kv_replay": running.replay}
     return entry
+
+
+async def serve_router(router: Any) -> tuple[Any, str]:
+    """``router`` (a ``Router``) serving on a free loopback port: its aiohttp runner (the caller
+    cleans it up) and its URL."""
+    from aiohttp import web
+
+    runner = web.AppRunner(router.build_app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"

@@ -31,6 +31,8 @@ from kvroute.kvcore.kv_events import BlockStored, decode_event_batch
 from kvroute.router.config import config_from_dict
 from kvroute.router.server import Router
 
+from .helpers import serve_router
+
 pytestmark = pytest.mark.vllm
 
 if os.environ.get("KVROUTE_REQUIRE_VLLM") == "1":
@@ -65,12 +67,8 @@ async def router_url(fleet: LaunchedFleet) -> AsyncIterator[str]:
             "health": {"interval_s": 0.5},
         }
     )
-    runner = web.AppRunner(Router(config).build_app(), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}"
+    runner, url = await serve_router(Router(config))
+    yield url
     await runner.cleanup()
 
 
@@ -89,15 +87,11 @@ async def kv_router(fleet: LaunchedFleet) -> AsyncIterator[tuple[Router, str]]:
     )
     router = Router(config)
     assert router.policy.name == "kv_aware"
-    runner = web.AppRunner(router.build_app(), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await serve_router(router)
     async with asyncio.timeout(30):
         while not all(s.connected for s in router.kv_events.stats_by_source().values()):
             await asyncio.sleep(0.05)
-    yield router, f"http://127.0.0.1:{port}"
+    yield router, url
     # With the replicas' own tokenizer the parity check never fires (issue 15's target).
     assert router.parity is not None
     snapshot = router.parity.snapshot()
@@ -492,14 +486,8 @@ async def test_a_wrong_chat_template_raises_the_parity_alarm_within_the_first_re
         }
     )
     router = Router(config)
-    runner = web.AppRunner(router.build_app(), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120
-    )
+    runner, url = await serve_router(router)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
     parity = router.parity
     assert parity is not None
     messages = [

@@ -16,14 +16,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from aiohttp import web
 
 from kvroute.backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet, LaunchSpec
 from kvroute.backends.tiny_model import make_tiny_lora, make_tiny_model
 from kvroute.router.config import config_from_dict
 from kvroute.router.server import Router
 
-from .helpers import wait_until
+from .helpers import serve_router, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -86,14 +85,8 @@ async def routed(
         }
     )
     router = Router(config)
-    runner = web.AppRunner(router.build_app(), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120
-    )
+    runner, url = await serve_router(router)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
     yield router, client
     await runner.cleanup()
 

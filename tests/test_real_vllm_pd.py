@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.backends.launcher import DEFAULT_TINY_MODEL_DIR, LaunchedFleet
@@ -28,6 +27,8 @@ from kvroute.backends.tiny_model import make_tiny_model
 from kvroute.router.config import Config, config_from_dict
 from kvroute.router.launching import start_pools
 from kvroute.router.server import Router
+
+from .helpers import serve_router
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -112,12 +113,7 @@ async def routed(
 ) -> AsyncIterator[tuple[openai.AsyncOpenAI, str, str, str]]:
     config, fleets = pd_fleet
     router = Router(config)
-    runner = web.AppRunner(router.build_app(), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://127.0.0.1:{port}"
+    runner, url = await serve_router(router)
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=180)
     prefill, decode = (fleet.replicas[0].url for fleet in fleets)
     yield client, url, prefill, decode
