@@ -226,7 +226,7 @@ def plan_replica(
         argv, env = vllm_command(spec, port, kv, on_gpus=bool(gpus), build_model=build_model)
         if spec.kv_transfer_config is not None:
             argv += ["--kv-transfer-config", spec.kv_transfer_config]
-            if "NixlConnector" in spec.kv_transfer_config:
+            if json.loads(spec.kv_transfer_config).get("kv_connector") == "NixlConnector":
                 # NIXL's handshake listens on one port per replica (5600 by default): replicas
                 # sharing a host need their own.
                 env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(1)[0])

@@ -17,6 +17,7 @@ ordinary request, which prefills it itself.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -85,15 +86,7 @@ def transfer_params(answer: bytes) -> dict[str, Any] | None:
 
 def transferred(route: Route) -> Route:
     """``route`` as its decode leg: the decode replica computes none of the prompt."""
-    return Route(
-        route.request,
-        route.ranked,
-        route.reason,
-        route.matches,
-        route.block_tokens,
-        route.estimate,
-        transferred=True,
-    )
+    return dataclasses.replace(route, transferred=True)
 
 
 class PdMetrics:

@@ -230,7 +230,7 @@ class RequestPipeline:
         first_route, first_body = await self._disaggregate(
             exchange, route, parsed, body, request_id
         )
-        if first_body is not body:  # a decode leg: its own retry budget from now
+        if first_route.transferred:  # a decode leg: its own retry budget from now
             arrived = time.monotonic()
             exchange.retry_until = arrived + self.retry.budget_s - self.retry.backoff_max_s
         relayed = await self._try_replicas(
