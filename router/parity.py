@@ -320,7 +320,8 @@ def _tokenize_body(parsed: ParsedRequest) -> dict[str, Any] | None:
 def _router_ids(tokenizer: Any, parsed: ParsedRequest) -> list[int]:
     """The prompt's token ids as the router's tokenizer makes them, whole (not incremental)."""
     if parsed.messages is not None:
-        text = tokenizer.render_chat(parsed.messages, parsed.chat_options or {})
+        # Whole: this runs in a thread, and checks the incremental rendering too.
+        text = tokenizer.render_chat(parsed.messages, parsed.chat_options or {}, incremental=False)
     else:
         assert parsed.prompt_text is not None
         text = parsed.prompt_text

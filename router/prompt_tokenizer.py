@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing
+import os
 import signal
 from array import array
 from collections.abc import Callable
@@ -43,6 +44,24 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# The share of ``cache_bytes`` (1/N) that keeps rendered chat templates (kvcore chat_render).
+RENDER_SHARE = 4
+
+
+PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
+
+
+def serial_tokenizers() -> bool:
+    """Have the ``tokenizers`` library encode batches on the calling thread, unless the
+    environment says otherwise; True if it does. The router encodes one prompt at a time: a
+    thread pool would only hand each one to another thread and wait (and fork warnings, as
+    the launched vLLM replicas are spared them: backends/vllm_args.py)."""
+    os.environ.setdefault(PARALLELISM_ENV, "false")
+    return os.environ[PARALLELISM_ENV].strip().lower() in _OFF
+
+
+_OFF = frozenset(("", "off", "false", "f", "no", "n", "0"))  # as the library reads it
+
 
 # -- the worker processes --------------------------------------------------------------
 
@@ -55,7 +74,7 @@ def _init_worker(spec: str) -> None:
     # must not die mid-prompt with a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     tune_malloc()  # a whole conversation's text and ids, like the router's
-    _worker_tokenizer = load_tokenizer(spec, clock=datetime.now)
+    _worker_tokenizer = load_tokenizer(spec, clock=datetime.now, serial_batches=serial_tokenizers())
 
 
 def _encode_in_worker(
@@ -91,7 +110,9 @@ class PromptTokenizer:
         self, spec: str, inline_chars: int = 4096, processes: int = 1, cache_bytes: int = 0
     ) -> None:
         self.spec = spec
-        self.tokenizer = load_tokenizer(spec, clock=datetime.now)
+        self.tokenizer = load_tokenizer(
+            spec, clock=datetime.now, serial_batches=serial_tokenizers()
+        )
         self.inline_chars = inline_chars
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None
@@ -100,15 +121,25 @@ class PromptTokenizer:
         self.prefix_cache: PrefixTokenCache | None = None
         tok = self.tokenizer
         if cache_bytes > 0 and isinstance(tok, HFTokenizerFiles):
+            # A quarter of the budget for rendered chat templates (their text), the rest for
+            # token ids.
+            render_bytes = cache_bytes // RENDER_SHARE
             self.prefix_cache, why = prefix_cache_for(
-                tok.split_tokens(), tok.encode_plain, cache_bytes
+                tok.split_tokens(), tok.encode_plain, cache_bytes - render_bytes
             )
             if self.prefix_cache is None:
                 log.warning("conversations are tokenized whole each turn (%s): %s", spec, why)
+            why = tok.enable_render_cache(render_bytes) if tok.chat_template else ""
+            if why:
+                log.info("conversations are rendered whole each turn (%s): %s", spec, why)
 
-    def render_chat(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
-        """The chat template applied as vLLM applies it (raises ChatTemplateError)."""
-        return render_chat(self.tokenizer, messages, options)
+    def render_chat(
+        self, messages: list[dict[str, Any]], options: dict[str, Any], *, incremental: bool = True
+    ) -> str:
+        """The chat template applied as vLLM applies it (raises ChatTemplateError); only the
+        conversation's new messages where the tokenizer can (on the event loop's thread only),
+        unless not ``incremental``."""
+        return render_chat(self.tokenizer, messages, options, incremental=incremental)
 
     async def blocks(
         self, text: str, add_special_tokens: bool, block_size: int, extra_key: str | None

@@ -293,3 +293,33 @@ def test_plain_messages_render_as_the_general_conversion_renders_them(
         assert render_chat(tok, plain, options) == render_chat(tok, general, options)
     # Without a role it is no plain message: the general path decides what that means.
     assert tok._conversation_message({"content": "x", "name": "n"})["name"] == "n"
+
+
+@pytest.mark.parametrize("which", ["tiny", "qwen3"])
+def test_the_offset_free_entry_point_gives_the_same_ids(
+    which: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``serial_batches`` encodes a text as a batch of one without character offsets
+    (hf.py): the same ids as ``encode``, with and without special tokens added."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    tok: HFTokenizerFiles = request.getfixturevalue(which)
+    fast = HFTokenizerFiles(tok.path, serial_batches=True)
+    assert fast._encode_fast is not None
+    rng = random.Random(which)
+    for _ in range(300):
+        text = "".join(rng.choice([*WORDS, "<|im_end|>", "\r\n", "'s", "123"]) for _ in range(40))
+        for special in (True, False):
+            assert fast.encode(text, special) == tok.encode(text, special)
+        assert fast.encode_plain(text) == tok.encode_plain(text)
+
+
+def test_turns_that_branch_off_a_cached_prefix_keep_its_ids(tiny: HFTokenizerFiles) -> None:
+    """A turn appends its ids to its prefix's array in place (incremental.py); another turn
+    from the same prefix, and the prefix itself again, must not see them."""
+    cache = cache_for(tiny)
+    base = [{"role": "system", "content": "s " * 200}, {"role": "user", "content": "q"}]
+    a = [*base, {"role": "assistant", "content": "one"}, {"role": "user", "content": "x"}]
+    b = [*base, {"role": "assistant", "content": "two"}, {"role": "user", "content": "y"}]
+    for conversation in (base, a, b, base, a, [*a, {"role": "assistant", "content": "z"}], b):
+        for key in (None, "lora-a"):
+            assert_exact(cache, tiny, render_chat(tiny, conversation, {}), key)

@@ -64,14 +64,19 @@ class PromptBlocks:
 
 
 def load_tokenizer(
-    spec: str | None, vocab_size: int = 32000, clock: Clock | None = None
+    spec: str | None,
+    vocab_size: int = 32000,
+    clock: Clock | None = None,
+    *,
+    serial_batches: bool = False,
 ) -> Tokenizer:
     """``"builtin"`` or None (the emulated replica's own tokenizer), else HF tokenizer files
     (a directory or a ``tokenizer.json``) read exactly as vLLM reads them; ``clock`` is what
-    a chat template's ``strftime_now`` reads (the caller's wall clock)."""
+    a chat template's ``strftime_now`` reads (the caller's wall clock); ``serial_batches``:
+    see ``HFTokenizerFiles``."""
     if spec is None or spec == BUILTIN:
         return SimpleTokenizer(vocab_size)
-    return HFTokenizerFiles(spec, clock)
+    return HFTokenizerFiles(spec, clock, serial_batches=serial_batches)
 
 
 def prompt_blocks(
@@ -89,8 +94,15 @@ def token_id_blocks(ids: Sequence[int], block_size: int, extra_key: str | None) 
     return PromptBlocks(len(ids), block_hashes(ids, block_size, extra_key))
 
 
-def render_chat(tok: Tokenizer, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
-    """The chat template applied as vLLM applies it (raises ChatTemplateError)."""
+def render_chat(
+    tok: Tokenizer,
+    messages: list[dict[str, Any]],
+    options: dict[str, Any],
+    *,
+    incremental: bool = True,
+) -> str:
+    """The chat template applied as vLLM applies it (raises ChatTemplateError); not
+    ``incremental``: whole, whatever the tokenizer's render cache holds."""
     generation = bool(options.get("add_generation_prompt", True))
     continue_final = bool(options.get("continue_final_message", False))
     if isinstance(tok, HFTokenizerFiles):
@@ -104,5 +116,6 @@ def render_chat(tok: Tokenizer, messages: list[dict[str, Any]], options: dict[st
             template_kwargs=kwargs if isinstance(kwargs, dict) else None,
             documents=options.get("documents"),
             reasoning_effort=options.get("reasoning_effort"),
+            incremental=incremental,
         )
     return tok.apply_chat_template(messages, generation, continue_final)

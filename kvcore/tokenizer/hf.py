@@ -27,7 +27,10 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvroute.kvcore.tokenizer.chat_render import ChatRenderCache
 
 BUILTIN = "builtin"
 
@@ -46,7 +49,9 @@ class ChatTemplateError(ValueError):
 class HFTokenizerFiles:
     """A HuggingFace tokenizer directory (or a ``tokenizer.json``) read without transformers."""
 
-    def __init__(self, path: str | Path, clock: Clock | None = None) -> None:
+    def __init__(
+        self, path: str | Path, clock: Clock | None = None, *, serial_batches: bool = False
+    ) -> None:
         # The wall clock is read by the front end, never here (kvcore is pure): templates
         # that print today's date (``strftime_now``) need one passed in.
         self._clock = clock
@@ -61,14 +66,23 @@ class HFTokenizerFiles:
             self._tok = RustTokenizer.from_file(str(tokenizer_json))
         except Exception as exc:  # the Rust side raises plain Exception
             raise TokenizerError(f"{tokenizer_json}: cannot load: {exc}") from None
+        # ``serial_batches``: the caller made the library encode batches on the calling thread
+        # (TOKENIZERS_PARALLELISM off); then a text is encoded as a batch of one through
+        # ``encode_batch_fast``, which gives the same ids without computing character offsets:
+        # 25-40% less time than ``encode``. Otherwise that would hand each text to its thread
+        # pool and wait.
+        fast = getattr(self._tok, "encode_batch_fast", None) if serial_batches else None
+        self._encode_fast: Callable[..., Any] | None = fast
         self.path = str(directory)
         self.config = _read_json(directory / "tokenizer_config.json")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.chat_template = _find_chat_template(directory, self.config)
+        self._env: Any = None
         self._template: Any = None
         self._content_format: str | None = None
+        self._render_cache: ChatRenderCache | None = None
         self._special = {
             key: _token_text(value)
             for key, value in self.config.items()
@@ -78,11 +92,15 @@ class HFTokenizerFiles:
     # -- the Tokenizer protocol (shared with the emulated replica) ---------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        fast = self._encode_fast
+        if fast is not None:
+            ids: list[int] = fast((text,), add_special_tokens=add_special_tokens)[0].ids
+            return ids
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_plain(self, text: str) -> list[int]:
         """Ids without special tokens added (how a rendered chat prompt is encoded)."""
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return self.encode(text, add_special_tokens=False)
 
     def split_tokens(self) -> dict[str, int]:
         """Special tokens the chat template emits that split a text where they stand: matched
@@ -111,14 +129,13 @@ class HFTokenizerFiles:
         template_kwargs: dict[str, Any] | None = None,
         documents: list[dict[str, str]] | None = None,
         reasoning_effort: str | None = None,
+        *,
+        incremental: bool = True,
     ) -> str:
-        """Render a conversation as vLLM does (see the module docstring)."""
+        """Render a conversation as vLLM does (see the module docstring); with the render cache
+        (``enable_render_cache``) only its new messages unless ``incremental`` is false. Call
+        it from one thread only: the cache is not locked."""
         template = self._compiled_template()
-        conversation = [self._conversation_message(m) for m in messages]
-        if any(m["role"] == "developer" for m in conversation) and (
-            "developer" not in (self.chat_template or "")
-        ):
-            conversation = _developer_as_system(conversation)
         # The request's own fields win over chat_template_kwargs, as in vLLM.
         extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
         if documents is not None:
@@ -130,6 +147,30 @@ class HFTokenizerFiles:
         context = {"documents": None, **self._special, **extra}  # None as transformers passes
         if tools is not None:
             tools = [_tool_as_vllm_dumps_it(t) for t in tools]
+        merges_developer = any(m.get("role") == "developer" for m in messages) and (
+            "developer" not in (self.chat_template or "")
+        )
+        cache = self._render_cache
+        if (
+            incremental
+            and cache is not None
+            and not continue_final_message
+            and not merges_developer
+        ):
+            # Only the messages new since this conversation's last turn are rendered; the
+            # whole text is the same (chat_render.py).
+            everything = {"tools": tools, "add_generation_prompt": add_generation_prompt, **context}
+            try:
+                rendered = cache.render(messages, self._conversation_message, everything)
+            except Exception as exc:  # as below
+                raise ChatTemplateError(
+                    f"the chat template rejected the conversation: {exc}"
+                ) from None
+            if rendered is not None:
+                return rendered
+        conversation = [self._conversation_message(m) for m in messages]
+        if merges_developer:
+            conversation = _developer_as_system(conversation)
         tag = "CONTINUE_FINAL_MESSAGE_TAG "
         final = ""
         if continue_final_message:
@@ -171,13 +212,37 @@ class HFTokenizerFiles:
                 rendered = rendered[:where].rstrip()
         return rendered
 
+    def enable_render_cache(self, max_bytes: int) -> str:
+        """Render long conversations incrementally (chat_render.py), keeping up to
+        ``max_bytes`` of recent conversations; "" if enabled, else why not."""
+        from kvroute.kvcore.tokenizer.chat_render import ChatRenderCache, loop_split
+
+        if self.chat_template is None:
+            return "no chat template"
+        self._compiled_template()
+        env = self._env
+        try:
+            marked, why = loop_split(env.parse(self.chat_template))
+        except Exception as exc:  # jinja2's TemplateSyntaxError: rendering will say so too
+            return f"the chat template does not parse: {exc}"
+        if marked is None:
+            return f"the chat template is not separable: {why}"
+        marked.set_environment(env)
+        self._render_cache = ChatRenderCache(env.from_string(marked), max_bytes)
+        return ""
+
+    @property
+    def render_cache(self) -> ChatRenderCache | None:
+        return self._render_cache
+
     # -- internals ---------------------------------------------------------------------
 
     def _compiled_template(self) -> Any:
         if self._template is None:
             if self.chat_template is None:
                 raise ChatTemplateError(f"the tokenizer at {self.path} has no chat template")
-            self._template = _jinja_environment(self._clock).from_string(self.chat_template)
+            self._env = _jinja_environment(self._clock)
+            self._template = self._env.from_string(self.chat_template)
             self._content_format = _content_format(self.chat_template)
         return self._template
 

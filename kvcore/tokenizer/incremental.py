@@ -38,6 +38,7 @@ from kvroute.kvcore.block_hashing import chain_hashes, root_seed
 MIN_PREFIX_CHARS = 2048
 
 Encode = Callable[[str], Sequence[int]]  # text -> ids, without special tokens added
+HASH_BYTES = 48  # a 64-bit hash as an int object and a pointer to it
 HashKey = tuple[int, str | None]  # (block size, extra key)
 
 
@@ -85,13 +86,19 @@ def tokenize_plan(encode: Encode, plan: Plan) -> Pieces:
 @dataclass(slots=True)
 class _Entry:
     length: int  # of the prefix, in characters
-    ids: array[int]  # the prefix's token ids ('I')
+    # The prefix's token ids are ids[:count] ('I'): the next turn of the conversation appends
+    # its own to the same array (no copy of the history), a branch copies.
+    ids: array[int]
+    count: int
     after: str  # the special token it ends with
-    hashes: dict[HashKey, array[int]] = field(default_factory=dict)  # full blocks ('Q')
+    # Router hashes of its full blocks, per (block size, extra key): tuples of the same int
+    # objects as the next turn's (a tuple of ints is no garbage collector's work).
+    hashes: dict[HashKey, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
-        return 4 * len(self.ids) + sum(8 * len(h) for h in self.hashes.values())
+        """Bytes it may keep alive: its ids, and its hashes as ints and pointers."""
+        return 4 * self.count + sum(HASH_BYTES * len(h) for h in self.hashes.values())
 
 
 class PrefixTokenCache:
@@ -143,25 +150,29 @@ class PrefixTokenCache:
         pieces ``tokenize_plan`` gave; its prefix up to the last cut point is stored."""
         mid, tail = pieces
         entry = plan.entry
-        head = _extended(plan, mid)
+        ids, count = _extended(plan, mid)
         key = (block_size, extra_key)
         known = entry.hashes.get(key) if entry is not None else None
-        hashes = _hashes(head, tail, block_size, extra_key, known)
-        full = array("Q", hashes[: len(head) // block_size])
+        hashes = _hashes(ids, count, tail, block_size, extra_key, known)
+        blocks = count // block_size
+        if known is not None:
+            full = known + tuple(hashes[len(known) : blocks])
+        else:
+            full = tuple(hashes[:blocks])
         if self._worth_storing(plan):
-            self._store(plan, _Entry(plan.last, head, plan.last_token, {key: full}))
+            self._store(plan, _Entry(plan.last, ids, count, plan.last_token, {key: full}))
         elif entry is not None and known is None:
             self._add_hashes(entry, key, full)
-        return len(head) + len(tail), hashes
+        return count + len(tail), hashes
 
     def encode(self, text: str) -> list[int]:
         """``text``'s ids (no special tokens added), as full tokenization gives them."""
         plan = self.plan(text)
         mid, tail = tokenize_plan(self._encode, plan)
-        head = _extended(plan, mid)
+        ids, count = _extended(plan, mid)
         if self._worth_storing(plan):
-            self._store(plan, _Entry(plan.last, head, plan.last_token))
-        out = head.tolist()
+            self._store(plan, _Entry(plan.last, ids, count, plan.last_token))
+        out = ids[:count].tolist()
         out.extend(tail)
         return out
 
@@ -191,7 +202,7 @@ class PrefixTokenCache:
                 if entry is not None:
                     self._entries.move_to_end(key)
                     self.stats.hits += 1
-                    self.stats.cached_tokens += len(entry.ids)
+                    self.stats.cached_tokens += entry.count
                     return end, entry
         self.stats.misses += 1
         return 0, None
@@ -240,9 +251,9 @@ class PrefixTokenCache:
         self.stats.stored += 1
         self._evict()
 
-    def _add_hashes(self, entry: _Entry, key: HashKey, hashes: array[int]) -> None:
+    def _add_hashes(self, entry: _Entry, key: HashKey, hashes: tuple[int, ...]) -> None:
         entry.hashes[key] = hashes
-        self.bytes += 8 * len(hashes)
+        self.bytes += HASH_BYTES * len(hashes)
         self._evict()
 
     def _evict(self) -> None:
@@ -259,26 +270,34 @@ class PrefixTokenCache:
             self._lengths[entry.length] -= 1
 
 
-def _extended(plan: Plan, mid: Sequence[int]) -> array[int]:
-    """The ids up to the plan's last cut point: the cached prefix's, then ``mid``."""
-    cached = plan.entry.ids if plan.entry is not None else array("I")
+def _extended(plan: Plan, mid: Sequence[int]) -> tuple[array[int], int]:
+    """The ids up to the plan's last cut point (the cached prefix's, then ``mid``), as an
+    array and how many of its ids they are: the cached prefix's array extended in place
+    when no other turn has extended it yet (its entry still reads only its own count)."""
+    entry = plan.entry
+    if entry is None:
+        return array("I", mid), len(mid)
+    ids, count = entry.ids, entry.count
     if not len(mid):
-        return cached
-    head = array("I", cached)
-    head.extend(mid)
-    return head
+        return ids, count
+    if len(ids) != count:  # a turn that branched off this prefix
+        ids = ids[:count]
+    ids.extend(mid)
+    return ids, count + len(mid)
 
 
 def _hashes(
-    head: array[int],
+    ids: array[int],
+    count: int,
     tail: Sequence[int],
     block_size: int,
     extra_key: str | None,
-    known: array[int] | None,
+    known: tuple[int, ...] | None,
 ) -> list[int]:
-    """Router hashes of the full blocks of ``head + tail``; those of ``known`` are reused."""
-    done = known.tolist() if known is not None else []
-    rest = head[len(done) * block_size :].tolist()
+    """Router hashes of the full blocks of ``ids[:count] + tail``; ``known`` are those of
+    its first blocks."""
+    done = list(known) if known is not None else []
+    rest = ids[len(done) * block_size : count].tolist()
     rest.extend(tail)
     parent = done[-1] if done else root_seed(extra_key)
     done.extend(chain_hashes(rest, block_size, parent))
