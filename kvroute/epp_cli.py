@@ -159,14 +159,11 @@ def _cmd_epp(args: argparse.Namespace) -> int:
     from kvroute.router.epp.server import serve
 
     try:
-        # uvloop, as 'kvroute serve': grpc.aio runs every stream's reads and writes as loop
-        # callbacks, which cost less on it.
+        # uvloop, as 'kvroute serve': the picker's gRPC server parses frames in the loop's
+        # read callbacks, which cost less on it.
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(serve(config))
-    except OSError as exc:
-        print(f"kvroute epp: {exc}", file=sys.stderr)
-        return 1
-    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+    except OSError as exc:  # a port taken, a certificate file missing
         print(f"kvroute epp: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -21,18 +21,17 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import grpc
 from aiohttp import web
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import Config, ReplicaConfig
 from ..runner import settle_heap
+from . import service
 from .endpoints import url_of_address
+from .h2_grpc import GrpcServer
+from .health_service import HealthBoard
 from .picker import EndpointPicker
-from .service import ExternalProcessor
-from .tls import server_credentials
+from .tls import server_context
 
 if TYPE_CHECKING:
     from kvroute.backends.kubernetes import InferencePoolWatcher, PoolEndpoint
@@ -57,9 +56,9 @@ class PickerServer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.picker = EndpointPicker(config, destinations=config.epp.destinations)
-        self.health = health.aio.HealthServicer()
-        self._grpc: grpc.aio.Server | None = None
-        self._health_server: grpc.aio.Server | None = None
+        self.health = HealthBoard()
+        self._grpc: GrpcServer | None = None
+        self._health_server: GrpcServer | None = None
         self._metrics: web.AppRunner | None = None
         self._watcher: InferencePoolWatcher | None = None
         self._apply_task: asyncio.Task[None] | None = None
@@ -68,23 +67,16 @@ class PickerServer:
 
     async def start(self) -> Ports:
         epp = self.config.epp
-        await self._set_health(("liveness",), serving=True)
-        await self._set_health(READINESS_SERVICES, serving=False)
-        # gRPC binds with SO_REUSEPORT by default: a second picker on a taken port would start
-        # "fine" and share it. Without it, a taken port is the one-line error it should be.
-        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.picker), self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        where = f"{epp.host}:{epp.grpc_port}"
-        if epp.tls:
-            grpc_port = self._grpc.add_secure_port(where, server_credentials(epp.cert, epp.key))
-        else:
-            grpc_port = self._grpc.add_insecure_port(where)
-        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
-        health_port = self._health_server.add_insecure_port(f"{epp.host}:{epp.health_port}")
+        self._set_health(("liveness",), serving=True)
+        self._set_health(READINESS_SERVICES, serving=False)
+        # A body of up to max_body_bytes comes in one message in BUFFERED mode.
+        max_message = max(4 << 20, self.config.limits.max_body_bytes + (64 << 10))
+        self._grpc = GrpcServer(
+            {**service.handlers(self.picker), **self.health.handlers()},
+            max_message_bytes=max_message,
+        )
+        self._health_server = GrpcServer(self.health.handlers())
         metrics_port = await self._start_metrics(epp.host, epp.metrics_port)
-        self.ports = Ports(grpc_port, health_port, metrics_port)
         await self.picker.start()
         if epp.ledger_bus:
             from ..ledger_bus import LedgerBus
@@ -92,8 +84,10 @@ class PickerServer:
             bus = LedgerBus(epp.ledger_bus, epp.ledger_bus_subject, self.picker.ledger)
             await bus.start()
             self.picker.bus = bus
-        await self._grpc.start()
-        await self._health_server.start()
+        tls = server_context(epp.cert, epp.key) if epp.tls else None
+        grpc_port = await self._grpc.start(epp.host, epp.grpc_port, ssl=tls)
+        health_port = await self._health_server.start(epp.host, epp.health_port)
+        self.ports = Ports(grpc_port, health_port, metrics_port)
         if epp.pool_name:
             await self._watch_pool()
         else:
@@ -101,17 +95,12 @@ class PickerServer:
         return self.ports
 
     async def _now_synced(self) -> None:
-        await self._set_health(READINESS_SERVICES, serving=True)
+        self._set_health(READINESS_SERVICES, serving=True)
         self.synced.set()
 
-    async def _set_health(self, services: tuple[str, ...], *, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for service in services:
-            await self.health.set(service, status)
+    def _set_health(self, services: tuple[str, ...], *, serving: bool) -> None:
+        for name in services:
+            self.health.set(name, serving)
 
     async def _start_metrics(self, host: str, port: int) -> int:
         async def metrics(request: web.Request) -> web.Response:
@@ -162,7 +151,7 @@ class PickerServer:
                 await self._now_synced()
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        await self._set_health(READINESS_SERVICES, serving=False)
+        self._set_health(READINESS_SERVICES, serving=False)
         task = self._apply_task
         if task is not None:
             task.cancel()

@@ -11,13 +11,15 @@ chunk by chunk as they come, while the usage is read and the request closed in t
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections import deque
+from collections.abc import Coroutine, Generator, Mapping
 from typing import Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf.message import DecodeError
 
 from kvroute.kvcore.reuse import available_tokens
 
@@ -25,6 +27,7 @@ from .. import errors
 from ..usage import usage_of
 from . import messages
 from .endpoints import parse_subset
+from .h2_grpc import INTERNAL, INVALID_ARGUMENT, Handler, Stream
 from .picker import EndpointPicker, Pick
 
 log = logging.getLogger(__name__)
@@ -37,20 +40,127 @@ USAGE_BYTES = 1 << 20
 SSE_TAIL_BYTES = 64 << 10
 
 
-class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, picker: EndpointPicker) -> None:
-        self.picker = picker
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
-    async def Process(
-        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
-    ) -> AsyncIterator[ep.ProcessingResponse]:
-        exchange = _Exchange(self.picker)
+
+def handlers(picker: EndpointPicker) -> dict[str, Handler]:
+    return {PROCESS: lambda stream: ProcessCall(picker, stream)}
+
+
+class ProcessCall:
+    """``ExternalProcessor.Process``: one stream, one HTTP request through the gateway.
+
+    Each message is answered as it is handled; a message whose handling waits (admission, a
+    tokenizer worker) holds the ones after it, so answers keep Envoy's order. A message that
+    does not wait is answered within the callback that read it, with no task at all.
+    """
+
+    __slots__ = ("exchange", "half_closed", "inbox", "stream", "task")
+
+    def __init__(self, picker: EndpointPicker, stream: Stream) -> None:
+        self.stream = stream
+        self.exchange = _Exchange(picker)
+        self.inbox: deque[ep.ProcessingRequest] = deque()
+        self.task: asyncio.Future[None] | None = None
+        self.half_closed = False
+
+    def on_message(self, data: bytes) -> None:
         try:
-            async for message in request_iterator:
-                for response in await exchange.on(message):
-                    yield response
-        finally:
-            exchange.close()
+            message = ep.ProcessingRequest.FromString(data)
+        except DecodeError:
+            self.stream.finish(INVALID_ARGUMENT, "not a ProcessingRequest")
+            self.exchange.close()
+            return
+        self.inbox.append(message)
+        if self.task is None:
+            self._drain()
+
+    def on_half_close(self) -> None:
+        self.half_closed = True
+        if self.task is None and not self.inbox:
+            self._end()
+
+    def on_cancel(self) -> None:
+        """Envoy reset the stream (client gone) or the connection closed."""
+        self.inbox.clear()
+        if self.task is not None:
+            self.task.cancel()  # its pick unwinds (admission released), then the close
+        else:
+            self.exchange.close()
+
+    def _drain(self) -> None:
+        while self.inbox:
+            step = self.exchange.on(self.inbox.popleft())
+            try:
+                waiting = step.send(None)
+            except StopIteration as done:
+                self._answer(done.value)
+                continue
+            except Exception:
+                log.exception("ext_proc message failed")
+                self._fail()
+                return
+            self.task = asyncio.ensure_future(self._resume(step, waiting))
+            return
+        if self.half_closed:
+            self._end()
+
+    async def _resume(
+        self, step: Coroutine[Any, Any, list[ep.ProcessingResponse]], waiting: Any
+    ) -> None:
+        try:
+            answers = await _Resumed(step, waiting)
+        except asyncio.CancelledError:
+            self.exchange.close()
+            raise
+        except Exception:
+            log.exception("ext_proc message failed")
+            self.task = None
+            self._fail()
+            return
+        self.task = None
+        self._answer(answers)
+        self._drain()
+
+    def _answer(self, answers: list[ep.ProcessingResponse]) -> None:
+        send = self.stream.send
+        for answer in answers:
+            send(answer.SerializeToString())
+
+    def _end(self) -> None:
+        self.exchange.close()
+        self.stream.finish()
+
+    def _fail(self) -> None:
+        self.inbox.clear()
+        self.exchange.close()
+        self.stream.finish(INTERNAL, "the endpoint picker failed")
+
+
+class _Resumed:
+    """Awaits the rest of a coroutine already started by hand, from where it waits."""
+
+    __slots__ = ("step", "waiting")
+
+    def __init__(self, step: Coroutine[Any, Any, Any], waiting: Any) -> None:
+        self.step = step
+        self.waiting = waiting
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        step, waiting = self.step, self.waiting
+        while True:
+            try:
+                sent = yield waiting
+            except BaseException as exc:
+                try:
+                    waiting = step.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    waiting = step.send(sent)
+                except StopIteration as done:
+                    return done.value
 
 
 class _Exchange:

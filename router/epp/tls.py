@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
+import tempfile
 from pathlib import Path
 
-import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -47,7 +48,20 @@ def self_signed(hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> tuple[by
     return key_pem, cert.public_bytes(serialization.Encoding.PEM)
 
 
-def server_credentials(cert: str | None, key: str | None) -> grpc.ServerCredentials:
-    """The given certificate and key files, else a fresh self-signed pair."""
-    pair = (Path(key).read_bytes(), Path(cert).read_bytes()) if cert and key else self_signed()
-    return grpc.ssl_server_credentials([pair])
+def server_context(cert: str | None, key: str | None) -> ssl.SSLContext:
+    """TLS 1.2+ offering HTTP/2 (ALPN ``h2``), with the given certificate and key files, else
+    a fresh self-signed pair."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["h2"])
+    if cert and key:
+        context.load_cert_chain(cert, key)
+        return context
+    key_pem, cert_pem = self_signed()
+    # The ssl module loads certificates from files only: a private temporary pair.
+    with tempfile.TemporaryDirectory() as folder:
+        key_file, cert_file = Path(folder, "key.pem"), Path(folder, "cert.pem")
+        key_file.write_bytes(key_pem)
+        cert_file.write_bytes(cert_pem)
+        context.load_cert_chain(cert_file, key_file)
+    return context
