@@ -284,3 +284,52 @@ async def test_stop_lets_open_calls_finish_then_closes(served: Served) -> None:
     await asyncio.wait_for(stopping, 5)
     assert await asyncio.wait_for(client.reader.read(), 5) == b""  # closed by the server
     await client.close()
+
+
+async def test_odd_headers_fail_one_stream_not_the_connection(served: Served) -> None:
+    """A latin-1 header value, and an unknown path whose error message outgrows one HPACK
+    length byte, each get their own stream's answer; the connection carries on."""
+    client = await RawClient.connect(served.port)
+    block = bytes(
+        client.encoder.encode(
+            [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":path", ECHO.encode()),
+                (b":authority", b"picker"),
+                (b"content-type", b"application/grpc"),
+                (b"x-note", b"caf\xe9"),
+            ]
+        )
+    )
+    client.send(h2.HEADERS, h2.END_HEADERS, 1, block)
+    client.send(h2.DATA, h2.END_STREAM, 1, grpc_message(b"latin"))
+    data, trailers, _ = await client.response(1)
+    assert data == grpc_message(b"latin") and trailers["grpc-status"] == "0"
+
+    client.send(
+        h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 3, client.headers_block("/x/" + "%" * 60)
+    )
+    _, trailers, _ = await client.response(3)
+    assert trailers["grpc-status"] == str(h2.UNIMPLEMENTED)
+    assert "%25%25" in trailers["grpc-message"]
+
+    client.send(h2.HEADERS, h2.END_HEADERS, 5, client.headers_block(ECHO))
+    client.send(h2.DATA, h2.END_STREAM, 5, grpc_message(b"still here"))
+    data, trailers, _ = await client.response(5)
+    assert data == grpc_message(b"still here")
+    await client.close()
+
+
+async def test_a_smaller_header_table_is_acknowledged_in_the_next_header_block(
+    served: Served,
+) -> None:
+    client = await RawClient.connect(served.port, struct.pack(">HI", h2.S_HEADER_TABLE_SIZE, 0))
+    client.decoder.max_allowed_table_size = 0  # the decoder now requires the encoder's update
+    await client.until(h2.SETTINGS)  # the server's own settings
+    await client.until(h2.SETTINGS)  # its acknowledgement of ours
+    client.send(h2.HEADERS, h2.END_HEADERS, 1, client.headers_block(ECHO))
+    client.send(h2.DATA, h2.END_STREAM, 1, grpc_message(b"table"))
+    data, trailers, _ = await client.response(1)
+    assert data == grpc_message(b"table") and trailers["grpc-status"] == "0"
+    await client.close()

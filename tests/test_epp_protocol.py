@@ -386,7 +386,8 @@ async def test_an_oversized_body_is_refused_before_it_is_all_in() -> None:
 def test_streamed_bodies_split_only_past_the_chunk_bound() -> None:
     def bodies(body: bytes) -> list[tuple[bytes, bool]]:
         out = []
-        for answer in messages.streamed_bodies(body, True, request=False):
+        for written in messages.streamed_bodies(body, True, request=False):
+            answer = ep.ProcessingResponse.FromString(written)
             streamed = answer.response_body.response.body_mutation.streamed_response
             out.append((streamed.body, streamed.end_of_stream))
         return out
@@ -427,3 +428,70 @@ def test_response_status_and_type_read_from_raw_or_plain_values() -> None:
     ]
     assert _status_and_type(headers) == ("200", "text/event-stream; charset=utf-8")
     assert _status_and_type([]) == ("", "")
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16_383, 16_384, 62_000])
+@pytest.mark.parametrize("end_of_stream", [False, True])
+@pytest.mark.parametrize("request_side", [True, False])
+def test_streamed_body_answers_are_what_protobuf_serializes(
+    size: int, end_of_stream: bool, request_side: bool
+) -> None:
+    chunk = bytes(i % 256 for i in range(size))
+    answer = ep.BodyResponse(
+        response=ep.CommonResponse(
+            body_mutation=ep.BodyMutation(
+                streamed_response=ep.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
+            )
+        )
+    )
+    expected = (
+        ep.ProcessingResponse(request_body=answer)
+        if request_side
+        else ep.ProcessingResponse(response_body=answer)
+    )
+    written = messages.streamed_body(chunk, end_of_stream, request=request_side)
+    assert written == expected.SerializeToString()
+    assert ep.ProcessingResponse.FromString(written) == expected
+
+
+async def test_a_request_queued_in_admission_waits_for_its_pick_and_a_cancel_frees_it() -> None:
+    """With one request allowed at a time, the next one queues in the picker (it is not
+    refused), gets its pick when the first finishes, and a queued one whose client leaves
+    gives its place up."""
+    runner, replica = await launch_emulated()
+    config = picker_config([replica]).config
+    limits = config.limits
+    limits.max_concurrent_requests, limits.max_queued_requests = 1, 4
+    limits.queue_timeout_s = 30.0
+    config.fairness.reserved_slots = 0  # no start above the limit for a sparse tenant
+    server = PickerServer(config)
+    ports = await server.start()
+    admission = server.picker.admission
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{ports.grpc}") as channel:
+            first = Stream(channel)
+            await first.send(headers_message(), body_message(BODY, True))
+            assert (await first.read()).HasField("request_headers")
+            await first.read()  # the echoed body
+
+            queued = Stream(channel)
+            await queued.send(headers_message(), body_message(BODY, True))
+            leaving = Stream(channel)
+            await leaving.send(headers_message(), body_message(BODY, True))
+            await wait_until(lambda: admission.queued == 2)
+            leaving.call.cancel()
+            await wait_until(lambda: admission.queued == 1)
+
+            answered = b'{"usage": {"prompt_tokens": 5, "completion_tokens": 1}}'
+            await first.send(response_headers_message(None), body_message(answered, True, True))
+            await first.read()
+            await first.read()
+            pick = await queued.read()  # the first one finished: the queued one's turn
+            assert set_headers(pick.request_headers.response)[messages.DESTINATION]
+            assert (admission.active, admission.queued) == (1, 0)
+            await first.close()
+            await queued.close()
+            await wait_until(lambda: admission.active == 0)
+    finally:
+        await server.stop(0)
+        await runner.cleanup()

@@ -38,6 +38,7 @@ END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
 # Error codes (section 7).
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
 STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 5, 6, 7, 8, 9
+ENHANCE_YOUR_CALM = 11
 # Settings (section 6.5.2).
 S_HEADER_TABLE_SIZE, S_ENABLE_PUSH, S_MAX_CONCURRENT_STREAMS = 1, 2, 3
 S_INITIAL_WINDOW_SIZE, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = 4, 5, 6
@@ -64,8 +65,27 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
 def _literal(name: bytes, value: bytes) -> bytes:
     """HPACK "literal header field without indexing, new name", no Huffman: the decoder's
     table is never touched, so these blocks are constant bytes."""
-    assert len(name) < 127 and len(value) < 127
-    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+    return b"\x00" + _hpack_int(len(name), 7) + name + _hpack_int(len(value), 7) + value
+
+
+def _hpack_int(n: int, prefix_bits: int) -> bytes:
+    """An HPACK integer (RFC 7541 5.1) with the prefix's other bits 0."""
+    top = (1 << prefix_bits) - 1
+    if n < top:
+        return bytes([n])
+    out = bytearray([top])
+    n -= top
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+# "The dynamic table is 0 bytes" (RFC 7541 6.3): said at the start of the next header block
+# after the peer changes SETTINGS_HEADER_TABLE_SIZE, as the encoder must; this one never
+# inserts, so 0 is always within what the peer allows.
+TABLE_SIZE_ZERO = b"\x20"
 
 
 # ":status: 200" is the static table's entry 8; the rest are literals.
@@ -142,18 +162,29 @@ class Stream:
     def send(self, message: bytes) -> None:
         if self.finished:
             return
+        conn = self.conn
         if not self.headers_sent:
             self.headers_sent = True
-            self.conn.emit(frame(HEADERS, END_HEADERS, self.id, RESPONSE_HEADERS))
+            conn.emit(frame(HEADERS, END_HEADERS, self.id, conn.outgoing_headers(RESPONSE_HEADERS)))
+        size = 5 + len(message)
+        if not self.pending and size <= self.send_window and size <= conn.send_window:
+            # Both windows open (Envoy's are large): framed straight from the message.
+            self.send_window -= size
+            conn.send_message(self.id, message, size)
+            return
         self.pending += GRPC_PREFIX.pack(0, len(message))
         self.pending += message
-        self.conn.pump(self)
+        conn.pump(self)
+
+    def flush(self) -> None:
+        """Write what was sent so far now, not at the end of the read that led to it."""
+        self.conn.flush()
 
     def finish(self, status: int = OK, message: str = "") -> None:
         if self.finished:
             return
-        self.finished = True
         block = _trailers(status, message)
+        self.finished = True
         if not self.headers_sent:
             # "Trailers-Only": one HEADERS frame with the status and the end of the stream.
             self.headers_sent = True
@@ -183,7 +214,8 @@ class GrpcConnection(asyncio.Protocol):
         self.header_stream = 0
         self.header_flags = 0
         self.header_block = bytearray()
-        self.out: list[bytes] = []
+        self.out: list[bytes | memoryview] = []
+        self.table_size_changed = False
         self.reading = False
         self.going_away = False
         self.closed = asyncio.get_running_loop().create_future()
@@ -221,7 +253,7 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- output --------------------------------------------------------------------------
 
-    def emit(self, data: bytes) -> None:
+    def emit(self, data: bytes | memoryview) -> None:
         self.out.append(data)
         if not self.reading:
             self.flush()
@@ -230,6 +262,28 @@ class GrpcConnection(asyncio.Protocol):
         if self.out and self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"".join(self.out) if len(self.out) > 1 else self.out[0])
         self.out.clear()
+
+    def send_message(self, stream_id: int, message: bytes, size: int) -> None:
+        """One length-prefixed message in DATA frames of the peer's size; the caller checked
+        both windows and took it from the stream's."""
+        self.send_window -= size
+        limit = self.peer_frame_bytes
+        out = self.out
+        first = min(size, limit)
+        out.append(FRAME.pack(first >> 16, first & 0xFFFF, DATA, 0, stream_id))
+        out.append(GRPC_PREFIX.pack(0, size - 5))
+        if size <= limit:
+            out.append(message)
+        else:
+            view = memoryview(message)
+            out.append(view[: first - 5])
+            for start in range(first - 5, size - 5, limit):
+                part = view[start : start + limit]
+                n = len(part)
+                out.append(FRAME.pack(n >> 16, n & 0xFFFF, DATA, 0, stream_id))
+                out.append(part)
+        if not self.reading:
+            self.flush()
 
     def pump(self, stream: Stream) -> None:
         """Send what the stream has queued, as far as both flow-control windows allow."""
@@ -245,12 +299,19 @@ class GrpcConnection(asyncio.Protocol):
             self.send_window -= n
             stream.send_window -= n
         if stream.trailers is not None and stream.id in self.streams:
-            self.emit(frame(HEADERS, END_HEADERS | END_STREAM, stream.id, stream.trailers))
+            block = self.outgoing_headers(stream.trailers)
+            self.emit(frame(HEADERS, END_HEADERS | END_STREAM, stream.id, block))
             stream.trailers = None
             if not stream.remote_closed:
                 # The answer is complete: the client need not send the rest (RFC 9113 8.1).
                 self.emit(frame(RST_STREAM, 0, stream.id, struct.pack(">I", NO_ERROR)))
             self._forget(stream)
+
+    def outgoing_headers(self, block: bytes) -> bytes:
+        if self.table_size_changed:
+            self.table_size_changed = False
+            return TABLE_SIZE_ZERO + block
+        return block
 
     def go_away(self, code: int, why: str = "") -> None:
         if self.transport is None or self.transport.is_closing():
@@ -303,7 +364,9 @@ class GrpcConnection(asyncio.Protocol):
         finally:
             view.release()
         if pos:
-            del buf[:pos]
+            # A new buffer rather than ``del buf[:pos]``: a slice of this one still held
+            # (a logged traceback's frame) would make resizing it fail.
+            self.buffer = buf[pos:]
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: memoryview) -> None:
         if self.header_stream and kind != CONTINUATION:
@@ -316,6 +379,8 @@ class GrpcConnection(asyncio.Protocol):
             if stream_id != self.header_stream or not stream_id:
                 raise _ConnectionError(PROTOCOL_ERROR, "unexpected CONTINUATION")
             self.header_block += payload
+            if len(self.header_block) > 2 * MAX_HEADER_LIST_BYTES:
+                raise _ConnectionError(ENHANCE_YOUR_CALM, "header block too large")
             if flags & END_HEADERS:
                 self._header_block_done()
         elif kind == SETTINGS:
@@ -386,7 +451,7 @@ class GrpcConnection(asyncio.Protocol):
             source = data
         pos, size = 0, len(source)
         limit = self.server.max_message_bytes
-        while size - pos >= 5:
+        while size - pos >= 5 and not stream.finished:
             compressed, length = GRPC_PREFIX.unpack_from(source, pos)
             if compressed:
                 stream.reassembly = bytearray()
@@ -403,8 +468,10 @@ class GrpcConnection(asyncio.Protocol):
             self._deliver(stream, call.on_message, message)
             if stream.finished or stream.call is None:
                 return
-        rest = bytes(source[pos:]) if pos < size else b""
-        stream.reassembly = bytearray(rest)
+        if source is held:
+            del held[:pos]
+        else:
+            stream.reassembly = bytearray(source[pos:])
 
     def _headers(self, flags: int, stream_id: int, payload: memoryview) -> None:
         if not stream_id:
@@ -423,7 +490,7 @@ class GrpcConnection(asyncio.Protocol):
         self.header_stream = 0
         self.header_block = bytearray()
         try:
-            headers = self.decoder.decode(block)
+            headers = self.decoder.decode(block, raw=True)
         except hpack.HPACKError as exc:
             raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from exc
         stream = self.streams.get(stream_id)
@@ -438,21 +505,26 @@ class GrpcConnection(asyncio.Protocol):
         if stream_id <= self.last_stream_id:
             return  # the client's trailers on a stream this side already closed
         self.last_stream_id = stream_id
-        fields = {str(k): str(v) for k, v in headers}
+        # Field values may be any octets (latin-1), not only UTF-8.
+        fields = {bytes(k).decode("latin-1"): bytes(v).decode("latin-1") for k, v in headers}
         stream = Stream(stream_id, self, fields)
         self.streams[stream_id] = stream
         if self.going_away:
             self._reset(stream, REFUSED_STREAM)
             return
         handler = self.server.handlers.get(fields.get(":path", ""))
+        refused = ""
         if fields.get(":method") != "POST" or not fields.get("content-type", "").startswith(
             "application/grpc"
         ):
-            stream.finish(UNIMPLEMENTED, "not a gRPC request")
+            refused = "not a gRPC request"
         elif handler is None:
-            stream.finish(UNIMPLEMENTED, f"unknown method {fields.get(':path', '')}")
-        else:
-            self._deliver(stream, None, None, handler)
+            refused = f"unknown method {fields.get(':path', '')}"
+        if refused:
+            stream.remote_closed = bool(flags & END_STREAM)  # then no RST after the answer
+            stream.finish(UNIMPLEMENTED, refused)
+            return
+        self._deliver(stream, None, None, handler)
         if flags & END_STREAM and stream_id in self.streams:
             self._remote_closed(stream)
 
@@ -507,7 +579,8 @@ class GrpcConnection(asyncio.Protocol):
                 if not 16_384 <= value < 1 << 24:
                     raise _ConnectionError(PROTOCOL_ERROR, "bad SETTINGS_MAX_FRAME_SIZE")
                 self.peer_frame_bytes = value
-            # The peer's HEADER_TABLE_SIZE bounds our encoder's table, which is never used.
+            elif key == S_HEADER_TABLE_SIZE:
+                self.table_size_changed = True
         self.emit(frame(SETTINGS, ACK, 0))
         for stream in list(self.streams.values()):
             if stream.pending:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from .h2_grpc import INVALID_ARGUMENT, NOT_FOUND, Handler, Stream
+from .h2_grpc import INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, Handler, Stream
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -35,6 +35,13 @@ class HealthBoard:
         for stream in list(self.watchers.get(service, ())):
             stream.send(answer)
 
+    def close_watches(self) -> None:
+        """The server stops: each Watch ends (UNAVAILABLE) so its connection can close."""
+        watchers, self.watchers = self.watchers, {}
+        for streams in watchers.values():
+            for stream in streams:
+                stream.finish(UNAVAILABLE, "the server is stopping")
+
     def handlers(self) -> dict[str, Handler]:
         return {CHECK: lambda stream: _Check(self, stream), WATCH: lambda s: _Watch(self, s)}
 
@@ -49,6 +56,10 @@ class _Unary:
         self.service: str | None = None
 
     def on_message(self, message: bytes) -> None:
+        if self.service is not None:
+            self.stream.finish(INVALID_ARGUMENT, "one HealthCheckRequest per call")
+            self.on_cancel()
+            return
         try:
             self.service = health_pb2.HealthCheckRequest.FromString(message).service
         except DecodeError:

@@ -152,6 +152,7 @@ class PickerServer:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._set_health(READINESS_SERVICES, serving=False)
+        self.health.close_watches()
         task = self._apply_task
         if task is not None:
             task.cancel()

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Coroutine, Generator, Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from functools import partial
 from typing import Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -28,6 +29,7 @@ from ..usage import usage_of
 from . import messages
 from .endpoints import parse_subset
 from .h2_grpc import INTERNAL, INVALID_ARGUMENT, Handler, Stream
+from .messages import Answer
 from .picker import EndpointPicker, Pick
 
 log = logging.getLogger(__name__)
@@ -50,9 +52,10 @@ def handlers(picker: EndpointPicker) -> dict[str, Handler]:
 class ProcessCall:
     """``ExternalProcessor.Process``: one stream, one HTTP request through the gateway.
 
-    Each message is answered as it is handled; a message whose handling waits (admission, a
-    tokenizer worker) holds the ones after it, so answers keep Envoy's order. A message that
-    does not wait is answered within the callback that read it, with no task at all.
+    Each message is answered as it is handled. The message that completes the request body
+    starts the pick in a task of its own (admission may queue it: asyncio's timeouts need a
+    task) and holds the messages after it, so answers keep Envoy's order; every other message
+    is answered within the callback that read it, with no task at all.
     """
 
     __slots__ = ("exchange", "half_closed", "inbox", "stream", "task")
@@ -65,11 +68,13 @@ class ProcessCall:
         self.half_closed = False
 
     def on_message(self, data: bytes) -> None:
+        if self.stream.finished:
+            return
         try:
             message = ep.ProcessingRequest.FromString(data)
         except DecodeError:
+            self.on_cancel()  # a pick in flight unwinds, releasing what it holds
             self.stream.finish(INVALID_ARGUMENT, "not a ProcessingRequest")
-            self.exchange.close()
             return
         self.inbox.append(message)
         if self.task is None:
@@ -81,36 +86,37 @@ class ProcessCall:
             self._end()
 
     def on_cancel(self) -> None:
-        """Envoy reset the stream (client gone) or the connection closed."""
+        """Envoy reset the stream (client gone), the connection closed, or the stream failed."""
         self.inbox.clear()
-        if self.task is not None:
-            self.task.cancel()  # its pick unwinds (admission released), then the close
-        else:
-            self.exchange.close()
+        task = self.task
+        if task is not None:
+            task.cancel()  # a started pick unwinds (admission released), then the close
+        self.exchange.close()
 
     def _drain(self) -> None:
         while self.inbox:
-            step = self.exchange.on(self.inbox.popleft())
             try:
-                waiting = step.send(None)
-            except StopIteration as done:
-                self._answer(done.value)
-                continue
+                result = self.exchange.on(self.inbox.popleft())
             except Exception:
                 log.exception("ext_proc message failed")
                 self._fail()
                 return
-            self.task = asyncio.ensure_future(self._resume(step, waiting))
+            if type(result) is list:
+                self._answer(result)
+                continue
+            assert isinstance(result, Coroutine)
+            self.task = task = asyncio.ensure_future(self._resume(result))
+            # Cancelled before its first step, the pick never started: nothing to unwind.
+            task.add_done_callback(partial(_close_unstarted, result))
             return
         if self.half_closed:
             self._end()
 
-    async def _resume(
-        self, step: Coroutine[Any, Any, list[ep.ProcessingResponse]], waiting: Any
-    ) -> None:
+    async def _resume(self, pick: Coroutine[Any, Any, list[Answer]]) -> None:
         try:
-            answers = await _Resumed(step, waiting)
+            answers = await pick
         except asyncio.CancelledError:
+            self.task = None  # no cycle through the task's traceback
             self.exchange.close()
             raise
         except Exception:
@@ -119,13 +125,24 @@ class ProcessCall:
             self._fail()
             return
         self.task = None
+        if self.stream.finished:  # failed meanwhile (a bad message after this one)
+            self.exchange.close()
+            return
         self._answer(answers)
         self._drain()
 
-    def _answer(self, answers: list[ep.ProcessingResponse]) -> None:
+    def _answer(self, answers: list[Answer]) -> None:
         send = self.stream.send
         for answer in answers:
-            send(answer.SerializeToString())
+            send(answer if type(answer) is bytes else answer.SerializeToString())
+        deferred = self.exchange.deferred
+        if deferred is not None:
+            self.exchange.deferred = None
+            self.stream.flush()  # Envoy goes on with the response meanwhile
+            try:
+                deferred()
+            except Exception:
+                log.exception("ext_proc bookkeeping failed")
 
     def _end(self) -> None:
         self.exchange.close()
@@ -137,30 +154,8 @@ class ProcessCall:
         self.stream.finish(INTERNAL, "the endpoint picker failed")
 
 
-class _Resumed:
-    """Awaits the rest of a coroutine already started by hand, from where it waits."""
-
-    __slots__ = ("step", "waiting")
-
-    def __init__(self, step: Coroutine[Any, Any, Any], waiting: Any) -> None:
-        self.step = step
-        self.waiting = waiting
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        step, waiting = self.step, self.waiting
-        while True:
-            try:
-                sent = yield waiting
-            except BaseException as exc:
-                try:
-                    waiting = step.throw(exc)
-                except StopIteration as done:
-                    return done.value
-            else:
-                try:
-                    waiting = step.send(sent)
-                except StopIteration as done:
-                    return done.value
+def _close_unstarted(pick: Coroutine[Any, Any, Any], _: object) -> None:
+    pick.close()  # a no-op once it ran
 
 
 class _Exchange:
@@ -182,8 +177,11 @@ class _Exchange:
         self.sse = False
         self.response_tail = bytearray()
         self.response_bytes = 0
+        # Bookkeeping that the last answer need not wait for: run once it is written.
+        self.deferred: Callable[[], None] | None = None
 
-    async def on(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+    def on(self, message: ep.ProcessingRequest) -> list[Answer] | Coroutine[Any, Any, list[Answer]]:
+        """The answers to this message, or (the body complete) the pick that makes them."""
         if message.HasField("protocol_config"):
             config = message.protocol_config
             self.request_mode = config.request_body_mode
@@ -207,10 +205,11 @@ class _Exchange:
                 if self.request_mode == FULL_DUPLEX:
                     return []
                 return [messages.passed_body(request=True)]
-            return await self._picked()
+            return self._picked()
         if kind == "request_trailers":
-            answers = [] if self.picked else await self._picked(ended=False)
-            return [*answers, messages.trailers(request=True)]
+            if self.picked:
+                return [messages.trailers(request=True)]
+            return self._picked_before_trailers()
         if kind == "response_headers":
             return self._on_response_headers(message)
         if kind == "response_body":
@@ -222,7 +221,7 @@ class _Exchange:
 
     # -- request ------------------------------------------------------------------------
 
-    def _on_request_headers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+    def _on_request_headers(self, message: ep.ProcessingRequest) -> list[Answer]:
         self.headers = _header_map(message.request_headers.headers.headers)
         self.subset = _subset_hint(message)
         if message.request_headers.end_of_stream or self.request_mode == NO_BODY:
@@ -243,7 +242,10 @@ class _Exchange:
             return []  # answered with the pick, once the body is in
         return [messages.request_headers()]
 
-    async def _picked(self, ended: bool = True) -> list[ep.ProcessingResponse]:
+    async def _picked_before_trailers(self) -> list[Answer]:
+        return [*await self._picked(ended=False), messages.trailers(request=True)]
+
+    async def _picked(self, ended: bool = True) -> list[Answer]:
         """The body is complete: pick, and answer in the order the mode requires."""
         self.picked = True
         body = b"".join(self.chunks)
@@ -274,7 +276,7 @@ class _Exchange:
 
     # -- response -----------------------------------------------------------------------
 
-    def _on_response_headers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+    def _on_response_headers(self, message: ep.ProcessingRequest) -> list[Answer]:
         status, content_type = _status_and_type(message.response_headers.headers.headers)
         self.status = int(status or 0)
         self.sse = content_type.startswith("text/event-stream")
@@ -300,20 +302,27 @@ class _Exchange:
                 self._finish(completed=True)
         return [messages.response_headers(added)]
 
-    def _on_response_body(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
+    def _on_response_body(self, body: ep.HttpBody) -> list[Answer]:
         pick = self.pick
         chunk = body.body  # upb copies the field on every read: once
         ended = body.end_of_stream
         if pick is not None:
-            if chunk:
-                self.picker.first_byte(pick, self.status)
             self._keep_for_usage(chunk)
-            if ended:
-                self._read_usage()
-                self._finish(completed=True)
+            if (chunk and pick.first_byte_at is None) or ended:
+                # The ledger's part waits until the answer is on its way to Envoy.
+                self.deferred = partial(self._response_progress, bool(chunk), ended)
         if self.response_mode == FULL_DUPLEX:
             return list(messages.streamed_bodies(chunk, ended, request=False))
         return [messages.passed_body(request=False)]
+
+    def _response_progress(self, first_bytes: bool, ended: bool) -> None:
+        pick = self.pick
+        assert pick is not None
+        if first_bytes:
+            self.picker.first_byte(pick, self.status)
+        if ended:
+            self._read_usage()
+            self._finish(completed=True)
 
     def _keep_for_usage(self, chunk: bytes) -> None:
         self.response_bytes += len(chunk)
