@@ -78,14 +78,18 @@ class UsageError(Exception):
 # -- argparse value types ---------------------------------------------------------------
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(minimum: int, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(1, text)
 
 
 def _non_negative_float(text: str) -> float:
@@ -203,13 +207,7 @@ def _pd_counts(text: str) -> tuple[int, int]:
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+    return _int_at_least(0, text)
 
 
 def _kv_link(text: str) -> str:

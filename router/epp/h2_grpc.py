@@ -24,6 +24,7 @@ import struct
 from collections.abc import Callable
 from ssl import SSLContext
 from typing import Protocol, cast
+from urllib.parse import quote
 
 import hpack
 
@@ -101,14 +102,15 @@ SETTINGS_PAYLOAD = b"".join(
 )
 
 
+# Printable ASCII but "%" stands as it is in grpc-message; everything else is %XX.
+_GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if c != 0x25)
+
+
 def _trailers(status: int, message: str = "") -> bytes:
     block = _literal(b"grpc-status", str(status).encode())
     if message:
-        # grpc-message is percent-encoded (gRPC's HTTP/2 protocol); kept short.
-        encoded = "".join(
-            c if " " <= c <= "~" and c != "%" else "".join(f"%{b:02X}" for b in c.encode())
-            for c in message[:100]
-        )
+        # grpc-message is percent-encoded UTF-8 (gRPC's HTTP/2 protocol); kept short.
+        encoded = quote(message[:100], safe=_GRPC_MESSAGE_SAFE)
         block += _literal(b"grpc-message", encoded.encode())
     return block
 
