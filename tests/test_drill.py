@@ -158,10 +158,11 @@ def test_killing_a_real_vllm_replica_under_load_loses_nothing() -> None:
     assert field(report, "failed (lost)") == "0"
     # Out of rotation as soon as a stream on it drops: the health check that follows gets no
     # answer (a SIGKILLed vLLM still accepts connections until the kernel has torn down its
-    # multi-GB address space, 1-2 s under load, but answers nothing): 0.6 s here, hence the
-    # margin.
+    # multi-GB address space, 1-2 s under load, but answers nothing): 0.6 s on a quiet box,
+    # 2.17 s seen on a loaded one. The periodic checks alone would take at least 3 s
+    # (unhealthy_after 2 checks, 1 s apart, each timing out after 1 s): the bound sits between.
     detected = detect_s(report)
-    assert detected is not None and detected <= 2.0, report
+    assert detected is not None and detected < 3.0, report
 
 
 @pytest.mark.slow
