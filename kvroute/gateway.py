@@ -141,6 +141,12 @@ def envoy_config(spec: GatewaySpec) -> dict[str, Any]:
             }
         },
         "load_assignment": _endpoints("epp", spec.pickers),
+        # Each request through the gateway holds a stream to the picker for as long as it
+        # runs: Envoy's default of 1,024 concurrent requests per cluster would fail the
+        # requests beyond that (500s, with failure_mode_allow off).
+        "circuit_breakers": {
+            "thresholds": [{"max_requests": 1 << 20, "max_pending_requests": 1 << 20}]
+        },
         # Short intervals: a picker that starts after Envoy is found within a second or two
         # (the default no-traffic interval is a minute).
         "health_checks": [

@@ -8,8 +8,9 @@ test's event loop, and emulated vLLM replicas publishing KV events over ZMQ.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,11 @@ class Gateway:
     runners: list[web.AppRunner]
 
 
+@dataclass
+class Pod:
+    url: str
+
+
 def picker_config(
     replicas: list[Running], probe_interval_s: float = 0.5, **epp: object
 ) -> PickerServer:
@@ -63,7 +69,9 @@ async def envoy_healthy(envoy: EnvoyProcess, healthy: bool = True) -> None:
     await asyncio.to_thread(envoy.wait_for_pickers, 1 if healthy else 0)
 
 
-def start_envoy(tmp: Path, pods: list[Running], picker_port: int, **spec: object) -> EnvoyProcess:
+def start_envoy(
+    tmp: Path, pods: Sequence[Running | Pod], picker_port: int, **spec: object
+) -> EnvoyProcess:
     listen, admin, direct = free_ports(3)
     hosts = [("127.0.0.1", int(r.url.rsplit(":", 1)[1])) for r in pods]
     gateway_spec = GatewaySpec(
@@ -367,3 +375,68 @@ async def test_buffered_mode_and_tls_to_the_picker(tmp_path: Path) -> None:
         await picker.stop(0)
         for runner, _ in started:
             await runner.cleanup()
+
+
+@pytest.mark.slow
+async def test_more_requests_in_flight_than_envoys_default_cluster_limit(tmp_path: Path) -> None:
+    """Each request through the gateway holds a stream to the picker while it runs: 1,100 at
+    once all pass. (With Envoy's default limit of 1,024 concurrent requests on the picker's
+    cluster, 76 of them failed with 500: cluster.epp.upstream_rq_active_overflow.)"""
+    held = 1_024  # Envoy's pool cluster takes this many at once; the rest wait for one to end
+    total = 1_100
+    arrived = 0
+    release = asyncio.Event()
+
+    async def completions(request: web.Request) -> web.Response:
+        nonlocal arrived
+        await request.read()
+        arrived += 1
+        if arrived >= held:
+            release.set()
+        # Answered once all it may hold are in (or after a while: a failure shows as statuses).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(release.wait(), 30)
+        return web.json_response(
+            {
+                "id": "c",
+                "object": "text_completion",
+                "model": "tiny",
+                "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+            }
+        )
+
+    async def empty(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", empty)
+    app.router.add_get("/metrics", empty)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    (port,) = free_ports(1)
+    await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
+    config = config_from_dict(
+        {
+            "replicas": [{"url": f"http://127.0.0.1:{port}", "name": "pod", "kv_events": None}],
+            "routing": {"tokenizer": "builtin", "block_size": 16},
+            "epp": {"grpc_port": 0, "health_port": 0, "metrics_port": 0},
+        }
+    )
+    picker = PickerServer(config)
+    ports = await picker.start()
+    envoy = start_envoy(tmp_path, [Pod(f"http://127.0.0.1:{port}")], ports.grpc)
+    try:
+        await envoy_healthy(envoy)
+        url = f"http://127.0.0.1:{envoy.spec.listen_port}/v1/completions"
+        limits = httpx.Limits(max_connections=total + 10)
+        async with httpx.AsyncClient(limits=limits, timeout=120) as http:
+            replies = await asyncio.gather(
+                *(http.post(url, json={"model": "tiny", "prompt": f"p{i}"}) for i in range(total))
+            )
+        statuses = [r.status_code for r in replies]
+        assert statuses.count(200) == total, {s: statuses.count(s) for s in set(statuses)}
+    finally:
+        envoy.stop()
+        await picker.stop(0)
+        await runner.cleanup()
