@@ -74,6 +74,10 @@ def test_bench_epp_end_to_end(tmp_path: Path) -> None:
             assert rps > 0 and 0 < p50 <= p99 and errors == 0 and body_kb > 8
         picker_cores = float(epp[7])
         assert picker_cores > 0
+        # Its picks per second of its CPU: the rate over the cores (both as rounded here).
+        per_cpu_s = float(epp[9])
+        assert per_cpu_s == pytest.approx(float(epp[1]) / picker_cores, rel=0.05, abs=1)
+        assert direct[9] == "-"
         assert "not judged: --start-kb 8" in text
         if scenario == "all":
             latency = _rows(text, "kvroute epp")[0], _rows(text, "direct")[0]
