@@ -333,3 +333,38 @@ async def test_a_smaller_header_table_is_acknowledged_in_the_next_header_block(
     data, trailers, _ = await client.response(1)
     assert data == grpc_message(b"table") and trailers["grpc-status"] == "0"
     await client.close()
+
+
+class _CountingTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def test_answers_sent_outside_a_read_leave_in_one_write() -> None:
+    """A pick finishes in a task, outside any read: its answers (the response headers and
+    two messages) go to the peer in one write, not one each."""
+    conn = h2.GrpcConnection(GrpcServer({}))
+    transport = _CountingTransport()
+    conn.connection_made(transport)
+    transport.writes.clear()  # the server's SETTINGS
+    stream = Stream(1, conn, {})
+    stream.send_all([b"headers answer", b"body answer"])
+    (written,) = transport.writes
+    frames = []
+    while written:
+        hi, lo, kind, _, stream_id = h2.FRAME.unpack(written[:9])
+        size = (hi << 16) | lo
+        frames.append((kind, stream_id, written[9 : 9 + size]))
+        written = written[9 + size :]
+    assert [(kind, sid) for kind, sid, _ in frames] == [(h2.HEADERS, 1), (h2.DATA, 1), (h2.DATA, 1)]
+    assert [payload[5:] for _, _, payload in frames[1:]] == [b"headers answer", b"body answer"]
+    # A lone send outside a read still goes out at once.
+    stream.send(b"more")
+    assert len(transport.writes) == 2

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from ssl import SSLContext
 from typing import Protocol, cast
 from urllib.parse import quote
@@ -178,6 +178,20 @@ class Stream:
         self.pending += message
         conn.pump(self)
 
+    def send_all(self, messages: Iterable[bytes]) -> None:
+        """Send these messages in one write (outside a read, each ``send`` is its own write:
+        on loopback every write also costs the peer's receive and wake-up)."""
+        conn = self.conn
+        corked = conn.corked
+        conn.corked = True
+        try:
+            for message in messages:
+                self.send(message)
+        finally:
+            conn.corked = corked
+        if not corked:
+            conn.flush()
+
     def flush(self) -> None:
         """Write what was sent so far now, not at the end of the read that led to it."""
         self.conn.flush()
@@ -218,7 +232,7 @@ class GrpcConnection(asyncio.Protocol):
         self.header_block = bytearray()
         self.out: list[bytes | memoryview] = []
         self.table_size_changed = False
-        self.reading = False
+        self.corked = False  # writes wait for flush(): during a read, or send_all
         self.going_away = False
         self.closed = asyncio.get_running_loop().create_future()
 
@@ -233,7 +247,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        self.reading = True
+        self.corked = True
         try:
             self._parse()
         except _ConnectionError as exc:
@@ -242,7 +256,7 @@ class GrpcConnection(asyncio.Protocol):
             log.exception("HTTP/2 connection failed")
             self.go_away(INTERNAL_ERROR, "internal error")
         finally:
-            self.reading = False
+            self.corked = False
             self.flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -257,7 +271,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def emit(self, data: bytes | memoryview) -> None:
         self.out.append(data)
-        if not self.reading:
+        if not self.corked:
             self.flush()
 
     def flush(self) -> None:
@@ -284,7 +298,7 @@ class GrpcConnection(asyncio.Protocol):
                 n = len(part)
                 out.append(FRAME.pack(n >> 16, n & 0xFFFF, DATA, 0, stream_id))
                 out.append(part)
-        if not self.reading:
+        if not self.corked:
             self.flush()
 
     def pump(self, stream: Stream) -> None:

@@ -132,9 +132,9 @@ class ProcessCall:
         self._drain()
 
     def _answer(self, answers: list[Answer]) -> None:
-        send = self.stream.send
-        for answer in answers:
-            send(answer if type(answer) is bytes else answer.SerializeToString())
+        self.stream.send_all(
+            answer if type(answer) is bytes else answer.SerializeToString() for answer in answers
+        )
         deferred = self.exchange.deferred
         if deferred is not None:
             self.exchange.deferred = None
