@@ -98,11 +98,16 @@ def body_message(body: bytes, end_of_stream: bool, response: bool = False) -> ep
     return ep.ProcessingRequest(request_body=part)
 
 
-def response_headers_message(served: str | None, status: int = 200) -> ep.ProcessingRequest:
+def response_headers_message(
+    served: str | None, status: int = 200, content_type: str = "application/json"
+) -> ep.ProcessingRequest:
     message = ep.ProcessingRequest(
         response_headers=ep.HttpHeaders(
             headers=base_pb2.HeaderMap(
-                headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())]
+                headers=[
+                    base_pb2.HeaderValue(key=":status", raw_value=str(status).encode()),
+                    base_pb2.HeaderValue(key="content-type", raw_value=content_type.encode()),
+                ]
             )
         )
     )
@@ -170,14 +175,29 @@ async def test_full_duplex_answers_headers_with_the_pick_then_echoes_the_body(
             break
     assert echoed == BODY
     assert picker.in_flight()[destinations[0]] == 1
+    # A JSON response: its headers are answered with its body (one write, one wake-up).
     await stream.send(response_headers_message(destinations[0]))
-    assert (await stream.read()).WhichOneof("response") == "response_headers"
     usage = b'{"usage": {"prompt_tokens": 40, "completion_tokens": 3}}'
     await stream.send(body_message(usage, True, response=True))
+    assert (await stream.read()).WhichOneof("response") == "response_headers"
     echo = (await stream.read()).response_body.response.body_mutation.streamed_response
     assert (echo.body, echo.end_of_stream) == (usage, True)
     await stream.close()
     assert sum(picker.in_flight().values()) == 0
+
+
+async def test_an_event_streams_headers_are_answered_before_its_first_event(
+    picker: Picker,
+) -> None:
+    """A stream's first event may be seconds away (prefill): its headers go on at once."""
+    stream = Stream(picker.channel)
+    await stream.send(headers_message(), body_message(BODY, True))
+    await stream.read()  # the pick
+    answer = await stream.read()  # the echoed body, in one message
+    assert answer.request_body.response.body_mutation.streamed_response.end_of_stream
+    await stream.send(response_headers_message(None, content_type="text/event-stream"))
+    assert (await stream.read()).WhichOneof("response") == "response_headers"
+    await stream.close()
 
 
 async def test_the_picker_decomposes_prefix_reuse_with_the_usage_it_reads(
@@ -202,8 +222,8 @@ async def test_the_picker_decomposes_prefix_reuse_with_the_usage_it_reads(
         picked = set_headers(first.request_headers.response)[messages.DESTINATION].split(",")[0]
         await stream.read()  # the echoed body
         await stream.send(response_headers_message(picked))
-        added = set_headers((await stream.read()).response_headers.response)
         await stream.send(body_message(usage, True, response=True))
+        added = set_headers((await stream.read()).response_headers.response)
         await stream.read()
         await stream.close()
         after = {k: total(metrics.reuse, k) for k in ("available", "captured", "confirmed")}
@@ -282,10 +302,10 @@ async def test_served_elsewhere_moves_the_request_in_the_ledger(picker: Picker) 
     await stream.read()  # the echoed body
     before = picker.server.picker.decisions.served_elsewhere
     await stream.send(response_headers_message(fallback))
-    await stream.read()
+    decisions = picker.server.picker.decisions
+    await wait_until(lambda: decisions.served_elsewhere == before + 1, what="served elsewhere")
     flights = picker.in_flight()
     assert (flights[picked], flights[fallback]) == (0, 1)
-    assert picker.server.picker.decisions.served_elsewhere == before + 1
     # The stream is torn down before the response ends (client gone): closed all the same.
     stream.call.cancel()
     await wait_until(lambda: sum(picker.in_flight().values()) == 0, what="closed in the ledger")

@@ -177,6 +177,9 @@ class _Exchange:
         self.sse = False
         self.response_tail = bytearray()
         self.response_bytes = 0
+        # A whole (not streamed) response's headers answer, held for its body's: one write
+        # and one wake-up of Envoy for both.
+        self.held_headers: Answer | None = None
         # Bookkeeping that the last answer need not wait for: run once it is written.
         self.deferred: Callable[[], None] | None = None
 
@@ -216,7 +219,7 @@ class _Exchange:
             return self._on_response_body(message.response_body)
         if kind == "response_trailers":
             self._finish(completed=True)
-            return [messages.trailers(request=False)]
+            return [*self._held(), messages.trailers(request=False)]
         return []
 
     # -- request ------------------------------------------------------------------------
@@ -300,7 +303,25 @@ class _Exchange:
                 ]
             if message.response_headers.end_of_stream:
                 self._finish(completed=True)
-        return [messages.response_headers(added)]
+        answer = messages.response_headers(added)
+        if (
+            self.response_mode == FULL_DUPLEX
+            and not self.sse
+            and not message.response_headers.end_of_stream
+        ):
+            # Full duplex: Envoy sends the body on without waiting for this answer. A JSON
+            # body follows its headers at once; a stream's first event may take seconds, so
+            # its headers are answered now.
+            self.held_headers = answer
+            return []
+        return [answer]
+
+    def _held(self) -> list[Answer]:
+        held = self.held_headers
+        if held is None:
+            return []
+        self.held_headers = None
+        return [held]
 
     def _on_response_body(self, body: ep.HttpBody) -> list[Answer]:
         pick = self.pick
@@ -312,7 +333,7 @@ class _Exchange:
                 # The ledger's part waits until the answer is on its way to Envoy.
                 self.deferred = partial(self._response_progress, bool(chunk), ended)
         if self.response_mode == FULL_DUPLEX:
-            return list(messages.streamed_bodies(chunk, ended, request=False))
+            return [*self._held(), *messages.streamed_bodies(chunk, ended, request=False)]
         return [messages.passed_body(request=False)]
 
     def _response_progress(self, first_bytes: bool, ended: bool) -> None:
