@@ -29,8 +29,9 @@ Layout, chosen for lookup latency, ingest rate and memory (measured by ``kvroute
   of indexed blocks that lie in a row in one run (a replica storing a prefix another one
   stored: the common case) only edits that run's pieces, with no per-block dict write. Values
   changing never split a run; a run splits only where blocks leave the index (the largest part
-  keeps its id, so only the others' blocks are remapped). Everything else (partial overlaps,
-  removals, predictions, expiry) rebuilds the pieces of the runs it touches.
+  keeps its id, so only the others' blocks are remapped). Predictions and their expiry edit
+  the pieces of the spans of runs they cover (found with ``packed_runs.follow``); everything
+  else (partial overlaps, removals) rebuilds the pieces of the runs it touches.
 * per replica and medium, ``engine hash -> router hash`` (the value is the very int object that is
   a key of ``_seg``), so ``BlockRemoved``, which carries only engine hashes, can be applied.
 * per replica, ``extra``: router hash -> references beyond the first, for the rare block held
@@ -38,9 +39,13 @@ Layout, chosen for lookup latency, ingest rate and memory (measured by ``kvroute
   e.g. a cache salt the router was not told about). A bit is cleared only when its last
   reference goes.
 * predictions: the high bits above (only live ones: every ``predict``/``match``/``expire`` first
-  purges what expired by its ``now``, from a heap of the predicted prompts), and per replica
-  router hash -> expiry. A real ``BlockStored`` of the block on that replica supersedes (deletes)
-  its prediction, so a replica is never both holding and predicted for one block.
+  purges what expired by its ``now``, from a heap of the blocks each call predicted, each once),
+  and per replica router hash -> expiry. A real ``BlockStored`` of the block on that replica
+  supersedes (deletes) its prediction, so a replica is never both holding and predicted for one
+  block. A block predicted and not held there is indexed with that replica's high bit: the
+  index answers "predicted here?" without a lookup of the expiries. The bookkeeping is bound by
+  dict operations on large dicts (each a CPU cache miss): it keeps them few per block, and
+  keys the dicts by the caller's own int objects (found by identity, ~2x faster).
 
 Only ints, bytes, tuples of ints, dicts of ints and lists: after a young collection the garbage
 collector tracks none of the index's millions of objects, so collections stay cheap.
@@ -53,11 +58,11 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress, islice, repeat
-from operator import ne
-from typing import NamedTuple
+from itertools import compress, islice, pairwise, repeat
+from operator import is_, ne
+from typing import NamedTuple, cast
 
 from kvroute.kvcore import packed_runs
 from kvroute.kvcore.block_hashing import chain_hashes, root_seed
@@ -510,6 +515,7 @@ class PrefixIndex:
         known = min(known, len(router_hashes))
         todo: Sequence[int] = router_hashes
         first = 0  # where the blocks this call may add to the index start
+        stale: list[int] = []
         if known:
             held = min(held, known)
             stale = self._renew(rep, router_hashes, held, known, now, ttl_s)
@@ -518,41 +524,168 @@ class PrefixIndex:
                 return
             first = held if stale else known
         try:  # before any change: runs hold 64-bit hashes (as plain ints)
-            todo = unpack(packed_runs.pack(todo))
+            packed = packed_runs.pack(todo)
         except OverflowError:
             raise ValueError("router hashes must lie in [0, 2**64)") from None
-        ridx, bit, pbit = rep.index, rep.bit, rep.pbit
+        if set(map(type, todo)) == {int}:
+            # The caller's ints, not copies, become the dicts' keys: a conversation's next
+            # requests bring the same objects (the tokenizer's prefix cache keeps them), and a
+            # dict finds a key by identity ~2x faster than an equal int (no cache miss on it).
+            todo = todo if type(todo) is list else list(todo)
+        else:
+            todo = unpack(packed)
+        n = len(todo)
+        pbit = rep.pbit
         expires = now + ttl_s
-        exp = self._pred_exp[ridx]
-        current = self._values_of(todo)
-        recorded = 0
-        new: dict[int, int] = {}
-        for rh in todo:
-            old = exp.get(rh)
-            if old is None:
-                value = current[rh]
-                if value & bit:
-                    continue
-                new[rh] = value | pbit
-                self._pred_count += 1
-            elif old >= expires:
-                continue
-            exp[rh] = expires
-            recorded += 1
-        # The blocks new to the index go after the block before them: the chain from there
-        # (not the whole prompt, which placing would walk block by block).
-        chain = tuple(router_hashes[max(0, first - 1) :])
-        self._apply(new, chain)
+        exp = self._pred_exp[rep.index]
+        seg = self._seg
+        # Whole-prompt passes run in C (map, count, dict.update), with as few dict operations
+        # a block as the bookkeeping allows: a conversation new to the replica is thousands
+        # of blocks, and each operation on the index's large dicts misses the CPU caches.
+        before = router_hashes[first - 1] if first else None
+        # The prompt's tail ``todo`` follows ``before``: rows of blocks new to the index are
+        # found in C (not by walking the prompt, as _place does) unless ``before`` is new too.
+        tail = not stale and (before is None or before in seg or before not in todo)
+        placed = self._place_leading(todo, packed, before, pbit) if tail else 0
+        rest = todo
+        if placed:  # not indexed, so not predicted here (a prediction is indexed)
+            exp.update(zip(islice(todo, placed), repeat(expires)))
+            self._pred_only += placed  # their value: the predicted bit alone
+            before = todo[placed - 1]
+            rest = todo[placed:]
+        rids = list(map(seg.get, rest))
+        fresh, indexed = rest, []
+        if rids.count(None) != len(rest):
+            fresh = [rh for rh, rid in zip(rest, rids, strict=True) if rid is None]
+            indexed = [rh for rh, rid in zip(rest, rids, strict=True) if rid is not None]
+        size = len(exp)
+        exp.update(zip(fresh, repeat(expires)))
+        distinct = len(exp) - size == len(fresh)
+        if not distinct:  # a block twice: its first time predicts it, the next finds it so
+            fresh = list(dict.fromkeys(fresh))
+        added: list[int] = []
+        renewed: list[int] = []
+        if indexed and not self._predict_indexed(rep, indexed, expires, added, renewed):
+            distinct = False
+        if fresh:
+            self._pred_only += len(fresh)
+            if distinct and tail:
+                rows = [(before, fresh)]
+                if len(fresh) != len(rest):
+                    rows = []
+                    new_here = bytes(map(is_, rids, repeat(None)))
+                    a = new_here.find(1)
+                    while a >= 0:
+                        b = new_here.find(0, a)
+                        b = len(rest) if b < 0 else b
+                        rows.append((rest[a - 1] if a else before, rest[a:b]))
+                        a = new_here.find(1, b)
+                self._place_rows(rows, lambda blocks: (pbit,))
+            else:
+                # The blocks new to the index go after the block before them: the chain from
+                # there (not the whole prompt, which placing would walk block by block).
+                chain = tuple(router_hashes[max(0, first - 1) :])
+                self._place(dict.fromkeys(fresh, pbit), chain)
+        new = placed + len(fresh) + len(added)
+        recorded = new + len(renewed)
+        self._pred_count += new
         # Every block of the prompt is now held or predicted for at least ttl_s / 2.
-        key = (ridx, router_hashes[-1])
+        key = (rep.index, router_hashes[-1])
         self._renewed[key] = now + ttl_s / 2
         self._renewed.move_to_end(key)
         if recorded:
             self.stats.predicted += recorded
             self._pred_seq += 1
-            # The blocks in prompt order (a block predicted by another call with an expiry by
-            # then goes in the same purge either way).
-            heapq.heappush(self._pred_heap, (expires, self._pred_seq, ridx, tuple(todo)))
+            # The blocks whose expiry this call set, each once, in prompt order (a block
+            # predicted by another call with an expiry by then goes in the same purge either
+            # way).
+            if recorded == n:
+                blocks = tuple(todo)
+            else:
+                keep = {*todo[:placed], *fresh, *added, *renewed}
+                blocks = tuple(dict.fromkeys(compress(todo, map(keep.__contains__, todo))))
+            heapq.heappush(self._pred_heap, (expires, self._pred_seq, rep.index, blocks))
+
+    def _place_leading(
+        self, blocks: list[int], packed: bytes, before: int | None, value: int
+    ) -> int:
+        """Index the leading blocks of ``blocks`` (``packed``: as a run) that are new to the
+        index, with ``value``, as _place_rows places a row after ``before``; returns how many.
+        A chunk of a run at a time goes into ``_seg`` in one pass that also tells whether they
+        were new (one pass where a lookup and an insertion made two); a chunk with a block
+        indexed already, or twice, is undone and ends it."""
+        seg = self._seg
+        runs = self._runs
+        vals = self._vals
+        done = 0
+        while done < len(blocks):
+            chunk = blocks[done : done + _MAX_RUN]
+            k = len(chunk)
+            grow = None  # before's run, if the row continues it
+            if not done and before is not None:
+                rid = seg.get(before)
+                if rid is not None:
+                    run = runs[rid]
+                    if run.endswith(word(before)) and len(run) // W + k <= _MAX_RUN:
+                        grow = rid
+            if grow is not None:
+                target = grow
+            else:  # the id _new_id gives next
+                target = self._free_ids[-1] if self._free_ids else len(runs)
+            size = len(seg)
+            _consume(map(seg.setdefault, chunk, repeat(target)))
+            if len(seg) - size != k:
+                own = set(unpack(runs[grow])) if grow is not None else set()
+                for rh in chunk:
+                    if seg.get(rh) == target and rh not in own:
+                        del seg[rh]
+                return done
+            words = packed[done * W : (done + k) * W]
+            if grow is not None:
+                run = runs[grow]
+                vals[grow] = _joined(vals[grow], len(run) // W, (value,))
+                runs[grow] = run + words
+            else:
+                rid = self._new_id()
+                runs[rid] = words
+                vals[rid] = (value,)
+            done += k
+        return done
+
+    def _predict_indexed(
+        self,
+        rep: _Replica,
+        hashes: list[int],
+        expires: float,
+        added: list[int],
+        renewed: list[int],
+    ) -> bool:
+        """Predict ``rep`` holds these indexed blocks until ``expires``, unless it holds them:
+        ``added`` gets those newly predicted, ``renewed`` those predicted already whose expiry
+        this extends. Returns False if a block is there twice (it counts once)."""
+        bit, pbit, both = rep.bit, rep.pbit, rep.both
+        exp = self._pred_exp[rep.index]
+
+        def predicted(value: int) -> int:
+            return value if value & both else value | pbit
+
+        kept: list[int] = []  # predicted here already
+        distinct = True
+        if not self._edit(hashes, predicted, added, kept, bit):  # block by block
+            unique = list(dict.fromkeys(hashes))
+            distinct = len(unique) == len(hashes)
+            current = self._values_of(unique)
+            added += [rh for rh in unique if not current[rh] & both]
+            kept = [rh for rh in unique if current[rh] & both == pbit]
+            self._apply({rh: current[rh] | pbit for rh in added})
+        if kept:
+            olds = list(map(exp.get, kept))
+            renewed += [
+                rh for rh, old in zip(kept, olds, strict=True) if old is not None and old < expires
+            ]
+        exp.update(zip(added, repeat(expires)))
+        exp.update(zip(renewed, repeat(expires)))
+        return distinct
 
     def _renew(
         self,
@@ -577,6 +710,8 @@ class PrefixIndex:
         renewed: list[int] = []
         unknown: list[int] = []
         get = exp.get
+        # One pass, a lookup and a store of each key back to back (the store then hits the
+        # CPU caches): faster here than C passes over the whole span, measured.
         for rh in router_hashes[held:known]:
             old = get(rh)
             if old is None:
@@ -591,8 +726,12 @@ class PrefixIndex:
         if not unknown:
             return []
         # Held by events since the match, or their prediction expired: look them up.
-        current = self._values_of(unknown)
-        return [rh for rh in unknown if not current[rh] & rep.bit]
+        values = self._values_at(unknown)
+        if values is None:
+            current = self._values_of(unknown)
+            values = [current[rh] for rh in unknown]
+        bit = rep.bit
+        return [rh for rh, value in zip(unknown, values, strict=True) if not value & bit]
 
     def unpredict(self, replica: str, router_hashes: Sequence[int]) -> int:
         """Withdraw ``replica``'s predictions of these blocks (the request failed there).
@@ -619,27 +758,39 @@ class PrefixIndex:
         heap = self._pred_heap
         dropped = 0
         while heap and heap[0][0] <= now:
-            _, _, ridx, prompt = heapq.heappop(heap)
+            due_at, _, ridx, prompt = heapq.heappop(heap)
             exp = self._pred_exp[ridx]
-            due: list[int] = []
-            for rh in prompt:
-                e = exp.get(rh)
-                if e is not None and e <= now:  # not superseded, nor renewed beyond now
-                    del exp[rh]
-                    due.append(rh)
+            # An entry's blocks are distinct and had its expiry when it was pushed; one
+            # renewed, withdrawn or superseded since has another or none. Passes in C.
+            due: Sequence[int] = prompt
+            if exp.get(prompt[0]) == due_at:  # likely all due: out in one pass, back if not
+                expiries = list(map(exp.pop, prompt, repeat(None)))
+                if expiries.count(due_at) != len(prompt):
+                    pairs = list(zip(prompt, expiries, strict=True))
+                    exp.update((rh, e) for rh, e in pairs if e is not None and e > now)
+                    due = [rh for rh, e in pairs if e is not None and e <= now]
+            else:  # likely renewed since
+                expiries = list(map(exp.get, prompt))
+                if None not in expiries and min(cast("list[float]", expiries)) > now:
+                    continue
+                due = [
+                    rh for rh, e in zip(prompt, expiries, strict=True) if e is not None and e <= now
+                ]
+                _consume(map(exp.__delitem__, due))
             self._unpredicted(self._by_index[ridx], due, prompt)
             dropped += len(due)
         self.stats.expired += dropped
         return dropped
 
-    def _unpredicted(self, rep: _Replica, hashes: list[int], chain: Sequence[int]) -> None:
+    def _unpredicted(self, rep: _Replica, hashes: Sequence[int], chain: Sequence[int]) -> None:
         """Clear ``rep``'s predicted bit of these blocks (its predictions of them are gone)."""
         if not hashes:
             return
-        current = self._values_of(hashes)
         pbit = rep.pbit
         # Predicted here, so not held here; each block once (its expiry entry went once).
-        self._apply({rh: current[rh] ^ pbit for rh in hashes}, chain)
+        if not self._edit(hashes, pbit.__xor__):
+            current = self._values_of(hashes)
+            self._apply({rh: current[rh] ^ pbit for rh in hashes}, chain)
         self._pred_count -= len(hashes)
 
     # --- runs -----------------------------------------------------------------------------
@@ -750,9 +901,6 @@ class PrefixIndex:
 
     def _place(self, fresh: dict[int, int], chain: Sequence[int] | None) -> None:
         """Index blocks new to the index (with their values), by rows of ``chain``."""
-        seg = self._seg
-        runs = self._runs
-        vals = self._vals
         rows: list[tuple[int | None, list[int]]] = []  # (the block before, the row)
         seen: set[int] = set()
         if chain is not None:
@@ -769,23 +917,219 @@ class PrefixIndex:
                     row = None
                 before = rh
         rows += [(None, [rh]) for rh in fresh if rh not in seen]
+        self._place_rows(rows, lambda blocks: _pieces([fresh[rh] for rh in blocks]))
+
+    def _place_rows(
+        self,
+        rows: list[tuple[int | None, list[int]]],
+        pieces_of: Callable[[list[int]], Pieces],
+    ) -> None:
+        """Index rows of blocks new to the index (``pieces_of(blocks)``: their values), each
+        continuing the run of the block before it if that run ends there and has room."""
+        seg = self._seg
+        runs = self._runs
+        vals = self._vals
         for before, row in rows:
             for start in range(0, len(row), _MAX_RUN):
                 blocks = row[start : start + _MAX_RUN]
-                values = [fresh[rh] for rh in blocks]
                 rid = seg.get(before) if before is not None and not start else None
                 if rid is not None and before is not None:
                     run = runs[rid]
                     n = len(run) // W
                     if run.endswith(word(before)) and n + len(blocks) <= _MAX_RUN:
-                        vals[rid] = _joined(vals[rid], n, _pieces(values))
+                        vals[rid] = _joined(vals[rid], n, pieces_of(blocks))
                         runs[rid] = run + packed_runs.pack(blocks)
                         seg.update(zip(blocks, repeat(rid)))
                         continue
                 rid = self._new_id()
                 runs[rid] = packed_runs.pack(blocks)
-                vals[rid] = _pieces(values)
+                vals[rid] = pieces_of(blocks)
                 seg.update(zip(blocks, repeat(rid)))
+
+    # Predictions edit runs by spans of positions (found with ``packed_runs.follow``, as a
+    # lookup does) and their pieces, never block by block: a 30-block turn expiring cost a
+    # Python pass over each of its runs (256 blocks) to rebuild values it did not change.
+
+    def _spans(self, hashes: Sequence[int]) -> dict[int, list[tuple[int, int, int]]] | None:
+        """Where these indexed blocks are: run id -> ``(j, k, i)`` in order of ``j``, the run's
+        blocks ``j:k`` being ``hashes[i:i + k - j]``. None (then the block by block way) if a
+        block is there twice, or not found: a hash that the runs' words do not compare equal
+        to."""
+        get = self._seg.get
+        runs = self._runs
+        follow = packed_runs.follow
+        out: dict[int, list[tuple[int, int, int]]] = {}
+        i, n = 0, len(hashes)
+        while i < n:
+            rid = get(hashes[i])
+            if rid is None:
+                return None
+            run = runs[rid]
+            j, span = follow(run, hashes, i, min(n - i, len(run) // W))
+            if span <= 0:
+                return None
+            found = out.get(rid)
+            if found is None:
+                out[rid] = [(j, j + span, i)]
+            else:
+                found.append((j, j + span, i))
+            i += span
+        for ranges in out.values():  # a block twice in ``hashes``: spans overlap
+            if len(ranges) > 1:
+                ranges.sort()
+                if any(a[1] > b[0] for a, b in pairwise(ranges)):
+                    return None
+        return out
+
+    def _values_at(self, hashes: Sequence[int]) -> list[int] | None:
+        """The current value of each of these blocks (0 if not indexed), in order; None as
+        :meth:`_spans` says."""
+        get = self._seg.get
+        runs = self._runs
+        vals = self._vals
+        follow = packed_runs.follow
+        out: list[int] = []
+        i, n = 0, len(hashes)
+        while i < n:
+            rid = get(hashes[i])
+            if rid is None:
+                out.append(0)
+                i += 1
+                continue
+            run = runs[rid]
+            j, span = follow(run, hashes, i, min(n - i, len(run) // W))
+            if span <= 0:
+                return None
+            pieces = vals[rid]
+            last = len(pieces) - 1
+            t = 0
+            while t < last and pieces[t + 1] <= j:
+                t += 2
+            x, end = j, j + span
+            while True:
+                y = pieces[t + 1] if t < last and pieces[t + 1] < end else end
+                out.extend(repeat(pieces[t], y - x))
+                if y == end:
+                    break
+                x = y
+                t += 2
+            i += span
+        return out
+
+    def _edit(
+        self,
+        hashes: Sequence[int],
+        change: Callable[[int], int],
+        changed: list[int] | None = None,
+        kept: list[int] | None = None,
+        kept_unless: int = 0,
+    ) -> bool:
+        """Give these indexed blocks the values ``change(value)`` (0: they leave the index).
+        ``changed`` gets those whose value changed, ``kept`` those whose value did not and has
+        none of the bits of ``kept_unless``. False, changing nothing, where :meth:`_spans`
+        finds no spans."""
+        spans = self._spans(hashes)
+        if spans is None:
+            return False
+        for rid, ranges in spans.items():
+            self._edit_run(rid, ranges, change, hashes, changed, kept, kept_unless)
+        return True
+
+    def _edit_run(
+        self,
+        rid: int,
+        ranges: list[tuple[int, int, int]],
+        change: Callable[[int], int],
+        hashes: Sequence[int],
+        changed: list[int] | None,
+        kept: list[int] | None,
+        kept_unless: int,
+    ) -> None:
+        """:meth:`_edit` on one run: its blocks in ``ranges`` (see :meth:`_spans`)."""
+        run = self._runs[rid]
+        n = len(run) // W
+        pieces = self._vals[rid]
+        low = self._low
+        cuts = set(pieces[1::2])
+        for j, k, _ in ranges:
+            cuts.add(j)
+            cuts.add(k)
+        cuts.discard(0)
+        cuts.discard(n)
+        bounds = sorted(cuts)
+        bounds.append(n)
+        # The new pieces as starts and values; equal neighbours merge.
+        starts: list[int] = []
+        values: list[int] = []
+        done: dict[int, int] = {}  # old value -> new: blocks that shared one share the other
+        gone: list[int] = []  # blocks whose value is now 0
+        only_predicted = 0
+        last = len(pieces) - 1
+        t = r = x = 0
+        nr = len(ranges)
+        for y in bounds:  # [x, y): in one piece, and in one range or none
+            while t < last and pieces[t + 1] <= x:
+                t += 2
+            value = pieces[t]
+            while r < nr and ranges[r][1] <= x:
+                r += 1
+            if r < nr and ranges[r][0] <= x:
+                new = done.get(value)
+                if new is None:
+                    new = done[value] = change(value)
+                if new != value:
+                    gained = bool(new) and not new & low
+                    only_predicted += (y - x) * (gained - (not value & low))
+                    j, _, i = ranges[r]
+                    if not new:  # leaves the index; the caller's objects are the keys
+                        gone += hashes[i + x - j : i + y - j]
+                    elif changed is not None:
+                        changed += hashes[i + x - j : i + y - j]
+                    value = new
+                elif kept is not None and not value & kept_unless:
+                    j, _, i = ranges[r]
+                    kept += hashes[i + x - j : i + y - j]
+            if not values or values[-1] != value:
+                starts.append(x)
+                values.append(value)
+            x = y
+        self._pred_only += only_predicted
+        if 0 not in values:
+            self._vals[rid] = _interleaved(starts, values)
+            return
+        # Blocks leave the index: keep the others as runs of consecutive blocks (the
+        # longest keeps the id), as _split does.
+        seg = self._seg
+        _consume(map(seg.__delitem__, gone))
+        parts: list[tuple[int, int, list[int], list[int]]] = []  # (start, end, starts, values)
+        ends = [*starts[1:], n]
+        open_part = False
+        for a, b, value in zip(starts, ends, values, strict=True):
+            if not value:
+                open_part = False
+            elif open_part:
+                s, _, ps, pv = parts[-1]
+                parts[-1] = (s, b, ps, pv)
+                ps.append(a - s)
+                pv.append(value)
+            else:
+                parts.append((a, b, [0], [value]))
+                open_part = True
+        if not parts:
+            self._free_id(rid)
+            return
+        keep = max(parts, key=lambda part: part[1] - part[0])
+        for part in parts:
+            a, b, ps, pv = part
+            blocks = run[a * W : b * W]
+            if part is keep:
+                self._runs[rid] = blocks
+                self._vals[rid] = _interleaved(ps, pv)
+            else:
+                other = self._new_id()
+                self._runs[other] = blocks
+                self._vals[other] = _interleaved(ps, pv)
+                seg.update(zip(unpack(blocks), repeat(other)))
 
     # --- queries --------------------------------------------------------------------------
 
@@ -890,3 +1234,11 @@ def _joined(pieces: Pieces, n: int, more: Pieces) -> Pieces:
     if pieces[-1] == more[0]:
         return (*pieces, *shifted[1:])
     return (*pieces, n, *shifted)
+
+
+def _interleaved(starts: list[int], values: list[int]) -> Pieces:
+    """The pieces of a run from its pieces' starts (the first is 0) and values."""
+    out: list[int] = [0] * (2 * len(values) - 1)
+    out[0::2] = values
+    out[1::2] = starts[1:]
+    return tuple(out)

@@ -8,6 +8,9 @@ call every lookup, count and statistic must agree. Both hashing implementations 
 
 from __future__ import annotations
 
+import random
+from itertools import pairwise
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -124,8 +127,6 @@ def test_hinted_predictions_match_the_reference_within_their_guarantee() -> None
     """The dispatch ledger passes ``held``/``known`` from a match a moment ago: the fast index
     then skips what the replica holds and renews a prefix at most every ttl/2. Up to the
     expiry of the prediction that was not renewed, lookups equal the exact reference's."""
-    import random
-
     rng = random.Random(9)
     ttl = 4.0
     for _ in range(200):
@@ -150,3 +151,159 @@ def test_hinted_predictions_match_the_reference_within_their_guarantee() -> None
         ref.predict("a", hashes, t1, ttl)
         for t in (t1, max(t1, ttl / 2), max(t1, ttl - 0.01)):
             assert fast.match(hashes, t) == ref.match(hashes, t)
+
+
+# --- long prompts: predictions over several runs ----------------------------------------------
+
+LONG_BS = 2
+LONG_DOCS = [[d * 100_000 + i for i in range(700 * LONG_BS)] for d in range(3)]
+LONG_HASHES = [block_hashes(doc, LONG_BS) for doc in LONG_DOCS]
+
+
+def long_prompt(rng: random.Random) -> list[int]:
+    """A prefix of a document (~700 blocks: several runs), now and then not a chain, with a
+    block twice, or shuffled."""
+    d = rng.randrange(len(LONG_HASHES))
+    end = rng.choice([rng.randint(1, 40), rng.randint(200, 700), 700])
+    prompt = list(LONG_HASHES[d][:end])
+    kind = rng.random()
+    if kind < 0.1:  # another document's blocks from some point
+        cut = rng.randint(0, end)
+        prompt[cut:] = LONG_HASHES[(d + 1) % len(LONG_HASHES)][cut:end]
+    elif kind < 0.2:
+        for _ in range(rng.randint(1, 3)):
+            prompt.insert(rng.randint(0, len(prompt)), rng.choice(prompt))
+    elif kind < 0.25:
+        rng.shuffle(prompt)
+    return prompt
+
+
+def long_history_call(
+    idx: PrefixIndex | ReferenceIndex, rng: random.Random, now: float, hinted: bool
+) -> None:
+    """One random call on ``idx``; ``rng`` must be in the same state for every index fed."""
+    kind = rng.random()
+    replica = rng.choice(REPLICAS)
+    if kind < 0.15:  # a stored chain (superseding predictions), salted for a second copy
+        d = rng.randrange(len(LONG_DOCS))
+        start = rng.randrange(700)
+        end = min(700, start + rng.randint(1, 300))
+        salt = rng.choice([0, 0, 1])
+        ehs = [engine_hash(replica, 10 + d, b, salt) for b in range(start, end)]
+        parent = engine_hash(replica, 10 + d, start - 1, salt) if start else None
+        tokens = LONG_DOCS[d][start * LONG_BS : end * LONG_BS]
+        idx.apply_stored(replica, ehs, parent, tokens, LONG_BS, rng.choice(MEDIA))
+    elif kind < 0.22:
+        d = rng.randrange(len(LONG_DOCS))
+        start = rng.randrange(700)
+        ehs = [engine_hash(replica, 10 + d, b, 0) for b in range(start, start + 50)]
+        idx.apply_removed(replica, ehs, rng.choice(MEDIA))
+    elif kind < 0.25:
+        idx.clear_replica(replica)
+    elif kind < 0.8:
+        prompt = long_prompt(rng)
+        ttl = rng.choice([0.5, 1.0, 2.0, 4.0])
+        if hinted and isinstance(idx, PrefixIndex) and rng.random() < 0.7:
+            match = idx.match(prompt, now).get(replica)
+            held, known = (match.confirmed, match.blocks) if match else (0, 0)
+            if rng.random() < 0.25:  # stale or wrong hints
+                held, known = rng.randint(0, len(prompt)), rng.randint(0, len(prompt))
+            idx.predict(replica, prompt, now, ttl, held=held, known=known)
+        else:
+            idx.predict(replica, prompt, now, ttl)
+    elif kind < 0.9:
+        idx.unpredict(replica, long_prompt(rng))
+    else:
+        idx.expire(now)
+
+
+def assert_same(fast: PrefixIndex, other: PrefixIndex | ReferenceIndex, now: float) -> None:
+    for q in [*LONG_HASHES, [*LONG_HASHES[0][:300], *LONG_HASHES[1][300:]]]:
+        assert fast.match(q, now) == other.match(q, now)
+    assert fast.entries == other.entries
+    assert fast.blocks == other.blocks
+    assert fast.predicted_entries == other.predicted_entries
+    assert fast.stats == other.stats
+
+
+def check_layout(idx: PrefixIndex) -> None:
+    """Runs hold distinct blocks, each mapped to its run; pieces are canonical, never 0."""
+    blocks = 0
+    for rid, run in enumerate(idx._runs):
+        if not run:
+            continue
+        hashes = packed_runs.unpack(run)
+        assert len(set(hashes)) == len(hashes) <= 256
+        assert all(idx._seg[h] == rid for h in hashes)
+        pieces = idx._vals[rid]
+        values, starts = pieces[0::2], pieces[1::2]
+        assert 0 not in values
+        assert all(a != b for a, b in pairwise(values))
+        assert list(starts) == sorted(set(starts)) and all(0 < s < len(hashes) for s in starts)
+        blocks += len(hashes)
+    assert blocks == len(idx._seg)
+
+
+@pytest.mark.parametrize("speedups", [True, False], ids=["c", "python"])
+def test_long_prompts_equal_the_reference(speedups: bool) -> None:
+    """Prompts of hundreds of blocks over several runs, predicted, renewed, withdrawn,
+    superseded and expiring a part at a time: the fast index's span edits equal the model."""
+    block_hashing.use_speedups(speedups)
+    packed_runs.use_speedups(speedups)
+    try:
+        for seed in range(12):
+            rng_fast, rng_ref = random.Random(seed), random.Random(seed)
+            fast, ref = PrefixIndex(), ReferenceIndex()
+            now = 0.0
+            for step in range(40):
+                now += (0.0, 0.25, 0.5, 1.5)[step % 4]
+                long_history_call(fast, rng_fast, now, hinted=False)
+                long_history_call(ref, rng_ref, now, hinted=False)
+                assert_same(fast, ref, now)
+            check_layout(fast)
+    finally:
+        block_hashing.use_speedups(True)
+        packed_runs.use_speedups(True)
+
+
+def block_by_block(idx: PrefixIndex) -> PrefixIndex:
+    """``idx`` with predictions applied block by block, as before spans (the fallbacks)."""
+    idx._spans = lambda hashes: None  # type: ignore[method-assign]
+    idx._values_at = lambda hashes: None  # type: ignore[method-assign]
+    idx._place_leading = lambda *args: 0  # type: ignore[method-assign]
+    return idx
+
+
+@pytest.mark.parametrize("speedups", [True, False], ids=["c", "python"])
+def test_span_edits_equal_block_by_block_edits(speedups: bool) -> None:
+    """The same calls, hinted predictions included, with predictions editing runs by spans
+    and block by block: the same lookups, counts and stats, and sound runs."""
+    block_hashing.use_speedups(speedups)
+    packed_runs.use_speedups(speedups)
+    try:
+        for seed in range(12):
+            rng_fast, rng_slow = random.Random(seed), random.Random(seed)
+            fast, slow = PrefixIndex(), block_by_block(PrefixIndex())
+            now = 0.0
+            for step in range(40):
+                now += (0.0, 0.25, 0.5, 1.5)[step % 4]
+                long_history_call(fast, rng_fast, now, hinted=True)
+                long_history_call(slow, rng_slow, now, hinted=True)
+                assert_same(fast, slow, now)
+                check_layout(fast)
+            check_layout(slow)
+    finally:
+        block_hashing.use_speedups(True)
+        packed_runs.use_speedups(True)
+
+
+def test_values_at_equals_values_of() -> None:
+    """The values a span at a time (stale hinted blocks) equal the block by block lookup."""
+    rng = random.Random(3)
+    idx = PrefixIndex()
+    for step in range(60):
+        long_history_call(idx, rng, step * 0.25, hinted=True)
+        hashes = long_prompt(rng)
+        values = idx._values_at(hashes)
+        current = idx._values_of(hashes)
+        assert values == [current[h] for h in hashes]
