@@ -152,8 +152,12 @@ class DispatchLedger:
             route.estimate = self._regret.estimate(request, fleet.replicas, chosen)
         return route
 
-    def dispatch(self, route: Route, replica: str, now: float, reason: str = "") -> Dispatch:
-        """``route``'s request goes to ``replica``: predict its prompt there, count its load."""
+    def dispatch(
+        self, route: Route, replica: str, now: float, reason: str = "", *, predict: bool = True
+    ) -> Dispatch:
+        """``route``'s request goes to ``replica``: predict its prompt there, count its load.
+        With ``predict`` False the caller predicts (:meth:`predict`) before its next route:
+        the endpoint picker does once its answer is on its way."""
         request = route.request
         slot = self._slots[replica]
         prefix = request.prefix_tokens
@@ -173,21 +177,11 @@ class DispatchLedger:
         d.transferred = route.transferred
         d.sent_at = now
         d.ahead = d.state.prefill_tokens
-        if request.block_hashes:
-            # Until its events arrive, count the prompt as cached there, so the next request
-            # with this prefix follows it. The match says what it holds already: only the
-            # rest is looked up (a long conversation's next turn: its new blocks).
-            match = route.matches.get(replica) if route.matches else None
-            if match is not None:
-                d.held = match.confirmed
-            self.index.predict(
-                replica,
-                request.block_hashes,
-                now,
-                self.prediction_ttl_s,
-                held=d.held,
-                known=match.blocks if match is not None else 0,
-            )
+        match = route.matches.get(replica) if route.matches else None
+        if match is not None:
+            d.held = match.confirmed
+        if predict:
+            self.predict(route, d, now)
         state = d.state
         state.in_flight += 1
         state.in_flight_tokens += d.cost
@@ -196,6 +190,23 @@ class DispatchLedger:
         if self._shared is not None:
             self._shared.add(slot, 1, d.cost, 1, d.prefill)
         return d
+
+    def predict(self, route: Route, d: Dispatch, now: float) -> None:
+        """Until its events arrive, count the prompt as cached where it went, so the next
+        request with this prefix follows it. The match says what it holds already: only the
+        rest is looked up (a long conversation's next turn: its new blocks)."""
+        hashes = d.request.block_hashes
+        if not hashes:
+            return
+        match = route.matches.get(d.replica) if route.matches else None
+        self.index.predict(
+            d.replica,
+            hashes,
+            now,
+            self.prediction_ttl_s,
+            held=d.held,
+            known=match.blocks if match is not None else 0,
+        )
 
     def first_token(self, d: Dispatch, now: float, ok: bool = True) -> bool:
         """The replica answered (``ok``) or refused; False if this was counted already."""

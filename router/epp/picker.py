@@ -160,14 +160,12 @@ class EndpointPicker:
             self.admission.release(ticket)
             self.tenants.finished(ticket, 0, 0, "error", time.monotonic())
             raise
-        dispatch = self.ledger.dispatch(route, ranked[0], arrived)
+        # Predicted in ``placed``, once the answer is on its way.
+        dispatch = self.ledger.dispatch(route, ranked[0], arrived, predict=False)
         if self.bus is not None:
             self.bus.dispatched(dispatch)
         self.registry.dispatched(self.registry.handles[ranked[0]])
         self.decisions.latency.observe(time.perf_counter() - started)
-        self.metrics.observe_routed(
-            dispatch.replica, dispatch.request.prompt_tokens, dispatch.cached_tokens
-        )
         return Pick(
             route,
             dispatch,
@@ -202,6 +200,13 @@ class EndpointPicker:
             request = RouteRequest(max(1, len(body) // CHARS_PER_TOKEN), 0)
         self.registry.before_decision(now)
         return self.ledger.route(request, now, keys.block_size())
+
+    def placed(self, pick: Pick) -> None:
+        """The pick's bookkeeping that its answer need not wait for; the caller runs it right
+        after the answer is written, before any other request is picked."""
+        d = pick.dispatch
+        self.ledger.predict(pick.route, d, pick.arrived)
+        self.metrics.observe_routed(d.replica, d.request.prompt_tokens, d.cached_tokens)
 
     def _eligible(
         self, ranked: tuple[str, ...], subset: frozenset[str] | None, now: float

@@ -263,6 +263,7 @@ class _Exchange:
             log.exception("pick failed")
             failed = errors.ApiError(500, "The endpoint picker failed.", error_type="server_error")
             return [_immediate(self.picker, failed)]
+        self.deferred = partial(self.picker.placed, pick)
         destinations = ",".join(pick.destinations)
         set_headers = [(messages.DESTINATION, destinations)]
         if self.request_mode == FULL_DUPLEX:
