@@ -531,6 +531,8 @@ class PrefixIndex:
             # The caller's ints, not copies, become the dicts' keys: a conversation's next
             # requests bring the same objects (the tokenizer's prefix cache keeps them), and a
             # dict finds a key by identity ~2x faster than an equal int (no cache miss on it).
+            # ``todo`` may be the caller's own list from here on: slice or copy it, never
+            # mutate or keep it.
             todo = todo if type(todo) is list else list(todo)
         else:
             todo = unpack(packed)
@@ -542,7 +544,8 @@ class PrefixIndex:
         # Whole-prompt passes run in C (map, count, dict.update), with as few dict operations
         # a block as the bookkeeping allows: a conversation new to the replica is thousands
         # of blocks, and each operation on the index's large dicts misses the CPU caches.
-        before = router_hashes[first - 1] if first else None
+        # As ints (numpy's have no to_bytes); an int is itself, so the identity still holds.
+        before = int(router_hashes[first - 1]) if first else None
         # The prompt's tail ``todo`` follows ``before``: rows of blocks new to the index are
         # found in C (not by walking the prompt, as _place does) unless ``before`` is new too.
         tail = not stale and (before is None or before in seg or before not in todo)
@@ -584,7 +587,7 @@ class PrefixIndex:
             else:
                 # The blocks new to the index go after the block before them: the chain from
                 # there (not the whole prompt, which placing would walk block by block).
-                chain = tuple(router_hashes[max(0, first - 1) :])
+                chain = tuple(map(int, router_hashes[max(0, first - 1) :]))
                 self._place(dict.fromkeys(fresh, pbit), chain)
         new = placed + len(fresh) + len(added)
         recorded = new + len(renewed)

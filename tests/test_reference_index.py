@@ -307,3 +307,33 @@ def test_values_at_equals_values_of() -> None:
         values = idx._values_at(hashes)
         current = idx._values_of(hashes)
         assert values == [current[h] for h in hashes]
+
+
+@pytest.mark.parametrize("speedups", [True, False], ids=["c", "python"])
+def test_a_hinted_prompt_repeating_a_block_after_its_known_prefix(speedups: bool) -> None:
+    """A block already predicted here comes again after the hinted prefix: it is indexed once
+    (the leading placement undoes its row without dropping the block it did not add)."""
+    packed_runs.use_speedups(speedups)
+    try:
+        fast, ref = PrefixIndex(), ReferenceIndex()
+        fast.predict("a", [1, 2, 3], 0.0, 10.0)
+        ref.predict("a", [1, 2, 3], 0.0, 10.0)
+        fast.predict("a", [1, 2, 3, 4, 2], 0.0, 10.0, held=0, known=3)
+        ref.predict("a", [1, 2, 3, 4, 2], 0.0, 10.0)
+        assert_same(fast, ref, 0.0)
+        assert fast.match([1, 2, 3, 4], 0.0) == ref.match([1, 2, 3, 4], 0.0)
+        check_layout(fast)
+    finally:
+        packed_runs.use_speedups(True)
+
+
+def test_numpy_block_hashes_predict_as_their_ints() -> None:
+    np = pytest.importorskip("numpy")
+    plain, numpy_fed = PrefixIndex(), PrefixIndex()
+    for idx in (plain, numpy_fed):
+        idx.predict("a", [1], 0.0, 10.0)
+    plain.predict("a", [1, 2, 2], 0.0, 20.0)
+    numpy_fed.predict("a", [np.uint64(1), np.uint64(2), np.uint64(2)], 0.0, 20.0)
+    assert_same(numpy_fed, plain, 0.0)
+    assert numpy_fed.match([1, 2], 0.0) == plain.match([1, 2], 0.0)
+    check_layout(numpy_fed)

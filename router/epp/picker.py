@@ -166,6 +166,9 @@ class EndpointPicker:
             self.bus.dispatched(dispatch)
         self.registry.dispatched(self.registry.handles[ranked[0]])
         self.decisions.latency.observe(time.perf_counter() - started)
+        self.metrics.observe_routed(
+            dispatch.replica, dispatch.request.prompt_tokens, dispatch.cached_tokens
+        )
         return Pick(
             route,
             dispatch,
@@ -202,11 +205,10 @@ class EndpointPicker:
         return self.ledger.route(request, now, keys.block_size())
 
     def placed(self, pick: Pick) -> None:
-        """The pick's bookkeeping that its answer need not wait for; the caller runs it right
-        after the answer is written, before any other request is picked."""
-        d = pick.dispatch
-        self.ledger.predict(pick.route, d, pick.arrived)
-        self.metrics.observe_routed(d.replica, d.request.prompt_tokens, d.cached_tokens)
+        """Predict the pick's prompt where it went: its answer need not wait for that. The
+        caller runs it right after the answer is written, before any other request is picked
+        (a stream gone before its answer is not predicted: closed, it will not prefill)."""
+        self.ledger.predict(pick.route, pick.dispatch, pick.arrived)
 
     def _eligible(
         self, ranked: tuple[str, ...], subset: frozenset[str] | None, now: float
