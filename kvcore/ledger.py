@@ -156,7 +156,7 @@ class DispatchLedger:
         self, route: Route, replica: str, now: float, reason: str = "", *, predict: bool = True
     ) -> Dispatch:
         """``route``'s request goes to ``replica``: predict its prompt there, count its load.
-        With ``predict`` False the caller predicts (:meth:`predict`) before its next route:
+        With ``predict`` False the caller predicts (:meth:`predict_prompt`) before its next route:
         the endpoint picker does once its answer is on its way."""
         request = route.request
         slot = self._slots[replica]
@@ -181,7 +181,7 @@ class DispatchLedger:
         if match is not None:
             d.held = match.confirmed
         if predict:
-            self.predict(route, d, now)
+            self.predict_prompt(route, d, now)
         state = d.state
         state.in_flight += 1
         state.in_flight_tokens += d.cost
@@ -191,7 +191,7 @@ class DispatchLedger:
             self._shared.add(slot, 1, d.cost, 1, d.prefill)
         return d
 
-    def predict(self, route: Route, d: Dispatch, now: float) -> None:
+    def predict_prompt(self, route: Route, d: Dispatch, now: float) -> None:
         """Until its events arrive, count the prompt as cached where it went, so the next
         request with this prefix follows it. The match says what it holds already: only the
         rest is looked up (a long conversation's next turn: its new blocks)."""

@@ -208,7 +208,7 @@ class EndpointPicker:
         """Predict the pick's prompt where it went: its answer need not wait for that. The
         caller runs it right after the answer is written, before any other request is picked
         (a stream gone before its answer is not predicted: closed, it will not prefill)."""
-        self.ledger.predict(pick.route, pick.dispatch, pick.arrived)
+        self.ledger.predict_prompt(pick.route, pick.dispatch, pick.arrived)
 
     def _eligible(
         self, ranked: tuple[str, ...], subset: frozenset[str] | None, now: float
