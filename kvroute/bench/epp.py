@@ -715,12 +715,8 @@ def errors_cell(r: Latency | Large) -> str:
     return f"{r.errors} ({r.non_2xx} http, {r.socket_errors} socket)"
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _cores(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _cell(value: float | None, places: int = 2) -> str:
+    return "-" if value is None else f"{value:.{places}f}"
 
 
 def latency_table(rounds: Sequence[LatencyRound]) -> str:
@@ -734,7 +730,7 @@ def latency_table(rounds: Sequence[LatencyRound]) -> str:
     for name, r in (("direct (Envoy round robin)", direct), ("kvroute epp (Envoy ext_proc)", epp)):
         lines.append(
             f"| {name} | {r.requests_per_s:.0f} | {r.mean_ms:.2f} | {r.p50_ms:.2f} "
-            f"| {r.p99_ms:.2f} | {errors_cell(r)} | {_cores(r.picker_cores)} | {_ms(r.decision_ms)} |"
+            f"| {r.p99_ms:.2f} | {errors_cell(r)} | {_cell(r.picker_cores)} | {_cell(r.decision_ms)} |"
         )
     lines.append(
         f"| added by the picker (median of rounds) | - "
@@ -765,15 +761,11 @@ def large_table(epp: Large | None, direct: Large | None, cpus: int) -> str:
         lines.append(
             f"| {name} | {r.requests_per_s:.0f} | {r.p50_ms:.1f} | {r.p99_ms:.1f} | {errors_cell(r)} "
             f"| {r.mean_body_kb:.0f} | {r.first_turn_ms:.0f} | {c['picker']:.2f} "
-            f"| {c['picker main']:.2f} | {_rate(r.picks_per_cpu_s if r is epp else None)} "
+            f"| {c['picker main']:.2f} | {_cell(r.picks_per_cpu_s if r is epp else None, 0)} "
             f"| {c['envoy']:.2f} | {c['client']:.2f} "
-            f"| {c['machine']:.2f} of {cpus} | {_ms(r.decision_ms)} |"
+            f"| {c['machine']:.2f} of {cpus} | {_cell(r.decision_ms)} |"
         )
     return "\n".join(lines)
-
-
-def _rate(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
 
 
 def verdict(met: bool) -> str:
