@@ -29,10 +29,24 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvroute.kvcore.tokenizer.ascii_pieces import (
+    AddedToken,
+    AsciiPieceEncoder,
+    plan_for,
+    special_ids_around,
+)
+
 if TYPE_CHECKING:
     from kvroute.kvcore.tokenizer.chat_render import ChatRenderCache
 
 BUILTIN = "builtin"
+
+# Text with every kind of piece a pre-tokenizer's split tells apart: the check that the
+# ASCII path gives the library's ids for this tokenizer (tests compare many more).
+PROBE = (
+    "Hello, World! It's 2026-12-02; we'll test   spaces\tand\ttabs\n\n  indented line\r\n"
+    "x=[1,2,3]; y = {'a': \"b\"} # ok?? DON'T 12345678 a.b_c ~`^|\\ end  "
+)
 
 # What ``strftime_now`` in a chat template reads: e.g. ``datetime.datetime.now``.
 Clock = Callable[[], Any]
@@ -88,10 +102,48 @@ class HFTokenizerFiles:
             for key, value in self.config.items()
             if key.endswith("_token") and _token_text(value) is not None
         }
+        # ASCII text by cached pre-tokens (ascii_pieces.py); None: every text to the library.
+        self.ascii_pieces, self.ascii_pieces_why = self._ascii_pieces(tokenizer_json)
 
     # -- the Tokenizer protocol (shared with the emulated replica) ---------------------
 
+    def _ascii_pieces(self, tokenizer_json: Path) -> tuple[AsciiPieceEncoder | None, str]:
+        plan, why = plan_for(_read_json(tokenizer_json))
+        if plan is None:
+            return None, why
+        tok = self._tok
+        around = special_ids_around(
+            tok.encode(PROBE, add_special_tokens=True).ids,
+            tok.encode(PROBE, add_special_tokens=False).ids,
+        )
+        if around is None:
+            return None, "the post-processor does more than add tokens around a text"
+        encoder = AsciiPieceEncoder(
+            plan,
+            lambda piece: [t.id for t in tok.model.tokenize(piece)],
+            [
+                AddedToken(
+                    t.content,
+                    token_id,
+                    not t.normalized,
+                    not (t.lstrip or t.rstrip or t.single_word),
+                )
+                for token_id, t in tok.get_added_tokens_decoder().items()
+            ],
+            *around,
+        )
+        # A last check on text of every kind the splits tell apart.
+        for special in (True, False):
+            if encoder.encode(PROBE, special) != tok.encode(PROBE, add_special_tokens=special).ids:
+                return None, "its ids differ from the library's on a sample text"
+        return encoder, ""
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        pieces = self.ascii_pieces
+        if pieces is not None:
+            found = pieces.encode(text, add_special_tokens)
+            if found is not None:
+                return found
         fast = self._encode_fast
         if fast is not None:
             ids: list[int] = fast((text,), add_special_tokens=add_special_tokens)[0].ids
