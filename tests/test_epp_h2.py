@@ -368,3 +368,65 @@ async def test_answers_sent_outside_a_read_leave_in_one_write() -> None:
     # A lone send outside a read still goes out at once.
     stream.send(b"more")
     assert len(transport.writes) == 2
+
+
+class _AnswerThenFinish:
+    """Answers each message, with work to run once that answer is written; ends the stream
+    when the client does."""
+
+    def __init__(self, stream: Stream, transport: _CountingTransport, ran: list[str]) -> None:
+        self.stream = stream
+        self.transport = transport
+        self.ran = ran
+
+    def on_message(self, message: bytes) -> None:
+        self.stream.send(b"answer to " + message)
+        self.stream.after_write(lambda: self.ran.append(f"work ({len(self.transport.writes)})"))
+
+    def on_half_close(self) -> None:
+        self.stream.finish()
+        self.stream.after_write(lambda: self.ran.append("close"))
+
+    def on_cancel(self) -> None:
+        pass
+
+
+async def test_a_reads_answers_and_trailers_leave_in_one_write_before_its_work_runs() -> None:
+    """The last response message and the end of the stream in one read: the answer and the
+    trailers go in one write, and the bookkeeping runs after it, in the order it was asked
+    for (the request's, then the stream's close)."""
+    ran: list[str] = []
+    transport = _CountingTransport()
+    handlers = {ECHO: lambda stream: _AnswerThenFinish(stream, transport, ran)}
+    conn = h2.GrpcConnection(GrpcServer(handlers))
+    conn.connection_made(transport)
+    conn.data_received(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0, b""))
+    transport.writes.clear()
+    block = hpack.Encoder().encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", ECHO),
+            (":authority", "x"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+    )
+    conn.data_received(
+        h2.frame(h2.HEADERS, h2.END_HEADERS, 1, bytes(block))
+        + h2.frame(h2.DATA, h2.END_STREAM, 1, grpc_message(b"last"))
+    )
+    assert ran == ["work (1)", "close"]
+    (written,) = transport.writes
+    kinds = []
+    while written:
+        hi, lo, kind, flags, _ = h2.FRAME.unpack(written[:9])
+        kinds.append((kind, bool(flags & h2.END_STREAM)))
+        written = written[9 + ((hi << 16) | lo) :]
+    # Response headers, the answer, the trailers that end the stream.
+    assert kinds == [(h2.HEADERS, False), (h2.DATA, False), (h2.HEADERS, True)]
+    # Outside a read, the work runs at once, after the write.
+    stream = Stream(3, conn, {})
+    stream.send(b"late")
+    stream.after_write(lambda: ran.append(f"late, {len(conn.out)} unwritten"))
+    assert ran[-1] == "late, 0 unwritten"

@@ -21,14 +21,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
+from kvroute.router.epp import h2_grpc as h2
 from kvroute.router.epp import messages
 from kvroute.router.epp.endpoints import address, in_subset, parse_subset
 from kvroute.router.epp.server import PickerServer
-from kvroute.router.epp.service import _status_and_type, usage_of
+from kvroute.router.epp.service import PROCESS, _status_and_type, usage_of
 
 from .conftest import Running, launch_emulated
 from .helpers import wait_until
 from .test_epp_envoy import picker_config
+from .test_epp_h2 import RawClient, grpc_message
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
@@ -42,6 +44,7 @@ class Picker:
     server: PickerServer
     replicas: list[Running]
     channel: grpc.aio.Channel
+    port: int
 
     @property
     def addresses(self) -> list[str]:
@@ -59,7 +62,7 @@ async def picker() -> AsyncIterator[Picker]:
     ports = await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{ports.grpc}")
     try:
-        yield Picker(server, [x for _, x in started], channel)
+        yield Picker(server, [x for _, x in started], channel, ports.grpc)
     finally:
         await channel.close()
         await server.stop(0)
@@ -184,6 +187,40 @@ async def test_full_duplex_answers_headers_with_the_pick_then_echoes_the_body(
     assert (echo.body, echo.end_of_stream) == (usage, True)
     await stream.close()
     assert sum(picker.in_flight().values()) == 0
+
+
+async def test_a_response_that_ends_with_its_stream_in_one_read_closes_its_request_completed(
+    picker: Picker,
+) -> None:
+    """Envoy sends the last response message and the stream's end together: the answer and
+    the trailers go back together, and the request is closed in the ledger as completed (200
+    with its usage), not as torn down (499) by the stream's close."""
+    counts = picker.server.picker.metrics.requests
+    before = dict(counts)
+    client = await RawClient.connect(picker.port)
+    client.send(h2.HEADERS, h2.END_HEADERS, 1, client.headers_block(PROCESS))
+    client.send(
+        h2.DATA,
+        0,
+        1,
+        grpc_message(headers_message().SerializeToString())
+        + grpc_message(body_message(BODY, True).SerializeToString()),
+    )
+    await wait_until(lambda: sum(picker.in_flight().values()) == 1, what="picked")
+    usage = b'{"usage": {"prompt_tokens": 40, "completion_tokens": 3}}'
+    client.send(
+        h2.DATA,
+        h2.END_STREAM,
+        1,
+        grpc_message(response_headers_message(None).SerializeToString())
+        + grpc_message(body_message(usage, True, response=True).SerializeToString()),
+    )
+    _, trailers, _ = await client.response(1)
+    await client.close()
+    assert trailers["grpc-status"] == "0"
+    assert sum(picker.in_flight().values()) == 0
+    added = {key: n - before.get(key, 0) for key, n in counts.items() if n != before.get(key, 0)}
+    assert [(status, n) for (_, status, _), n in added.items()] == [(200, 1)]
 
 
 async def test_an_event_streams_headers_are_answered_before_its_first_event(

@@ -192,9 +192,11 @@ class Stream:
         if not corked:
             conn.flush()
 
-    def flush(self) -> None:
-        """Write what was sent so far now, not at the end of the read that led to it."""
-        self.conn.flush()
+    def after_write(self, work: Callable[[], None]) -> None:
+        """Run ``work`` once what was sent so far is written: at the end of the read being
+        handled (its answers, and whatever else that read leads to, such as the stream's
+        trailers, leave in one write), or now outside a read."""
+        self.conn.after_write(work)
 
     def finish(self, status: int = OK, message: str = "") -> None:
         if self.finished:
@@ -207,6 +209,13 @@ class Stream:
             block = RESPONSE_HEADERS + block
         self.trailers = block
         self.conn.pump(self)
+
+
+def _run_logged(work: Callable[[], None]) -> None:
+    try:
+        work()
+    except Exception:
+        log.exception("work after a write failed")
 
 
 class GrpcConnection(asyncio.Protocol):
@@ -226,6 +235,7 @@ class GrpcConnection(asyncio.Protocol):
         self.send_window = DEFAULT_WINDOW
         self.unacked = 0
         self.blocked: dict[int, Stream] = {}  # streams waiting for the connection's window
+        self.written: list[Callable[[], None]] = []  # to run once this read's write is out
         # A header block still being received (HEADERS then CONTINUATION frames).
         self.header_stream = 0
         self.header_flags = 0
@@ -258,6 +268,8 @@ class GrpcConnection(asyncio.Protocol):
         finally:
             self.corked = False
             self.flush()
+            if self.written:
+                self._run_written()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -273,6 +285,19 @@ class GrpcConnection(asyncio.Protocol):
         self.out.append(data)
         if not self.corked:
             self.flush()
+
+    def after_write(self, work: Callable[[], None]) -> None:
+        if self.corked:
+            self.written.append(work)
+            return
+        self.flush()
+        _run_logged(work)
+
+    def _run_written(self) -> None:
+        written = self.written
+        self.written = []
+        for work in written:
+            _run_logged(work)
 
     def flush(self) -> None:
         if self.out and self.transport is not None and not self.transport.is_closing():

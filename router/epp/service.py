@@ -138,15 +138,13 @@ class ProcessCall:
         deferred = self.exchange.deferred
         if deferred is not None:
             self.exchange.deferred = None
-            self.stream.flush()  # Envoy goes on with the response meanwhile
-            try:
-                deferred()
-            except Exception:
-                log.exception("ext_proc bookkeeping failed")
+            # Envoy goes on with the request meanwhile. Before any other pick: a pick is a
+            # task, and a read's work runs at its end.
+            self.stream.after_write(deferred)
 
     def _end(self) -> None:
-        self.exchange.close()
-        self.stream.finish()
+        self.stream.finish()  # the trailers go with the last answer, in its write
+        self.stream.after_write(self.exchange.close)  # after its bookkeeping, not before
 
     def _fail(self) -> None:
         self.inbox.clear()
