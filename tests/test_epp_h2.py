@@ -430,3 +430,37 @@ async def test_a_reads_answers_and_trailers_leave_in_one_write_before_its_work_r
     stream.send(b"late")
     stream.after_write(lambda: ran.append(f"late, {len(conn.out)} unwritten"))
     assert ran[-1] == "late, 0 unwritten"
+
+
+@pytest.mark.parametrize(
+    ("block", "neutral"),
+    [
+        (b"\x82\x87", True),  # indexed (static)
+        (b"\x04\x02/x", True),  # literal not indexed, indexed name
+        (b"\x10\x03x-a\x011", True),  # never indexed, literal name
+        (b"\xff\x00", True),  # an index in two bytes (127)
+        (b"\x40\x03x-a\x011", False),  # added to the table
+        (b"\x3f\xe1\x1f", False),  # a table size update
+        (b"\x04\x05/x", False),  # a value longer than the block
+        (b"\xff", False),  # an integer cut short
+    ],
+)
+def test_which_header_blocks_leave_the_decoders_table_as_it_was(
+    block: bytes, neutral: bool
+) -> None:
+    assert h2._table_neutral(block) is neutral
+
+
+async def test_a_remembered_header_block_means_what_the_table_now_says() -> None:
+    """The same indexed bytes name another field once a block has added one to the table:
+    remembered decodes are forgotten then, and a decode handed out is the caller's own."""
+    conn = h2.GrpcConnection(GrpcServer({}))
+    path = b"\x04\x02/x"  # :path /x, not indexed
+    assert conn._decode_header_block(b"\x83" + path) == {":method": "POST", ":path": "/x"}
+    conn._decode_header_block(b"\x40\x03x-a\x011")  # x-a: 1 is entry 62 now
+    first = conn._decode_header_block(b"\xbe" + path)  # index 62
+    assert first == {"x-a": "1", ":path": "/x"}
+    first["x-a"] = "changed"
+    assert conn._decode_header_block(b"\xbe" + path)["x-a"] == "1"
+    conn._decode_header_block(b"\x40\x03x-b\x012")  # x-b: 2 is entry 62, x-a 63
+    assert conn._decode_header_block(b"\xbe" + path) == {"x-b": "2", ":path": "/x"}

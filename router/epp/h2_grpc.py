@@ -55,6 +55,7 @@ DEFAULT_WINDOW = 65_535
 # and windows large enough that a stream never waits on us.
 RECEIVE_FRAME_BYTES = 1 << 20
 RECEIVE_WINDOW = 1 << 24
+MAX_INDEXED_BLOCKS = 64  # distinct table-neutral header blocks remembered per connection
 MAX_HEADER_LIST_BYTES = 64 << 10
 
 
@@ -211,6 +212,50 @@ class Stream:
         self.conn.pump(self)
 
 
+def _read_hpack_int(block: bytes, pos: int, prefix_bits: int) -> tuple[int, int]:
+    """An HPACK integer (RFC 7541 5.1) at ``pos`` with a ``prefix_bits`` prefix: its value
+    and the position after it; IndexError past the block."""
+    mask = (1 << prefix_bits) - 1
+    value = block[pos] & mask
+    pos += 1
+    if value < mask:
+        return value, pos
+    shift = 0
+    while True:
+        byte = block[pos]
+        pos += 1
+        value += (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def _table_neutral(block: bytes) -> bool:
+    """Whether a header block leaves the decoder's dynamic table as it was: indexed fields
+    and literals not indexed (RFC 7541 6.1, 6.2.2, 6.2.3) only, no literal that is added to
+    the table (6.2.1) and no size update (6.3). Envoy's blocks for new ext_proc streams are
+    such, and the same bytes each time."""
+    pos, size = 0, len(block)
+    try:
+        while pos < size:
+            first = block[pos]
+            if first & 0x80:
+                _, pos = _read_hpack_int(block, pos, 7)
+                continue
+            if first & 0xE0:  # 01xxxxxx (added to the table) or 001xxxxx (size update)
+                return False
+            name, pos = _read_hpack_int(block, pos, 4)
+            strings = 1 if name else 2  # a literal name before the value
+            for _ in range(strings):
+                length, pos = _read_hpack_int(block, pos, 7)
+                pos += length
+                if pos > size:
+                    return False
+    except IndexError:
+        return False
+    return True
+
+
 def _run_logged(work: Callable[[], None]) -> None:
     try:
         work()
@@ -236,6 +281,7 @@ class GrpcConnection(asyncio.Protocol):
         self.unacked = 0
         self.blocked: dict[int, Stream] = {}  # streams waiting for the connection's window
         self.written: list[Callable[[], None]] = []  # to run once this read's write is out
+        self.indexed_blocks: dict[bytes, dict[str, str]] = {}  # see _decode_header_block
         # A header block still being received (HEADERS then CONTINUATION frames).
         self.header_stream = 0
         self.header_flags = 0
@@ -530,10 +576,7 @@ class GrpcConnection(asyncio.Protocol):
         stream_id, flags, block = self.header_stream, self.header_flags, bytes(self.header_block)
         self.header_stream = 0
         self.header_block = bytearray()
-        try:
-            headers = self.decoder.decode(block, raw=True)
-        except hpack.HPACKError as exc:
-            raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from exc
+        fields = self._decode_header_block(block)
         stream = self.streams.get(stream_id)
         if stream is not None:  # trailers from the client: its side is done
             if stream.remote_closed:
@@ -546,8 +589,6 @@ class GrpcConnection(asyncio.Protocol):
         if stream_id <= self.last_stream_id:
             return  # the client's trailers on a stream this side already closed
         self.last_stream_id = stream_id
-        # Field values may be any octets (latin-1), not only UTF-8.
-        fields = {bytes(k).decode("latin-1"): bytes(v).decode("latin-1") for k, v in headers}
         stream = Stream(stream_id, self, fields)
         self.streams[stream_id] = stream
         if self.going_away:
@@ -568,6 +609,27 @@ class GrpcConnection(asyncio.Protocol):
         self._deliver(stream, None, None, handler)
         if flags & END_STREAM and stream_id in self.streams:
             self._remote_closed(stream)
+
+    def _decode_header_block(self, block: bytes) -> dict[str, str]:
+        """A header block's fields. A block that leaves the decoder's table as it was means
+        the same each time until one that changes the table is decoded, and Envoy sends
+        each new stream the same one: it is decoded once."""
+        known = self.indexed_blocks.get(block)
+        if known is not None:
+            return dict(known)
+        try:
+            headers = self.decoder.decode(block, raw=True)
+        except hpack.HPACKError as exc:
+            raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from exc
+        # Field values may be any octets (latin-1), not only UTF-8.
+        fields = {bytes(k).decode("latin-1"): bytes(v).decode("latin-1") for k, v in headers}
+        if _table_neutral(block):
+            if len(self.indexed_blocks) >= MAX_INDEXED_BLOCKS:
+                self.indexed_blocks.clear()
+            self.indexed_blocks[block] = fields
+            return dict(fields)
+        self.indexed_blocks.clear()  # the table changed: what an index means too
+        return fields
 
     def _deliver(
         self,
