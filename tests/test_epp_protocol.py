@@ -552,3 +552,26 @@ async def test_a_request_queued_in_admission_waits_for_its_pick_and_a_cancel_fre
     finally:
         await server.stop(0)
         await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("set_headers", "destinations"),
+    [
+        (
+            [(messages.DESTINATION, "10.0.0.1:8000,10.0.0.2:8000"), ("content-length", "1068")],
+            "10.0.0.1:8000,10.0.0.2:8000",
+        ),
+        ([(messages.DESTINATION, "[fd00::1]:8000")], "[fd00::1]:8000"),
+        ([("x-long", "v" * 300)], ",".join(f"10.0.{i}.1:8000" for i in range(40))),
+        ([], ""),
+    ],
+)
+def test_the_pick_answer_is_what_protobuf_serializes(
+    set_headers: list[tuple[str, str]], destinations: str
+) -> None:
+    expected = messages.request_headers(
+        set_headers, messages.SYSTEM_HEADERS, destinations=destinations
+    )
+    written = messages.pick_headers_answer(set_headers, destinations)
+    assert written == expected.SerializeToString()
+    assert ep.ProcessingResponse.FromString(written) == expected

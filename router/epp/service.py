@@ -267,9 +267,7 @@ class _Exchange:
         if self.request_mode == FULL_DUPLEX:
             set_headers.append(("content-length", str(len(body))))
             return [
-                messages.request_headers(
-                    set_headers, messages.SYSTEM_HEADERS, destinations=destinations
-                ),
+                messages.pick_headers_answer(set_headers, destinations),
                 *messages.streamed_bodies(body, ended, request=True),
             ]
         return [
