@@ -55,7 +55,7 @@ DEFAULT_WINDOW = 65_535
 # and windows large enough that a stream never waits on us.
 RECEIVE_FRAME_BYTES = 1 << 20
 RECEIVE_WINDOW = 1 << 24
-MAX_INDEXED_BLOCKS = 64  # distinct table-neutral header blocks remembered per connection
+MAX_NEUTRAL_BLOCKS = 64  # distinct table-neutral header blocks remembered per connection
 MAX_HEADER_LIST_BYTES = 64 << 10
 
 
@@ -281,7 +281,7 @@ class GrpcConnection(asyncio.Protocol):
         self.unacked = 0
         self.blocked: dict[int, Stream] = {}  # streams waiting for the connection's window
         self.written: list[Callable[[], None]] = []  # to run once this read's write is out
-        self.indexed_blocks: dict[bytes, dict[str, str]] = {}  # see _decode_header_block
+        self.neutral_blocks: dict[bytes, dict[str, str]] = {}  # see _decode_header_block
         # A header block still being received (HEADERS then CONTINUATION frames).
         self.header_stream = 0
         self.header_flags = 0
@@ -614,7 +614,7 @@ class GrpcConnection(asyncio.Protocol):
         """A header block's fields. A block that leaves the decoder's table as it was means
         the same each time until one that changes the table is decoded, and Envoy sends
         each new stream the same one: it is decoded once."""
-        known = self.indexed_blocks.get(block)
+        known = self.neutral_blocks.get(block)
         if known is not None:
             return dict(known)
         try:
@@ -624,11 +624,11 @@ class GrpcConnection(asyncio.Protocol):
         # Field values may be any octets (latin-1), not only UTF-8.
         fields = {bytes(k).decode("latin-1"): bytes(v).decode("latin-1") for k, v in headers}
         if _table_neutral(block):
-            if len(self.indexed_blocks) >= MAX_INDEXED_BLOCKS:
-                self.indexed_blocks.clear()
-            self.indexed_blocks[block] = fields
+            if len(self.neutral_blocks) >= MAX_NEUTRAL_BLOCKS:
+                self.neutral_blocks.clear()
+            self.neutral_blocks[block] = fields
             return dict(fields)
-        self.indexed_blocks.clear()  # the table changed: what an index means too
+        self.neutral_blocks.clear()  # the table changed: what an index means too
         return fields
 
     def _deliver(
