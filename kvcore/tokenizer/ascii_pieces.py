@@ -12,10 +12,12 @@ pre-token not seen yet goes to the library's own BPE model (so the merges are it
 Exact only where the split is: for ASCII text a Unicode property is its ASCII members, and the
 regex means the same in Python's ``re`` as in the library's engine (Oniguruma), so only ASCII
 texts take this path, and only a pattern made of constructs that mean the same in both is
-translated (anything else, and the tokenizer is not served here: see :func:`plan_for`). A text
-with non-ASCII characters or with an added token's text in it, and every tokenizer of another
-shape (normalizers that change ASCII, other pre-tokenizers, BPE dropout, truncation or
-padding), goes to the library as before. Tests compare both on random texts.
+translated (anything else, and the tokenizer is not served here: see :func:`plan_for`). Added
+tokens split a text where they stand, as the library splits it, unless one that takes
+whitespace or whole words (lstrip, rstrip, single_word) is in it. A text with non-ASCII
+characters or such a token, and every tokenizer of another shape (normalizers that change ASCII,
+other pre-tokenizers, BPE dropout, truncation or padding), goes to the library as before.
+Tests compare both on random texts.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # Normalizers that leave ASCII text as it is.
 _ASCII_IDENTITY_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
-MAX_CACHED_PIECES = 1 << 16  # then the cache starts over (a dict of short strings: ~10 MB)
+MAX_CACHED_PIECES = 1 << 16  # then the cache starts over (short strings and id lists: 10-20 MB)
 MAX_CACHED_PIECE_CHARS = 64  # longer pre-tokens (runs of spaces, blobs) are not kept
 
 
@@ -51,47 +53,9 @@ def _byte_chars() -> list[str]:
 BYTE_LEVEL_ASCII = {b: c for b, c in enumerate(_byte_chars()[:128])}
 
 
-_CATEGORIES = frozenset(
-    [
-        "L",
-        "Lu",
-        "Ll",
-        "Lt",
-        "Lm",
-        "Lo",
-        "M",
-        "Mn",
-        "Mc",
-        "Me",
-        "N",
-        "Nd",
-        "Nl",
-        "No",
-        "P",
-        "Pc",
-        "Pd",
-        "Ps",
-        "Pe",
-        "Pi",
-        "Pf",
-        "Po",
-        "S",
-        "Sm",
-        "Sc",
-        "Sk",
-        "So",
-        "Z",
-        "Zs",
-        "Zl",
-        "Zp",
-        "C",
-        "Cc",
-        "Cf",
-        "Cs",
-        "Co",
-        "Cn",
-    ]
-)
+# Unicode's general categories and their one-letter groups: the properties translated.
+_CATEGORY_NAMES = "L Lu Ll Lt Lm Lo M Mn Mc Me N Nd Nl No P Pc Pd Ps Pe Pi Pf Po S Sm Sc Sk So Z Zs Zl Zp C Cc Cf Cs Co Cn"
+_CATEGORIES = frozenset(_CATEGORY_NAMES.split())
 
 
 def _ascii_members(category: str) -> str | None:
