@@ -39,9 +39,9 @@ class CompletionBody(_Common, kw_only=True):
     add_special_tokens: bool = True
 
 
-class ChatBody(_Common, kw_only=True):
-    # Kept as dicts: chat templates may read any field (name, tool_calls, tool_call_id, ...).
-    messages: list[dict[str, Any]]
+class ChatFields(_Common, kw_only=True):
+    """A chat body's fields but its messages."""
+
     max_completion_tokens: int | None = None
     add_generation_prompt: bool | None = None  # vLLM's default: true
     continue_final_message: bool = False
@@ -51,6 +51,11 @@ class ChatBody(_Common, kw_only=True):
     # Both reach the chat template as in vLLM (ChatCompletionRequest.build_chat_params).
     documents: list[dict[str, str]] | None = None
     reasoning_effort: str | None = None
+
+
+class ChatBody(ChatFields, kw_only=True):
+    # Kept as dicts: chat templates may read any field (name, tool_calls, tool_call_id, ...).
+    messages: list[dict[str, Any]]
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionBody)
@@ -115,9 +120,11 @@ def parse_chat(body: bytes) -> ParsedRequest:
     req = _decode(_chat_decoder, body)
     if not req.messages:
         raise bad_request("'messages' must contain at least one message.", "messages")
-    chars = _plain_chars(req.messages)
-    if chars is None:
-        chars = _checked_chars(req.messages)
+    return chat_request(req, req.messages, message_chars(req.messages))
+
+
+def chat_request(req: ChatFields, messages: list[dict[str, Any]], chars: int) -> ParsedRequest:
+    """The chat request of these fields and (checked) messages with ``chars`` of content."""
     if req.continue_final_message and req.add_generation_prompt:  # both given as true
         raise bad_request(
             "'continue_final_message' and 'add_generation_prompt' cannot both be true.",
@@ -128,7 +135,7 @@ def parse_chat(body: bytes) -> ParsedRequest:
     )
     max_tokens = _check_max_tokens(requested, "max_tokens", DEFAULT_CHAT_MAX_TOKENS)
     # A few tokens per message for the chat template's role markers.
-    prompt_tokens = _estimate_tokens(chars) + 4 * len(req.messages)
+    prompt_tokens = _estimate_tokens(chars) + 4 * len(messages)
     options = {
         "add_generation_prompt": req.add_generation_prompt is not False,
         "continue_final_message": req.continue_final_message,
@@ -144,11 +151,18 @@ def parse_chat(body: bytes) -> ParsedRequest:
         max_tokens,
         req.user,
         cache_salt=req.cache_salt,
-        messages=req.messages,
+        messages=messages,
         chat_options=options,
         add_special_tokens=req.add_special_tokens,
         include_usage=_include_usage(req.stream_options),
     )
+
+
+def message_chars(messages: list[dict[str, Any]], first_index: int = 0) -> int:
+    """The messages' content characters; 400 for the first one whose role or content has the
+    wrong type (numbered from ``first_index``)."""
+    chars = _plain_chars(messages)
+    return chars if chars is not None else _checked_chars(messages, first_index)
 
 
 def _plain_chars(messages: list[dict[str, Any]]) -> int | None:
@@ -167,10 +181,10 @@ _STR = {str}
 _TEXT_OR_NULL = {str, type(None)}
 
 
-def _checked_chars(messages: list[dict[str, Any]]) -> int:
+def _checked_chars(messages: list[dict[str, Any]], first_index: int) -> int:
     """The content characters, each message checked (400 for the first one that is wrong)."""
     chars = 0
-    for i, message in enumerate(messages):
+    for i, message in enumerate(messages, first_index):
         role = message.get("role")
         if not isinstance(role, str):
             raise bad_request(
@@ -198,6 +212,7 @@ def _checked_chars(messages: list[dict[str, Any]]) -> int:
 
 
 def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    """The decoded body; a 400 that says what is wrong with it."""
     if not body:
         raise bad_request("The request body is empty; expected a JSON object.")
     try:

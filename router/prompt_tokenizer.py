@@ -44,8 +44,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# The share of ``cache_bytes`` (1/N) that keeps rendered chat templates (kvcore chat_render).
+# ``routing.tokenizer_cache_mb``, shared: 1/RENDER_SHARE keeps rendered chat templates (kvcore
+# chat_render), 1/PARSE_SHARE parsed request bodies (router chat_parse), the rest token ids.
 RENDER_SHARE = 4
+PARSE_SHARE = 4
 
 
 PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
@@ -124,8 +126,9 @@ class PromptTokenizer:
             # A quarter of the budget for rendered chat templates (their text), the rest for
             # token ids.
             render_bytes = cache_bytes // RENDER_SHARE
+            ids_bytes = cache_bytes - render_bytes - cache_bytes // PARSE_SHARE
             self.prefix_cache, why = prefix_cache_for(
-                tok.split_tokens(), tok.encode_plain, cache_bytes - render_bytes
+                tok.split_tokens(), tok.encode_plain, ids_bytes
             )
             if self.prefix_cache is None:
                 log.warning("conversations are tokenized whole each turn (%s): %s", spec, why)

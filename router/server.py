@@ -34,6 +34,7 @@ from .auth import Auth
 from .batch.api import off_routes
 from .batch.lane import BatchLane
 from .batch.metrics import BatchMetrics
+from .chat_parse import chat_parser_for
 from .config import Config
 from .core import RoutingCore
 from .deadlines import Deadlines
@@ -42,7 +43,7 @@ from .forward import Forwarder
 from .kv_subscriber import KVEventSubscribers
 from .loop_lag import LoopLagMonitor
 from .metrics import RouterMetrics
-from .openai_request import parse_chat, parse_completion
+from .openai_request import parse_completion
 from .parity import ParityChecker
 from .pipeline import RequestPipeline
 from .pools import PoolMetrics, pools_locality
@@ -237,7 +238,8 @@ class Router:
         routes = app.router
         expect = _expect_handler
         routes.add_post("/v1/completions", handler(parse_completion), expect_handler=expect)
-        routes.add_post("/v1/chat/completions", handler(parse_chat), expect_handler=expect)
+        chat = handler(chat_parser_for(self.config.routing))
+        routes.add_post("/v1/chat/completions", chat, expect_handler=expect)
         routes.add_get("/v1/models", self.handle_models, expect_handler=expect)
         if self.batch is not None:
             self.batch.add_routes(routes)

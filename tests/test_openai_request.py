@@ -41,7 +41,7 @@ plain_message = st.fixed_dictionaries(
 
 def checked(messages: list[dict[str, Any]]) -> int | str:
     try:
-        return _checked_chars(messages)
+        return _checked_chars(messages, 0)
     except ApiError as exc:
         return str(exc)
 

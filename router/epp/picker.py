@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -26,11 +26,12 @@ from kvroute.policies import RouteRequest
 
 from .. import errors
 from ..admission import Admission, AdmissionRefused
+from ..chat_parse import chat_parser_for
 from ..config import Config, ReplicaConfig, replica_name_from_url
 from ..core import RoutingCore
 from ..ledger_bus import LedgerBus
 from ..metrics import Histogram, RouterMetrics
-from ..openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_chat, parse_completion
+from ..openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_completion
 from ..tenant_metrics import TenantMetrics
 from ..tenants import Tenants, fairness_params
 from .endpoints import address_of_url, in_subset
@@ -38,9 +39,6 @@ from .endpoints import address_of_url, in_subset
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
-# The gateway's path for each OpenAI endpoint the picker reads; any other POST is placed
-# by load alone (its body is not a prompt the index knows).
-PARSERS = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}
 DECISION_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
@@ -71,6 +69,12 @@ class EndpointPicker:
         self.registry = self.core.registry
         self.ledger = self.core.ledger
         self.destinations = destinations
+        # The gateway's path for each OpenAI endpoint the picker reads; any other POST is
+        # placed by load alone (its body is not a prompt the index knows).
+        self.parsers: dict[str, Callable[[bytes], ParsedRequest]] = {
+            "/v1/completions": parse_completion,
+            "/v1/chat/completions": chat_parser_for(config.routing),
+        }
         # Endpoint address (ip:port) <-> replica name; static endpoints are named by address.
         self.address: dict[str, str] = {}
         self.name_at: dict[str, str] = {}
@@ -136,7 +140,7 @@ class EndpointPicker:
         (The stream refuses a body over ``limits.max_body_bytes`` as it arrives.)"""
         arrived = time.monotonic()
         started = time.perf_counter()
-        parse = PARSERS.get(path.partition("?")[0])
+        parse = self.parsers.get(path.partition("?")[0])
         parsed = parse(body) if parse is not None else None
         if parsed is not None:
             self.core.catalog.check(parsed.model)
