@@ -230,6 +230,9 @@ async def test_metrics_and_health_ports(gateway: Gateway) -> None:
     from grpc import aio
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    # A pick of its own (the test may run alone): its decision and estimate are counted.
+    await client(gateway).completions.create(model="tiny", prompt="Counted.", max_tokens=1)
+    await settled(gateway)
     ports = gateway.picker.ports
     async with aio.insecure_channel(f"127.0.0.1:{ports.health}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -242,6 +245,9 @@ async def test_metrics_and_health_ports(gateway: Gateway) -> None:
     decisions = families["kvroute_epp_decision_seconds"]
     count = next(s.value for s in decisions.samples if s.name.endswith("_count"))
     assert count >= 1
+    # Each pick's TTFT estimated against the baselines, as ``kvroute serve`` reports it.
+    estimated = families["kvroute_routing_estimated_decisions"].samples
+    assert next(s.value for s in estimated if s.name.endswith("_total")) == count
     ages = families["kvroute_epp_metrics_scrape_age_seconds"].samples
     assert {s.labels["replica"] for s in ages} == {
         r.url.removeprefix("http://") for r in gateway.replicas

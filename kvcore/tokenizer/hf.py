@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -199,7 +200,8 @@ class HFTokenizerFiles:
         context = {"documents": None, **self._special, **extra}  # None as transformers passes
         if tools is not None:
             tools = [_tool_as_vllm_dumps_it(t) for t in tools]
-        merges_developer = any(m.get("role") == "developer" for m in messages) and (
+        # (Roles looked up in C: an agent's history has hundreds of messages.)
+        merges_developer = "developer" in map(dict.get, messages, repeat("role")) and (
             "developer" not in (self.chat_template or "")
         )
         cache = self._render_cache

@@ -168,6 +168,8 @@ class EndpointPicker:
         dispatch = self.ledger.dispatch(route, ranked[0], arrived, predict=False)
         if self.bus is not None:
             self.bus.dispatched(dispatch)
+        if route.estimate is not None:  # kv_aware's estimate, as ``kvroute serve`` exports it
+            self.metrics.observe_estimate(route.estimate)
         self.registry.dispatched(self.registry.handles[ranked[0]])
         self.decisions.latency.observe(time.perf_counter() - started)
         self.metrics.observe_routed(
