@@ -118,8 +118,8 @@ class ChatParser:
 
 
 def chat_parser_for(routing: RoutingConfig) -> ChatParser:
-    """The parser for ``kvroute serve`` and ``kvroute epp``: its share of the tokenizer's
-    cache (without one, earlier turns' messages would only spare the decoding)."""
+    """The parser for ``kvroute serve`` and ``kvroute epp``, with its share of
+    ``routing.tokenizer_cache_mb`` (0: every body decoded whole)."""
     return ChatParser((routing.tokenizer_cache_mb << 20) // PARSE_SHARE)
 
 

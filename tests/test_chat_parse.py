@@ -92,7 +92,9 @@ def test_the_next_turn_reuses_the_earlier_messages_objects() -> None:
     first = parser(body(chat(5)))
     second = parser(body(chat(7), max_tokens=9))
     assert second == parse_chat(body(chat(7), max_tokens=9))
-    assert all(a is b for a, b in zip(first.messages or [], (second.messages or [])[:5]))
+    assert all(
+        a is b for a, b in zip(first.messages or [], (second.messages or [])[:5], strict=True)
+    )
     assert parser.reused_messages == 5
     assert parser.turns == 1  # the first turn was superseded by its continuation
 
