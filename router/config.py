@@ -427,8 +427,8 @@ class RoutingConfig(_Section):
     tokenize_inline_chars: int = 4096
     tokenizer_processes: int = 1
     # Token ids of long conversations' rendered prefixes kept for their next turn, and (a
-    # quarter of it each) their rendered chat templates and parsed messages (MiB; 0: off).
-    tokenizer_cache_mb: int = 256
+    # fifth of it each) their rendered chat templates and parsed messages (MiB; 0: off).
+    tokenizer_cache_mb: int = 320
     # The replicas' KV block size in tokens; null: launch.block_size, else read from each
     # replica's vllm:cache_config_info.
     block_size: int | None = None
