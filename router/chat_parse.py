@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from xxhash import xxh3_64_intdigest
 
 from .config import RoutingConfig
 from .openai_request import ChatFields, ParsedRequest, chat_request, message_chars, parse_chat
@@ -54,7 +55,8 @@ class ChatParser:
         self.max_bytes = max_bytes
         self.bytes = 0
         self.reused_messages = 0
-        self._turns: OrderedDict[tuple[int, bytes], _Turn] = OrderedDict()
+        # (messages, their last one's digest): a match is checked byte for byte.
+        self._turns: OrderedDict[tuple[int, int], _Turn] = OrderedDict()
 
     @property
     def turns(self) -> int:
@@ -83,10 +85,10 @@ class ChatParser:
             chars = found.chars + message_chars(fresh, k)
             self.reused_messages += k
             # The conversation moved on: its earlier turn is superseded.
-            self._drop((k, bytes(raws[k - 1])))
+            self._drop((k, xxh3_64_intdigest(raws[k - 1])))
         parsed = chat_request(req, messages, chars)
         n = len(raws)
-        self._store((n, bytes(raws[-1])), _Turn(raws, messages, chars, _size(body, n)))
+        self._store((n, xxh3_64_intdigest(raws[-1])), _Turn(raws, messages, chars, _size(body, n)))
         return parsed
 
     def _longest(self, raws: list[msgspec.Raw]) -> tuple[_Turn | None, int]:
@@ -94,14 +96,14 @@ class ChatParser:
         turns = self._turns
         n = len(raws)
         for k in range(n, max(0, n - LOOKBACK), -1):
-            key = (k, bytes(raws[k - 1]))
+            key = (k, xxh3_64_intdigest(raws[k - 1]))
             turn = turns.get(key)
             if turn is not None and turn.raws == raws[:k]:
                 turns.move_to_end(key)
                 return turn, k
         return None, 0
 
-    def _store(self, key: tuple[int, bytes], turn: _Turn) -> None:
+    def _store(self, key: tuple[int, int], turn: _Turn) -> None:
         if turn.size > self.max_bytes:
             return
         self._drop(key)
@@ -111,7 +113,7 @@ class ChatParser:
             _, gone = self._turns.popitem(last=False)
             self.bytes -= gone.size
 
-    def _drop(self, key: tuple[int, bytes]) -> None:
+    def _drop(self, key: tuple[int, int]) -> None:
         gone = self._turns.pop(key, None)
         if gone is not None:
             self.bytes -= gone.size
