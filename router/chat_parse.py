@@ -22,6 +22,7 @@ from xxhash import xxh3_64_intdigest
 from .config import RoutingConfig
 from .openai_request import ChatFields, ParsedRequest, chat_request, message_chars, parse_chat
 from .prompt_tokenizer import PARSE_SHARE
+from .tokenizer_cache_metrics import CacheCounts, Counts
 
 # How many messages back from a body's end an earlier turn's last message is looked for (an
 # agent's turn adds a reply and a user message, or a few tool calls and results).
@@ -55,6 +56,8 @@ class ChatParser:
         self.max_bytes = max_bytes
         self.bytes = 0
         self.reused_messages = 0
+        self.hits = 0  # bodies that took an earlier turn's messages over
+        self.misses = 0  # bodies decoded whole (a first turn, or its earlier turn not kept)
         # (messages, their last one's digest): a match is checked byte for byte.
         self._turns: OrderedDict[tuple[int, int], _Turn] = OrderedDict()
 
@@ -73,6 +76,10 @@ class ChatParser:
         if not raws:
             return parse_chat(body)
         found, k = self._longest(raws)
+        if found is None:
+            self.misses += 1
+        else:
+            self.hits += 1
         try:
             fresh = list(map(_message_decoder.decode, raws[k:]))
         except _Failed:
@@ -90,6 +97,12 @@ class ChatParser:
         n = len(raws)
         self._store((n, xxh3_64_intdigest(raws[-1])), _Turn(raws, messages, chars, _size(body, n)))
         return parsed
+
+    def counts(self) -> Counts:
+        """Its lookups and bytes, for tokenizer_cache_metrics (nothing when off)."""
+        if self.max_bytes <= 0:
+            return {}
+        return {"parsed_messages": CacheCounts(self.hits, self.misses, self.bytes, self.max_bytes)}
 
     def _longest(self, raws: list[msgspec.Raw]) -> tuple[_Turn | None, int]:
         """The kept turn that is the longest prefix of these messages, and its length."""

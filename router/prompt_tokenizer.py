@@ -39,6 +39,7 @@ from kvroute.kvcore.tokenizer.incremental import (
     tokenize_plan,
 )
 from kvroute.router.malloc_tuning import tune_malloc
+from kvroute.router.tokenizer_cache_metrics import CacheCounts, Counts
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,21 @@ class PromptTokenizer:
                 initargs=(self.spec,),
             )
         return self._pool
+
+    def cache_counts(self) -> Counts:
+        """Lookups and bytes of its caches of conversations (tokenizer_cache_metrics)."""
+        out: Counts = {}
+        ids = self.prefix_cache
+        if ids is not None:
+            out["token_ids"] = CacheCounts(
+                ids.stats.hits, ids.stats.misses, ids.bytes, ids.max_bytes
+            )
+        tok = self.tokenizer
+        render = tok.render_cache if isinstance(tok, HFTokenizerFiles) else None
+        if render is not None:
+            stats = render.stats
+            out["rendering"] = CacheCounts(stats.hits, stats.misses, render.bytes, render.max_bytes)
+        return out
 
     def start(self) -> None:
         """Start the pool now, so the first long prompt does not wait for it."""

@@ -53,6 +53,7 @@ from .proxy import Timeouts
 from .status import StatusFeed, page_html
 from .tenant_metrics import TenantMetrics
 from .tenants import Tenants, fairness_params
+from .tokenizer_cache_metrics import Counts, TokenizerCacheMetrics
 from .upstream_client import UpstreamClient
 from .workers import MetricsExchange, WorkerContext, WorkerLoad
 
@@ -108,6 +109,8 @@ class Router:
         # Each worker process enforces its share of every tenant's budget.
         self.tenants = Tenants(config, TenantMetrics(), 1 / max(1, config.listen.workers))
         self.metrics.parts["tenants"] = self.tenants.metrics
+        self.chat_parser = chat_parser_for(config.routing)
+        self.metrics.parts["tokenizer_caches"] = TokenizerCacheMetrics(self._cache_counts)
         slots = (
             limits.max_concurrent_requests,
             limits.max_queued_requests,
@@ -232,13 +235,17 @@ class Router:
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    def _cache_counts(self) -> list[Counts]:
+        tokenizers = (pool.keys.tokenizer for pool in self.pools)
+        return [self.chat_parser.counts(), *(t.cache_counts() for t in tokenizers if t)]
+
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.limits.max_body_bytes)
         handler = self.pipeline.handler
         routes = app.router
         expect = _expect_handler
         routes.add_post("/v1/completions", handler(parse_completion), expect_handler=expect)
-        chat = handler(chat_parser_for(self.config.routing))
+        chat = handler(self.chat_parser)
         routes.add_post("/v1/chat/completions", chat, expect_handler=expect)
         routes.add_get("/v1/models", self.handle_models, expect_handler=expect)
         if self.batch is not None:

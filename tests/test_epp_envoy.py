@@ -231,7 +231,10 @@ async def test_metrics_and_health_ports(gateway: Gateway) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     # A pick of its own (the test may run alone): its decision and estimate are counted.
-    await client(gateway).completions.create(model="tiny", prompt="Counted.", max_tokens=1)
+    oai = client(gateway)
+    await oai.completions.create(model="tiny", prompt="Counted.", max_tokens=1)
+    chat = [{"role": "user", "content": "Parsed."}]
+    await oai.chat.completions.create(model="tiny", messages=chat, max_tokens=1)  # type: ignore[arg-type]
     await settled(gateway)
     ports = gateway.picker.ports
     async with aio.insecure_channel(f"127.0.0.1:{ports.health}") as channel:
@@ -248,6 +251,12 @@ async def test_metrics_and_health_ports(gateway: Gateway) -> None:
     # Each pick's TTFT estimated against the baselines, as ``kvroute serve`` reports it.
     estimated = families["kvroute_routing_estimated_decisions"].samples
     assert next(s.value for s in estimated if s.name.endswith("_total")) == count
+    # The chat bodies' parse: looked up (a miss for a first turn), and kept within its share.
+    lookups = families["kvroute_tokenizer_cache_lookups"].samples
+    parsed = sum(s.value for s in lookups if s.labels["cache"] == "parsed_messages")
+    assert parsed >= 1
+    limits = families["kvroute_tokenizer_cache_limit_bytes"].samples
+    assert next(s.value for s in limits if s.labels["cache"] == "parsed_messages") > 0
     ages = families["kvroute_epp_metrics_scrape_age_seconds"].samples
     assert {s.labels["replica"] for s in ages} == {
         r.url.removeprefix("http://") for r in gateway.replicas

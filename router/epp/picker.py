@@ -34,6 +34,7 @@ from ..metrics import Histogram, RouterMetrics
 from ..openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_completion
 from ..tenant_metrics import TenantMetrics
 from ..tenants import Tenants, fairness_params
+from ..tokenizer_cache_metrics import Counts, TokenizerCacheMetrics
 from .endpoints import address_of_url, in_subset
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,10 @@ class EndpointPicker:
         self.destinations = destinations
         # The gateway's path for each OpenAI endpoint the picker reads; any other POST is
         # placed by load alone (its body is not a prompt the index knows).
+        self.chat_parser = chat_parser_for(config.routing)
         self.parsers: dict[str, Callable[[bytes], ParsedRequest]] = {
             "/v1/completions": parse_completion,
-            "/v1/chat/completions": chat_parser_for(config.routing),
+            "/v1/chat/completions": self.chat_parser,
         }
         # Endpoint address (ip:port) <-> replica name; static endpoints are named by address.
         self.address: dict[str, str] = {}
@@ -100,11 +102,16 @@ class EndpointPicker:
             admission=lambda: (self.admission.active, self.admission.queued),
         )
         self.metrics.parts["tenants"] = self.tenants.metrics
+        self.metrics.parts["tokenizer_caches"] = TokenizerCacheMetrics(self._cache_counts)
         self.decisions = _DecisionStats()
         self.metrics.registry.register(_PickerCollector(self))
         self._rng = random.Random()
         # Other pickers' dispatches, and this one's for them (epp.ledger_bus; off by default).
         self.bus: LedgerBus | None = None
+
+    def _cache_counts(self) -> list[Counts]:
+        tokenizers = (pool.keys.tokenizer for pool in self.core.pools)
+        return [self.chat_parser.counts(), *(t.cache_counts() for t in tokenizers if t)]
 
     async def start(self) -> None:
         await self.core.start()
