@@ -125,8 +125,8 @@ class PromptTokenizer:
         self.prefix_cache: PrefixTokenCache | None = None
         tok = self.tokenizer
         if cache_bytes > 0 and isinstance(tok, HFTokenizerFiles):
-            # A quarter of the budget for rendered chat templates (their text), the rest for
-            # token ids.
+            # Shares of the budget for rendered chat templates (their text) and for the parser
+            # (chat_parse, which the router holds), the rest for token ids.
             render_bytes = cache_bytes // RENDER_SHARE
             ids_bytes = cache_bytes - render_bytes - cache_bytes // PARSE_SHARE
             self.prefix_cache, why = prefix_cache_for(
