@@ -426,9 +426,9 @@ class RoutingConfig(_Section):
     # Prompts longer than this (characters) are tokenized in worker processes, off the event loop.
     tokenize_inline_chars: int = 4096
     tokenizer_processes: int = 1
-    # Token ids of long conversations' rendered prefixes kept for their next turn, and (a
-    # fifth of it each) their rendered chat templates and parsed messages (MiB; 0: off).
-    tokenizer_cache_mb: int = 320
+    # Long conversations' token ids, rendered chat templates and parsed messages kept for their
+    # next turn, a third each (MiB; 0: off).
+    tokenizer_cache_mb: int = 256
     # The replicas' KV block size in tokens; null: launch.block_size, else read from each
     # replica's vllm:cache_config_info.
     block_size: int | None = None
