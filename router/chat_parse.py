@@ -38,6 +38,7 @@ class _RawChatBody(ChatFields, kw_only=True):
 _raw_decoder = msgspec.json.Decoder(_RawChatBody)
 _message_decoder = msgspec.json.Decoder(dict[str, Any])
 _Failed = (msgspec.MsgspecError, RecursionError)
+_Key = tuple[int, int]  # (messages, their last one's digest)
 
 
 @dataclass(slots=True)
@@ -55,11 +56,10 @@ class ChatParser:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self.reused_messages = 0
         self.hits = 0  # bodies that took an earlier turn's messages over
         self.misses = 0  # bodies decoded whole (a first turn, or its earlier turn not kept)
-        # (messages, their last one's digest): a match is checked byte for byte.
-        self._turns: OrderedDict[tuple[int, int], _Turn] = OrderedDict()
+        # Found by its key, a match is checked byte for byte.
+        self._turns: OrderedDict[_Key, _Turn] = OrderedDict()
 
     @property
     def turns(self) -> int:
@@ -75,7 +75,7 @@ class ChatParser:
         raws = req.messages
         if not raws:
             return parse_chat(body)
-        found, k = self._longest(raws)
+        found, k, found_key = self._longest(raws)
         if found is None:
             self.misses += 1
         else:
@@ -90,9 +90,8 @@ class ChatParser:
         else:
             messages = found.messages + fresh
             chars = found.chars + message_chars(fresh, k)
-            self.reused_messages += k
             # The conversation moved on: its earlier turn is superseded.
-            self._drop((k, xxh3_64_intdigest(raws[k - 1])))
+            self._drop(found_key)
         parsed = chat_request(req, messages, chars)
         n = len(raws)
         self._store((n, xxh3_64_intdigest(raws[-1])), _Turn(raws, messages, chars, _size(body, n)))
@@ -104,8 +103,8 @@ class ChatParser:
             return {}
         return {"parsed_messages": CacheCounts(self.hits, self.misses, self.bytes, self.max_bytes)}
 
-    def _longest(self, raws: list[msgspec.Raw]) -> tuple[_Turn | None, int]:
-        """The kept turn that is the longest prefix of these messages, and its length."""
+    def _longest(self, raws: list[msgspec.Raw]) -> tuple[_Turn | None, int, _Key]:
+        """The kept turn that is the longest prefix of these messages, its length and key."""
         turns = self._turns
         n = len(raws)
         for k in range(n, max(0, n - LOOKBACK), -1):
@@ -113,10 +112,10 @@ class ChatParser:
             turn = turns.get(key)
             if turn is not None and turn.raws == raws[:k]:
                 turns.move_to_end(key)
-                return turn, k
-        return None, 0
+                return turn, k, key
+        return None, 0, (0, 0)
 
-    def _store(self, key: tuple[int, int], turn: _Turn) -> None:
+    def _store(self, key: _Key, turn: _Turn) -> None:
         if turn.size > self.max_bytes:
             return
         self._drop(key)
@@ -126,7 +125,7 @@ class ChatParser:
             _, gone = self._turns.popitem(last=False)
             self.bytes -= gone.size
 
-    def _drop(self, key: tuple[int, int]) -> None:
+    def _drop(self, key: _Key) -> None:
         gone = self._turns.pop(key, None)
         if gone is not None:
             self.bytes -= gone.size

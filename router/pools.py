@@ -27,6 +27,7 @@ from .config import ReplicaConfig
 from .kv_subscriber import KVEventSubscriber, KVEventSubscribers, SubscriberStats
 from .pool_config import PoolSpec
 from .prompt_keys import PromptKeys
+from .tokenizer_cache_metrics import Counts
 from .workers import WorkerLoad
 
 
@@ -162,6 +163,10 @@ class Pools:
 
     def index_entries(self) -> int:
         return sum(p.index.entries for p in self._pools)
+
+    def tokenizer_cache_counts(self) -> list[Counts]:
+        """Each pool tokenizer's cache counts (tokenizer_cache_metrics)."""
+        return [p.keys.tokenizer.cache_counts() for p in self._pools if p.keys.tokenizer]
 
     def kv_sources(self) -> dict[tuple[str, str], SubscriberStats]:
         sources: dict[tuple[str, str], SubscriberStats] = {}

@@ -53,7 +53,7 @@ from .proxy import Timeouts
 from .status import StatusFeed, page_html
 from .tenant_metrics import TenantMetrics
 from .tenants import Tenants, fairness_params
-from .tokenizer_cache_metrics import Counts, TokenizerCacheMetrics
+from .tokenizer_cache_metrics import TokenizerCacheMetrics
 from .upstream_client import UpstreamClient
 from .workers import MetricsExchange, WorkerContext, WorkerLoad
 
@@ -110,7 +110,9 @@ class Router:
         self.tenants = Tenants(config, TenantMetrics(), 1 / max(1, config.listen.workers))
         self.metrics.parts["tenants"] = self.tenants.metrics
         self.chat_parser = chat_parser_for(config.routing)
-        self.metrics.parts["tokenizer_caches"] = TokenizerCacheMetrics(self._cache_counts)
+        self.metrics.parts["tokenizer_caches"] = TokenizerCacheMetrics(
+            lambda: [self.chat_parser.counts(), *core.pools.tokenizer_cache_counts()]
+        )
         slots = (
             limits.max_concurrent_requests,
             limits.max_queued_requests,
@@ -234,10 +236,6 @@ class Router:
         return self.keys.block_size()
 
     # -- lifecycle ---------------------------------------------------------------------
-
-    def _cache_counts(self) -> list[Counts]:
-        tokenizers = (pool.keys.tokenizer for pool in self.pools)
-        return [self.chat_parser.counts(), *(t.cache_counts() for t in tokenizers if t)]
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.limits.max_body_bytes)

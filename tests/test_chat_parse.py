@@ -95,7 +95,7 @@ def test_the_next_turn_reuses_the_earlier_messages_objects() -> None:
     assert all(
         a is b for a, b in zip(first.messages or [], (second.messages or [])[:5], strict=True)
     )
-    assert parser.reused_messages == 5
+    assert (parser.hits, parser.misses) == (1, 1)
     assert parser.turns == 1  # the first turn was superseded by its continuation
 
 
@@ -105,7 +105,7 @@ def test_an_earlier_message_that_differs_is_not_reused() -> None:
     parser(body([*chat(2, "x"), *chat(3)[2:]]))
     parsed = parser(body([*chat(3), {"role": "user", "content": "new"}]))
     assert parsed.messages == [*chat(3), {"role": "user", "content": "new"}]
-    assert parser.reused_messages == 0
+    assert (parser.hits, parser.misses) == (0, 2)
 
 
 def test_an_error_in_a_new_message_is_numbered_in_the_whole_conversation() -> None:

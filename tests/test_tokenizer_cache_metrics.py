@@ -51,17 +51,17 @@ async def test_a_conversations_next_turn_shows_as_hits_on_metrics(
 ) -> None:
     replica = await start_replica()
     router = await start_router([replica], routing={"tokenizer": str(ensure_tiny_model())})
-    oai = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="-", max_retries=0)
-    history = [
-        {"role": "user" if i % 2 == 0 else "assistant", "content": f"Message {i}. " * 60}
-        for i in range(21)
-    ]
-    await oai.chat.completions.create(model="tiny", messages=history, max_tokens=1)  # type: ignore[arg-type]
-    history += [
-        {"role": "assistant", "content": "A reply."},
-        {"role": "user", "content": "And the next question?"},
-    ]
-    await oai.chat.completions.create(model="tiny", messages=history, max_tokens=1)  # type: ignore[arg-type]
+    async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="-", max_retries=0) as oai:
+        history = [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"Message {i}. " * 60}
+            for i in range(21)
+        ]
+        await oai.chat.completions.create(model="tiny", messages=history, max_tokens=1)  # type: ignore[arg-type]
+        history += [
+            {"role": "assistant", "content": "A reply."},
+            {"role": "user", "content": "And the next question?"},
+        ]
+        await oai.chat.completions.create(model="tiny", messages=history, max_tokens=1)  # type: ignore[arg-type]
     async with httpx.AsyncClient() as http:
         page = samples((await http.get(router.url + "/metrics")).text)
     lookups = "kvroute_tokenizer_cache_lookups_total"

@@ -34,7 +34,7 @@ from ..metrics import Histogram, RouterMetrics
 from ..openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_completion
 from ..tenant_metrics import TenantMetrics
 from ..tenants import Tenants, fairness_params
-from ..tokenizer_cache_metrics import Counts, TokenizerCacheMetrics
+from ..tokenizer_cache_metrics import TokenizerCacheMetrics
 from .endpoints import address_of_url, in_subset
 
 log = logging.getLogger(__name__)
@@ -102,16 +102,15 @@ class EndpointPicker:
             admission=lambda: (self.admission.active, self.admission.queued),
         )
         self.metrics.parts["tenants"] = self.tenants.metrics
-        self.metrics.parts["tokenizer_caches"] = TokenizerCacheMetrics(self._cache_counts)
+        pools = self.core.pools
+        self.metrics.parts["tokenizer_caches"] = TokenizerCacheMetrics(
+            lambda: [self.chat_parser.counts(), *pools.tokenizer_cache_counts()]
+        )
         self.decisions = _DecisionStats()
         self.metrics.registry.register(_PickerCollector(self))
         self._rng = random.Random()
         # Other pickers' dispatches, and this one's for them (epp.ledger_bus; off by default).
         self.bus: LedgerBus | None = None
-
-    def _cache_counts(self) -> list[Counts]:
-        tokenizers = (pool.keys.tokenizer for pool in self.core.pools)
-        return [self.chat_parser.counts(), *(t.cache_counts() for t in tokenizers if t)]
 
     async def start(self) -> None:
         await self.core.start()
