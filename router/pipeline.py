@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -32,6 +33,7 @@ from kvroute.policies import RouteRequest
 
 from . import errors
 from .admission import Admission, AdmissionRefused
+from .agent_request import AGENT_APIS, COUNT_TOKENS
 from .attempts import RetryPlan, try_in_order
 from .auth import Auth
 from .config import Config
@@ -45,12 +47,15 @@ from .pools import PoolRouting, Pools
 from .proxy import ClientExchange, ClientRequest, Relayed, end_broken_stream, sse_error
 from .registry import ReplicaRegistry
 from .resume import StreamTranscript, continuation_body, resume_blocker
+from .stored_responses import StoredResponses
 from .tenants import DEFAULT_TENANT, Tenants
 from .usage import asking_usage
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Session-ID"
+# The reason of a route pinned to the replica that stores a Responses request's history.
+STORED_RESPONSE = "stored_response"
 
 
 class ModelCatalog:
@@ -100,6 +105,8 @@ class RequestPipeline:
         self.retry_after_s = retry_after_s
         self.parity = parity
         self.tenants = tenants
+        # Which replica holds each Responses answer it relayed (for previous_response_id).
+        self.stored_responses = StoredResponses()
         r = config.retry
         self.retry = RetryPlan(r.max_attempts, r.budget_s, r.backoff_base_s, r.backoff_max_s)
         # Request ids: a random per-process prefix and a counter (uuid4 costs more per request).
@@ -113,14 +120,16 @@ class RequestPipeline:
             self.disaggregation = Disaggregation(registry, forwarder, self.retry, pd_metrics)
 
     def handler(
-        self, parse: Callable[[bytes], ParsedRequest]
+        self, parse: Callable[[bytes], ParsedRequest], error_shape: str = errors.OPENAI
     ) -> Callable[[web.Request], asyncio.Future[web.StreamResponse]]:
+        """The endpoint for one API: its parser, and the shape its errors take."""
+
         async def handle(request: web.Request) -> web.StreamResponse:
             try:
                 return await self.admit(request, parse)
             except errors.ApiError as exc:
                 self.metrics.observe_rejected(exc.status, exc.code or exc.error_type)
-                return exc.response()
+                return exc.response(error_shape)
 
         return handle  # type: ignore[return-value]
 
@@ -213,13 +222,15 @@ class RequestPipeline:
         arrived = time.monotonic()
         request = exchange.request
         body, parsed = admitted.body, admitted.parsed
-        if parsed.stream:
+        openai_stream = parsed.stream and parsed.api not in AGENT_APIS
+        if openai_stream:  # the agent APIs' streams always end with their usage
             body, exchange.strip_usage = asking_usage(body, parsed.include_usage)
+        exchange.api = parsed.api
         route = await self._route(request, parsed, admitted)
         admitted.prompt_tokens = route.request.prompt_tokens
         exchange.expect_stream = parsed.stream
         exchange.retry_until = arrived + self.retry.budget_s - self.retry.backoff_max_s
-        if parsed.stream and self.config.retry.resume_streams:
+        if openai_stream and self.config.retry.resume_streams:
             tracked = StreamTranscript(chat=parsed.messages is not None)
             exchange.transcript = tracked
             exchange.resume_check = functools.partial(
@@ -240,6 +251,8 @@ class RequestPipeline:
             if not tried:  # every ranked replica was ejected or down by now
                 raise errors.no_healthy_replica(self.retry_after_s)
             raise errors.upstream_unavailable(self.retry_after_s)
+        if relayed.response_id is not None:
+            self.stored_responses.remember(relayed.response_id, relayed.replica)
         if self.parity is not None and relayed.status < 400:
             self.parity.offer(parsed, route, relayed.replica)
         transcript = exchange.transcript
@@ -306,6 +319,8 @@ class RequestPipeline:
         usage = admitted.usage
         input_tokens = usage.get("prompt") if usage else None
         output_tokens = usage.get("completion", 0) if usage else admitted.output_tokens
+        if admitted.parsed.api == COUNT_TOKENS:
+            input_tokens = output_tokens = 0  # counting tokens spends none
         self.admission.release(ticket, input_tokens, output_tokens, admitted.replica)
         if ticket is not None and self.tenants is not None:
             if input_tokens is None:
@@ -327,7 +342,31 @@ class RequestPipeline:
             request.headers.get(SESSION_HEADER) or parsed.user,
             blocks.hashes if blocks is not None else [],
         )
-        return self._decide(route_request)
+        route = self._decide(route_request)
+        if parsed.previous_response_id is not None:
+            route = self._to_stored_response(route, parsed.previous_response_id)
+        return route
+
+    def _to_stored_response(self, route: Route, response_id: str) -> Route:
+        """A Responses follow-up goes where its previous response is stored (vLLM keeps it in
+        that server's memory), or nowhere: another replica would answer without the history.
+        A response this router has not seen (another router's, or from before a restart) is
+        routed as decided; its replica answers 404 if it does not hold it."""
+        replica = self.stored_responses.replica_of(response_id)
+        if replica is None:
+            return route
+        handle = self.registry.handles.get(replica)
+        if handle is None or not self.registry.may_take(handle, time.monotonic()):
+            state = "has left the fleet" if handle is None else "is out of rotation"
+            raise errors.ApiError(
+                404,
+                f"The previous response {response_id!r} is stored on replica {replica!r}, "
+                f"which {state}; its conversation cannot be continued elsewhere. Send the "
+                "whole conversation as input instead.",
+                param="previous_response_id",
+                code="previous_response_unavailable",
+            )
+        return dataclasses.replace(route, ranked=(replica,), reason=STORED_RESPONSE)
 
     # Tokenizing and deciding are methods of their own so that tracing (traced.py) can wrap
     # each in a span; a plain call returning the awaitable adds no coroutine frame here.
@@ -374,7 +413,9 @@ class RequestPipeline:
         def retried() -> None:
             self.metrics.observe_retry("resume" if resume else "retry")
 
-        members = self._pool(route.request.model).members  # never outside the model's pool
+        members: Container[str] = self._pool(route.request.model).members  # never outside it
+        if route.reason == STORED_RESPONSE:
+            members = route.ranked  # only where the previous response is stored
 
         def pick() -> str | None:
             return self.registry.candidate(route.ranked, tried, members)
@@ -447,7 +488,7 @@ class RequestPipeline:
             # Too late for a status code: end the stream with an error event instead.
             message = f"The request did not finish within the router's limit of {total_s:g}s."
             with contextlib.suppress(ConnectionResetError):
-                await stream.write(sse_error(message, "timeout"))
+                await stream.write(sse_error(message, "timeout", exchange.api))
                 await stream.write_eof()
             return stream
         finally:

@@ -126,9 +126,12 @@ class PromptKeys:
         if tokenizer is None:
             return None
         if parsed.messages is not None:
+            messages = parsed.messages
+            if parsed.merged_messages is not None and tokenizer.needs_system_first():
+                messages = parsed.merged_messages  # as vLLM renders it for this template
             try:
                 return await tokenizer.chat_blocks(
-                    parsed.messages,
+                    messages,
                     parsed.chat_options or {},
                     parsed.prompt_tokens * CHARS_PER_TOKEN,
                     parsed.add_special_tokens,
