@@ -34,6 +34,12 @@ from kvroute.policies import RouteRequest
 from . import errors
 from .admission import Admission, AdmissionRefused
 from .agent_request import AGENT_APIS, COUNT_TOKENS
+from .agent_resume import (
+    CONTINUATION_PATH,
+    AgentStreamTranscript,
+    agent_continuation_body,
+    agent_resume_blocker,
+)
 from .attempts import RetryPlan, try_in_order
 from .auth import Auth
 from .config import Config
@@ -46,7 +52,7 @@ from .parity import ParityChecker
 from .pools import PoolRouting, Pools
 from .proxy import ClientExchange, ClientRequest, Relayed, end_broken_stream, sse_error
 from .registry import ReplicaRegistry
-from .resume import StreamTranscript, continuation_body, resume_blocker
+from .resume import StreamTranscript, Transcript, continuation_body, resume_blocker
 from .stored_responses import StoredResponses
 from .tenants import DEFAULT_TENANT, Tenants
 from .usage import asking_usage
@@ -230,12 +236,14 @@ class RequestPipeline:
         admitted.prompt_tokens = route.request.prompt_tokens
         exchange.expect_stream = parsed.stream
         exchange.retry_until = arrived + self.retry.budget_s - self.retry.backoff_max_s
-        if openai_stream and self.config.retry.resume_streams:
-            tracked = StreamTranscript(chat=parsed.messages is not None)
-            exchange.transcript = tracked
-            exchange.resume_check = functools.partial(
-                self._resumable, tracked, body, parsed.messages is not None
+        if parsed.stream and self.config.retry.resume_streams and parsed.api != COUNT_TOKENS:
+            tracked: Transcript = (
+                AgentStreamTranscript(parsed.api)
+                if parsed.api in AGENT_APIS
+                else StreamTranscript(chat=parsed.messages is not None)
             )
+            exchange.transcript = tracked
+            exchange.resume_check = functools.partial(self._resumable, tracked, body, parsed)
         request_id = self._request_id(request)
         tried: set[str] = set()
         first_route, first_body = await self._disaggregate(
@@ -257,8 +265,7 @@ class RequestPipeline:
             self.parity.offer(parsed, route, relayed.replica)
         transcript = exchange.transcript
         if relayed.broken is not None and relayed.resumable and transcript is not None:
-            chat = parsed.messages is not None
-            relayed = await self._resume(exchange, route, tried, body, request_id, chat, relayed)
+            relayed = await self._resume(exchange, route, tried, body, request_id, parsed, relayed)
         admitted.served(relayed, transcript)
         return relayed.response
 
@@ -296,13 +303,12 @@ class RequestPipeline:
             return route, body
         return split, decode_body(original, params)
 
-    def _resumable(self, transcript: StreamTranscript, body: bytes, chat: bool) -> bool:
+    def _resumable(self, transcript: Transcript, body: bytes, parsed: ParsedRequest) -> bool:
         """Whether ``_resume`` would continue this stream if it broke now (asked by a drain
         only, so the body is decoded only then)."""
         if not transcript.resumable() or transcript.resumes >= self.config.retry.max_resumes:
             return False
-        original = msgspec.json.decode(body)
-        return isinstance(original, dict) and resume_blocker(original, chat) is None
+        return _resume_blocker(msgspec.json.decode(body), parsed) is None
 
     async def _tokenize_queued(self, admitted: Admitted) -> None:
         """While it waits for a slot: its block hashes, for the queue to weigh locality by."""
@@ -398,16 +404,18 @@ class RequestPipeline:
         request_id: str,
         started: float,
         resume: bool = False,
+        path: str | None = None,
     ) -> Awaitable[Relayed | None]:
-        """The ranked replicas in order until one answers (retries before the first byte).
-        Plain functions returning awaitables: a coroutine frame less per try and request."""
+        """The ranked replicas in order until one answers (retries before the first byte),
+        at ``path`` (None: the client's). Plain functions returning awaitables: a coroutine
+        frame less per try and request."""
 
         def try_one(replica: str, attempt: int, last: bool) -> Awaitable[Relayed | None]:
             tried.add(replica)
             exchange.tries += 1
             reason = "resume" if resume else ("retry" if attempt else route.reason)
             # A continuation's error cannot be relayed into the open stream: always retry it.
-            try_ = Try(body, request_id, reason, retry_status=not last or resume, resume=resume)
+            try_ = Try(body, request_id, reason, not last or resume, resume=resume, path=path)
             return self.forwarder.forward(exchange, route, replica, try_)
 
         def retried() -> None:
@@ -429,24 +437,31 @@ class RequestPipeline:
         tried: set[str],
         body: bytes,
         request_id: str,
-        chat: bool,
+        parsed: ParsedRequest,
         relayed: Relayed,
     ) -> Relayed:
-        """Continue a broken stream on other replicas, spliced into the client's stream."""
+        """Continue a broken stream on other replicas, spliced into the client's stream (an
+        agent API's through a replica's chat endpoint: router/agent_resume.py)."""
         transcript = exchange.transcript
         assert transcript is not None
         max_resumes = self.config.retry.max_resumes
         original = msgspec.json.decode(body)
-        blocker = resume_blocker(original, chat) if isinstance(original, dict) else "not JSON"
+        blocker = _resume_blocker(original, parsed)
+        api = parsed.api
+        path = CONTINUATION_PATH if api in AGENT_APIS else None
         while relayed.broken is not None and relayed.resumable:
             stream, broken = relayed.response, relayed.broken
             if blocker is not None or transcript.resumes >= max_resumes:
                 why = blocker or f"retry.max_resumes ({max_resumes}) reached"
                 self.metrics.observe_resume("impossible")
                 return await end_broken_stream(
-                    stream, relayed.status, relayed.ttfb_s, f"{broken}; not resumed: {why}"
+                    stream, relayed.status, relayed.ttfb_s, f"{broken}; not resumed: {why}", api
                 )
-            new_body = continuation_body(original, chat, transcript)
+            if isinstance(transcript, AgentStreamTranscript):
+                new_body = agent_continuation_body(original, parsed, transcript)
+            else:
+                assert isinstance(transcript, StreamTranscript)
+                new_body = continuation_body(original, parsed.messages is not None, transcript)
             if new_body is None:  # every token it asked for was sent: end it as vLLM would
                 self.metrics.observe_resume("completed")
                 await stream.write(transcript.length_finish())
@@ -455,13 +470,12 @@ class RequestPipeline:
             transcript.start_continuation()
             log.info("resuming a broken stream (%s) elsewhere", broken)
             nxt = await self._try_replicas(
-                exchange, route, tried, new_body, request_id, time.monotonic(), resume=True
+                exchange, route, tried, new_body, request_id, time.monotonic(), True, path
             )
             if nxt is None:
                 self.metrics.observe_resume("failed")
-                return await end_broken_stream(
-                    stream, relayed.status, relayed.ttfb_s, f"{broken}; no replica could resume it"
-                )
+                why = f"{broken}; no replica could resume it"
+                return await end_broken_stream(stream, relayed.status, relayed.ttfb_s, why, api)
             self.metrics.observe_resume("resumed")
             relayed = nxt
         return relayed
@@ -552,7 +566,7 @@ class Admitted:
     output_tokens: int = 0  # without usage: the tokens streamed to the client
     outcome: str = "error"  # ok, error or cancelled
 
-    def served(self, relayed: Relayed, transcript: StreamTranscript | None) -> None:
+    def served(self, relayed: Relayed, transcript: Transcript | None) -> None:
         self.replica = relayed.replica
         if relayed.client_gone:
             self.outcome = "cancelled"
@@ -568,6 +582,15 @@ class Admitted:
             self.usage = relayed.usage
         if self.usage is None and transcript is not None:
             self.output_tokens = transcript.generated_tokens
+
+
+def _resume_blocker(original: object, parsed: ParsedRequest) -> str | None:
+    """Why this request's stream could not be continued elsewhere, or None."""
+    if not isinstance(original, dict):
+        return "not JSON"
+    if parsed.api in AGENT_APIS:
+        return agent_resume_blocker(original, parsed.api)
+    return resume_blocker(original, parsed.messages is not None)
 
 
 def usable_request_id(value: str) -> bool:

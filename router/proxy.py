@@ -19,7 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from .errors import anthropic_error_body
-from .resume import StreamTranscript
+from .resume import Transcript
 from .upstream_client import HOP_BY_HOP, UpstreamClient, UpstreamError, UpstreamResponse
 from .usage import StreamTail, UsageStripper, strip_usage_events, usage_of
 
@@ -148,7 +148,7 @@ class ClientExchange:
     headers: Iterable[tuple[bytes, bytes]]  # the client's headers passed on to replicas
     expect_stream: bool
     # Tracks a stream that may be resumed elsewhere (whole SSE events, text sent so far).
-    transcript: StreamTranscript | None
+    transcript: Transcript | None
     # The client's stream once open, so the caller can still end it well-formed if it gives
     # up (a total timeout) while a relay is under way, and continuations write into it.
     stream: web.StreamResponse | None = None
@@ -175,6 +175,7 @@ class UpstreamCall:
     response_headers: list[tuple[str, str]]  # added to the replica's answer
     retry_status: bool  # raise UpstreamUnavailable for a retryable status instead of relaying
     resume: bool = False  # continue the client's open stream (a continuation)
+    path: str | None = None  # where on the replica; None: the client's path
 
 
 async def relay(
@@ -199,7 +200,7 @@ async def relay(
     try:
         upstream = await client.post(
             call.base_url,
-            exchange.request.raw_path.encode(),
+            (call.path or exchange.request.raw_path).encode(),
             exchange.headers,
             call.upstream_headers,
             call.body,
@@ -258,12 +259,13 @@ async def relay(
             relayed = await _relay_raw(
                 upstream, stream, first, status, ttfb_s, timeouts.idle_s, strip, exchange.api
             )
-            if exchange.api == "responses" and status < 400:
-                relayed.response_id = response_id_of(first)
-            return relayed
-        return await _relay_events(
-            upstream, stream, first, status, ttfb_s, timeouts.idle_s, transcript, strip
-        )
+        else:
+            relayed = await _relay_events(
+                upstream, stream, first, status, ttfb_s, timeouts.idle_s, transcript, strip
+            )
+        if exchange.api == "responses" and status < 400 and not call.resume:
+            relayed.response_id = response_id_of(first)
+        return relayed
     finally:
         # Closing an unfinished response is how the replica learns the client has gone.
         upstream.close()
@@ -329,7 +331,7 @@ async def _relay_events(
     status: int,
     ttfb_s: float,
     idle_timeout_s: float,
-    transcript: StreamTranscript,
+    transcript: Transcript,
     strip_usage: bool = False,
 ) -> Relayed:
     tail = StreamTail()  # the replica's own events: the usage is in its last ones

@@ -236,6 +236,57 @@ async def test_a_follow_up_goes_where_its_previous_response_is_stored(
     assert gone.value.body["param"] == "previous_response_id"  # type: ignore[index]
 
 
+async def test_a_broken_messages_stream_is_resumed_on_another_replica(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a, b = await start_replica("a"), await start_replica("b")
+    r = await start_router([a, b], policy={"name": "round_robin"})
+    client = anthropic_client(r.url)
+    kinds: list[str] = []
+    async with client.messages.stream(
+        model="tiny", max_tokens=8, messages=[{"role": "user", "content": "break"}]
+    ) as stream:
+        async for event in stream:
+            kinds.append(event.type)
+        final = await stream.get_final_message()
+    second = b if a.seen[0].path == "/v1/messages" else a
+    # The client got one message: the first replica's two pieces, then the continuation's.
+    assert final.content[0].text == "hello from" + f"hello from {second.name}"  # type: ignore[union-attr]
+    assert [k for k in kinds if k.startswith("message_")] == [
+        "message_start", "message_delta", "message_stop"
+    ]  # fmt: skip
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
+    assert final.stop_reason == "end_turn"
+    assert final.usage.input_tokens == FAKE_PROMPT_TOKENS and final.usage.output_tokens == 2 + 3
+    # Continued through the chat endpoint: the partial answer as the message to continue.
+    seen = second.seen[-1]
+    assert seen.path == "/v1/chat/completions"
+    assert seen.body["messages"][-1] == {"role": "assistant", "content": "hello from"}
+    assert seen.body["continue_final_message"] is True and seen.body["max_tokens"] == 8 - 2
+
+
+async def test_a_broken_responses_stream_is_resumed_on_another_replica(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a, b = await start_replica("a"), await start_replica("b")
+    r = await start_router([a, b], policy={"name": "round_robin"})
+    stream = await openai_client(r.url).responses.create(
+        model="tiny", input=[{"role": "user", "content": "break"}], stream=True
+    )
+    events = [event async for event in stream]
+    numbers = [e.sequence_number for e in events]
+    assert numbers == list(range(len(events)))  # one stream, numbered without a gap
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    second = b if a.seen[0].path == "/v1/responses" else a
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == f"hello fromhello from {second.name}"
+    completed = events[-1].response  # type: ignore[union-attr]
+    assert completed.output_text == text and completed.status == "completed"
+    assert completed.id == events[0].response.id  # type: ignore[union-attr]
+    assert completed.usage is not None and completed.usage.output_tokens == 2 + 3
+    assert second.seen[-1].body["add_special_tokens"] is True  # as vLLM tokenizes Responses
+
+
 @pytest.mark.parametrize("api", ["messages", "responses"])
 async def test_a_stream_broken_mid_way_ends_in_its_apis_error_event(
     api: str, start_replica: StartReplica, start_router: StartRouter
