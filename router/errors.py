@@ -42,6 +42,11 @@ class ApiError(Exception):
         return web.Response(status=self.status, body=body, content_type=_JSON, headers=self.headers)
 
 
+def shape_of_path(path: str) -> str:
+    """The error shape a request's path takes: Anthropic's for Messages, else OpenAI's."""
+    return ANTHROPIC if path.startswith("/v1/messages") else OPENAI
+
+
 def anthropic_error_type(status: int) -> str:
     """Anthropic's error type for an HTTP status (its API documents one per status)."""
     if status >= 500:
