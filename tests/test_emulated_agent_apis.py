@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
@@ -654,6 +655,30 @@ async def test_a_dropped_stream_ends_without_its_last_event(
         _ = [event async for event in events_stream]
     # Nothing of the broken requests is left running in the engine.
     assert replica.replica.engine.stats.num_running == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/messages", {"max_tokens": 4000, "messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/responses", {"max_output_tokens": 4000, "input": "x"}),
+    ],
+)
+async def test_a_client_that_goes_away_aborts_its_request(
+    start_agent_replica: StartAgentReplica, path: str, body: dict[str, Any]
+) -> None:
+    replica = await start_agent_replica()
+    engine = replica.replica.engine
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(replica.url + path, json={"model": "tiny", "stream": True, **body})
+        assert resp.status == 200
+        await resp.content.readline()  # the first event: the request is in the engine
+        assert engine.stats.num_running + engine.stats.num_waiting == 1
+        resp.close()
+    async with asyncio.timeout(5):
+        while engine.has_unfinished_requests():
+            await asyncio.sleep(0.01)
+    assert engine.stats.num_running == 0
 
 
 async def test_metrics_and_kv_events_as_for_chat(start_agent_replica: StartAgentReplica) -> None:
