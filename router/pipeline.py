@@ -262,7 +262,7 @@ class RequestPipeline:
         if relayed.response_id is not None:
             self.stored_responses.remember(relayed.response_id, relayed.replica)
         if self.parity is not None and relayed.status < 400:
-            self.parity.offer(parsed, route, relayed.replica)
+            self.parity.offer(parsed, route, relayed.replica, admitted.body)
         transcript = exchange.transcript
         if relayed.broken is not None and relayed.resumable and transcript is not None:
             relayed = await self._resume(exchange, route, tried, body, request_id, parsed, relayed)
