@@ -497,8 +497,9 @@ async def test_responses_stream(start_agent_replica: StartAgentReplica) -> None:
 
 async def test_responses_tool_turns_render_as_chat(start_agent_replica: StartAgentReplica) -> None:
     replica = await start_agent_replica()
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
     tools = [{"type": "function", "name": "get_weather", "description": "Weather.",
-              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]  # fmt: skip
+              "parameters": city}]  # fmt: skip
     answer = await _openai(replica.url).responses.create(
         model="tiny",
         max_output_tokens=2,

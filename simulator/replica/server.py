@@ -2,11 +2,13 @@
 
 Completions and chat (streamed and not, vLLM's chunk shapes, usage and
 ``stream_options.include_usage``; ``logprobs`` and ``return_token_ids`` on non-streamed
-completions; at temperature 0 the same answer on every replica), /v1/models, /health, /metrics
-(vLLM's names, ``vllm:lora_requests_info`` with LoRA on), /tokenize, /detokenize,
+completions; at temperature 0 the same answer on every replica; chat rendered with the
+request's tools, template kwargs and ``add_special_tokens`` as vLLM renders it), Anthropic
+Messages and OpenAI Responses (``agent_api``, on the same engine path), /v1/models, /health,
+/metrics (vLLM's names, ``vllm:lora_requests_info`` with LoRA on), /tokenize, /detokenize,
 /reset_prefix_cache, /kv_event_sources, /load, /version, /v1/load_lora_adapter and
 /v1/unload_lora_adapter (only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, as vLLM), and
-/admin/faults for drills; Anthropic Messages and OpenAI Responses (``agent_api``). A client that disconnects aborts its request in the engine, as in
+/admin/faults for drills. A client that disconnects aborts its request in the engine, as in
 vLLM. With ``--kv-transfer-config`` (NixlConnector), requests' ``kv_transfer_params`` take part
 in prefill/decode disaggregation (``kv_connector``); without it they are ignored and answered
 null, as vLLM does.
