@@ -39,7 +39,8 @@ MESSAGE_BLOCK_TYPES = frozenset(
 _ROLES = ("user", "assistant", "system")
 _TOOL_CHOICES = ("auto", "any", "tool", "none")
 _THINKING = ("enabled", "disabled", "adaptive")
-# Claude Code's attribution header: a per-request hash that vLLM drops so prefixes still match.
+# Claude Code's attribution header: a per-request hash that vLLM drops so prefixes still match
+# (a system block that starts with it here; a system text's first line at rendering, hf.py).
 BILLING_HEADER = "x-anthropic-billing-header"
 # vLLM flattens a namespace tool's functions to "<namespace>__<name>".
 NAMESPACE_SEPARATOR = "__"
@@ -110,7 +111,7 @@ def check_messages_request(body: Any, count_tokens: bool = False) -> dict[str, A
             raise AgentRequestError(
                 "'max_tokens' is required and must be a positive integer.", "max_tokens"
             )
-        if not isinstance(body.get("stream", False), bool):
+        if body.get("stream") is not None and not isinstance(body["stream"], bool):
             raise AgentRequestError("'stream' must be a boolean.", "stream")
         stops = body.get("stop_sequences")
         if stops is not None and not (
@@ -166,6 +167,14 @@ def _check_message(message: Any, where: str) -> None:
     content = message.get("content")
     if not isinstance(content, str):
         _check_blocks(content, f"{where}.content")
+        assert isinstance(content, list)
+        if message["role"] != "system":
+            for j, block in enumerate(content):
+                if block["type"] in ("tool_addition", "tool_removal"):
+                    raise AgentRequestError(
+                        f'{block["type"]} blocks are only allowed in messages with role "system"',
+                        f"{where}.content[{j}]",
+                    )
 
 
 def _check_blocks(blocks: Any, where: str) -> None:
@@ -242,8 +251,9 @@ def messages_to_chat(body: dict[str, Any]) -> ChatConversion:
 
 
 def _with_object_type(schema: dict[str, Any]) -> dict[str, Any]:
-    # vLLM's AnthropicTool validator inserts "type": "object" where the schema has none.
-    return schema if "type" in schema else {"type": "object", **schema}
+    # vLLM's AnthropicTool validator sets "type": "object" where the schema has none: last,
+    # and the template's tojson keeps the keys' order.
+    return schema if "type" in schema else {**schema, "type": "object"}
 
 
 def _system_text(system: Any) -> str | None:

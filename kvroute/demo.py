@@ -71,6 +71,15 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=1.0,
         help="Emulated replicas run this many times slower.",
     )
+    p.add_argument(
+        "--api",
+        choices=["chat", "messages", "responses"],
+        default="chat",
+        help="The API the conversations speak: OpenAI chat completions (default), Anthropic "
+        "Messages (a coding agent's, e.g. Claude Code's) or OpenAI Responses (Codex's). The "
+        "same conversations either way; the router routes each API's prompt as the replica "
+        "renders it.",
+    )
     p.add_argument("--log-dir", default="kvroute-logs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -232,6 +241,7 @@ async def _run_policy(
             conversations,
             concurrency=args.concurrency,
             max_tokens=args.max_tokens,
+            api=args.api,
         )
     finally:
         await runner.cleanup()
@@ -246,12 +256,16 @@ def _demo_tokenizer(engine: str) -> Tokenizer:
     return SimpleTokenizer()
 
 
+_API_NAMES = {"messages": "Anthropic Messages", "responses": "OpenAI Responses"}
+
+
 def render_table(results: list[RunResult], args: argparse.Namespace, kv_blocks: int) -> str:
     width = max(18, *(len(r.label) + 2 for r in results))
     lines = [
         "",
         f"{args.replicas} {args.engine} replicas, {args.tenants} tenants x {args.conversations} "
-        f"conversations x {args.turns} turns, {args.concurrency} in flight, {kv_blocks} KV blocks/replica",
+        f"conversations x {args.turns} turns, {args.concurrency} in flight, {kv_blocks} KV blocks/replica"
+        + ("" if args.api == "chat" else f", sent as {_API_NAMES[args.api]}"),
         "",
         f"{'policy':<{width}}{'requests':>9}{'errors':>8}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'load max/mean':>15}{'wall':>8}",
     ]

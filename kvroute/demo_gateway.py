@@ -106,6 +106,7 @@ async def _run(
             conversations,
             concurrency=args.concurrency,
             max_tokens=args.max_tokens,
+            api=args.api,
         )
 
 

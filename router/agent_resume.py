@@ -52,10 +52,14 @@ def agent_resume_blocker(body: dict[str, Any], api: str) -> str | None:
 
 
 def agent_continuation_body(
-    body: dict[str, Any], parsed: ParsedRequest, transcript: AgentStreamTranscript
+    body: dict[str, Any],
+    parsed: ParsedRequest,
+    transcript: AgentStreamTranscript,
+    messages: list[dict[str, Any]],
 ) -> bytes | None:
-    """The chat request that continues ``transcript`` elsewhere; None when every token the
-    request asked for was sent."""
+    """The chat request that continues ``transcript`` elsewhere, ``messages`` being the
+    conversation as the replica rendered it (``prompt_keys.rendered_messages``); None when
+    every token the request asked for was sent."""
     sent = transcript.generated_tokens
     limit = body.get("max_tokens" if parsed.api == "messages" else "max_output_tokens")
     new: dict[str, Any] = {"model": parsed.model}
@@ -64,7 +68,7 @@ def agent_continuation_body(
             return None
         new["max_tokens"] = limit - sent
     options = parsed.chat_options or {}
-    messages = list(parsed.merged_messages or parsed.messages or [])
+    messages = list(messages)
     generated = transcript.generated_text
     last = messages[-1] if messages else None
     if options.get("continue_final_message") and isinstance(last, dict):

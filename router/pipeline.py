@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -50,6 +51,7 @@ from .metrics import RouterMetrics
 from .openai_request import ParsedRequest
 from .parity import ParityChecker
 from .pools import PoolRouting, Pools
+from .prompt_keys import rendered_messages
 from .proxy import ClientExchange, ClientRequest, Relayed, end_broken_stream, sse_error
 from .registry import ReplicaRegistry
 from .resume import StreamTranscript, Transcript, continuation_body, resume_blocker
@@ -458,7 +460,8 @@ class RequestPipeline:
                     stream, relayed.status, relayed.ttfb_s, f"{broken}; not resumed: {why}", api
                 )
             if isinstance(transcript, AgentStreamTranscript):
-                new_body = agent_continuation_body(original, parsed, transcript)
+                conversation = self._conversation(parsed)
+                new_body = agent_continuation_body(original, parsed, transcript, conversation)
             else:
                 assert isinstance(transcript, StreamTranscript)
                 new_body = continuation_body(original, parsed.messages is not None, transcript)
@@ -479,6 +482,14 @@ class RequestPipeline:
             self.metrics.observe_resume("resumed")
             relayed = nxt
         return relayed
+
+    def _conversation(self, parsed: ParsedRequest) -> list[dict[str, Any]]:
+        """An agent request's conversation as its pool's replicas render it (inline system
+        messages merged for a system-first template); merged when no tokenizer says."""
+        tokenizer = self._pool(parsed.model).keys.tokenizer
+        if tokenizer is not None and parsed.messages is not None:
+            return rendered_messages(parsed, tokenizer)
+        return parsed.merged_messages or parsed.messages or []
 
     # -- edges of the path ------------------------------------------------------------
 

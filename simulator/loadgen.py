@@ -2,8 +2,8 @@
 
 The one load generator of kvroute's live measurements:
 
-* ``send`` posts one completions or chat request (streamed or not) and records what the client
-  saw in an ``Outcome``: status, the replica the router names, time to first content, to the
+* ``send`` posts one completions, chat, Anthropic Messages or OpenAI Responses request
+  (streamed or not; the API is the URL's) and records what the client saw in an ``Outcome``: status, the replica the router names, time to first content, to the
   last content and to the end, tokens, text, and whether the answer was whole;
 * ``run_open_loop`` sends a plan of requests at their times (open loop: a request goes out when
   it is due, whatever the earlier ones are doing), optionally at most N in flight, recording
@@ -23,8 +23,10 @@ stand-in that POSTs one body as fast as the router answers and reads nothing of 
 so that the client costs as little as possible on the machine the router is measured on.
 
 An answer is whole when it came with status 200, carried no error event, and had a
-``finish_reason`` (and, streamed, ended with ``data: [DONE]``). Anything else is an error
-(``Outcome.error``), with a short kind for counting (``Outcome.error_kind``).
+``finish_reason`` (and, streamed, ended with ``data: [DONE]``); a Messages answer its
+``stop_reason`` (streamed: ``message_stop``), a Responses answer its status (streamed:
+``response.completed``). Anything else is an error (``Outcome.error``), with a short kind for
+counting (``Outcome.error_kind``).
 """
 
 from __future__ import annotations
@@ -129,6 +131,10 @@ async def send(
                 detail = (await resp.text())[:200]
                 outcome.fail(f"HTTP {resp.status}", f"HTTP {resp.status}: {detail}")
                 return outcome
+            api = _agent_api(url)
+            if api is not None:
+                await _agent_answer(resp, api, outcome, sent, pieces, keep_text)
+                return outcome
             if not outcome.stream:
                 data = _object(await resp.json())
                 outcome.ttft_s = outcome.last_token_s = time.monotonic() - sent
@@ -175,6 +181,112 @@ async def send(
         if keep_text:
             outcome.text = "".join(pieces)
     return outcome
+
+
+def _agent_api(url: str) -> str | None:
+    """The agent API a URL speaks ("messages", "responses"), or None for chat / completions."""
+    path = url.split("?", 1)[0]
+    for api in ("messages", "responses"):
+        if path.endswith("/v1/" + api):
+            return api
+    return None
+
+
+async def _agent_answer(
+    resp: aiohttp.ClientResponse,
+    api: str,
+    outcome: Outcome,
+    sent: float,
+    pieces: list[str],
+    keep_text: bool,
+) -> None:
+    """A Messages or Responses answer into ``outcome``: whole, or its stream's events."""
+    if not outcome.stream:
+        data = _object(await resp.json())
+        outcome.ttft_s = outcome.last_token_s = time.monotonic() - sent
+        if api == "messages":
+            texts = [b.get("text") or "" for b in data.get("content") or () if isinstance(b, dict)]
+            outcome.finished = bool(data.get("stop_reason"))
+        else:
+            texts = [
+                part.get("text") or ""
+                for item in data.get("output") or ()
+                if isinstance(item, dict)
+                for part in item.get("content") or ()
+                if isinstance(part, dict)
+            ]
+            outcome.finished = data.get("status") in ("completed", "incomplete")
+        pieces.extend(texts)
+        outcome.usage_tokens = (data.get("usage") or {}).get("output_tokens")
+        if not outcome.finished:
+            outcome.fail("no finish_reason", "answer without a stop reason or status")
+        return
+    async for line in resp.content:
+        if not line.startswith(b"data: "):
+            continue
+        event = _object(json.loads(line[6:]))
+        kind = event.get("type")
+        text = ""
+        if kind == "error":
+            error = event.get("error", event)
+            outcome.fail("SSE error", f"SSE error: {_error_message(error)}")
+            return
+        if kind == "content_block_delta":
+            delta = event.get("delta")
+            text = (delta.get("text") or "") if isinstance(delta, dict) else ""
+        elif kind == "response.output_text.delta":
+            text = event.get("delta") or ""
+        elif kind == "message_delta":
+            outcome.finished = bool((event.get("delta") or {}).get("stop_reason"))
+            outcome.usage_tokens = (event.get("usage") or {}).get("output_tokens")
+        elif kind in ("message_stop", "response.completed"):
+            outcome.done = True
+            if kind == "response.completed":
+                response = event.get("response") or {}
+                outcome.finished = response.get("status") in ("completed", "incomplete")
+                outcome.usage_tokens = (response.get("usage") or {}).get("output_tokens")
+        if text:
+            outcome.last_token_s = time.monotonic() - sent
+            if outcome.ttft_s is None:
+                outcome.ttft_s = outcome.last_token_s
+            outcome.chunks += 1
+            if keep_text:
+                pieces.append(text)
+    if not (outcome.finished and outcome.done):
+        outcome.fail("incomplete stream", "stream ended without its stop reason and last event")
+
+
+def request_body(
+    api: str, model: str, system: str | None, turns: Sequence[Mapping[str, str]], max_tokens: int,
+    *, session: str | None = None, extra: Mapping[str, Any] | None = None,
+) -> tuple[str, dict[str, Any]]:  # fmt: skip
+    """The path and streamed body that send this conversation in ``api`` ("chat",
+    "messages", "responses"): the same conversation, each API's own shape."""
+    body: dict[str, Any] = {"model": model, "stream": True}
+    if api == "messages":
+        body.update(max_tokens=max_tokens, messages=list(turns))
+        if system:
+            body["system"] = system
+        if session:
+            body["metadata"] = {"user_id": session}
+        path = "/v1/messages"
+    elif api == "responses":
+        body.update(max_output_tokens=max_tokens, input=list(turns))
+        if system:
+            body["instructions"] = system
+        if session:
+            body["user"] = session
+        path = "/v1/responses"
+    elif api == "chat":
+        head = [{"role": "system", "content": system}] if system else []
+        body.update(max_tokens=max_tokens, messages=head + list(turns))
+        if session:
+            body["user"] = session
+        path = "/v1/chat/completions"
+    else:
+        raise ValueError(f"unknown API {api!r}: chat, messages or responses")
+    body.update(extra or {})
+    return path, body
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,9 +363,11 @@ async def run_conversations(
     model: str = "tiny",
     scripted_replies: bool = True,
     on_done: Callable[[Outcome], None] | None = None,
+    api: str = "chat",
 ) -> None:
-    """Every conversation turn by turn, streamed chat requests to ``url_for_tenant(tenant)``
-    + ``/v1/chat/completions``, ``concurrency`` conversations at once.
+    """Every conversation turn by turn, streamed requests to ``url_for_tenant(tenant)`` in
+    ``api`` (chat completions, Anthropic Messages or OpenAI Responses: ``request_body``),
+    ``concurrency`` conversations at once.
 
     With ``scripted_replies`` the assistant turns sent back are fixed text, so every router
     sees the very same prompts; otherwise the model's own replies are sent back, as a chat
@@ -263,20 +377,19 @@ async def run_conversations(
 
     async def converse(conversation: Conversation) -> None:
         async with slots:
-            messages: list[dict[str, Any]] = [
-                {"role": "system", "content": conversation.system_prompt}
-            ]
-            url = url_for_tenant(conversation.tenant) + "/v1/chat/completions"
+            messages: list[dict[str, str]] = []
+            base = url_for_tenant(conversation.tenant)
             for turn, text in enumerate(conversation.user_turns):
                 messages.append({"role": "user", "content": text})
-                body = {
-                    "model": model,
-                    "messages": messages,
-                    "max_tokens": max_tokens,
-                    "stream": True,
-                    "user": f"tenant-{conversation.tenant}",
-                }
-                outcome = await send(http, url, body, keep_text=not scripted_replies)
+                path, body = request_body(
+                    api,
+                    model,
+                    conversation.system_prompt,
+                    messages,
+                    max_tokens,
+                    session=f"tenant-{conversation.tenant}",
+                )
+                outcome = await send(http, base + path, body, keep_text=not scripted_replies)
                 reply = outcome.text if outcome.ok else ""
                 if scripted_replies:
                     reply = f"Reply {turn} to tenant {conversation.tenant}: noted, " + text[:80]

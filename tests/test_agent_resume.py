@@ -171,7 +171,9 @@ def test_a_messages_continuation_is_a_chat_request_for_the_partial_answer() -> N
     t = AgentStreamTranscript("messages")
     t.feed(MESSAGE_START)
     t.feed(event("content_block_delta", index=0, delta={"type": "text_delta", "text": "Hel"}))
-    body = json.loads(agent_continuation_body(MESSAGES_BODY, parsed, t) or b"")
+    body = json.loads(
+        agent_continuation_body(MESSAGES_BODY, parsed, t, parsed.messages or []) or b""
+    )
     assert body["messages"] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
@@ -188,7 +190,7 @@ def test_a_continuation_owes_nothing_once_every_token_was_sent() -> None:
     parsed = parse_messages(msgspec.json.encode(body))
     t = AgentStreamTranscript("messages")
     t.feed(event("content_block_delta", index=0, delta={"type": "text_delta", "text": "x"}))
-    assert agent_continuation_body(body, parsed, t) is None
+    assert agent_continuation_body(body, parsed, t, []) is None
 
 
 @pytest.mark.parametrize(
@@ -212,6 +214,6 @@ def test_a_responses_continuation_keeps_the_special_tokens_and_output_limit() ->
     parsed = parse_responses(msgspec.json.encode(body))
     t = AgentStreamTranscript("responses")
     t.feed(event("response.output_text.delta", delta="a", sequence_number=0))
-    new = json.loads(agent_continuation_body(body, parsed, t) or b"")
+    new = json.loads(agent_continuation_body(body, parsed, t, parsed.messages or []) or b"")
     assert new["add_special_tokens"] is True and new["max_tokens"] == 4
     assert new["messages"][-1] == {"role": "assistant", "content": "a"}

@@ -201,9 +201,9 @@ class HFTokenizerFiles:
         if tools is not None:
             tools = [_tool_as_vllm_dumps_it(t) for t in tools]
         # (Roles looked up in C: an agent's history has hundreds of messages.)
-        merges_developer = "developer" in map(dict.get, messages, repeat("role")) and (
-            "developer" not in (self.chat_template or "")
-        )
+        merges_developer = "developer" in map(
+            dict.get, messages, repeat("role")
+        ) and not _names_developer_role(self.chat_template or "")
         cache = self._render_cache
         if (
             incremental
@@ -304,6 +304,9 @@ class HFTokenizerFiles:
         """One message as vLLM hands it to the template (``_parse_chat_message_content``)."""
         role = message.get("role")
         content = message.get("content")
+        if role == "system" and _starts_a_part_with(content, BILLING_HEADER):
+            content = _without_billing_header(content)
+            message = {**message, "content": content}
         if (
             type(content) is str
             and len(message) == 2
@@ -371,6 +374,40 @@ _TEXT_PARTS = {
 }
 
 
+# Claude Code's attribution header: its per-request hash would end every prefix match there,
+# so vLLM drops its line from every system message's text (``_strip_claude_code_billing_header``).
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _starts_a_part_with(content: Any, prefix: str) -> bool:
+    if isinstance(content, str):
+        return content.startswith(prefix)
+    if isinstance(content, list):
+        return any(_part_starts_with(p, prefix) for p in content)
+    return False
+
+
+def _part_starts_with(part: Any, prefix: str) -> bool:
+    if isinstance(part, dict) and part.get("type") == "text":
+        part = part.get("text")
+    return isinstance(part, str) and part.startswith(prefix)
+
+
+def _without_billing_header(content: Any) -> list[Any]:
+    """The system content's parts less the header's line (a part left empty is dropped)."""
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    out: list[Any] = []
+    for part in parts:
+        if not _part_starts_with(part, BILLING_HEADER):
+            out.append(part)
+            continue
+        text = part if isinstance(part, str) else part["text"]
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out
+
+
 def _all_text(parts: list[Any]) -> bool:
     return all(
         isinstance(p, str) or (isinstance(p, dict) and p.get("type", "text") in _TEXT_PARTS)
@@ -378,9 +415,15 @@ def _all_text(parts: list[Any]) -> bool:
     )
 
 
+def _names_developer_role(template: str) -> bool:
+    """Whether a template takes developer messages: vLLM looks for the quoted role name."""
+    return '"developer"' in template or "'developer'" in template
+
+
 def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """vLLM's fallback for templates without a developer role: system messages, merged at 0."""
-    converted = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
+    """vLLM's fallback for templates without a developer role: system messages (without the
+    developer message's tools), merged at 0."""
+    converted = [_as_system(m) if m["role"] == "developer" else m for m in conversation]
     systems = [m for m in converted if m["role"] == "system"]
     if len(systems) <= 1 and (not systems or converted[0] is systems[0]):
         return converted
@@ -393,6 +436,12 @@ def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, A
             contents.append(content)
     merged = {"role": "system", "content": "\n\n".join(contents)}
     return [merged, *(m for m in converted if m["role"] != "system")]
+
+
+def _as_system(message: dict[str, Any]) -> dict[str, Any]:
+    out = {**message, "role": "system"}
+    out.pop("tools", None)
+    return out
 
 
 def _tool_as_vllm_dumps_it(tool: Any) -> Any:

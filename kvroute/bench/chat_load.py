@@ -133,9 +133,10 @@ async def run_conversations(
     model: str = "tiny",
     scripted_replies: bool = True,
     progress: bool = True,
+    api: str = "chat",
 ) -> None:
     """Every conversation turn by turn (several conversations in flight), streamed, recorded in
-    ``result``; sent by ``kvroute.simulator.loadgen.run_conversations`` (see there)."""
+    ``result``; sent in ``api`` by ``kvroute.simulator.loadgen.run_conversations`` (see there)."""
     total = sum(len(c.user_turns) for c in conversations)
     started = time.monotonic()
 
@@ -155,6 +156,7 @@ async def run_conversations(
             model=model,
             scripted_replies=scripted_replies,
             on_done=done,
+            api=api,
         )
     finally:
         result.wall_s = time.monotonic() - started
@@ -177,9 +179,11 @@ async def measured_run(
     *,
     concurrency: int,
     max_tokens: int,
+    api: str = "chat",
 ) -> RunResult:
-    """The conversations through ``url`` on freshly reset prefix caches, with what the
-    replicas (URL -> name) counted themselves: one row of ``kvroute demo``'s table."""
+    """The conversations through ``url`` on freshly reset prefix caches, sent in ``api``
+    (chat, messages or responses), with what the replicas (URL -> name) counted themselves:
+    one row of ``kvroute demo``'s table."""
     urls = list(replicas)
     await reset_prefix_caches(http, urls)
     before = await replica_counters(http, urls)
@@ -192,6 +196,7 @@ async def measured_run(
         concurrency=concurrency,
         max_tokens=max_tokens,
         scripted_replies=False,
+        api=api,
     )
     record_counters(result, replicas, before, await replica_counters(http, urls))
     return result
