@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvroute.simulator.loadgen import Outcome, Planned, run_open_loop
+from kvroute.simulator.loadgen import Outcome, Planned, request_body, run_open_loop
 
 # Tenants with their own long system prompt, so cache-aware routing has prefixes to follow;
 # enough of them that every replica is home to some (and has streams in flight when it fails).
@@ -36,11 +36,14 @@ async def run_load(
     max_tokens: int,
     started: float,
     api_key: str | None = None,
+    api: str = "completions",
 ) -> LoadResult:
     """Send ``rate`` requests per second for ``duration_s`` from ``started`` (a
-    ``time.monotonic()``), alternating streamed and not."""
+    ``time.monotonic()``), alternating streamed and not, in ``api`` (completions, chat,
+    messages or responses)."""
     n = int(rate * duration_s)
-    return await _send(url, _plan(url, model, rate, max_tokens, n, None), started, api_key)
+    plan = _plan(url, model, rate, max_tokens, n, None, api)
+    return await _send(url, plan, started, api_key)
 
 
 async def run_load_until(
@@ -64,18 +67,22 @@ def _plan(
     max_tokens: int,
     n: int | None,
     stop: Callable[[], bool] | None,
+    api: str = "completions",
 ) -> Iterator[Planned]:
     for i in itertools.count():
         if (n is not None and i >= n) or (stop is not None and stop()):
             return
-        prompt = _TENANT_PROMPTS[i % len(_TENANT_PROMPTS)] + f" Question {i}: why?"
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "stream": i % 2 == 0,
-        }
-        yield Planned(i / rate, url + "/v1/completions", body)
+        system = _TENANT_PROMPTS[i % len(_TENANT_PROMPTS)]
+        question = f" Question {i}: why?"
+        stream = i % 2 == 0
+        if api == "completions":
+            path = "/v1/completions"
+            body = {"model": model, "prompt": system + question, "max_tokens": max_tokens}
+        else:
+            turns = [{"role": "user", "content": question.strip()}]
+            path, body = request_body(api, model, system, turns, max_tokens)
+        body["stream"] = stream
+        yield Planned(i / rate, url + path, body)
 
 
 async def _send(

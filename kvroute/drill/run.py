@@ -53,6 +53,7 @@ class DrillOptions:
     duration_s: float
     fault_s: float
     max_tokens: int
+    api: str = "completions"  # the API the load speaks
 
 
 @dataclass
@@ -148,6 +149,7 @@ async def _drive(
                 options.max_tokens,
                 started,
                 client_key,
+                options.api,
             )
         )
         await asyncio.sleep(max(0.0, started + options.at_s - time.monotonic()))
@@ -401,6 +403,13 @@ def add_drill_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="How long the fault lasts (default: half of what is left after --at).",
     )
     p.add_argument("--max-tokens", type=int, default=32, help="Tokens per answer (default 32).")
+    p.add_argument(
+        "--api",
+        choices=("completions", "chat", "messages", "responses"),
+        default="completions",
+        help="The API the load speaks (default completions): messages and responses drill "
+        "agents' streams (Anthropic Messages, OpenAI Responses), resumed in their own events.",
+    )
     rollout = p.add_argument_group("rollout scenario")
     rollout.add_argument(
         "--engine",
@@ -455,6 +464,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
         args.duration,
         fault_s,
         args.max_tokens,
+        args.api,
     )
     try:
         report = run_drill(options)
