@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 
@@ -166,6 +167,41 @@ async def test_a_stream_broken_mid_way_is_resumed_on_another_replica_as_one_stre
             assert roles == ["assistant"]
         usage = chunks[-1].usage
         assert usage is not None and usage.completion_tokens == 12
+    assert r.router.metrics.resumes[("resumed",)] == 1
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_an_agent_stream_broken_mid_way_is_resumed_as_one_stream_of_its_api(
+    start_emulated: StartEmulated, start_router: StartRouter, api: str
+) -> None:
+    """On real engines (greedy tokens): the client's own stream parser gets one message,
+    its text as long as asked, its usage the whole answer's."""
+    a, b, r = await two_replicas(start_emulated, start_router)
+    a.replica.faults.update(FaultSpec(drop_after_chunks=4))
+    b.replica.faults.update(FaultSpec(drop_after_chunks=0))
+    for _ in range(2):  # round robin: one of the two starts on a
+        if api == "messages":
+            client = anthropic.AsyncAnthropic(base_url=r.url, api_key="x", max_retries=0)
+            async with client.messages.stream(
+                model="tiny", max_tokens=12, messages=[{"role": "user", "content": "a story"}]
+            ) as stream:
+                final = await stream.get_final_message()
+            assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
+            assert len(final.content) == 1 and final.content[0].type == "text"
+        else:
+            oa = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+            events = [
+                e
+                async for e in await oa.responses.create(
+                    model="tiny", input="a story", max_output_tokens=12, stream=True
+                )
+            ]
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            done = events[-1]
+            assert done.type == "response.completed"
+            deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+            assert done.response.output_text == deltas
+            assert done.response.usage is not None and done.response.usage.output_tokens == 12
     assert r.router.metrics.resumes[("resumed",)] == 1
 
 
