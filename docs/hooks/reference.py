@@ -21,6 +21,7 @@ import asyncio
 import inspect
 import io
 import re
+import textwrap
 import tokenize
 import types
 import typing
@@ -298,7 +299,7 @@ def field_comments(cls: type) -> dict[str, str]:
     """Each field's comment in the class's source: the one on its line, else the block of comment
     lines right above it (a blank line or code in between breaks the block)."""
     try:
-        source = inspect.getsource(cls)
+        source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
     lines = source.splitlines()
