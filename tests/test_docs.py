@@ -16,6 +16,7 @@ import importlib.util
 import io
 import re
 import shlex
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -295,3 +296,67 @@ def test_a_bad_config_block_is_caught() -> None:
     assert config_error("limits: {max_concurrent_requests: 4}") is None
     assert "max_concurent_requests" in (config_error("limits: {max_concurent_requests: 4}") or "")
     assert config_error("launch: {engine: vllm, count: 2, ...}") is not None
+
+
+# ----------------------------------------------------------- commands run, output compared
+
+
+def shown_runs(path: Path, command: str) -> Iterator[tuple[str, list[str]]]:
+    """Each ``$ COMMAND ...`` line of the page's code blocks with the output shown under it."""
+    for _, block, _ in code_blocks(path):
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith(f"$ {command}"):
+                rest = lines[i + 1 :]
+                end = next((k for k, r in enumerate(rest) if r.startswith("$ ")), len(rest))
+                yield line[2:], rest[:end]
+
+
+def run_kvroute(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", *argv],
+        capture_output=True, text=True, timeout=600, cwd=cwd,
+    )  # fmt: skip
+
+
+def test_check_config_prints_what_the_docs_show() -> None:
+    runs = [run for path in doc_files() for run in shown_runs(path, "kvroute check-config")]
+    assert runs, "the docs show no kvroute check-config run"
+    for command, shown in runs:
+        result = run_kvroute(shlex.split(command)[1:], ROOT)
+        assert (result.stdout + result.stderr).splitlines() == shown, command
+
+
+DEMO_ROW = re.compile(
+    r"^(\w+) +(\d+) +(\d+) +(\d+\.\d)% +(\d+)ms +(\d+)ms +(\d+\.\d\d) +(\d+\.\d)s$"
+)
+
+
+def demo_block(path: Path) -> list[str]:
+    """The demo's table as the page shows it: the block right after the install + demo one."""
+    blocks = list(code_blocks(path))
+    at = next(i for i, (_, b, _) in enumerate(blocks) if "pip install -e . && kvroute demo" in b)
+    return [line for line in blocks[at + 1][1].splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_the_quick_start_demo_prints_what_the_pages_show(tmp_path: Path) -> None:
+    """`kvroute demo`, as the README and Getting started run it. The pages say which figures vary
+    from run to run (round robin's hit rate, the latencies, the wall time); the rest must match:
+    the workload line, the columns, the policies, every request answered, and kv_aware's hit
+    rate (88.8-88.9% in every run, the pages say) well above round robin's (45-55%)."""
+    shown = demo_block(DOCS / "getting-started.md")
+    assert demo_block(ROOT / "README.md") == shown
+    result = run_kvroute(["demo"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    printed = [line for line in result.stdout.splitlines() if line.strip()]
+    assert printed[:2] == shown[:2]  # the workload and the header
+    rows = {}
+    for page_line, line in zip(shown[2:], printed[2:], strict=False):
+        page, got = DEMO_ROW.match(page_line), DEMO_ROW.match(line)
+        assert page is not None and got is not None, (page_line, line)
+        assert got.group(1, 2, 3) == page.group(1, 2, 3)  # policy, requests, errors: 0
+        rows[got.group(1)] = float(got.group(4))
+    assert list(rows) == ["round_robin", "kv_aware"]
+    assert rows["kv_aware"] >= 85.0
+    assert rows["kv_aware"] - rows["round_robin"] >= 20.0
