@@ -360,3 +360,24 @@ def test_the_quick_start_demo_prints_what_the_pages_show(tmp_path: Path) -> None
     assert list(rows) == ["round_robin", "kv_aware"]
     assert rows["kv_aware"] >= 85.0
     assert rows["kv_aware"] - rows["round_robin"] >= 20.0
+
+
+def test_the_benchmark_summary_table_gives_a_command_that_parses_for_each_line() -> None:
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    glance = text.split("\n## At a glance\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in glance.splitlines() if line.startswith("| ")][2:]
+    assert len(rows) >= 10
+    assert glance.count("| what | result | against | date | command |") == 1
+    bad = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert len(cells) == 5, row
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", cells[3]), row
+        commands = re.findall(r"`((?:kvroute|KVROUTE_\w+=\S+ python) [^`]+)`", cells[4])
+        assert commands, f"no command: {row}"
+        for command in commands:
+            if not command.startswith("kvroute ") or "$common" in command:
+                continue  # a test run, or a command whose flags the section spells out
+            if (error := parse_error(command)) is not None:
+                bad.append(f"{command}\n    {error}")
+    assert not bad, "\n".join(bad)
