@@ -94,6 +94,20 @@ def test_every_config_key_has_a_type_and_a_meaning() -> None:
     assert all(k.type for k in keys)
 
 
+def test_every_kv_aware_parameter_has_a_meaning() -> None:
+    params = reference.policy_params()
+    mine = {p.name: p for p in params if p.policy == "kv_aware"}
+    assert {"margin_tokens", "refill_weight", "slo_ttft_s", "seed"} <= set(mine)
+    missing = [name for name, p in mine.items() if not p.meaning]
+    assert not missing, "describe these beside policy.params in configs/reference.yaml:\n" + (
+        "\n".join(missing)
+    )
+    assert mine["margin_tokens"].default == "64"
+    others = [p for p in params if p.policy != "kv_aware"]
+    assert {p.policy for p in others} >= {"random", "power_of_two", "consistent_hash"}
+    assert all(p.meaning for p in others), [p for p in others if not p.meaning]
+
+
 def test_config_key_defaults_come_from_the_schema() -> None:
     keys = {k.path: k for k in reference.config_keys()}
     assert keys["listen.port"].default == "8000"

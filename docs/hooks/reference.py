@@ -21,6 +21,7 @@ import asyncio
 import inspect
 import io
 import re
+import sys
 import textwrap
 import tokenize
 import types
@@ -444,7 +445,69 @@ def config_markdown(keys: list[Key]) -> str:
         out += ["| key | type | default | meaning |", "|---|---|---|---|"]
         out += [_key_row(k) for k in inside]
         out.append("")
+    out += policy_markdown(policy_params())
     return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class PolicyParam:
+    policy: str
+    name: str
+    type: str
+    default: str
+    meaning: str
+
+
+def policy_params() -> list[PolicyParam]:
+    """Every policy's ``policy.params``, from its constructor's signature; kv_aware's (the
+    default policy's) meanings from configs/reference.yaml, where its parameters are listed."""
+    from kvroute.policies.registry import POLICIES
+
+    notes = reference_yaml_comments()
+    out = []
+    for name, cls in POLICIES.items():
+        for param in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+            if param.kind is not param.POSITIONAL_OR_KEYWORD:
+                continue
+            meaning = notes.get(f"policy.params.{param.name}", "")
+            if name != "kv_aware":  # reference.yaml lists kv_aware's; the others' say less
+                meaning = OTHER_POLICY_PARAMS.get(param.name, "") or meaning
+            default = "null" if param.default is None else str(param.default)
+            kind = str(param.annotation).replace("None", "null").replace("float", "number")
+            out.append(PolicyParam(name, param.name, kind, default, meaning))
+    return out
+
+
+# What the other policies' parameters mean, as configs/reference.yaml's comment under policy.params
+# says ("consistent_hash params: eps, vnodes (as above ...)"; "random and power_of_two params:
+# seed ..."): eps and vnodes as kv_aware's, and seed their own.
+OTHER_POLICY_PARAMS = {"seed": "Seeds the policy's random draws (null: seeded by the OS)."}
+
+
+def policy_markdown(params: list[PolicyParam]) -> list[str]:
+    from kvroute.policies.registry import POLICIES
+
+    out = [
+        "## Policy parameters (`policy.params`)",
+        "",
+        "`policy.name` picks the policy; `policy.params` (and a pool's `policy.params`) takes its "
+        "parameters, checked against the policy's own (an unknown one is a config error). "
+        "[How routing works](../routing.md) explains them.",
+        "",
+    ]
+    for name, cls in POLICIES.items():
+        doc = inspect.getdoc(sys.modules[cls.__module__]) or ""
+        mine = [p for p in params if p.policy == name]
+        out += [f"### `{name}`", "", _md_text(doc.split("\n\n")[0]), ""]
+        if not mine:
+            out += ["No parameters.", ""]
+            continue
+        out += ["| parameter | type | default | meaning |", "|---|---|---|---|"]
+        out += [
+            f"| `{p.name}` | {_cell(p.type)} | `{p.default}` | {_cell(p.meaning)} |" for p in mine
+        ]
+        out.append("")
+    return out
 
 
 def _in_section(path: str, section: str) -> bool:
