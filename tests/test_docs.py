@@ -395,3 +395,52 @@ def test_the_benchmark_summary_table_gives_a_command_that_parses_for_each_line()
             if (error := parse_error(command)) is not None:
                 bad.append(f"{command}\n    {error}")
     assert not bad, "\n".join(bad)
+
+
+# -------------------------------------------------------------------- the README, a front page
+
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+def links(path: Path) -> set[str]:
+    """The repository files a Markdown file links to, relative to the repository root."""
+    out = set()
+    for target in LINK.findall(path.read_text()):
+        if "://" in target:
+            continue
+        out.add((path.parent / target).resolve().relative_to(ROOT.resolve()).as_posix())
+    return out
+
+
+def nav_pages() -> set[str]:
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+
+    def walk(items: list[object]) -> Iterator[str]:
+        for item in items:
+            value = next(iter(item.values())) if isinstance(item, dict) else item
+            if isinstance(value, list):
+                yield from walk(value)
+            else:
+                yield f"docs/{value}"
+
+    return set(walk(config["nav"]))
+
+
+def test_the_readme_is_a_front_page_that_reaches_every_page_in_two_clicks() -> None:
+    readme = ROOT / "README.md"
+    assert len(readme.read_text().splitlines()) <= 200
+    first = links(readme)
+    missing = sorted(f for f in first if not (ROOT / f).exists())
+    assert not missing, f"the README links to files a clone does not have: {missing}"
+    reachable = set(first)
+    for page in first:
+        if page.endswith(".md") and (ROOT / page).exists():
+            reachable |= links(ROOT / page)
+    # Pages built from the code (reference/) or from other files (benchmarks/results.md, the
+    # manifests' and the dashboard's READMEs) exist only in the built site: links reach them.
+    assert nav_pages() - reachable == set()
+
+
+def test_every_page_is_in_the_navigation() -> None:
+    pages = {p.relative_to(ROOT).as_posix() for p in DOCS.rglob("*.md")}
+    assert pages - nav_pages() == set()
