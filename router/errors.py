@@ -1,4 +1,5 @@
-"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}, and in
+Anthropic's for its Messages API: {"type": "error", "error": {"type", "message"}}."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import msgspec
 from aiohttp import web
 
 _JSON = "application/json"
+# The error shapes: OpenAI's (chat, completions, Responses) and Anthropic's (Messages).
+OPENAI = "openai"
+ANTHROPIC = "anthropic"
 
 
 class ApiError(Exception):
@@ -32,10 +36,36 @@ class ApiError(Exception):
     def body(self) -> bytes:
         return error_body(self.message, self.error_type, self.param, self.code)
 
-    def response(self) -> web.Response:
-        return web.Response(
-            status=self.status, body=self.body(), content_type=_JSON, headers=self.headers
-        )
+    def response(self, shape: str = OPENAI) -> web.Response:
+        """The error as the client's API shapes it (``OPENAI`` or ``ANTHROPIC``)."""
+        body = self.body() if shape == OPENAI else anthropic_error_body(self.status, self.message)
+        return web.Response(status=self.status, body=body, content_type=_JSON, headers=self.headers)
+
+
+def shape_of_path(path: str) -> str:
+    """The error shape a request's path takes: Anthropic's for Messages, else OpenAI's."""
+    return ANTHROPIC if path.startswith("/v1/messages") else OPENAI
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error type for an HTTP status (its API documents one per status)."""
+    if status >= 500:
+        return "overloaded_error" if status in (503, 529) else "api_error"
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error")
+
+
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> bytes:
+    error = {"type": anthropic_error_type(status), "message": message}
+    return msgspec.json.encode({"type": "error", "error": error})
 
 
 def error_body(message: str, error_type: str, param: str | None, code: str | None) -> bytes:

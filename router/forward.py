@@ -29,6 +29,7 @@ class Try:
     reason: str
     retry_status: bool  # a retryable answer raises instead of reaching the client
     resume: bool = False  # write into the client's open stream
+    path: str | None = None  # where on the replica (a continuation's); None: the client's
 
 
 class Forwarder:
@@ -91,6 +92,7 @@ class Forwarder:
             extra,
             attempt.retry_status,
             attempt.resume,
+            attempt.path,
         )
         started = time.perf_counter()
         assert self.client is not None

@@ -77,6 +77,14 @@ class ParsedRequest:
     chat_options: dict[str, Any] | None = None  # add_generation_prompt, tools, ...
     add_special_tokens: bool = True
     include_usage: bool = False  # the client asked for a stream's usage chunk
+    # The API it came in on: "completions", "chat", or an agent API's ("messages",
+    # "count_tokens", "responses"; router/agent_request.py). The body goes out in it as it came.
+    api: str = "chat"
+    # An agent API's conversation with inline system messages merged into the first, for
+    # templates that require system-first ordering (as vLLM does); None: nothing to merge.
+    merged_messages: list[dict[str, Any]] | None = None
+    # Responses: the stored response this one continues (it lives on one replica).
+    previous_response_id: str | None = None
 
 
 def _include_usage(options: dict[str, Any] | None) -> bool:
@@ -113,6 +121,7 @@ def parse_completion(body: bytes) -> ParsedRequest:
         prompt_ids=ids,
         add_special_tokens=req.add_special_tokens,
         include_usage=_include_usage(req.stream_options),
+        api="completions",
     )
 
 

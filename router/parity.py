@@ -46,13 +46,15 @@ from kvroute.kvcore.tokenizer import ChatTemplateError, token_id_blocks
 from .config import ParityConfig
 from .openai_request import ParsedRequest
 from .pools import PoolRouting
-from .prompt_keys import PromptKeys
+from .prompt_keys import PromptKeys, rendered_messages
 
 log = logging.getLogger(__name__)
 
 # Chat options /tokenize takes as chat completions do; a request with others set (documents,
 # reasoning_effort) renders a template /tokenize cannot reproduce: its tokens are not checked.
 _TOKENIZE_CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "tools")
+# The agent APIs whose prompts a replica renders on request, and where.
+RENDERED_APIS = {"messages": "/v1/messages/render", "responses": "/v1/responses/render"}
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class _Sample:
     key: str | None
     keys: PromptKeys  # the answering replica's pool's: its tokenizer
     index: PrefixIndex  # and its prefix index
+    body: bytes = b""  # the client's body: an agent API's is rendered by the replica whole
 
 
 class ParityMetrics:
@@ -112,8 +115,9 @@ class ParityChecker:
 
     # -- on the request path -----------------------------------------------------------
 
-    def offer(self, parsed: ParsedRequest, route: Route, replica: str) -> None:
-        """``replica`` answered the request ``route`` routed: count it, maybe check it."""
+    def offer(self, parsed: ParsedRequest, route: Route, replica: str, body: bytes = b"") -> None:
+        """``replica`` answered the request ``route`` routed (``body``: the client's): count
+        it, maybe check it."""
         request = route.request
         if not request.block_hashes:
             return  # nothing the router keyed (no tokenizer): nothing to compare
@@ -140,6 +144,7 @@ class ParityChecker:
             extra_key(lora, parsed.cache_salt),
             keys,
             pool.index,
+            body,
         )
         task = asyncio.get_running_loop().create_task(self._check(sample))
         self._pending.add(task)
@@ -191,9 +196,14 @@ class ParityChecker:
 
     async def _check_tokens(self, sample: _Sample) -> None:
         parsed = sample.parsed
-        body = _tokenize_body(parsed)
         tokenizer = sample.keys.tokenizer
-        if body is None or tokenizer is None:
+        if tokenizer is None:
+            self._record(sample.replica, TOKENS, SKIPPED)
+            return
+        messages = rendered_messages(parsed, tokenizer) if parsed.messages is not None else None
+        theirs = await self._rendered(sample) if parsed.api in RENDERED_APIS else None
+        body = _tokenize_body(parsed, messages)
+        if body is None and theirs is None:
             self._record(sample.replica, TOKENS, SKIPPED)
             return
         try:
@@ -201,12 +211,13 @@ class ParityChecker:
         except ChatTemplateError:
             self._record(sample.replica, TOKENS, SKIPPED)
             return
-        assert self._client is not None
-        try:
-            response = await self._client.post(sample.base_url + "/tokenize", json=body)
-            theirs = response.json()["tokens"] if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            theirs = None
+        if theirs is None:
+            assert self._client is not None
+            try:
+                response = await self._client.post(sample.base_url + "/tokenize", json=body)
+                theirs = response.json()["tokens"] if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                theirs = None
         if not isinstance(theirs, list):
             self._record(sample.replica, TOKENS, ERROR)
             return
@@ -238,6 +249,24 @@ class ParityChecker:
             )
             return
         self._record(sample.replica, TOKENS, AGREE)
+
+    async def _rendered(self, sample: _Sample) -> list[int] | None:
+        """An agent request's token ids as the replica renders the client's body itself
+        (``/v1/messages/render``, ``/v1/responses/render``: vLLM's conversion and template
+        both checked), or None where it has no render endpoints (vLLM serves them with
+        ``--enable-scale-out``): then ``/tokenize`` checks the template on the conversation."""
+        assert self._client is not None
+        path = RENDERED_APIS[sample.parsed.api]
+        try:
+            response = await self._client.post(
+                sample.base_url + path,
+                content=sample.body,
+                headers={"Content-Type": "application/json"},
+            )
+            ids = response.json().get("token_ids") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return ids if isinstance(ids, list) else None
 
     async def _check_blocks(self, sample: _Sample) -> None:
         hashes = sample.route.request.block_hashes
@@ -294,17 +323,19 @@ class ParityChecker:
         self.metrics.alarm.set(1 if self.verdicts.alarm else 0)
 
 
-def _tokenize_body(parsed: ParsedRequest) -> dict[str, Any] | None:
+def _tokenize_body(
+    parsed: ParsedRequest, messages: list[dict[str, Any]] | None
+) -> dict[str, Any] | None:
     """The /tokenize request that renders the prompt as the replica rendered it; None when
     /tokenize cannot (token-id prompts were not tokenized; some chat options it does not take)."""
     body: dict[str, Any] = {"add_special_tokens": parsed.add_special_tokens}
     if parsed.model is not None:
         body["model"] = parsed.model
-    if parsed.messages is not None:
+    if messages is not None:
         options = parsed.chat_options or {}
         if options.get("documents") is not None or options.get("reasoning_effort") is not None:
             return None
-        body["messages"] = parsed.messages
+        body["messages"] = messages
         for name in _TOKENIZE_CHAT_OPTIONS:
             if options.get(name) is not None:
                 body[name] = options[name]
@@ -320,8 +351,9 @@ def _tokenize_body(parsed: ParsedRequest) -> dict[str, Any] | None:
 def _router_ids(tokenizer: Any, parsed: ParsedRequest) -> list[int]:
     """The prompt's token ids as the router's tokenizer makes them, whole (not incremental)."""
     if parsed.messages is not None:
+        messages = rendered_messages(parsed, tokenizer)
         # Whole: this runs in a thread, and checks the incremental rendering too.
-        text = tokenizer.render_chat(parsed.messages, parsed.chat_options or {}, incremental=False)
+        text = tokenizer.render_chat(messages, parsed.chat_options or {}, incremental=False)
     else:
         assert parsed.prompt_text is not None
         text = parsed.prompt_text

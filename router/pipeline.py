@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -32,6 +33,13 @@ from kvroute.policies import RouteRequest
 
 from . import errors
 from .admission import Admission, AdmissionRefused
+from .agent_request import AGENT_APIS, COUNT_TOKENS
+from .agent_resume import (
+    CONTINUATION_PATH,
+    AgentStreamTranscript,
+    agent_continuation_body,
+    agent_resume_blocker,
+)
 from .attempts import RetryPlan, try_in_order
 from .auth import Auth
 from .config import Config
@@ -44,13 +52,16 @@ from .parity import ParityChecker
 from .pools import PoolRouting, Pools
 from .proxy import ClientExchange, ClientRequest, Relayed, end_broken_stream, sse_error
 from .registry import ReplicaRegistry
-from .resume import StreamTranscript, continuation_body, resume_blocker
+from .resume import StreamTranscript, Transcript, continuation_body, resume_blocker
+from .stored_responses import StoredResponses
 from .tenants import DEFAULT_TENANT, Tenants
 from .usage import asking_usage
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Session-ID"
+# The reason of a route pinned to the replica that stores a Responses request's history.
+STORED_RESPONSE = "stored_response"
 
 
 class ModelCatalog:
@@ -100,6 +111,8 @@ class RequestPipeline:
         self.retry_after_s = retry_after_s
         self.parity = parity
         self.tenants = tenants
+        # Which replica holds each Responses answer it relayed (for previous_response_id).
+        self.stored_responses = StoredResponses()
         r = config.retry
         self.retry = RetryPlan(r.max_attempts, r.budget_s, r.backoff_base_s, r.backoff_max_s)
         # Request ids: a random per-process prefix and a counter (uuid4 costs more per request).
@@ -113,14 +126,16 @@ class RequestPipeline:
             self.disaggregation = Disaggregation(registry, forwarder, self.retry, pd_metrics)
 
     def handler(
-        self, parse: Callable[[bytes], ParsedRequest]
+        self, parse: Callable[[bytes], ParsedRequest], error_shape: str = errors.OPENAI
     ) -> Callable[[web.Request], asyncio.Future[web.StreamResponse]]:
+        """The endpoint for one API: its parser, and the shape its errors take."""
+
         async def handle(request: web.Request) -> web.StreamResponse:
             try:
                 return await self.admit(request, parse)
             except errors.ApiError as exc:
                 self.metrics.observe_rejected(exc.status, exc.code or exc.error_type)
-                return exc.response()
+                return exc.response(error_shape)
 
         return handle  # type: ignore[return-value]
 
@@ -213,18 +228,22 @@ class RequestPipeline:
         arrived = time.monotonic()
         request = exchange.request
         body, parsed = admitted.body, admitted.parsed
-        if parsed.stream:
+        openai_stream = parsed.stream and parsed.api not in AGENT_APIS
+        if openai_stream:  # the agent APIs' streams always end with their usage
             body, exchange.strip_usage = asking_usage(body, parsed.include_usage)
+        exchange.api = parsed.api
         route = await self._route(request, parsed, admitted)
         admitted.prompt_tokens = route.request.prompt_tokens
         exchange.expect_stream = parsed.stream
         exchange.retry_until = arrived + self.retry.budget_s - self.retry.backoff_max_s
-        if parsed.stream and self.config.retry.resume_streams:
-            tracked = StreamTranscript(chat=parsed.messages is not None)
-            exchange.transcript = tracked
-            exchange.resume_check = functools.partial(
-                self._resumable, tracked, body, parsed.messages is not None
+        if parsed.stream and self.config.retry.resume_streams and parsed.api != COUNT_TOKENS:
+            tracked: Transcript = (
+                AgentStreamTranscript(parsed.api)
+                if parsed.api in AGENT_APIS
+                else StreamTranscript(chat=parsed.messages is not None)
             )
+            exchange.transcript = tracked
+            exchange.resume_check = functools.partial(self._resumable, tracked, body, parsed)
         request_id = self._request_id(request)
         tried: set[str] = set()
         first_route, first_body = await self._disaggregate(
@@ -240,12 +259,13 @@ class RequestPipeline:
             if not tried:  # every ranked replica was ejected or down by now
                 raise errors.no_healthy_replica(self.retry_after_s)
             raise errors.upstream_unavailable(self.retry_after_s)
+        if relayed.response_id is not None:
+            self.stored_responses.remember(relayed.response_id, relayed.replica)
         if self.parity is not None and relayed.status < 400:
-            self.parity.offer(parsed, route, relayed.replica)
+            self.parity.offer(parsed, route, relayed.replica, admitted.body)
         transcript = exchange.transcript
         if relayed.broken is not None and relayed.resumable and transcript is not None:
-            chat = parsed.messages is not None
-            relayed = await self._resume(exchange, route, tried, body, request_id, chat, relayed)
+            relayed = await self._resume(exchange, route, tried, body, request_id, parsed, relayed)
         admitted.served(relayed, transcript)
         return relayed.response
 
@@ -283,13 +303,12 @@ class RequestPipeline:
             return route, body
         return split, decode_body(original, params)
 
-    def _resumable(self, transcript: StreamTranscript, body: bytes, chat: bool) -> bool:
+    def _resumable(self, transcript: Transcript, body: bytes, parsed: ParsedRequest) -> bool:
         """Whether ``_resume`` would continue this stream if it broke now (asked by a drain
         only, so the body is decoded only then)."""
         if not transcript.resumable() or transcript.resumes >= self.config.retry.max_resumes:
             return False
-        original = msgspec.json.decode(body)
-        return isinstance(original, dict) and resume_blocker(original, chat) is None
+        return _resume_blocker(msgspec.json.decode(body), parsed) is None
 
     async def _tokenize_queued(self, admitted: Admitted) -> None:
         """While it waits for a slot: its block hashes, for the queue to weigh locality by."""
@@ -306,6 +325,8 @@ class RequestPipeline:
         usage = admitted.usage
         input_tokens = usage.get("prompt") if usage else None
         output_tokens = usage.get("completion", 0) if usage else admitted.output_tokens
+        if admitted.parsed.api == COUNT_TOKENS:
+            input_tokens = output_tokens = 0  # counting tokens spends none
         self.admission.release(ticket, input_tokens, output_tokens, admitted.replica)
         if ticket is not None and self.tenants is not None:
             if input_tokens is None:
@@ -327,7 +348,31 @@ class RequestPipeline:
             request.headers.get(SESSION_HEADER) or parsed.user,
             blocks.hashes if blocks is not None else [],
         )
-        return self._decide(route_request)
+        route = self._decide(route_request)
+        if parsed.previous_response_id is not None:
+            route = self._to_stored_response(route, parsed.previous_response_id)
+        return route
+
+    def _to_stored_response(self, route: Route, response_id: str) -> Route:
+        """A Responses follow-up goes where its previous response is stored (vLLM keeps it in
+        that server's memory), or nowhere: another replica would answer without the history.
+        A response this router has not seen (another router's, or from before a restart) is
+        routed as decided; its replica answers 404 if it does not hold it."""
+        replica = self.stored_responses.replica_of(response_id)
+        if replica is None:
+            return route
+        handle = self.registry.handles.get(replica)
+        if handle is None or not self.registry.may_take(handle, time.monotonic()):
+            state = "has left the fleet" if handle is None else "is out of rotation"
+            raise errors.ApiError(
+                404,
+                f"The previous response {response_id!r} is stored on replica {replica!r}, "
+                f"which {state}; its conversation cannot be continued elsewhere. Send the "
+                "whole conversation as input instead.",
+                param="previous_response_id",
+                code="previous_response_unavailable",
+            )
+        return dataclasses.replace(route, ranked=(replica,), reason=STORED_RESPONSE)
 
     # Tokenizing and deciding are methods of their own so that tracing (traced.py) can wrap
     # each in a span; a plain call returning the awaitable adds no coroutine frame here.
@@ -359,22 +404,26 @@ class RequestPipeline:
         request_id: str,
         started: float,
         resume: bool = False,
+        path: str | None = None,
     ) -> Awaitable[Relayed | None]:
-        """The ranked replicas in order until one answers (retries before the first byte).
-        Plain functions returning awaitables: a coroutine frame less per try and request."""
+        """The ranked replicas in order until one answers (retries before the first byte),
+        at ``path`` (None: the client's). Plain functions returning awaitables: a coroutine
+        frame less per try and request."""
 
         def try_one(replica: str, attempt: int, last: bool) -> Awaitable[Relayed | None]:
             tried.add(replica)
             exchange.tries += 1
             reason = "resume" if resume else ("retry" if attempt else route.reason)
             # A continuation's error cannot be relayed into the open stream: always retry it.
-            try_ = Try(body, request_id, reason, retry_status=not last or resume, resume=resume)
+            try_ = Try(body, request_id, reason, not last or resume, resume=resume, path=path)
             return self.forwarder.forward(exchange, route, replica, try_)
 
         def retried() -> None:
             self.metrics.observe_retry("resume" if resume else "retry")
 
-        members = self._pool(route.request.model).members  # never outside the model's pool
+        members: Container[str] = self._pool(route.request.model).members  # never outside it
+        if route.reason == STORED_RESPONSE:
+            members = route.ranked  # only where the previous response is stored
 
         def pick() -> str | None:
             return self.registry.candidate(route.ranked, tried, members)
@@ -388,24 +437,31 @@ class RequestPipeline:
         tried: set[str],
         body: bytes,
         request_id: str,
-        chat: bool,
+        parsed: ParsedRequest,
         relayed: Relayed,
     ) -> Relayed:
-        """Continue a broken stream on other replicas, spliced into the client's stream."""
+        """Continue a broken stream on other replicas, spliced into the client's stream (an
+        agent API's through a replica's chat endpoint: router/agent_resume.py)."""
         transcript = exchange.transcript
         assert transcript is not None
         max_resumes = self.config.retry.max_resumes
         original = msgspec.json.decode(body)
-        blocker = resume_blocker(original, chat) if isinstance(original, dict) else "not JSON"
+        blocker = _resume_blocker(original, parsed)
+        api = parsed.api
+        path = CONTINUATION_PATH if api in AGENT_APIS else None
         while relayed.broken is not None and relayed.resumable:
             stream, broken = relayed.response, relayed.broken
             if blocker is not None or transcript.resumes >= max_resumes:
                 why = blocker or f"retry.max_resumes ({max_resumes}) reached"
                 self.metrics.observe_resume("impossible")
                 return await end_broken_stream(
-                    stream, relayed.status, relayed.ttfb_s, f"{broken}; not resumed: {why}"
+                    stream, relayed.status, relayed.ttfb_s, f"{broken}; not resumed: {why}", api
                 )
-            new_body = continuation_body(original, chat, transcript)
+            if isinstance(transcript, AgentStreamTranscript):
+                new_body = agent_continuation_body(original, parsed, transcript)
+            else:
+                assert isinstance(transcript, StreamTranscript)
+                new_body = continuation_body(original, parsed.messages is not None, transcript)
             if new_body is None:  # every token it asked for was sent: end it as vLLM would
                 self.metrics.observe_resume("completed")
                 await stream.write(transcript.length_finish())
@@ -414,13 +470,12 @@ class RequestPipeline:
             transcript.start_continuation()
             log.info("resuming a broken stream (%s) elsewhere", broken)
             nxt = await self._try_replicas(
-                exchange, route, tried, new_body, request_id, time.monotonic(), resume=True
+                exchange, route, tried, new_body, request_id, time.monotonic(), True, path
             )
             if nxt is None:
                 self.metrics.observe_resume("failed")
-                return await end_broken_stream(
-                    stream, relayed.status, relayed.ttfb_s, f"{broken}; no replica could resume it"
-                )
+                why = f"{broken}; no replica could resume it"
+                return await end_broken_stream(stream, relayed.status, relayed.ttfb_s, why, api)
             self.metrics.observe_resume("resumed")
             relayed = nxt
         return relayed
@@ -447,7 +502,7 @@ class RequestPipeline:
             # Too late for a status code: end the stream with an error event instead.
             message = f"The request did not finish within the router's limit of {total_s:g}s."
             with contextlib.suppress(ConnectionResetError):
-                await stream.write(sse_error(message, "timeout"))
+                await stream.write(sse_error(message, "timeout", exchange.api))
                 await stream.write_eof()
             return stream
         finally:
@@ -511,7 +566,7 @@ class Admitted:
     output_tokens: int = 0  # without usage: the tokens streamed to the client
     outcome: str = "error"  # ok, error or cancelled
 
-    def served(self, relayed: Relayed, transcript: StreamTranscript | None) -> None:
+    def served(self, relayed: Relayed, transcript: Transcript | None) -> None:
         self.replica = relayed.replica
         if relayed.client_gone:
             self.outcome = "cancelled"
@@ -527,6 +582,15 @@ class Admitted:
             self.usage = relayed.usage
         if self.usage is None and transcript is not None:
             self.output_tokens = transcript.generated_tokens
+
+
+def _resume_blocker(original: object, parsed: ParsedRequest) -> str | None:
+    """Why this request's stream could not be continued elsewhere, or None."""
+    if not isinstance(original, dict):
+        return "not JSON"
+    if parsed.api in AGENT_APIS:
+        return agent_resume_blocker(original, parsed.api)
+    return resume_blocker(original, parsed.messages is not None)
 
 
 def usable_request_id(value: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from kvroute.kvcore.block_hashing import extra_key
 from kvroute.kvcore.prefix_index import PrefixIndex
@@ -29,6 +30,15 @@ log = logging.getLogger(__name__)
 
 # Block size assumed until one is configured, seen in a KV event or scraped (vLLM's GPU default).
 FALLBACK_BLOCK_SIZE = 16
+
+
+def rendered_messages(parsed: ParsedRequest, tokenizer: PromptTokenizer) -> list[dict[str, Any]]:
+    """The conversation the replica renders: an agent request's with its inline system
+    messages merged into the first where this template requires system-first (as vLLM does)."""
+    assert parsed.messages is not None
+    if parsed.merged_messages is not None and tokenizer.needs_system_first():
+        return parsed.merged_messages
+    return parsed.messages
 
 
 class PromptKeys:
@@ -128,7 +138,7 @@ class PromptKeys:
         if parsed.messages is not None:
             try:
                 return await tokenizer.chat_blocks(
-                    parsed.messages,
+                    rendered_messages(parsed, tokenizer),
                     parsed.chat_options or {},
                     parsed.prompt_tokens * CHARS_PER_TOKEN,
                     parsed.add_special_tokens,

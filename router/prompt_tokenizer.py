@@ -23,6 +23,7 @@ from concurrent.futures.process import BrokenProcessPool
 from datetime import datetime
 from typing import Any, TypeVar
 
+from kvroute.kvcore.agent_apis import needs_system_first
 from kvroute.kvcore.tokenizer import (
     HFTokenizerFiles,
     PromptBlocks,
@@ -122,6 +123,7 @@ class PromptTokenizer:
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None
         self.offloaded = 0  # prompts encoded in the pool
+        self._system_first: bool | None = None
         # Long conversations: only each turn's new messages are tokenized (kvcore incremental).
         self.prefix_cache: PrefixTokenCache | None = None
         tok = self.tokenizer
@@ -138,6 +140,14 @@ class PromptTokenizer:
             why = tok.enable_render_cache(render_bytes) if tok.chat_template else ""
             if why:
                 log.info("conversations are rendered whole each turn (%s): %s", spec, why)
+
+    def needs_system_first(self) -> bool:
+        """Whether vLLM merges an agent request's inline system messages into the first for
+        this tokenizer's chat template (it probes the template once, as done here)."""
+        if self._system_first is None:
+            template = getattr(self.tokenizer, "chat_template", None)
+            self._system_first = needs_system_first(template)
+        return self._system_first
 
     def render_chat(
         self, messages: list[dict[str, Any]], options: dict[str, Any], *, incremental: bool = True

@@ -18,15 +18,58 @@ import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 
-from .resume import StreamTranscript
+from .errors import anthropic_error_body
+from .resume import Transcript
 from .upstream_client import HOP_BY_HOP, UpstreamClient, UpstreamError, UpstreamResponse
 from .usage import StreamTail, UsageStripper, strip_usage_events, usage_of
 
 
-def sse_error(message: str, code: str = "stream_broken") -> bytes:
-    """An OpenAI-shaped error event, then [DONE]: how a stream that cannot go on ends."""
+def sse_error(message: str, code: str = "stream_broken", api: str = "chat") -> bytes:
+    """How a stream that cannot go on ends, in its API's events: for chat and completions an
+    OpenAI-shaped error event, then [DONE]; for Messages Anthropic's ``error`` event; for
+    Responses its ``error`` event (neither has [DONE])."""
+    if api == "messages":
+        return b"event: error\ndata: " + anthropic_error_body(502, message) + b"\n\n"
+    if api == "responses":
+        event = {"type": "error", "code": code, "message": message, "param": None}
+        return b"event: error\ndata: " + msgspec.json.encode(event) + b"\n\n"
     error = {"message": message, "type": "upstream_error", "param": None, "code": code}
     return b"data: " + msgspec.json.encode({"error": error}) + b"\n\ndata: [DONE]\n\n"
+
+
+def anthropic_error_from_replica(data: bytes, status: int) -> bytes:
+    """A replica's error answer to a Messages request in Anthropic's shape: vLLM answers
+    its validation errors in OpenAI's and its others with its own type names."""
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        obj = None
+    message = None
+    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+        message = obj["error"].get("message")
+    if not isinstance(message, str):
+        message = data.decode("utf-8", "replace")[:2000] or f"The replica answered HTTP {status}."
+    return anthropic_error_body(status, message)
+
+
+def response_id_of(data: bytes) -> str | None:
+    """A Responses answer's id: the body's, or its stream's first event's (response.created,
+    whose ``response`` holds it)."""
+    start = data.find(b"data:")
+    if start >= 0:  # a stream: its first event's data line
+        end = data.find(b"\n", start)
+        data = data[start + 5 : end if end >= 0 else len(data)]
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    inner = obj.get("response")
+    if isinstance(inner, dict):
+        obj = inner
+    found = obj.get("id")
+    return found if isinstance(found, str) else None
 
 
 class UpstreamUnavailable(Exception):
@@ -63,6 +106,8 @@ class Relayed:
     replica: str = ""  # the replica that answered (set by the forwarder)
     # The replica's token usage (prompt, completion, cached): a stream's only with include_usage.
     usage: dict[str, int] | None = None
+    # A Responses answer's id (the replica keeps it for a follow-up's previous_response_id).
+    response_id: str | None = None
 
 
 # The router's own X-Request-Id replaces the replica's.
@@ -103,7 +148,7 @@ class ClientExchange:
     headers: Iterable[tuple[bytes, bytes]]  # the client's headers passed on to replicas
     expect_stream: bool
     # Tracks a stream that may be resumed elsewhere (whole SSE events, text sent so far).
-    transcript: StreamTranscript | None
+    transcript: Transcript | None
     # The client's stream once open, so the caller can still end it well-formed if it gives
     # up (a total timeout) while a relay is under way, and continuations write into it.
     stream: web.StreamResponse | None = None
@@ -116,6 +161,8 @@ class ClientExchange:
     # Until when a failed whole answer would still be tried on another replica (the retry
     # budget less one backoff); set by the pipeline.
     retry_until: float = 0.0
+    # The API the client speaks (ParsedRequest.api): errors and broken streams end in its shape.
+    api: str = "chat"
 
 
 @dataclass(slots=True)
@@ -128,6 +175,7 @@ class UpstreamCall:
     response_headers: list[tuple[str, str]]  # added to the replica's answer
     retry_status: bool  # raise UpstreamUnavailable for a retryable status instead of relaying
     resume: bool = False  # continue the client's open stream (a continuation)
+    path: str | None = None  # where on the replica; None: the client's path
 
 
 async def relay(
@@ -152,7 +200,7 @@ async def relay(
     try:
         upstream = await client.post(
             call.base_url,
-            exchange.request.raw_path.encode(),
+            (call.path or exchange.request.raw_path).encode(),
             exchange.headers,
             call.upstream_headers,
             call.body,
@@ -191,25 +239,39 @@ async def relay(
             except UpstreamError as exc:
                 raise UpstreamUnavailable(exc.kind, str(exc)) from None
             headers = _response_headers(upstream, call.response_headers)
+            if status >= 400 and exchange.api in _ANTHROPIC_APIS:
+                data = anthropic_error_from_replica(data, status)
             response = web.Response(body=data, status=status, headers=headers)
             usage = usage_of(data, sse=False) if status < 400 else None
             cached = usage.get("cached") if usage else None
-            return Relayed(
+            relayed = Relayed(
                 response, status, time.perf_counter() - started, cached_tokens=cached, usage=usage
             )
+            if exchange.api == "responses" and status < 400:
+                relayed.response_id = response_id_of(data)
+            return relayed
         ttfb_s = time.perf_counter() - started
         stream = exchange.stream if call.resume else await _open_stream(exchange, upstream, call)
         assert stream is not None
         transcript = exchange.transcript
         strip = exchange.strip_usage
         if transcript is None or status >= 400:
-            return await _relay_raw(upstream, stream, first, status, ttfb_s, timeouts.idle_s, strip)
-        return await _relay_events(
-            upstream, stream, first, status, ttfb_s, timeouts.idle_s, transcript, strip
-        )
+            relayed = await _relay_raw(
+                upstream, stream, first, status, ttfb_s, timeouts.idle_s, strip, exchange.api
+            )
+        else:
+            relayed = await _relay_events(
+                upstream, stream, first, status, ttfb_s, timeouts.idle_s, transcript, strip
+            )
+        if exchange.api == "responses" and status < 400 and not call.resume:
+            relayed.response_id = response_id_of(first)
+        return relayed
     finally:
         # Closing an unfinished response is how the replica learns the client has gone.
         upstream.close()
+
+
+_ANTHROPIC_APIS = frozenset(("messages", "count_tokens"))
 
 
 def _retry_left(exchange: ClientExchange) -> bool:
@@ -238,6 +300,7 @@ async def _relay_raw(
     ttfb_s: float,
     idle_timeout_s: float,
     strip_usage: bool = False,
+    api: str = "chat",
 ) -> Relayed:
     tail = StreamTail()
     # Whole events only when the usage chunk must be kept from the client; untouched otherwise.
@@ -253,7 +316,7 @@ async def _relay_raw(
             await stream.write(rest)
         await stream.write_eof()
     except UpstreamError as exc:
-        return await end_broken_stream(stream, status, ttfb_s, str(exc))
+        return await end_broken_stream(stream, status, ttfb_s, str(exc), api)
     except ConnectionResetError:
         return Relayed(stream, status, ttfb_s, client_gone=True)
     usage = tail.usage() if status < 400 else None
@@ -268,7 +331,7 @@ async def _relay_events(
     status: int,
     ttfb_s: float,
     idle_timeout_s: float,
-    transcript: StreamTranscript,
+    transcript: Transcript,
     strip_usage: bool = False,
 ) -> Relayed:
     tail = StreamTail()  # the replica's own events: the usage is in its last ones
@@ -309,11 +372,11 @@ async def _relay_events(
 
 
 async def end_broken_stream(
-    stream: web.StreamResponse, status: int, ttfb_s: float, reason: str
+    stream: web.StreamResponse, status: int, ttfb_s: float, reason: str, api: str = "chat"
 ) -> Relayed:
     """Too late to pick another replica: end the stream well-formed, never silently cut."""
     try:
-        await stream.write(sse_error(f"The replica failed mid-stream: {reason}"))
+        await stream.write(sse_error(f"The replica failed mid-stream: {reason}", api=api))
         await stream.write_eof()
     except ConnectionResetError:
         return Relayed(stream, status, ttfb_s, broken=reason, client_gone=True)

@@ -16,7 +16,7 @@ well-formed stream.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -31,6 +31,30 @@ _JOIN = 16
 
 # Request fields that make a continuation from text wrong or impossible.
 _STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+class Transcript(Protocol):
+    """A stream that may be resumed: what the relay and the pipeline ask of it (chat's and
+    completions' ``StreamTranscript``; the agent APIs' ``agent_resume.AgentStreamTranscript``)."""
+
+    resumes: int
+    blocker: str | None
+    finished: bool
+    done: bool
+    usage: dict[str, Any] | None
+
+    @property
+    def generated_tokens(self) -> int: ...
+
+    def feed(self, data: bytes) -> bytes: ...
+
+    def end(self) -> bytes: ...
+
+    def start_continuation(self) -> None: ...
+
+    def resumable(self) -> bool: ...
+
+    def length_finish(self) -> bytes: ...
 
 
 def resume_blocker(body: dict[str, Any], chat: bool) -> str | None:

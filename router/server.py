@@ -30,6 +30,7 @@ from kvroute.policies import FleetView, Policy
 
 from . import errors
 from .admission import Admission
+from .agent_request import parse_count_tokens, parse_messages, parse_responses
 from .auth import Auth
 from .batch.api import off_routes
 from .batch.lane import BatchLane
@@ -245,6 +246,12 @@ class Router:
         routes.add_post("/v1/completions", handler(parse_completion), expect_handler=expect)
         chat = handler(self.chat_parser)
         routes.add_post("/v1/chat/completions", chat, expect_handler=expect)
+        # The agent APIs, as vLLM serves them (router/agent_request.py).
+        messages = handler(parse_messages, errors.ANTHROPIC)
+        routes.add_post("/v1/messages", messages, expect_handler=expect)
+        count_tokens = handler(parse_count_tokens, errors.ANTHROPIC)
+        routes.add_post("/v1/messages/count_tokens", count_tokens, expect_handler=expect)
+        routes.add_post("/v1/responses", handler(parse_responses), expect_handler=expect)
         routes.add_get("/v1/models", self.handle_models, expect_handler=expect)
         if self.batch is not None:
             self.batch.add_routes(routes)

@@ -39,6 +39,7 @@ from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.tokenizer import PromptBlocks
 from kvroute.policies import RouteRequest
 
+from . import errors
 from .admission import Admission
 from .config import Config
 from .forward import Forwarder, Try
@@ -88,13 +89,13 @@ class TracedPipeline(RequestPipeline):
         self._tracer = tracing.tracer
 
     def handler(
-        self, parse: Callable[[bytes], ParsedRequest]
+        self, parse: Callable[[bytes], ParsedRequest], error_shape: str = errors.OPENAI
     ) -> Callable[[web.Request], asyncio.Future[web.StreamResponse]]:
-        inner = super().handler(parse)
+        inner = super().handler(parse, error_shape)
         tracing, tracer = self._tracing, self._tracer
 
         async def handle(request: web.Request) -> web.StreamResponse:
-            path = request.path  # one of the two routes this handler serves: low cardinality
+            path = request.path  # one of the few API routes: low cardinality
             attributes = {
                 "http.request.method": request.method,
                 "http.route": path,

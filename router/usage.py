@@ -18,40 +18,68 @@ STREAM_TAIL_BYTES = 8 << 10
 
 
 class _Usage(msgspec.Struct):
+    # Chat and completions.
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_tokens_details: dict[str, Any] | None = None
+    # Anthropic Messages (input_tokens less what was read from or written to the cache) and
+    # OpenAI Responses (input_tokens all of the prompt, the cached part in its details).
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+    input_tokens_details: dict[str, Any] | None = None
 
 
-class _WithUsage(msgspec.Struct):
-    usage: _Usage | None = None
-
-
-_usage_decoder = msgspec.json.Decoder(_WithUsage)
+_usage_decoder = msgspec.json.Decoder(_Usage)
+_USAGE_KEYS = (b'"usage":{', b'"usage": {')
 
 
 def usage_of(data: bytes, sse: bool) -> dict[str, int] | None:
     """Token usage from a JSON response, or from the last SSE event that carries one:
-    ``prompt``, ``completion`` and, when reported, ``cached`` tokens."""
+    ``prompt``, ``completion`` and, when reported, ``cached`` tokens. Every API's shape:
+    chat's and completions' usage, a Messages stream's ``message_delta``, a Responses
+    stream's ``response.completed`` (whose usage is inside its response). The last usage
+    object in ``data`` is read, so a stream's tail that starts mid-event still has it."""
+    raw = _last_usage_object(data)
+    if raw is None:
+        return None
     try:
-        if not sse:
-            usage = _usage_decoder.decode(data).usage
-        else:
-            usage = None
-            for line in reversed(data.split(b"\n")):
-                if line.startswith(b"data: {") and b'"usage"' in line:
-                    usage = _usage_decoder.decode(line[6:]).usage
-                    if usage is not None:
-                        break
+        usage = _usage_decoder.decode(raw)
     except msgspec.DecodeError:
         return None
-    if usage is None:
-        return None
-    out = {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens}
-    cached = (usage.prompt_tokens_details or {}).get("cached_tokens")
+    if usage.input_tokens is None and usage.output_tokens is None:
+        prompt, completion = usage.prompt_tokens, usage.completion_tokens
+        cached = (usage.prompt_tokens_details or {}).get("cached_tokens")
+    else:  # an agent API's
+        read, created = usage.cache_read_input_tokens, usage.cache_creation_input_tokens
+        prompt = (usage.input_tokens or 0) + (read or 0) + (created or 0)
+        completion = usage.output_tokens or 0
+        details = usage.input_tokens_details or {}
+        cached = read if read is not None else details.get("cached_tokens")
+    out = {"prompt": prompt, "completion": completion}
     if isinstance(cached, int) and not isinstance(cached, bool):
         out["cached"] = cached
     return out
+
+
+def _last_usage_object(data: bytes) -> bytes | None:
+    """The bytes of the last ``"usage": {...}`` object in ``data`` (braces matched; a usage
+    object holds no strings with braces), or None."""
+    start = max(data.rfind(key) for key in _USAGE_KEYS)
+    if start < 0:
+        return None
+    start = data.index(b"{", start)
+    depth = 0
+    for end in range(start, min(len(data), start + 4096)):
+        byte = data[end]
+        if byte == 0x7B:  # {
+            depth += 1
+        elif byte == 0x7D:  # }
+            depth -= 1
+            if depth == 0:
+                return data[start : end + 1]
+    return None
 
 
 def cached_tokens_of(data: bytes, sse: bool) -> int | None:

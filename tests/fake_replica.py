@@ -1,7 +1,7 @@
 """A scriptable stand-in for a vLLM replica, for API tests of the router.
 
-Answers like vLLM's OpenAI server (completion and chat shapes, SSE chunks, /v1/models,
-/health) and records what it received, so tests can assert what the replica saw. Special
+Answers like vLLM's OpenAI server (completion, chat, Anthropic Messages and OpenAI Responses
+shapes, their streams' events, /v1/models, /health) and records what it received, so tests can assert what the replica saw. Special
 prompts script its behaviour:
   "status:NNN"  answer with that status and an error body
   "slow"        stream a chunk every 50 ms for a long time (until the client goes away)
@@ -50,6 +50,8 @@ class FakeReplica:
     # Prompts of the whole answers it finished sending, and requests whose client went away.
     completed: list[str] = field(default_factory=list)
     aborted: int = 0
+    # The Responses ids it answered with (a follow-up may name them as previous_response_id).
+    stored: set[str] = field(default_factory=set)
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -59,6 +61,9 @@ class FakeReplica:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/v1/messages", self._generate)
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
+        app.router.add_post("/v1/responses", self._generate)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -82,12 +87,17 @@ class FakeReplica:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "vllm"} for m in self.models]
         return web.json_response({"object": "list", "data": data})
 
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append(Seen(request.path, request.headers.copy(), body))
+        return web.json_response({"input_tokens": FAKE_PROMPT_TOKENS})
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(Seen(request.path, request.headers.copy(), body))
-        chat = request.path.endswith("chat/completions")
-        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-        prompt = prompt if isinstance(prompt, str) else ""
+        api = _API_OF_PATH[request.path]
+        chat = api != "completions"
+        prompt = _prompt_of(body, api)
         if prompt.startswith("status:") or self.fail_with is not None:
             status = self.fail_with or int(prompt.split(":")[1])
             error = {
@@ -96,7 +106,19 @@ class FakeReplica:
                 "type": "BadRequestError",
                 "code": status,
             }
+            if api == "messages":  # vLLM's Messages errors: Anthropic's envelope, its own types
+                error = {
+                    "type": "error",
+                    "error": {"type": "BadRequestError", "message": error["message"]},
+                }
             return web.json_response(error, status=status)
+        previous = body.get("previous_response_id") if api == "responses" else None
+        if previous is not None and previous not in self.stored:
+            error = {"message": f"Response with id '{previous}' not found.",
+                     "type": "invalid_request_error", "param": "response_id", "code": 404}  # fmt: skip
+            return web.json_response({"error": error}, status=404)
+        if api != "chat" and api != "completions":
+            return await self._agent(request, body, api, prompt)
         self.running += 1
         try:
             if prompt == "hold":
@@ -110,6 +132,47 @@ class FakeReplica:
             self.completed.append(prompt)
             return response
         except asyncio.CancelledError:
+            self.aborted += 1
+            self.client_gone.set()
+            raise
+        finally:
+            self.running -= 1
+
+    async def _agent(
+        self, request: web.Request, body: dict[str, Any], api: str, prompt: str
+    ) -> web.StreamResponse:
+        """A Messages or Responses answer, whole or streamed in that API's events."""
+        self.running += 1
+        try:
+            response_id = f"resp_{self.name}_{len(self.seen)}"
+            if api == "responses":
+                self.stored.add(response_id)
+            if not body.get("stream"):
+                text = f"hello from {self.name}"
+                whole = (
+                    _message(body, text)
+                    if api == "messages"
+                    else _response(body, text, response_id)
+                )
+                return web.json_response(whole)
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await stream.prepare(request)
+            events = _AgentEvents(api, body, response_id)
+            pieces = ["hello", " from", f" {self.name}"]
+            await stream.write(events.start())
+            for i, piece in enumerate(pieces):
+                await stream.write(events.delta(piece))
+                self.first_chunk_sent.set()
+                if prompt == "gate" and i == 0:
+                    await self.gate.wait()
+                if prompt == "break" and i == 1:
+                    assert request.transport is not None
+                    request.transport.close()
+                    return stream
+            await stream.write(events.end("".join(pieces), len(pieces)))
+            await stream.write_eof()
+            return stream
+        except (asyncio.CancelledError, ConnectionResetError):
             self.aborted += 1
             self.client_gone.set()
             raise
@@ -216,3 +279,153 @@ def _chunk(body: dict[str, Any], chat: bool, piece: str) -> dict[str, Any]:
         "model": body["model"],
         "choices": [{"index": 0, "text": piece, "finish_reason": None, "logprobs": None}],
     }
+
+
+_API_OF_PATH = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
+}
+
+
+def _prompt_of(body: dict[str, Any], api: str) -> str:
+    """The text that scripts the fake: the last message's (its first text block's)."""
+    if api == "completions":
+        prompt = body["prompt"]
+    elif api == "responses":
+        items = body["input"]
+        prompt = items if isinstance(items, str) else items[-1].get("content")
+    else:
+        prompt = body["messages"][-1]["content"]
+    if isinstance(prompt, list):
+        texts = [p.get("text") for p in prompt if isinstance(p, dict) and "text" in p]
+        prompt = texts[0] if texts else ""
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _message(body: dict[str, Any], text: str) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-fake",
+        "type": "message",
+        "role": "assistant",
+        "model": body["model"],
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": FAKE_PROMPT_TOKENS, "output_tokens": 3},
+    }
+
+
+def _response(
+    body: dict[str, Any], text: str, response_id: str, done: bool = True
+) -> dict[str, Any]:
+    output = [{"type": "message", "id": "msg_fake", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}]  # fmt: skip
+    usage = {"input_tokens": FAKE_PROMPT_TOKENS, "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 6}  # fmt: skip
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "completed" if done else "in_progress",
+        "model": body["model"],
+        "output": output if done else [],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "previous_response_id": body.get("previous_response_id"),
+        "usage": usage if done else None,
+    }
+
+
+class _AgentEvents:
+    """A Messages or Responses stream's events, as vLLM sends them (``event:`` lines)."""
+
+    def __init__(self, api: str, body: dict[str, Any], response_id: str) -> None:
+        self.api, self.body, self.response_id = api, body, response_id
+        self.sequence = 0
+
+    def _event(self, kind: str, obj: dict[str, Any]) -> bytes:
+        obj = {"type": kind, **obj}
+        if self.api == "responses":
+            obj["sequence_number"] = self.sequence
+            self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(obj)}\n\n".encode()
+
+    def start(self) -> bytes:
+        if self.api == "messages":
+            message = {**_message(self.body, ""), "content": [], "stop_reason": None}
+            message["usage"] = {"input_tokens": FAKE_PROMPT_TOKENS, "output_tokens": 0}
+            return self._event("message_start", {"message": message}) + self._event(
+                "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
+            )
+        response = _response(self.body, "", self.response_id, done=False)
+        item = {
+            "type": "message",
+            "id": "msg_fake",
+            "role": "assistant",
+            "content": [],
+            "status": "in_progress",
+        }
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return b"".join(
+            (
+                self._event("response.created", {"response": response}),
+                self._event("response.in_progress", {"response": response}),
+                self._event("response.output_item.added", {"output_index": 0, "item": item}),
+                self._event(
+                    "response.content_part.added",
+                    {"item_id": "msg_fake", "output_index": 0, "content_index": 0, "part": part},
+                ),
+            )
+        )
+
+    def delta(self, piece: str) -> bytes:
+        if self.api == "messages":
+            return self._event(
+                "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}}
+            )
+        return self._event("response.output_text.delta", {"item_id": "msg_fake", "output_index": 0,
+                           "content_index": 0, "delta": piece, "logprobs": []})  # fmt: skip
+
+    def end(self, text: str, tokens: int) -> bytes:
+        if self.api == "messages":
+            usage = {"input_tokens": FAKE_PROMPT_TOKENS, "output_tokens": tokens}
+            return b"".join(
+                (
+                    self._event("content_block_stop", {"index": 0}),
+                    self._event(
+                        "message_delta",
+                        {
+                            "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                            "usage": usage,
+                        },
+                    ),
+                    self._event("message_stop", {}),
+                )
+            )
+        response = _response(self.body, text, self.response_id)
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return b"".join(
+            (
+                self._event(
+                    "response.output_text.done",
+                    {
+                        "item_id": "msg_fake",
+                        "output_index": 0,
+                        "content_index": 0,
+                        "text": text,
+                        "logprobs": [],
+                    },
+                ),
+                self._event(
+                    "response.content_part.done",
+                    {"item_id": "msg_fake", "output_index": 0, "content_index": 0, "part": part},
+                ),
+                self._event(
+                    "response.output_item.done", {"output_index": 0, "item": response["output"][0]}
+                ),
+                self._event("response.completed", {"response": response}),
+            )
+        )

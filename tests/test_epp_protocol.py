@@ -401,6 +401,47 @@ async def test_bad_bodies_get_openai_errors_as_immediate_responses(picker: Picke
         await stream.close()
 
 
+async def test_agent_api_bodies_are_picked_and_their_errors_keep_each_vendors_shape(
+    picker: Picker,
+) -> None:
+    """Messages and Responses are parsed as vLLM converts them and keyed like chat: the same
+    conversation picked twice finds the prefix its first pick predicted."""
+    system = "You are a coding agent working in a large repository. " * 20
+    messages_body = {"model": "tiny", "max_tokens": 4, "system": system,
+                     "messages": [{"role": "user", "content": "List the files."}]}  # fmt: skip
+    responses_body = {"model": "tiny", "instructions": system.upper(), "input": "List the files."}
+    for path, obj in (("/v1/messages", messages_body), ("/v1/responses", responses_body)):
+        hits = []
+        for _ in range(2):
+            stream = Stream(picker.channel)
+            await stream.send(headers_message(path), body_message(json.dumps(obj).encode(), True))
+            pick = set_headers((await stream.read()).request_headers.response)
+            await stream.read()  # the echoed body
+            served = pick[messages.DESTINATION].split(",")[0]
+            await stream.send(response_headers_message(served, content_type="text/event-stream"))
+            added = set_headers((await stream.read()).response_headers.response)
+            hits.append(int(added["x-kvroute-prefix-hit-tokens"]))
+            await stream.send(body_message(b"event: message_stop\ndata: {}\n\n", True, True))
+            await stream.read()  # the response's end: the request finished, its prompt cached
+            await stream.close()
+        assert hits[0] == 0 and hits[1] > 0, path
+    for path, body, shape in (
+        ("/v1/messages", b'{"model": "tiny", "messages": []}', "anthropic"),
+        ("/v1/messages/count_tokens", b"{oops", "anthropic"),
+        ("/v1/responses", b'{"model": "tiny", "input": 3}', "openai"),
+    ):
+        stream = Stream(picker.channel)
+        await stream.send(headers_message(path), body_message(body, True))
+        answer = (await stream.read()).immediate_response
+        assert answer.status.code == 400, path
+        error = json.loads(answer.body)
+        if shape == "anthropic":
+            assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        else:
+            assert error["error"]["param"] == "input"
+        await stream.close()
+
+
 def test_addresses_subsets_and_usage() -> None:
     assert address("10.0.0.5", 8000) == "10.0.0.5:8000"
     assert address("fd00::5", 8000) == "[fd00::5]:8000"

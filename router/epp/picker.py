@@ -26,6 +26,7 @@ from kvroute.policies import RouteRequest
 
 from .. import errors
 from ..admission import Admission, AdmissionRefused
+from ..agent_request import parse_count_tokens, parse_messages, parse_responses
 from ..chat_parse import chat_parser_for
 from ..config import Config, ReplicaConfig, replica_name_from_url
 from ..core import RoutingCore
@@ -76,6 +77,10 @@ class EndpointPicker:
         self.parsers: dict[str, Callable[[bytes], ParsedRequest]] = {
             "/v1/completions": parse_completion,
             "/v1/chat/completions": self.chat_parser,
+            # The agent APIs: their conversation as vLLM renders it (router/agent_request.py).
+            "/v1/messages": parse_messages,
+            "/v1/messages/count_tokens": parse_count_tokens,
+            "/v1/responses": parse_responses,
         }
         # Endpoint address (ip:port) <-> replica name; static endpoints are named by address.
         self.address: dict[str, str] = {}

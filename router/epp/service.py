@@ -201,7 +201,8 @@ class _Exchange:
             if self.body_bytes > limit:
                 self.picked = True  # refused before the rest arrives: nothing more to pick
                 self.chunks.clear()
-                return [_immediate(self.picker, errors.body_too_large(limit))]
+                too_large = errors.body_too_large(limit)
+                return [_immediate(self.picker, too_large, self.headers.get(":path", ""))]
             if not body.end_of_stream:
                 if self.request_mode == FULL_DUPLEX:
                     return []
@@ -256,11 +257,11 @@ class _Exchange:
                 self.headers.get(":path", ""), body, self.headers, self.subset
             )
         except errors.ApiError as exc:
-            return [_immediate(self.picker, exc)]
+            return [_immediate(self.picker, exc, self.headers.get(":path", ""))]
         except Exception:  # a bug must cost this request a 500, not the gateway its picker
             log.exception("pick failed")
             failed = errors.ApiError(500, "The endpoint picker failed.", error_type="server_error")
-            return [_immediate(self.picker, failed)]
+            return [_immediate(self.picker, failed, self.headers.get(":path", ""))]
         self.deferred = partial(self.picker.placed, pick)
         destinations = ",".join(pick.destinations)
         set_headers = [(messages.DESTINATION, destinations)]
@@ -414,6 +415,12 @@ def _served_endpoint(message: ep.ProcessingRequest) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _immediate(picker: EndpointPicker, exc: errors.ApiError) -> ep.ProcessingResponse:
+def _immediate(
+    picker: EndpointPicker, exc: errors.ApiError, path: str = ""
+) -> ep.ProcessingResponse:
+    """The error answered to the client in its API's shape (Anthropic's for Messages)."""
     picker.metrics.observe_rejected(exc.status, exc.code or exc.error_type)
-    return messages.immediate(exc.status, exc.body(), list((exc.headers or {}).items()))
+    body = exc.body()
+    if errors.shape_of_path(path) == errors.ANTHROPIC:
+        body = errors.anthropic_error_body(exc.status, exc.message)
+    return messages.immediate(exc.status, body, list((exc.headers or {}).items()))

@@ -122,6 +122,20 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument(
         "--seed", type=int, default=0, help="Seed of the tokens the engine model generates."
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="As vLLM's flag: serve /v1/messages and /v1/messages/count_tokens requests that "
+        "carry tools (rendered into the prompt) instead of refusing them with 400, as vLLM "
+        "without a tool parser does. The emulated model calls no tools: answers are text.",
+    )
+    p.add_argument(
+        "--responses-store",
+        action="store_true",
+        help="Keep /v1/responses answers (the newest 10,000) for previous_response_id and GET "
+        "/v1/responses/{id}, as vLLM does with VLLM_ENABLE_RESPONSES_API_STORE=1 in the "
+        "environment (which also turns this on); without it store is ignored and both give 404.",
+    )
     faults = p.add_argument_group("fault injection (also at run time: POST /admin/faults)")
     faults.add_argument(
         "--error-rate", type=float, default=0.0, help="Fraction of requests answered 500."
@@ -201,6 +215,17 @@ def _lora_modules(specs: list[str]) -> dict[str, str]:
     return modules
 
 
+def responses_store(env: Mapping[str, str]) -> bool:
+    """vLLM's reading of VLLM_ENABLE_RESPONSES_API_STORE: an integer, on when not 0."""
+    text = env.get("VLLM_ENABLE_RESPONSES_API_STORE", "0").strip() or "0"
+    try:
+        return bool(int(text))
+    except ValueError:
+        raise ValueError(
+            f"VLLM_ENABLE_RESPONSES_API_STORE must be an integer, not {text!r}"
+        ) from None
+
+
 def runtime_lora_updating(env: Mapping[str, str]) -> bool:
     """vLLM's reading of VLLM_ALLOW_RUNTIME_LORA_UPDATING: "1" or "true", any case."""
     return env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
@@ -225,6 +250,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
         if args.max_loras < 1:
             raise ValueError(f"--max-loras must be >= 1, got {args.max_loras}")
         hold_timeout_s = _hold_timeout_s(os.environ)
+        store = args.responses_store or responses_store(os.environ)
         tokenizer = load_tokenizer(args.tokenizer, clock=datetime.now)
         engine = EngineConfig(
             block_size=args.block_size,
@@ -255,6 +281,8 @@ def run_replica_command(args: argparse.Namespace) -> int:
         kv_link=args.kv_link,
         kv_hold_timeout_s=hold_timeout_s,
         side_channel_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or None,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        responses_store=store,
     )
     replica = EmulatedReplica(options, tokenizer, faults)
     try:

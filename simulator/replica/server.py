@@ -2,8 +2,10 @@
 
 Completions and chat (streamed and not, vLLM's chunk shapes, usage and
 ``stream_options.include_usage``; ``logprobs`` and ``return_token_ids`` on non-streamed
-completions; at temperature 0 the same answer on every replica), /v1/models, /health, /metrics
-(vLLM's names, ``vllm:lora_requests_info`` with LoRA on), /tokenize, /detokenize,
+completions; at temperature 0 the same answer on every replica; chat rendered with the
+request's tools, template kwargs and ``add_special_tokens`` as vLLM renders it), Anthropic
+Messages and OpenAI Responses (``agent_api``, on the same engine path), /v1/models, /health,
+/metrics (vLLM's names, ``vllm:lora_requests_info`` with LoRA on), /tokenize, /detokenize,
 /reset_prefix_cache, /kv_event_sources, /load, /version, /v1/load_lora_adapter and
 /v1/unload_lora_adapter (only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, as vLLM), and
 /admin/faults for drills. A client that disconnects aborts its request in the engine, as in
@@ -18,8 +20,9 @@ import asyncio
 import itertools
 import os
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
@@ -27,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from xxhash import xxh3_64_intdigest
 
 from kvroute.kvcore import pd
-from kvroute.kvcore.tokenizer import Tokenizer
+from kvroute.kvcore.tokenizer import ChatTemplateError, Tokenizer, render_chat
 from kvroute.simulator.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 
 from .faults import Faults, FaultSpec
@@ -52,6 +55,28 @@ class _Transfer:
 
 # Marks a streamed chunk without a kv_transfer_params key (the request carried none).
 _NO_KV: Any = object()
+
+
+@dataclass(frozen=True)
+class Run:
+    """A request in the engine: its id, the queue its outputs arrive on, when it came."""
+
+    request_id: str
+    queue: asyncio.Queue[RequestOutput]
+    arrival: float
+
+
+class Frames(Protocol):
+    """What one API writes for a streamed request (``EmulatedReplica.relay`` drives it):
+    each returns the bytes to send, b"" for nothing."""
+
+    def head(self) -> bytes: ...
+
+    def opening(self, first: RequestOutput) -> bytes: ...
+
+    def step(self, text: str, output: RequestOutput) -> bytes: ...
+
+    def closing(self, last: RequestOutput, generated: int) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -83,6 +108,15 @@ class ReplicaOptions:
     # vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST: the host decode replicas read KV from; None: the
     # address each prefill request came in on (the side channel is this replica's HTTP port).
     side_channel_host: str | None = None
+    # vLLM's --enable-auto-tool-choice: /v1/messages requests with tools are served (without
+    # it they are refused, as vLLM without a tool parser refuses them); the emulated tool
+    # parser finds no calls, so the answer is text.
+    enable_auto_tool_choice: bool = False
+    # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: /v1/responses keeps responses (and their chat
+    # messages) in memory for previous_response_id and GET /v1/responses/{id}; the emulator
+    # keeps the newest ``responses_store_size`` (vLLM never evicts).
+    responses_store: bool = False
+    responses_store_size: int = 10_000
 
     @property
     def lora(self) -> bool:
@@ -169,6 +203,9 @@ class EmulatedReplica:
             app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         if self.connector is not None:
             app.router.add_post(KV_READ_PATH, self.kv_read)
+        from .agent_api import AgentAPIs  # (it builds on this module)
+
+        AgentAPIs(self).routes(app)
         app.router.add_get("/admin/faults", self.get_faults)
         app.router.add_post("/admin/faults", self.set_faults)
         app.on_startup.append(self._startup)
@@ -201,57 +238,194 @@ class EmulatedReplica:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        stall = self.faults.stall_remaining()
-        if stall:
-            await asyncio.sleep(stall)
-        if self.faults.should_error():
-            return _error("Injected fault: internal server error.", 500, "InternalServerError")
         try:
+            await self.admit()
             body = await _json_body(request)
             prompt_ids, max_tokens = self._prepare(body, chat)
-            lora_name = self._lora_name(body)
+            lora_name = self.lora_name(body)
             transfer = self._transfer(request, body)
         except BadRequest as exc:
             return _error(str(exc), exc.status, exc.error_type, exc.param)
         prefix = "chatcmpl" if chat else "cmpl"
-        request_id = f"{prefix}-{request.headers.get('X-Request-Id') or os.urandom(8).hex()}-{next(self._ids)}"
-        arrival = time.monotonic()
+        request_id = self.request_id(prefix, request)
         params = transfer.params if transfer is not None else None
         try:
-            salt = body.get("cache_salt")
-            if salt is not None and not isinstance(salt, str):
-                raise ValueError("cache_salt must be a string")
-            engine_request = EngineRequest(
-                request_id,
-                prompt_ids,
-                max_tokens,
-                arrival,
-                lora_name=lora_name,
-                cache_salt=salt,
-                token_seed=_greedy_seed(body, prompt_ids, lora_name),
-                hold_blocks=params is not None and params.do_remote_decode,
-            )
-            if params is not None and params.do_remote_prefill and self.connector is not None:
-                self.engine.check_request(engine_request)  # before a transfer, not after it
-                external = await self.connector.pull(params, engine_request)
-                engine_request.external_computed_tokens = external
-            queue = self.runner.submit(engine_request)
+            run = await self.start(request_id, prompt_ids, max_tokens, body, lora_name, params)
         except ValueError as exc:
             return _error(str(exc), 400, "BadRequestError")
         stream = bool(body.get("stream"))
         options = body.get("stream_options") or {}
         include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
+        if stream:
+            frames = _CompletionFrames(self, body, chat, request_id, include_usage, transfer)
+            return await self.answer(run, self.relay(request, run, frames))
+        return await self.answer(run, self._complete(body, chat, run, transfer))
+
+    # -- the engine path every API shares ----------------------------------------------
+
+    async def admit(self) -> None:
+        """The faults every generation request meets first: a stall, then maybe a 500."""
+        stall = self.faults.stall_remaining()
+        if stall:
+            await asyncio.sleep(stall)
+        if self.faults.should_error():
+            raise BadRequest("Injected fault: internal server error.", 500, "InternalServerError")
+
+    def request_id(self, prefix: str, request: web.Request) -> str:
+        """vLLM's ``<prefix>-<X-Request-Id or random>`` (made unique for the engine)."""
+        base = request.headers.get("X-Request-Id") or os.urandom(8).hex()
+        return f"{prefix}-{base}-{next(self._ids)}"
+
+    async def start(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        body: dict[str, Any],
+        lora_name: str | None,
+        params: pd.KVTransferParams | None = None,
+    ) -> Run:
+        """Submit a prepared request to the engine (ValueError: the engine refuses it)."""
+        arrival = time.monotonic()
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError("cache_salt must be a string")
+        engine_request = EngineRequest(
+            request_id,
+            prompt_ids,
+            max_tokens,
+            arrival,
+            lora_name=lora_name,
+            cache_salt=salt,
+            token_seed=_greedy_seed(body, prompt_ids, lora_name),
+            hold_blocks=params is not None and params.do_remote_decode,
+        )
+        if params is not None and params.do_remote_prefill and self.connector is not None:
+            self.engine.check_request(engine_request)  # before a transfer, not after it
+            external = await self.connector.pull(params, engine_request)
+            engine_request.external_computed_tokens = external
+        return Run(request_id, self.runner.submit(engine_request), arrival)
+
+    async def answer(self, run: Run, reply: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        """``reply``'s response; a client that goes away aborts the request, as in vLLM."""
         try:
-            if stream:
-                return await self._stream(
-                    request, body, chat, request_id, queue, arrival, include_usage, transfer
-                )
-            return await self._complete(body, chat, request_id, queue, arrival, transfer)
+            return await reply
         except (asyncio.CancelledError, ConnectionResetError):
-            self.runner.abort(request_id)
+            self.runner.abort(run.request_id)
             if self.connector is not None:
-                self.connector.release(request_id)  # no decode replica will learn of its blocks
+                self.connector.release(run.request_id)  # no decode replica will learn of it
             raise
+
+    async def collect(self, run: Run) -> tuple[RequestOutput, list[int]]:
+        """A non-streamed request's last output and all its (drifted) tokens."""
+        token_ids: list[int] = []
+        first: RequestOutput | None = None
+        last: RequestOutput | None = None
+        while last is None or not last.finished:
+            last = await run.queue.get()
+            if first is None and last.new_token_ids:
+                first = last
+                self.metrics.ttft.observe(time.monotonic() - run.arrival)
+            token_ids += last.new_token_ids
+        self._finished(last, run.arrival)
+        # Drift rewrites what is sent, not the engine's cache: a fault, not a model.
+        return last, self.faults.drifted(token_ids, 0, self.options.engine.vocab_size)
+
+    async def relay(self, request: web.Request, run: Run, frames: Frames) -> web.StreamResponse:
+        """Stream a request's engine steps as ``frames`` writes them: the head at once, the
+        opening with the first engine result, a frame per step, then the closing. The
+        ``drop_after_chunks`` fault breaks the connection after that many writes (of those
+        that write anything) unless the request has finished."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        drop_after = self.faults.spec.drop_after_chunks
+        chunks = 0
+        if head := frames.head():
+            await response.write(head)
+            chunks += 1
+        generated = 0
+        last_time = None
+        while True:
+            output = await run.queue.get()
+            now = time.monotonic()
+            if output.new_token_ids:
+                if last_time is None:
+                    self.metrics.ttft.observe(now - run.arrival)
+                else:
+                    self.metrics.itl.observe(now - last_time)
+                last_time = now
+            if chunks == 0 and (opening := frames.opening(output)):
+                await response.write(opening)
+                chunks += 1
+            vocab = self.options.engine.vocab_size
+            new_ids = self.faults.drifted(output.new_token_ids, generated, vocab)
+            generated += len(new_ids)
+            frame = frames.step(self.tokenizer.decode(new_ids), output)
+            if frame:
+                await response.write(frame)
+                chunks += 1
+            if drop_after and chunks >= drop_after and not output.finished:
+                self.runner.abort(run.request_id)
+                assert request.transport is not None
+                request.transport.close()  # injected fault: the connection breaks mid-stream
+                return response
+            if output.finished:
+                break
+        self._finished(output, run.arrival)
+        await response.write(frames.closing(output, generated))
+        await response.write_eof()
+        return response
+
+    def chat_prompt(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> list[int]:
+        """A chat request's prompt tokens, rendered with the fields vLLM hands the template
+        and tokenized without special tokens unless the request asks (as vLLM)."""
+        continue_final = body.get("continue_final_message") is True
+        tools, kwargs = body.get("tools"), body.get("chat_template_kwargs")
+        options = {
+            "add_generation_prompt": body.get("add_generation_prompt", not continue_final)
+            is not False,
+            "continue_final_message": continue_final,
+            "tools": tools if isinstance(tools, list) else None,
+            "chat_template_kwargs": kwargs if isinstance(kwargs, dict) else None,
+            "documents": body.get("documents"),
+            "reasoning_effort": body.get("reasoning_effort"),
+        }
+        try:
+            text = render_chat(self.tokenizer, messages, options)
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc)) from None
+        return self.tokenizer.encode(
+            text, add_special_tokens=body.get("add_special_tokens") is True
+        )
+
+    def check_model(self, model: Any) -> None:
+        """404 for a model this replica does not serve (None: not named, served)."""
+        if (
+            model is not None
+            and model != self.options.served_model_name
+            and model not in self.lora_modules
+        ):
+            raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+
+    def max_tokens(
+        self, prompt_ids: list[int], max_tokens: Any, default: int = DEFAULT_CHAT_MAX_TOKENS
+    ) -> int:
+        """The request's output limit (``default`` when None, within the context), checked
+        against the context length as vLLM checks it."""
+        if max_tokens is None:
+            max_tokens = min(default, max(1, self.options.engine.max_model_len - len(prompt_ids)))
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise BadRequest("max_tokens must be a positive integer", param="max_tokens")
+        if not prompt_ids:
+            raise BadRequest("The prompt is empty.", param="prompt")
+        limit = self.options.engine.max_model_len
+        if len(prompt_ids) + max_tokens > limit:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{len(prompt_ids)} input tokens and asks for {max_tokens} output tokens.",
+                param="max_tokens",
+            )
+        return max_tokens
 
     def _transfer(self, request: web.Request, body: dict[str, Any]) -> _Transfer | None:
         """The request's ``kv_transfer_params`` (None: it carries none). Its type is checked
@@ -283,30 +457,17 @@ class EmulatedReplica:
             return None
         return self.connector.hold(output.request_id, output.held_block_ids, transfer.local_address)
 
-    def _lora_name(self, body: dict[str, Any]) -> str | None:
+    def lora_name(self, body: dict[str, Any]) -> str | None:
         model = body.get("model")
         return model if isinstance(model, str) and model in self.lora_modules else None
 
     def _prepare(self, body: dict[str, Any], chat: bool) -> tuple[list[int], int]:
-        model = body.get("model")
-        if (
-            model is not None
-            and model != self.options.served_model_name
-            and model not in self.lora_modules
-        ):
-            raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+        self.check_model(body.get("model"))
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise BadRequest("messages must be a non-empty list", param="messages")
-            continue_final = bool(body.get("continue_final_message", False))
-            add_generation = bool(body.get("add_generation_prompt", not continue_final))
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=add_generation,
-                continue_final_message=continue_final,
-            )
-            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompt_ids = self.chat_prompt(messages, body)
             default_max = DEFAULT_CHAT_MAX_TOKENS
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         else:
@@ -325,48 +486,17 @@ class EmulatedReplica:
                 raise BadRequest("prompt must be a string or a list of token ids", param="prompt")
             default_max = DEFAULT_COMPLETION_MAX_TOKENS
             max_tokens = body.get("max_tokens")
-        if max_tokens is None:
-            max_tokens = min(
-                default_max, max(1, self.options.engine.max_model_len - len(prompt_ids))
-            )
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise BadRequest("max_tokens must be a positive integer", param="max_tokens")
-        if not prompt_ids:
-            raise BadRequest("The prompt is empty.", param="prompt")
-        limit = self.options.engine.max_model_len
-        if len(prompt_ids) + max_tokens > limit:
-            raise BadRequest(
-                f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{len(prompt_ids)} input tokens and asks for {max_tokens} output tokens.",
-                param="max_tokens",
-            )
-        return prompt_ids, max_tokens
+        return prompt_ids, self.max_tokens(prompt_ids, max_tokens, default_max)
 
     async def _complete(
-        self,
-        body: dict[str, Any],
-        chat: bool,
-        request_id: str,
-        queue: asyncio.Queue[RequestOutput],
-        arrival: float,
-        transfer: _Transfer | None = None,
+        self, body: dict[str, Any], chat: bool, run: Run, transfer: _Transfer | None = None
     ) -> web.Response:
-        token_ids: list[int] = []
-        first: RequestOutput | None = None
-        last: RequestOutput | None = None
-        while last is None or not last.finished:
-            last = await queue.get()
-            if first is None and last.new_token_ids:
-                first = last
-                self.metrics.ttft.observe(time.monotonic() - arrival)
-            token_ids += last.new_token_ids
-        self._finished(last, arrival)
-        # Drift rewrites what is sent, not the engine's cache: a fault, not a model.
-        token_ids = self.faults.drifted(token_ids, 0, self.options.engine.vocab_size)
+        last, token_ids = await self.collect(run)
+        request_id = run.request_id
         text = self.tokenizer.decode(token_ids)
         usage = _usage(last, len(token_ids))
         created = int(time.time())
-        model = self._lora_name(body) or self.options.served_model_name
+        model = self.lora_name(body) or self.options.served_model_name
         if chat:
             message: dict[str, Any] = {
                 "role": "assistant",
@@ -411,96 +541,6 @@ class EmulatedReplica:
         if transfer is not None:
             obj["kv_transfer_params"] = self._kv_answer(transfer, last)
         return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
-
-    async def _stream(
-        self,
-        request: web.Request,
-        body: dict[str, Any],
-        chat: bool,
-        request_id: str,
-        queue: asyncio.Queue[RequestOutput],
-        arrival: float,
-        include_usage: bool,
-        transfer: _Transfer | None = None,
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        created = int(time.time())
-        model = self._lora_name(body) or self.options.served_model_name
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        drop_after = self.faults.spec.drop_after_chunks
-
-        def chunk(choice: dict[str, Any], kv_params: Any = _NO_KV) -> bytes:
-            obj = {
-                "id": request_id,
-                "object": kind,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-            if kv_params is not _NO_KV:
-                obj["kv_transfer_params"] = kv_params
-            return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
-        chunks = 0
-        generated = 0
-        last_time = None
-        while True:
-            output = await queue.get()
-            now = time.monotonic()
-            if output.new_token_ids:
-                if last_time is None:
-                    self.metrics.ttft.observe(now - arrival)
-                else:
-                    self.metrics.itl.observe(now - last_time)
-                last_time = now
-            if chat and chunks == 0:
-                # Like vLLM, the role chunk goes out with the first result from the engine.
-                role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
-                await response.write(chunk({**role, "logprobs": None, "finish_reason": None}))
-                chunks += 1
-            vocab = self.options.engine.vocab_size
-            new_ids = self.faults.drifted(output.new_token_ids, generated, vocab)
-            generated += len(new_ids)
-            text = self.tokenizer.decode(new_ids)
-            finish = output.finish_reason if output.finished else None
-            if chat:
-                choice = {
-                    "index": 0,
-                    "delta": {"content": text},
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
-            else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            if finish:
-                choice["stop_reason"] = None
-            kv_params = _NO_KV
-            if transfer is not None:  # vLLM's content chunks carry it: null but on the last
-                kv_params = self._kv_answer(transfer, output) if output.finished else None
-            await response.write(chunk(choice, kv_params))
-            chunks += 1
-            if drop_after and chunks >= drop_after and not output.finished:
-                self.runner.abort(request_id)
-                assert request.transport is not None
-                request.transport.close()  # injected fault: the connection breaks mid-stream
-                return response
-            if output.finished:
-                break
-        self._finished(output, arrival)
-        if include_usage:
-            obj = {
-                "id": request_id,
-                "object": kind,
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _usage(output, generated),
-            }
-            await response.write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
 
     def _logprobs(self, body: dict[str, Any], token_ids: list[int]) -> dict[str, Any] | None:
         """vLLM's completions ``logprobs`` for ``token_ids`` when the request asks (an integer
@@ -599,20 +639,16 @@ class EmulatedReplica:
             body = await _json_body(request)
         except BadRequest as exc:
             return _error(str(exc), 400, "BadRequestError")
-        if "messages" in body:
-            continue_final = bool(body.get("continue_final_message", False))
-            text = self.tokenizer.apply_chat_template(
-                body["messages"],
-                add_generation_prompt=bool(body.get("add_generation_prompt", not continue_final)),
-                continue_final_message=continue_final,
-            )
-            special = False
+        if isinstance(body.get("messages"), list):
+            try:
+                tokens = self.chat_prompt(body["messages"], body)
+            except BadRequest as exc:
+                return _error(str(exc), exc.status, exc.error_type, exc.param)
         elif isinstance(body.get("prompt"), str):
-            text = body["prompt"]
             special = bool(body.get("add_special_tokens", True))
+            tokens = self.tokenizer.encode(body["prompt"], add_special_tokens=special)
         else:
             return _error("give 'prompt' (a string) or 'messages'", 400, "BadRequestError")
-        tokens = self.tokenizer.encode(text, add_special_tokens=special)
         return web.json_response(
             {
                 "count": len(tokens),
@@ -718,3 +754,65 @@ def _usage(output: RequestOutput, completion_tokens: int) -> dict[str, Any]:
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
     }
+
+
+class _CompletionFrames:
+    """Completions' and chat's chunks, as vLLM streams them."""
+
+    def __init__(
+        self,
+        replica: EmulatedReplica,
+        body: dict[str, Any],
+        chat: bool,
+        request_id: str,
+        include_usage: bool,
+        transfer: _Transfer | None,
+    ) -> None:
+        self.replica, self.chat, self.include_usage = replica, chat, include_usage
+        self.transfer = transfer
+        self.fields: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": replica.lora_name(body) or replica.options.served_model_name,
+        }
+
+    def _chunk(self, choice: dict[str, Any], kv_params: Any = _NO_KV) -> bytes:
+        obj = {**self.fields, "choices": [choice]}
+        if kv_params is not _NO_KV:
+            obj["kv_transfer_params"] = kv_params
+        return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+    def head(self) -> bytes:
+        return b""
+
+    def opening(self, first: RequestOutput) -> bytes:
+        if not self.chat:
+            return b""
+        # Like vLLM, the role chunk goes out with the first result from the engine.
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+        return self._chunk({**role, "logprobs": None, "finish_reason": None})
+
+    def step(self, text: str, output: RequestOutput) -> bytes:
+        finish = output.finish_reason if output.finished else None
+        choice: dict[str, Any]
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                      "finish_reason": finish}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if finish:
+            choice["stop_reason"] = None
+        kv_params = _NO_KV
+        if self.transfer is not None:  # vLLM's content chunks carry it: null but on the last
+            kv_params = None
+            if output.finished:
+                kv_params = self.replica._kv_answer(self.transfer, output)
+        return self._chunk(choice, kv_params)
+
+    def closing(self, last: RequestOutput, generated: int) -> bytes:
+        usage = b""
+        if self.include_usage:
+            obj: dict[str, Any] = {**self.fields, "choices": [], "usage": _usage(last, generated)}
+            usage = b"data: " + msgspec.json.encode(obj) + b"\n\n"
+        return usage + b"data: [DONE]\n\n"

