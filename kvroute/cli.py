@@ -142,7 +142,7 @@ def _add_check_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Validate a YAML config file: unknown keys, wrong types, bad URLs and "
         "policy parameters are reported with the key path and the reason.",
     )
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", help="The YAML config file to check.")
     p.set_defaults(func=_cmd_check_config)
 
 

@@ -36,7 +36,13 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "hit rate (from their /metrics), TTFT p50/p99 and load max/mean."
         ),
     )
-    p.add_argument("--engine", choices=["emulated", "vllm"], default="emulated")
+    p.add_argument(
+        "--engine",
+        choices=["emulated", "vllm"],
+        default="emulated",
+        help="Replicas to launch: kvroute's emulated ones, or real vLLM (the vllm extra) "
+        "serving the tiny test model (default emulated).",
+    )
     p.add_argument("--replicas", type=int, default=None, help="Default 4 emulated, 2 vllm.")
     p.add_argument(
         "--policies", default=DEFAULT_POLICIES, help=f"Comma list (default {DEFAULT_POLICIES})."
@@ -57,7 +63,12 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )  # fmt: skip
     p.add_argument("--concurrency", type=int, default=8, help="Conversations in flight at once.")
     p.add_argument("--max-tokens", type=int, default=24, help="Tokens generated per reply.")
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=32,
+        help="The replicas' KV block size in tokens (default 32).",
+    )
     p.add_argument(
         "--kv-blocks", type=int, default=None,
         help="KV capacity per replica in blocks (default: small enough that eviction matters).",
@@ -80,8 +91,14 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "same conversations either way; the router routes each API's prompt as the replica "
         "renders it.",
     )
-    p.add_argument("--log-dir", default="kvroute-logs")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--log-dir",
+        default="kvroute-logs",
+        help="One log file per replica here (default kvroute-logs).",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="Seed of the generated workload (default 0)."
+    )
     p.add_argument(
         "--gateway",
         action="store_true",

@@ -1915,7 +1915,13 @@ def add_replay_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="Mooncake's conversation_trace.jsonl (default: under $KVROUTE_TRACES, if set).",
     )
     p.add_argument("--repeat", type=positive_int, default=2, help="Runs of the 16-replica case.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET, metavar="NAME")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=DEFAULT_PRESET,
+        metavar="NAME",
+        help=f"The simulated replicas' latency model (default {DEFAULT_PRESET}).",
+    )
     p.add_argument("--output-md", default="BENCHMARKS.md", help="Where to append the results.")
     p.add_argument("--no-record", action="store_true", help="Print only; append nothing.")
     p.set_defaults(func=_cmd_bench_replay)

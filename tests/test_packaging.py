@@ -6,6 +6,7 @@ names on PyPI: installed at the top level they would shadow or be shadowed by th
 
 from __future__ import annotations
 
+import site as sitelib
 import subprocess
 import sys
 import venv
@@ -51,10 +52,13 @@ def test_the_wheel_holds_only_the_kvroute_namespace(wheel: Path) -> None:
 
 
 def test_the_installed_wheel_imports_and_runs(wheel: Path, tmp_path: Path) -> None:
-    # System site-packages for the dependencies; the venv's own site-packages for kvroute,
-    # first on the path, so the wheel's copy is the one imported.
+    # The venv's own site-packages for kvroute, first on the path, so the wheel's copy is the one
+    # imported; the dependencies from this interpreter's site-packages, listed after it in a
+    # .pth file. Not system_site_packages: inside a venv (a user's, or .ci/run's) that gives the
+    # base interpreter's packages, not the ones the project was installed with. Paths a .pth adds
+    # have their own .pth files left unread, so this checkout's editable install stays out.
     env = tmp_path / "env"
-    venv.create(env, system_site_packages=True, with_pip=False)
+    venv.create(env, system_site_packages=False, with_pip=False)
     python = env / "bin" / "python"
     site = Path(
         subprocess.run(
@@ -72,6 +76,8 @@ def test_the_installed_wheel_imports_and_runs(wheel: Path, tmp_path: Path) -> No
     )
     added = {p.name for p in site.iterdir()} - before
     assert {a for a in added if not a.endswith(".dist-info")} == {"kvroute"}
+    # Only now: pip, run by the venv's python, would see this checkout's kvroute through it.
+    (site / "dependencies.pth").write_text("".join(f"{p}\n" for p in sitelib.getsitepackages()))
     code = (
         "import kvroute, kvroute.router.server, kvroute.simulator.fleet, kvroute.cli;"
         "from kvroute.router.status import page_html; assert b'kvroute status' in page_html();"

@@ -16,6 +16,14 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert command is not None, "README's Tests section has no command"
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert command.group(1).strip() in ci_lines
+    # ... as a new user runs it: in a virtual environment of its own, made fresh and activated
+    # first, so that what the CI machine has installed outside it cannot make a test pass.
+    at = ci_lines.index(command.group(1).strip())
+    before = "\n".join(ci_lines[:at])
+    made = re.search(r'^python3 -m venv "\$(\w+)"$', before, re.M)
+    assert made is not None, ".ci/run makes no virtual environment before the command"
+    assert re.search(r"^\w+=\"\$\(mktemp -d\b", before, re.M), "the venv is not a fresh directory"
+    assert f'source "${made.group(1)}/bin/activate"' in before.splitlines()
 
 
 # A home or work directory of some machine, or the folder beside the checkout on the dev machines:
@@ -33,7 +41,7 @@ def test_no_file_points_at_one_machines_paths() -> None:
         ).stdout.decode()
         names = list(filter(None, listed.split("\0")))
     else:  # an unpacked source archive: every file but build output
-        skip = {"__pycache__", "build", "dist", ".venv"}
+        skip = {"__pycache__", "build", "dist", "site", ".venv"}  # site: mkdocs build
         names = [
             p.relative_to(ROOT).as_posix()
             for p in ROOT.rglob("*")

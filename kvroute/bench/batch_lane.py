@@ -240,14 +240,29 @@ def add_batch_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--trace", required=True, help="The online trace (any kvroute replay format).")
     p.add_argument("--day", type=float, default=240.0, help="Seconds the day lasts (240).")
     p.add_argument("--diurnal", type=float, default=0.8, help="Day-shape amplitude (0.8).")
-    p.add_argument("--replicas", type=positive_int, default=2)
+    p.add_argument("--replicas", type=positive_int, default=2, help="Emulated replicas (2).")
     p.add_argument("--preset", default="llama-3.1-8b-h100", help="The replicas' latency model.")
     p.add_argument("--lines", type=positive_int, default=400, help="Batch lines (400).")
-    p.add_argument("--input-words", type=positive_int, default=600)
-    p.add_argument("--output-tokens", type=positive_int, default=64)
+    p.add_argument(
+        "--input-words",
+        type=positive_int,
+        default=600,
+        help="Words in each batch line's prompt (600).",
+    )
+    p.add_argument(
+        "--output-tokens",
+        type=positive_int,
+        default=64,
+        help="Tokens each batch line generates (64).",
+    )
     p.add_argument("--slots", type=positive_int, default=4, help="batch.max_in_flight_per_replica")
     p.add_argument("--max-requests", type=positive_int, help="Keep the trace's first N requests.")
-    p.add_argument("--max-output-tokens", type=positive_int, default=64)
+    p.add_argument(
+        "--max-output-tokens",
+        type=positive_int,
+        default=64,
+        help="The online requests' answers capped at this many tokens (64).",
+    )
     add_report_args(p)
     p.set_defaults(func=_cmd)
 

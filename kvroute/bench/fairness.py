@@ -663,14 +663,19 @@ def add_fairness_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--replicas", type=positive_int, default=2)
+    p.add_argument("--replicas", type=positive_int, default=2, help="emulated replicas (default 2)")
     p.add_argument(
         "--slots", type=positive_int, default=4, help="limits.max_concurrent_requests (default 4)"
     )
     p.add_argument(
         "--light", type=positive_int, default=4, help="the light tenant's requests in flight"
     )
-    p.add_argument("--heavy-factor", type=positive_int, default=10)
+    p.add_argument(
+        "--heavy-factor",
+        type=positive_int,
+        default=10,
+        help="the heavy tenant's requests in flight, as a multiple of the light one's (default 10)",
+    )
     p.add_argument("--seconds", type=float, default=20.0, help="each measured window")
     p.add_argument(
         "--rounds",
@@ -678,8 +683,8 @@ def add_fairness_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         default=3,
         help="windows of the light tenant alone and under the flood, in turns (default 3)",
     )
-    p.add_argument("--warmup", type=float, default=3.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     add_report_args(p)
     p.set_defaults(func=_cmd)
 

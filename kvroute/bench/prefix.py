@@ -598,18 +598,33 @@ def add_prefix_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     d = Options()
-    p.add_argument("--replicas", type=positive_int, default=d.replicas)
-    p.add_argument("--tenants", type=positive_int, default=d.tenants)
+    p.add_argument(
+        "--replicas", type=positive_int, default=d.replicas, help="vLLM replicas to start."
+    )
+    p.add_argument(
+        "--tenants", type=positive_int, default=d.tenants, help="Tenants, each its system prompt."
+    )
     p.add_argument(
         "--conversations", type=positive_int, default=d.conversations, help="Per tenant."
     )
     p.add_argument(
         "--turns", type=positive_int, default=d.turns, help="User turns per conversation."
     )
-    p.add_argument("--system-words", type=positive_int, default=d.system_words)
-    p.add_argument("--user-words", type=positive_int, default=d.user_words)
-    p.add_argument("--concurrency", type=positive_int, default=d.concurrency)
-    p.add_argument("--max-tokens", type=positive_int, default=d.max_tokens)
+    p.add_argument(
+        "--system-words",
+        type=positive_int,
+        default=d.system_words,
+        help="Words in each tenant's shared system prompt.",
+    )
+    p.add_argument(
+        "--user-words", type=positive_int, default=d.user_words, help="Words in each user turn."
+    )
+    p.add_argument(
+        "--concurrency", type=positive_int, default=d.concurrency, help="Requests in flight."
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=d.max_tokens, help="Output tokens per request."
+    )
     p.add_argument(
         "--kv-blocks", type=positive_int, default=None,
         help="KV blocks per replica (default: about two tenants' worth, so eviction matters).",
@@ -624,7 +639,7 @@ def add_prefix_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         type=positive_int, default=d.control_requests,
         help=f"Requests per negative control and target (default {d.control_requests}).",
     )  # fmt: skip
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="Seed of the generated workload.")
     p.add_argument(
         "--targets",
         default=",".join(DEFAULT_TARGETS),

@@ -243,7 +243,9 @@ def add_status_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--duration", type=positive_int, default=5, help="seconds per window (default 5)"
     )
     p.add_argument("--warmup", type=int, default=1, help="unmeasured seconds before each window")
-    p.add_argument("--concurrency", type=positive_int, default=32)
+    p.add_argument(
+        "--concurrency", type=positive_int, default=32, help="wrk connections (default 32)"
+    )
     p.add_argument("--threads", type=positive_int, default=2, help="wrk threads (default 2)")
     p.add_argument(
         "--profile",

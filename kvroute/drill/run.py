@@ -370,7 +370,13 @@ def add_drill_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--config", required=True, metavar="FILE", help="Router config (see configs/drill-*.yaml)."
     )
-    p.add_argument("--scenario", required=True, choices=(*SCENARIOS, "rollout"))
+    p.add_argument(
+        "--scenario",
+        required=True,
+        choices=(*SCENARIOS, "rollout"),
+        help="The fault: kill (SIGKILL), stall (accepts, answers nothing), slow, flap (down and "
+        "up in turns), error-burst (500s); or rollout (a rolling upgrade under load).",
+    )
     p.add_argument(
         "--replica",
         type=int,

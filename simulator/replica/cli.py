@@ -33,8 +33,8 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
             "events. Flag names follow vLLM's where they mean the same."
         ),
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="Listen address (default 127.0.0.1).")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000).")
     p.add_argument("--served-model-name", default="tiny", help="The model name clients send.")
     p.add_argument(
         "--lora-modules",
@@ -66,7 +66,12 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="Per-step token budget."
     )
-    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=8192,
+        help="Longest prompt plus output in tokens, as vLLM's (default 8192).",
+    )
     p.add_argument(
         "--kv-events-config",
         metavar="JSON",
@@ -114,7 +119,9 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument(
         "--tokenizer", metavar="DIR", help="HF tokenizer files (default: built-in tokenizer)."
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="Seed of the tokens the engine model generates."
+    )
     p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
