@@ -7,10 +7,18 @@ must be the very ids vLLM runs, or no cached block is ever found. Here one real 
 multi-turn coding-agent sessions (tests/data/agent_sessions.json: Claude Code over Messages,
 Codex over Responses) with its own render endpoints, and the router's ids must equal them, all
 of them. A few of the requests also go to the real /v1/messages and /v1/responses through the
-vendors' own clients, plain and streamed: the baseline the router is later measured against.
+vendors' own clients, plain and streamed: the baseline the router is measured against.
+
+Then the same clients go through ``kvroute serve`` (an in-process Router, kv_aware with the
+copy's tokenizer, KV events, the parity check on every request) in front of that replica:
+plain, streamed, a multi-turn session with tools whose later turns hit the prefix cache (the
+router's decision header and the replica's own usage say so), count_tokens, and bad input
+refused in each vendor's error shape; and the parity check, through the render endpoints,
+agrees on every request.
 
 The replica needs ``--enable-scale-out`` (the render endpoints) and, because vLLM refuses a
-Messages request with tools otherwise, ``--enable-auto-tool-choice --tool-call-parser hermes``.
+Messages request with tools otherwise, ``--enable-auto-tool-choice --tool-call-parser hermes``;
+``--enable-prompt-tokens-details`` makes it report its prefix-cache hits in usage.
 Skipped only when vLLM is not installed and KVROUTE_REQUIRE_VLLM is not 1.
 """
 
@@ -22,7 +30,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +39,13 @@ import httpx
 import openai
 import pytest
 
-from kvroute.backends.launcher import LaunchedFleet, LaunchSpec, ensure_tiny_model
+from kvroute.backends.launcher import (
+    LaunchedFleet,
+    LaunchedReplica,
+    LaunchSpec,
+    ensure_tiny_model,
+)
+from kvroute.health.parity import AGREE, BLOCKS, MISMATCH, TOKENS
 from kvroute.kvcore.agent_apis import (
     ChatConversion,
     check_messages_request,
@@ -41,6 +55,10 @@ from kvroute.kvcore.agent_apis import (
     responses_to_chat,
 )
 from kvroute.kvcore.tokenizer import HFTokenizerFiles, load_tokenizer, render_chat
+from kvroute.router.config import config_from_dict
+from kvroute.router.server import Router
+
+from .helpers import serve_router, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -57,7 +75,9 @@ VLLM_FLAGS = (
     "--enable-auto-tool-choice",
     "--tool-call-parser",
     "hermes",
+    "--enable-prompt-tokens-details",  # usage reports the prefix-cache hits
 )
+BLOCK_SIZE = 32
 # Claude Code asks for max_tokens 32000: the copy's context is made long enough to take it
 # (vLLM refuses max_tokens above max_model_len), and the KV cache to hold one such request.
 MAX_MODEL_LEN = 40960
@@ -163,18 +183,23 @@ def model_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def replica_url(model_dir: Path) -> Iterator[str]:
+def replica(model_dir: Path) -> Iterator[LaunchedReplica]:
     log_dir = tempfile.mkdtemp(prefix="kvroute-agent-vllm-")
     spec = LaunchSpec(
         engine="vllm", count=1, model=MODEL, model_path=str(model_dir), tokenizer=None,
-        block_size=32, num_gpu_blocks=KV_BLOCKS, max_num_seqs=4, preset="", time_scale=1.0,
-        kv_events=False, host="127.0.0.1", log_dir=log_dir, startup_timeout_s=420,
-        max_restarts=0, extra_args=VLLM_FLAGS,
+        block_size=BLOCK_SIZE, num_gpu_blocks=KV_BLOCKS, max_num_seqs=4, preset="",
+        time_scale=1.0, kv_events=True, host="127.0.0.1", log_dir=log_dir,
+        startup_timeout_s=420, max_restarts=0, extra_args=VLLM_FLAGS,
     )  # fmt: skip
     launched = LaunchedFleet(spec)
     launched.start()
-    yield launched.replicas[0].url
+    yield launched.replicas[0]
     launched.stop(grace_s=20)
+
+
+@pytest.fixture(scope="module")
+def replica_url(replica: LaunchedReplica) -> str:
+    return replica.url
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +286,15 @@ def _rendered_count(url: str, api: str, request: dict[str, Any]) -> int:
 STOP_REASONS = ("end_turn", "max_tokens", "tool_use", "stop_sequence")
 
 
+def _prompt_of(usage: anthropic.types.Usage) -> int:
+    """A Messages answer's prompt tokens: Anthropic counts the cache hits apart."""
+    return (
+        usage.input_tokens
+        + (usage.cache_read_input_tokens or 0)
+        + (usage.cache_creation_input_tokens or 0)
+    )
+
+
 def test_anthropic_client_straight_at_the_replica(replica_url: str) -> None:
     corpus = load_corpus()["messages"]
     # Thinking disabled with tool_choice any; parallel tools and thinking; inline system turns.
@@ -273,14 +307,14 @@ def test_anthropic_client_straight_at_the_replica(replica_url: str) -> None:
         message = client.messages.create(**_split(client.messages.create, request))
         assert message.type == "message" and message.role == "assistant"
         assert message.stop_reason in STOP_REASONS
-        assert message.usage.input_tokens == prompt_tokens
+        assert _prompt_of(message.usage) == prompt_tokens
         assert 0 < message.usage.output_tokens <= 12
         assert message.content, message
         with client.messages.stream(**_split(client.messages.stream, request)) as stream:
             events = [event.type for event in stream]
             final = stream.get_final_message()
         assert events[0] == "message_start" and events[-1] == "message_stop", events
-        assert final.usage.input_tokens == prompt_tokens
+        assert _prompt_of(final.usage) == prompt_tokens
         assert final.stop_reason in STOP_REASONS
         if request.get("tool_choice", {}).get("type") in ("any", "tool"):
             # A forced tool call cut short by max_tokens: vLLM streams no block of it (its
@@ -313,3 +347,238 @@ def test_openai_client_responses_straight_at_the_replica(replica_url: str) -> No
         assert completed.response.usage is not None
         assert completed.response.usage.input_tokens == prompt_tokens
     client.close()
+
+
+# -- through kvroute serve ------------------------------------------------------------------
+
+
+@pytest.fixture
+async def agent_router(
+    replica: LaunchedReplica, model_dir: Path
+) -> AsyncIterator[tuple[Router, str]]:
+    """kvroute as a user runs it in front of the replica: kv_aware with the copy's tokenizer
+    and block size, its KV events, and the parity check on every request it serves."""
+    async with httpx.AsyncClient(timeout=30) as http:  # what the router learns, it sees stored
+        response = await http.post(replica.url + "/reset_prefix_cache")
+        assert response.status_code == 200, response.text
+    config = config_from_dict(
+        {
+            "replicas": [
+                {
+                    "url": replica.url,
+                    "name": replica.name,
+                    "kv_events": replica.kv_events,
+                    "kv_replay": replica.kv_replay,
+                }
+            ],
+            "routing": {"tokenizer": str(model_dir), "block_size": BLOCK_SIZE},
+            "parity": {"enabled": True, "first_per_replica": 100, "sample_every": 0},
+            "health": {"interval_s": 0.5},
+        }
+    )
+    router = Router(config)
+    assert router.policy.name == "kv_aware"
+    runner, url = await serve_router(router)
+    await wait_until(
+        lambda: all(s.connected for s in router.kv_events.stats_by_source().values()),
+        timeout_s=30,
+        what="the router's KV-event subscription",
+    )
+    yield router, url
+    await runner.cleanup()
+
+
+async def _expect_parity_agrees(router: Router, replica: str, served: int) -> None:
+    """Every request the router served was checked against the replica's render endpoint
+    (tokens) and its KV events (blocks), and all agree."""
+    parity = router.parity
+    assert parity is not None
+    checks = parity.verdicts.checks
+
+    def agreed(check: str) -> int:
+        return checks.get((replica, check, AGREE), 0)
+
+    await wait_until(
+        lambda: agreed(TOKENS) >= served and agreed(BLOCKS) >= served,
+        timeout_s=30,
+        what=f"{served} parity checks of each kind agreeing: {dict(checks)}",
+    )
+    assert agreed(TOKENS) == served, dict(checks)
+    assert not any(result == MISMATCH for (_, _, result) in checks), parity.snapshot()
+    assert not parity.verdicts.alarm, parity.snapshot()
+
+
+async def _rendered(url: str, api: str, request: dict[str, Any]) -> int:
+    async with httpx.AsyncClient(timeout=60) as http:
+        response = await http.post(f"{url}/v1/{api}/render", json=request)
+    assert response.status_code == 200, response.text
+    return len(response.json()["token_ids"])
+
+
+def _prefix_hit(headers: httpx.Headers) -> int:
+    return int(headers["x-kvroute-prefix-hit-tokens"])
+
+
+def _anthropic_error(error: anthropic.APIStatusError, status: int, kind: str) -> None:
+    """The error in Anthropic's shape (what its clients parse)."""
+    assert error.status_code == status
+    body = error.response.json()
+    assert body["type"] == "error", body
+    assert body["error"]["type"] == kind and body["error"]["message"], body
+
+
+def _openai_error(error: openai.APIStatusError, status: int, kind: str | None) -> None:
+    """The error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+    assert error.status_code == status
+    body = error.response.json()
+    assert set(body) == {"error"}, body
+    assert {"message", "type", "param", "code"} <= set(body["error"]), body
+    assert body["error"]["message"], body
+    if kind is not None:
+        assert body["error"]["type"] == kind, body
+
+
+async def test_anthropic_client_through_kvroute_serve(
+    agent_router: tuple[Router, str], replica: LaunchedReplica
+) -> None:
+    router, url = agent_router
+    corpus = load_corpus()["messages"]
+    client = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    served = 0
+
+    # Plain and streamed, as the replica renders them.
+    (body,) = _pick(corpus, "messages/i18n/1")
+    request = _short(body, "messages")
+    prompt_tokens = await _rendered(replica.url, "messages", request)
+    raw = await client.messages.with_raw_response.create(**_split(client.messages.create, request))
+    message = await raw.parse()
+    served += 1
+    assert raw.headers["x-kvroute-replica"] == replica.name
+    assert message.type == "message" and message.role == "assistant" and message.content
+    assert message.stop_reason in STOP_REASONS
+    assert _prompt_of(message.usage) == prompt_tokens
+    assert 0 < message.usage.output_tokens <= 12
+    async with client.messages.stream(**_split(client.messages.stream, request)) as stream:
+        events = [event.type async for event in stream]
+        final = await stream.get_final_message()
+    served += 1
+    assert events[0] == "message_start" and events[-1] == "message_stop", events
+    assert "content_block_delta" in events and final.content, events
+    assert final.stop_reason in STOP_REASONS
+    assert _prompt_of(final.usage) == prompt_tokens
+
+    # A Claude Code session with tools: tool_use and tool_result turns. Each turn extends the
+    # last one's prompt, so from the second on kv_aware finds its prefix on the replica, and
+    # the replica reports reading it from its cache.
+    for turn, body in enumerate(_pick(corpus, *(f"messages/fix-test/{i}" for i in range(3)))):
+        request = _short(body, "messages")
+        prompt_tokens = await _rendered(replica.url, "messages", request)
+        raw = await client.messages.with_raw_response.create(
+            **_split(client.messages.create, request)
+        )
+        message = await raw.parse()
+        served += 1
+        assert message.stop_reason in STOP_REASONS and message.content
+        assert _prompt_of(message.usage) == prompt_tokens
+        if turn:
+            assert _prefix_hit(raw.headers) > 0, (turn, dict(raw.headers))
+            assert (message.usage.cache_read_input_tokens or 0) > 0, (turn, message.usage)
+
+    # count_tokens: the replica's own count, through the router.
+    (body,) = _pick(corpus, "messages/fix-test/2")
+    count = {k: v for k, v in body.items() if k not in _NOT_COUNTED}
+    counted = await client.messages.count_tokens(**_split(client.messages.count_tokens, count))
+    async with httpx.AsyncClient(timeout=60) as http:
+        own = await http.post(replica.url + "/v1/messages/count_tokens", json=count)
+    assert own.status_code == 200, own.text
+    assert counted.input_tokens == own.json()["input_tokens"] > 0
+
+    # Bad input: 400 in Anthropic's shape, whether the router or the replica finds it.
+    bad_block: Any = [{"role": "user", "content": [{"type": "hologram", "text": "hi"}]}]
+    for stream_it in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            await client.messages.create(
+                model=MODEL, max_tokens=4, messages=bad_block, stream=stream_it
+            )
+        _anthropic_error(bad.value, 400, "invalid_request_error")
+    with pytest.raises(anthropic.BadRequestError) as bad:  # longer than the replica's context
+        await client.messages.create(
+            model=MODEL,
+            max_tokens=MAX_MODEL_LEN + 1,
+            messages=[{"role": "user", "content": "hi"}],
+        )
+    _anthropic_error(bad.value, 400, "invalid_request_error")
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        await client.messages.create(
+            model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
+    _anthropic_error(missing.value, 404, "not_found_error")
+    await client.close()
+
+    await _expect_parity_agrees(router, replica.name, served)
+
+
+async def test_openai_client_responses_through_kvroute_serve(
+    agent_router: tuple[Router, str], replica: LaunchedReplica
+) -> None:
+    router, url = agent_router
+    corpus = load_corpus()["responses"]
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    served = 0
+
+    # Plain and streamed, as the replica renders them.
+    (body,) = _pick(corpus, "responses/misc/4")
+    request = _short(body, "responses")
+    prompt_tokens = await _rendered(replica.url, "responses", request)
+    raw = await client.responses.with_raw_response.create(
+        **_split(client.responses.create, request)
+    )
+    response = raw.parse()
+    served += 1
+    assert raw.headers["x-kvroute-replica"] == replica.name
+    assert response.object == "response" and response.output
+    assert response.status in ("completed", "incomplete")
+    assert response.usage is not None and response.usage.input_tokens == prompt_tokens
+    stream = await client.responses.create(**_split(client.responses.create, request), stream=True)
+    events = [event async for event in stream]
+    served += 1
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    completed = events[-1]
+    assert completed.type == "response.completed"
+    assert completed.response.usage is not None
+    assert completed.response.usage.input_tokens == prompt_tokens
+
+    # A Codex session: function_call and function_call_output items, each turn extending the
+    # last; from the second on the prefix is found on the replica and read from its cache.
+    for turn, body in enumerate(_pick(corpus, *(f"responses/codex/{i}" for i in range(3)))):
+        request = _short(body, "responses")
+        prompt_tokens = await _rendered(replica.url, "responses", request)
+        raw = await client.responses.with_raw_response.create(
+            **_split(client.responses.create, request)
+        )
+        response = raw.parse()
+        served += 1
+        assert response.status in ("completed", "incomplete") and response.output
+        usage = response.usage
+        assert usage is not None and usage.input_tokens == prompt_tokens
+        if turn:
+            assert _prefix_hit(raw.headers) > 0, (turn, dict(raw.headers))
+            assert usage.input_tokens_details.cached_tokens > 0, (turn, usage)
+
+    # Bad input: 400 in OpenAI's shape, whether the router or the replica finds it.
+    bad_item: Any = [{"type": "hologram", "text": "hi"}]
+    for stream_it in (False, True):
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.responses.create(model=MODEL, input=bad_item, stream=stream_it)
+        _openai_error(bad.value, 400, "invalid_request_error")
+    with pytest.raises(openai.BadRequestError) as bad:  # longer than the replica's context
+        await client.responses.create(model=MODEL, input="hi", max_output_tokens=MAX_MODEL_LEN + 1)
+    _openai_error(bad.value, 400, None)
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.responses.create(model="no-such-model", input="hi")
+    _openai_error(missing.value, 404, None)
+    await client.close()
+
+    await _expect_parity_agrees(router, replica.name, served)
