@@ -313,6 +313,14 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="With --live: requests in flight at most (default 64); a request due while all "
         "are busy waits, and the summary says how late requests went out.",
     )
+    replay.add_argument(
+        "--api",
+        choices=("completions", "chat", "messages", "responses"),
+        default="completions",
+        help="With --live: the API each request speaks (default completions): the same "
+        "prompt as a chat's, Anthropic Messages' or OpenAI Responses' one user message, so "
+        "an agent API's routing can be compared with chat's on the same trace.",
+    )
     # A sweep's cell names its own command (report.md's); a replay's is its argv.
     replay.set_defaults(func=_cmd_replay, command=None)
 
@@ -1222,6 +1230,7 @@ def _replay_live(args: argparse.Namespace, trace: Any) -> int:
             max_prompt_tokens=args.max_prompt_tokens,
             max_output_tokens=args.max_output_tokens,
             concurrency=args.concurrency,
+            api=args.api,
         )
     except (ValueError, LiveReplayError) as exc:  # its one-line errors (no router, ...)
         raise UsageError(str(exc)) from None

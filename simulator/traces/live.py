@@ -2,7 +2,9 @@
 
 Each request is sent at its (time-scaled) arrival as a streamed ``/v1/completions`` call whose
 prompt reproduces the trace's prefix structure (``prompts.PromptBuilder``), with
-``max_tokens`` = its output tokens and ``ignore_eos`` so real vLLM generates them all. At most
+``max_tokens`` = its output tokens and ``ignore_eos`` so real vLLM generates them all; with
+``api`` chat, messages or responses the same prompt is the one user message of that API's
+request (``loadgen.request_body``). At most
 ``concurrency`` requests are in flight: a request due while all slots are busy waits, and the
 summary reports how late requests went out. Memory is bounded by the concurrency plus a few
 floats per request. The sending is ``simulator.loadgen``'s (the drill and the demo's too): a
@@ -29,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from kvroute.kvcore.stats import parse_metrics, percentile
-from kvroute.simulator.loadgen import Outcome, Planned, run_open_loop
+from kvroute.simulator.loadgen import Outcome, Planned, request_body, run_open_loop
 
 from .model import Trace
 from .prompts import PromptBuilder
@@ -85,6 +87,7 @@ def replay_live(
     concurrency: int = 64,
     progress: Progress | None = None,
     echo: Callable[[str], None] | None = print,
+    api: str = "completions",
 ) -> dict[str, Any]:
     """Replay ``trace`` against the router at ``url``; return (and echo) the summary."""
     return asyncio.run(
@@ -101,6 +104,7 @@ def replay_live(
             concurrency=concurrency,
             progress=progress,
             echo=echo,
+            api=api,
         )
     )
 
@@ -119,6 +123,7 @@ async def replay_live_async(
     concurrency: int = 64,
     progress: Progress | None = None,
     echo: Callable[[str], None] | None = print,
+    api: str = "completions",
 ) -> dict[str, Any]:
     """``replay_live`` inside a running event loop.
 
@@ -147,7 +152,16 @@ async def replay_live_async(
         counters_before = await _prefix_counters(http, base)
         started = time.monotonic()
         results = await _replay(
-            http, base, model, trace, builder, time_scale, concurrency, max_output_tokens, progress
+            http,
+            base,
+            model,
+            trace,
+            builder,
+            time_scale,
+            concurrency,
+            max_output_tokens,
+            progress,
+            api,
         )
         wall_s = time.monotonic() - started
         counters_after = await _prefix_counters(http, base)
@@ -172,10 +186,10 @@ async def _replay(
     concurrency: int,
     max_output_tokens: int | None,
     progress: Progress | None,
+    api: str = "completions",
 ) -> _Results:
     results = _Results()
     first = trace.requests[0].arrival_s if trace.requests else 0.0
-    url = base + "/v1/completions"
 
     def plan() -> Iterator[Planned]:
         # A generator: each prompt is built just before its request goes out.
@@ -183,17 +197,21 @@ async def _replay(
             output_tokens = max(1, request.output_tokens)
             if max_output_tokens:
                 output_tokens = min(output_tokens, max_output_tokens)
-            body = {
-                "model": model,
-                "prompt": builder.prompt(request, salt=index),
-                "max_tokens": output_tokens,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "ignore_eos": True,
-            }
+            prompt = builder.prompt(request, salt=index)
+            if api == "completions":
+                path = "/v1/completions"
+                body = {"model": model, "prompt": prompt, "max_tokens": output_tokens,
+                        "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            else:
+                turns = [{"role": "user", "content": prompt}]
+                path, body = request_body(api, model, None, turns, output_tokens)
+            if api in ("completions", "chat", "responses"):
+                body["ignore_eos"] = True  # a vLLM extra the Messages API does not take
+            if api == "chat":
+                body["stream_options"] = {"include_usage": True}
             results.sent += 1
             results.prompt_words += builder.words(request)
-            yield Planned((request.arrival_s - first) * time_scale, url, body)
+            yield Planned((request.arrival_s - first) * time_scale, base + path, body)
 
     def done(index: int, outcome: Outcome) -> None:
         results.record(outcome)
