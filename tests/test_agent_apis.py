@@ -328,3 +328,32 @@ async def test_a_client_that_goes_away_aborts_the_replica_request(
         response.close()
     async with asyncio.timeout(5):
         await a.client_gone.wait()
+
+
+async def test_tenants_are_charged_each_apis_usage_and_over_budget_is_a_429_in_its_shape(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a = await start_replica("a")
+    limits = {"output_tokens_per_minute": 6}
+    r = await start_router([a], tenants={"by_name": {"agent": limits, "codex": limits}})
+    claude = anthropic.AsyncAnthropic(
+        base_url=r.url, api_key="x", max_retries=0, default_headers={"X-Tenant-Id": "agent"}
+    )
+    turn = [{"role": "user", "content": "Hi"}]
+    await claude.messages.create(model="tiny", max_tokens=8, messages=turn)  # type: ignore[arg-type]
+    async with claude.messages.stream(model="tiny", max_tokens=8, messages=turn) as stream:  # type: ignore[arg-type]
+        await stream.get_final_message()
+    await claude.messages.count_tokens(model="tiny", messages=turn)  # type: ignore[arg-type]
+    codex = openai.AsyncOpenAI(
+        base_url=r.url + "/v1", api_key="x", max_retries=0, default_headers={"X-Tenant-Id": "codex"}
+    )
+    await codex.responses.create(model="tiny", input="Hi")
+    async with aiohttp.ClientSession() as http, http.get(r.url + "/admin/tenants") as resp:
+        tenants = {row["tenant"]: row for row in (await resp.json())["tenants"]}
+    # The replica's own counts, read from each API's usage (3 in, 3 out each), whole and
+    # streamed; counting tokens is charged nothing.
+    assert tenants["agent"]["tokens"] == {"input": 2 * FAKE_PROMPT_TOKENS, "output": 6}
+    assert tenants["codex"]["tokens"] == {"input": FAKE_PROMPT_TOKENS, "output": 3}
+    with pytest.raises(anthropic.RateLimitError) as spent:
+        await claude.messages.create(model="tiny", max_tokens=8, messages=turn)  # type: ignore[arg-type]
+    assert spent.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
