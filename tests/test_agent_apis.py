@@ -340,10 +340,10 @@ async def test_tenants_are_charged_each_apis_usage_and_over_budget_is_a_429_in_i
         base_url=r.url, api_key="x", max_retries=0, default_headers={"X-Tenant-Id": "agent"}
     )
     turn = [{"role": "user", "content": "Hi"}]
+    await claude.messages.count_tokens(model="tiny", messages=turn)  # type: ignore[arg-type]
     await claude.messages.create(model="tiny", max_tokens=8, messages=turn)  # type: ignore[arg-type]
     async with claude.messages.stream(model="tiny", max_tokens=8, messages=turn) as stream:  # type: ignore[arg-type]
         await stream.get_final_message()
-    await claude.messages.count_tokens(model="tiny", messages=turn)  # type: ignore[arg-type]
     codex = openai.AsyncOpenAI(
         base_url=r.url + "/v1", api_key="x", max_retries=0, default_headers={"X-Tenant-Id": "codex"}
     )
