@@ -117,7 +117,8 @@ async def test_a_message_batch_runs_each_request_once_and_charges_its_tenant(
 async def test_bad_requests_get_a_400_naming_the_request_in_anthropics_shape(
     start_replica: StartReplica, start_router: StartRouter, tmp_path: Path
 ) -> None:
-    r = await start_router([await start_replica("a")], batch=batch_config(tmp_path))
+    cfg = batch_config(tmp_path, max_file_bytes=4000, max_lines=3)
+    r = await start_router([await start_replica("a")], batch=cfg)
     client = claude_for(r.url)
     good = request("ok", "hi")
     no_max_tokens = {"custom_id": "x", "params": {"model": "tiny", "messages": []}}
@@ -138,6 +139,12 @@ async def test_bad_requests_get_a_400_naming_the_request_in_anthropics_shape(
         assert expected in refused.value.message, refused.value.message
         assert refused.value.body["type"] == "error"  # type: ignore[index]
         assert refused.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError, match=r"more than batch\.max_lines \(3\)"):
+        await client.messages.batches.create(requests=[request(f"n{i}", "x") for i in range(4)])
+    with pytest.raises(anthropic.APIStatusError, match=r"larger than batch\.max_file_bytes") as big:
+        await client.messages.batches.create(requests=[request("big", "x" * 5000)])
+    assert big.value.status_code == 413
+    assert big.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
     with pytest.raises(anthropic.NotFoundError):
         await client.messages.batches.retrieve("msgbatch_nope")
     with pytest.raises(anthropic.BadRequestError, match="limit"):
@@ -190,6 +197,31 @@ async def test_cancel_aborts_running_requests_and_keeps_finished_results(
         f"held-{i}" for i in range(4)
     }
     assert (await client.messages.batches.cancel(created.id)).processing_status == "ended"
+
+
+async def test_a_message_batch_behind_its_pace_runs_without_spare_capacity(
+    start_replica: StartReplica, start_router: StartRouter, tmp_path: Path
+) -> None:
+    a = await start_replica("a")
+    cfg = batch_config(tmp_path, max_in_flight_per_replica=1, window_s=6.0, pace_fraction=0.5)
+    r = await start_router([a], batch=cfg)
+    client = claude_for(r.url)
+    # An online Messages request holds the replica's one batch slot: no spare capacity.
+    online = asyncio.create_task(
+        client.messages.create(
+            model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hold"}]
+        )
+    )
+    await wait_until(lambda: a.running == 1, 5, "the online request on the replica")
+    created = await client.messages.batches.create(
+        requests=[request(f"line-{i}", f"line {i}") for i in range(4)]
+    )
+    # Paced to end by 3 s: its requests are promoted as they fall due, and all run by then.
+    done = await wait_ended(client, created.id, timeout_s=6)
+    assert done.request_counts.succeeded == 4
+    assert not online.done()  # the replica never had spare capacity meanwhile
+    a.gate.set()
+    await online
 
 
 async def test_a_batch_past_its_window_ends_with_its_unrun_requests_expired(
