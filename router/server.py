@@ -34,6 +34,7 @@ from .agent_request import parse_count_tokens, parse_messages, parse_responses
 from .auth import Auth
 from .batch.api import off_routes
 from .batch.lane import BatchLane
+from .batch.messages_api import off_routes as messages_off_routes
 from .batch.metrics import BatchMetrics
 from .chat_parse import chat_parser_for
 from .config import Config
@@ -174,7 +175,7 @@ class Router:
             parity=self.parity,
             tenants=self.tenants,
         )
-        # The batch lane (/v1/files, /v1/batches), when configured; its metrics always exist.
+        # The batch lane (/v1/files, /v1/batches, /v1/messages/batches), when configured; its metrics always exist.
         self.batch_metrics = BatchMetrics()
         self.metrics.parts["batch"] = self.batch_metrics
         self.batch: BatchLane | None = None
@@ -257,6 +258,7 @@ class Router:
             self.batch.add_routes(routes)
         else:
             off_routes(routes)
+            messages_off_routes(routes)
         routes.add_get("/health", self.handle_health, expect_handler=expect)
         routes.add_get("/ready", self.handle_ready, expect_handler=expect)
         if self.config.metrics.enabled:

@@ -148,13 +148,19 @@ class FakeReplica:
             if api == "responses":
                 self.stored.add(response_id)
             if not body.get("stream"):
+                if prompt == "hold":
+                    await self.gate.wait()
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
                 text = f"hello from {self.name}"
                 whole = (
                     _message(body, text)
                     if api == "messages"
                     else _response(body, text, response_id)
                 )
-                return web.json_response(whole)
+                response = web.json_response(whole)
+                self.completed.append(prompt)
+                return response
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await stream.prepare(request)
             events = _AgentEvents(api, body, response_id)

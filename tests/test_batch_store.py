@@ -199,6 +199,55 @@ async def test_jobs_and_files_page_newest_first(stores: tuple[BatchStore, BatchS
     assert (await a.files(2, None, "someone-else"))[0] == []
 
 
+async def test_pages_before_a_job_only_of_some_endpoints(
+    stores: tuple[BatchStore, BatchStore],
+) -> None:
+    a, _ = stores
+    tenant = f"t-pages-{next(_ids)}"  # its own tenant: the PostgreSQL database is shared
+    made = []
+    for k in range(4):
+        job, lines = make_job(1)
+        job.tenant = tenant
+        job.endpoint = "/v1/messages" if k == 1 else job.endpoint
+        await a.create(job, lines)
+        made.append(job.id)
+    ids = lambda page: [j.id for j in page]  # noqa: E731
+    # Newest first; ``before`` is the page just newer than the job named.
+    page, more = await a.jobs(2, None, 1000.0, tenant, before=made[0])
+    assert ids(page) == [made[2], made[1]] and more
+    page, more = await a.jobs(10, None, 1000.0, tenant, before=made[1])
+    assert ids(page) == [made[3], made[2]] and not more
+    page, more = await a.jobs(10, None, 1000.0, tenant, endpoints=("/v1/completions",))
+    assert ids(page) == [made[3], made[2], made[0]] and not more
+    page, _ = await a.jobs(10, made[3], 1000.0, tenant, endpoints=("/v1/messages",))
+    assert ids(page) == [made[1]]
+
+
+async def test_an_ended_job_is_deleted_with_its_lines_results_and_files(
+    stores: tuple[BatchStore, BatchStore],
+) -> None:
+    a, _ = stores
+    job, lines = make_job(2)
+    assert not await a.delete(job.id, "t")  # no such job
+    await a.create(job, lines)
+    assert not await a.delete(job.id, "t")  # not ended
+    for claim in await a.claim("A", 2, 1000.0, 10.0, batch_id=job.id):
+        await a.complete("A", claim, OK)
+    await a.move(job.id, [Status.IN_PROGRESS], Status.FINALIZING, 1001.0, Status.COMPLETED)
+
+    def render(rows: list[tuple[int, str, Result | None]]) -> tuple[bytes | None, bytes | None]:
+        return render_files(job.id, Status.COMPLETED, rows)
+
+    assert await a.finish(job, Status.COMPLETED, 1002.0, render)
+    ended = await a.job(job.id, 1003.0)
+    assert ended is not None and ended.output_file_id is not None
+    assert not await a.delete(job.id, "someone-else")
+    assert await a.delete(job.id, "t")
+    assert await a.job(job.id, 1003.0) is None
+    assert await a.file_content(ended.output_file_id) is None
+    assert await a.claim("A", 10, 1004.0, 10.0, batch_id=job.id) == []
+
+
 async def test_a_store_made_before_files_had_tenants_gets_the_column(tmp_path: Path) -> None:
     """Its files stay readable, as the default tenant's."""
     path = tmp_path / "old.db"

@@ -23,6 +23,7 @@ from ..config import BatchConfig
 from ..tenants import DEFAULT_TENANT, Tenants
 from .model import (
     CANCELLABLE,
+    ENDPOINTS,
     FileMeta,
     InvalidFile,
     Job,
@@ -211,7 +212,8 @@ class BatchApi:
     async def list_batches(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)
         limit, after = _page(request, default=20)
-        jobs, more = await self.store.jobs(limit, after, time.time(), tenant)
+        # Message Batches are Anthropic's (/v1/messages/batches): not listed here.
+        jobs, more = await self.store.jobs(limit, after, time.time(), tenant, endpoints=ENDPOINTS)
         return _json(_list([j.to_openai() for j in jobs], more))
 
     async def cancel(self, request: web.Request) -> web.Response:
@@ -230,7 +232,7 @@ class BatchApi:
 
     async def _job(self, batch_id: str, tenant: str) -> Job:
         job = await self.store.job(batch_id, time.time(), tenant)
-        if job is None:
+        if job is None or job.endpoint not in ENDPOINTS:  # a Message Batch is not one of these
             raise _not_found("batch", batch_id, "batch_id")
         return job
 

@@ -1,4 +1,5 @@
-"""The batch lane put together for the router: its store, its runner and its endpoints."""
+"""The batch lane put together for the router: its store, its runner and its endpoints
+(OpenAI's Files and Batches, Anthropic's Message Batches)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ..config import BatchConfig, ConfigError
 from ..pipeline import RequestPipeline
 from ..tenants import Tenants
 from .api import BatchApi
+from .messages_api import MessageBatchApi
 from .metrics import BatchMetrics
 from .runner import BatchRunner
 from .store import default_store_url, open_store, redacted
@@ -32,9 +34,12 @@ class BatchLane:
         self.store = open_store(self.url)
         self.runner = BatchRunner(config, self.store, pipeline, admission, fleet, metrics)
         self.api = BatchApi(config, self.store, self.runner, auth, tenants)
+        # Anthropic's Message Batches: jobs of the same lane, shown as Anthropic shows them.
+        self.messages = MessageBatchApi(config, self.store, self.runner, auth, tenants)
 
     def add_routes(self, routes: web.UrlDispatcher) -> None:
         self.api.add_routes(routes)
+        self.messages.add_routes(routes)
 
     async def start(self) -> None:
         """Open the store (creating its tables) and resume whatever jobs it holds."""

@@ -82,6 +82,7 @@ class Job:
     failed: int = 0  # lines with an error stored (and, once ended, lines that never ran)
     pending: int = 0  # lines waiting to run
     running: int = 0  # lines claimed by some router right now
+    skipped: int = 0  # of ``failed``: lines that never ran (the job ended first)
     seq: int = 0  # creation order, for listing
 
     def to_openai(self) -> dict[str, Any]:

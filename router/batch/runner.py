@@ -32,9 +32,11 @@ from kvroute.policies import FleetView
 
 from .. import errors
 from ..admission import Admission
+from ..agent_request import parse_messages
 from ..config import BatchConfig
 from ..openai_request import ParsedRequest, parse_chat, parse_completion
 from ..pipeline import InternalRequest, RequestPipeline
+from .messages_model import MESSAGES_ENDPOINT, render_results
 from .metrics import BatchMetrics
 from .model import Job, Result, Status, error_of, final_status, render_files
 from .store import BatchStore, Claim
@@ -175,6 +177,8 @@ class BatchRunner:
                 def render(
                     rows: list[tuple[int, str, Result | None]],
                 ) -> tuple[bytes | None, bytes | None]:
+                    if job.endpoint == MESSAGES_ENDPOINT:  # a Message Batch: its results file
+                        return render_results(final, rows)
                     return render_files(job.id, final, rows)
 
                 if await store.finish(job, final, now, render):
@@ -323,4 +327,6 @@ def _request_id(claim: Claim) -> str:
 
 
 def _parser(url: str) -> Callable[[bytes], ParsedRequest]:
+    if url == MESSAGES_ENDPOINT:
+        return parse_messages
     return parse_chat if url.endswith("/chat/completions") else parse_completion

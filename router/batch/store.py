@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from .model import FileMeta, InputLine, Job, Result, Status
+from .model import TERMINAL, FileMeta, InputLine, Job, Result, Status
 
 T = TypeVar("T")
 
@@ -81,8 +81,16 @@ class BatchStore(Protocol):
     async def create(self, job: Job, lines: list[InputLine]) -> None: ...
     async def job(self, batch_id: str, now: float, tenant: str | None = None) -> Job | None: ...
     async def jobs(
-        self, limit: int, after: str | None, now: float, tenant: str
+        self,
+        limit: int,
+        after: str | None,
+        now: float,
+        tenant: str,
+        *,
+        before: str | None = None,
+        endpoints: Sequence[str] | None = None,
     ) -> tuple[list[Job], bool]: ...
+    async def delete(self, batch_id: str, tenant: str) -> bool: ...
     async def unfinished(self, now: float) -> list[Job]: ...
     async def move(
         self,
@@ -134,14 +142,16 @@ _JOB_COLUMNS = (
     "id, seq, endpoint, input_file_id, tenant, status, ending, created_at, expires_at, times, "
     "output_file_id, error_file_id, metadata, total"
 )
-# Per job: lines waiting (or held by a lapsed lease), lines held now, ok and failed outcomes.
+# Per job: lines waiting (or held by a lapsed lease), lines held now, ok and failed outcomes,
+# and of the failed, the lines that never ran.
 _COUNTS = """
     SELECT l.batch_id,
       SUM(CASE WHEN l.state = 'pending' OR (l.state = 'running' AND l.lease_until < ?)
           THEN 1 ELSE 0 END),
       SUM(CASE WHEN l.state = 'running' AND l.lease_until >= ? THEN 1 ELSE 0 END),
       SUM(CASE WHEN r.ok = 1 THEN 1 ELSE 0 END),
-      SUM(CASE WHEN r.ok = 0 OR l.state = 'skipped' THEN 1 ELSE 0 END)
+      SUM(CASE WHEN r.ok = 0 OR l.state = 'skipped' THEN 1 ELSE 0 END),
+      SUM(CASE WHEN l.state = 'skipped' THEN 1 ELSE 0 END)
     FROM kvr_lines l LEFT JOIN kvr_results r
       ON r.batch_id = l.batch_id AND r.line_no = l.line_no
     WHERE l.batch_id IN ({ids}) GROUP BY l.batch_id"""
@@ -259,17 +269,61 @@ class SqlStore:
         return await self._run(read)
 
     async def jobs(
-        self, limit: int, after: str | None, now: float, tenant: str
+        self,
+        limit: int,
+        after: str | None,
+        now: float,
+        tenant: str,
+        *,
+        before: str | None = None,
+        endpoints: Sequence[str] | None = None,
     ) -> tuple[list[Job], bool]:
+        """A page of ``tenant``'s jobs, newest first: the ``limit`` after the job ``after``
+        (older ones), or with ``before``, the ``limit`` just before it (newer ones); only those
+        calling one of ``endpoints`` when given. True when there are more beyond the page."""
+
         def read(tx: Tx) -> tuple[list[Job], bool]:
-            where, params = _after(tx, "kvr_batches", after, tenant)
+            if before is not None:
+                where, params = _before(tx, "kvr_batches", before, tenant)
+                order = "ASC"
+            else:
+                where, params = _after(tx, "kvr_batches", after, tenant)
+                order = "DESC"
+            if endpoints is not None:
+                where += f" AND endpoint IN ({', '.join('?' for _ in endpoints)})"
+                params = (*params, *endpoints)
             rows = tx.rows(
-                f"SELECT {_JOB_COLUMNS} FROM kvr_batches{where} ORDER BY seq DESC, id DESC LIMIT ?",
+                f"SELECT {_JOB_COLUMNS} FROM kvr_batches{where} "
+                f"ORDER BY seq {order}, id {order} LIMIT ?",
                 (*params, limit + 1),
             )
-            return _with_counts(tx, [_job(r) for r in rows[:limit]], now), len(rows) > limit
+            page = rows[:limit] if order == "DESC" else rows[:limit][::-1]
+            return _with_counts(tx, [_job(r) for r in page], now), len(rows) > limit
 
         return await self._run(read)
+
+    async def delete(self, batch_id: str, tenant: str) -> bool:
+        """Remove ``tenant``'s ended job with its lines, results and output files; False when
+        it has no such job, or the job has not ended."""
+        ended = tuple(s.value for s in sorted(TERMINAL))
+
+        def remove(tx: Tx) -> bool:
+            rows = tx.rows(
+                "SELECT output_file_id, error_file_id FROM kvr_batches WHERE id = ? "
+                f"AND tenant = ? AND status IN ({', '.join('?' for _ in ended)})",
+                (batch_id, tenant, *ended),
+            )
+            if not rows:
+                return False
+            for file_id in rows[0]:
+                if file_id is not None:
+                    tx.count("DELETE FROM kvr_files WHERE id = ?", (file_id,))
+            for table, column in (("kvr_results", "batch_id"), ("kvr_lines", "batch_id"),
+                                  ("kvr_batches", "id")):  # fmt: skip
+                tx.count(f"DELETE FROM {table} WHERE {column} = ?", (batch_id,))
+            return True
+
+        return await self._run(remove)
 
     async def unfinished(self, now: float) -> list[Job]:
         terminal = ("failed", "completed", "expired", "cancelled")
@@ -509,6 +563,15 @@ def _after(tx: Tx, table: str, after: str | None, tenant: str) -> tuple[str, tup
     return " WHERE tenant = ? AND (seq < ? OR (seq = ? AND id < ?))", (tenant, seq, seq, after)
 
 
+def _before(tx: Tx, table: str, before: str, tenant: str) -> tuple[str, tuple[Any, ...]]:
+    """The WHERE clause of ``tenant``'s objects newer than ``before`` (read oldest first)."""
+    rows = tx.rows(f"SELECT seq FROM {table} WHERE id = ? AND tenant = ?", (before, tenant))
+    if not rows:
+        return " WHERE 1 = 0", ()
+    seq = rows[0][0]
+    return " WHERE tenant = ? AND (seq > ? OR (seq = ? AND id > ?))", (tenant, seq, seq, before)
+
+
 def _job(row: tuple[Any, ...]) -> Job:
     (id_, seq, endpoint, file_id, tenant, status, ending, created, expires, times, out, err,
      metadata, total) = row  # fmt: skip
@@ -535,12 +598,13 @@ def _with_counts(tx: Tx, jobs: list[Job], now: float) -> list[Job]:
         return jobs
     by_id = {job.id: job for job in jobs}
     ids = ", ".join("?" for _ in jobs)
-    for batch_id, pending, running, ok, failed in tx.rows(
+    for batch_id, pending, running, ok, failed, skipped in tx.rows(
         _COUNTS.format(ids=ids), (now, now, *by_id)
     ):
         job = by_id[batch_id]
         job.pending, job.running = int(pending or 0), int(running or 0)
         job.completed, job.failed = int(ok or 0), int(failed or 0)
+        job.skipped = int(skipped or 0)
     return jobs
 
 
