@@ -64,7 +64,7 @@ def parse_responses(body: bytes) -> ParsedRequest:
     return parsed
 
 
-def _checked(body: bytes, check: Any) -> dict[str, Any]:
+def _checked(body: bytes, check: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
     if not body:
         raise bad_request("The request body is empty; expected a JSON object.")
     try:
