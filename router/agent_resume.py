@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from .openai_request import ParsedRequest
+from .resume import whole_events
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -128,14 +129,9 @@ class AgentStreamTranscript:
 
     def feed(self, data: bytes) -> bytes:
         """Bytes from the replica in; the whole events to send to the client out."""
-        buffer = self._pending + data
-        end = buffer.rfind(b"\n\n")
-        if end < 0:
-            self._pending = buffer
-            return b""
-        self._pending = buffer[end + 2 :]
+        events, self._pending = whole_events(self._pending, data)
         out = []
-        for event in buffer[: end + 2].split(b"\n\n"):
+        for event in events:
             if event.strip():
                 forwarded = self._continued(event) if self._continuing else self._observed(event)
                 if forwarded:

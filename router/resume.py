@@ -33,6 +33,16 @@ _JOIN = 16
 _STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
+def whole_events(pending: bytes, data: bytes) -> tuple[list[bytes], bytes]:
+    """The whole SSE events (each ended by a blank line, without it; some may be empty) of
+    ``pending + data``, and the bytes of the event not whole yet."""
+    buffer = pending + data
+    end = buffer.rfind(b"\n\n")
+    if end < 0:
+        return [], buffer
+    return buffer[:end].split(b"\n\n"), buffer[end + 2 :]
+
+
 class Transcript(Protocol):
     """A stream that may be resumed: what the relay and the pipeline ask of it (chat's and
     completions' ``StreamTranscript``; the agent APIs' ``agent_resume.AgentStreamTranscript``)."""
@@ -121,14 +131,9 @@ class StreamTranscript:
 
     def feed(self, data: bytes) -> bytes:
         """Bytes from the replica in; the whole events to send to the client out."""
-        buffer = self._pending + data
-        end = buffer.rfind(b"\n\n")
-        if end < 0:
-            self._pending = buffer
-            return b""
-        self._pending = buffer[end + 2 :]
+        events, self._pending = whole_events(self._pending, data)
         out = []
-        for event in buffer[: end + 2].split(b"\n\n"):
+        for event in events:
             if not event:
                 continue
             forwarded = self._event(event)

@@ -164,12 +164,7 @@ async def send(
                 for choice in event.get("choices") or ():
                     text = _content(choice)
                     if text:
-                        outcome.last_token_s = time.monotonic() - sent
-                        if outcome.ttft_s is None:
-                            outcome.ttft_s = outcome.last_token_s
-                        outcome.chunks += 1
-                        if keep_text:
-                            pieces.append(text)
+                        _content_came(outcome, sent, text, pieces if keep_text else None)
                     if choice.get("finish_reason"):
                         outcome.finished = True
             if not (outcome.finished and outcome.done):
@@ -246,14 +241,19 @@ async def _agent_answer(
                 outcome.finished = response.get("status") in ("completed", "incomplete")
                 outcome.usage_tokens = (response.get("usage") or {}).get("output_tokens")
         if text:
-            outcome.last_token_s = time.monotonic() - sent
-            if outcome.ttft_s is None:
-                outcome.ttft_s = outcome.last_token_s
-            outcome.chunks += 1
-            if keep_text:
-                pieces.append(text)
+            _content_came(outcome, sent, text, pieces if keep_text else None)
     if not (outcome.finished and outcome.done):
         outcome.fail("incomplete stream", "stream ended without its stop reason and last event")
+
+
+def _content_came(outcome: Outcome, sent: float, text: str, kept: list[str] | None) -> None:
+    """A streamed event with content: its time, counted, its text kept when asked."""
+    outcome.last_token_s = time.monotonic() - sent
+    if outcome.ttft_s is None:
+        outcome.ttft_s = outcome.last_token_s
+    outcome.chunks += 1
+    if kept is not None:
+        kept.append(text)
 
 
 def request_body(
