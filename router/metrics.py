@@ -101,6 +101,8 @@ class RouterMetrics:
         self.retries: dict[tuple[str], int] = {}
         # (outcome,) -> count: resumed, failed, impossible, completed
         self.resumes: dict[tuple[str], int] = {}
+        # (api,) -> count: client requests by the API they came in on (ParsedRequest.api)
+        self.api_requests: dict[tuple[str], int] = {}
         # (replica, kind) -> count
         self.ejections: dict[tuple[str, str], int] = {}
         # (replica, result) -> count: the drift canary's checks (one per prompt and replica).
@@ -182,6 +184,9 @@ class RouterMetrics:
         ):
             r[key] = r.get(key, 0.0) + value
 
+    def observe_api(self, api: str) -> None:
+        self.api_requests[(api,)] = self.api_requests.get((api,), 0) + 1
+
     def observe_rejected(self, status: int, code: str) -> None:
         key = (status, code)
         self.rejected[key] = self.rejected.get(key, 0) + 1
@@ -215,6 +220,7 @@ class RouterMetrics:
             "upstream_errors": [[*k, v] for k, v in self.upstream_errors.items()],
             "retries": [[*k, v] for k, v in self.retries.items()],
             "resumes": [[*k, v] for k, v in self.resumes.items()],
+            "api_requests": [[*k, v] for k, v in self.api_requests.items()],
             "ejections": [[*k, v] for k, v in self.ejections.items()],
             "canary_checks": [[*k, v] for k, v in self.canary_checks.items()],
             "prompt_tokens": [[k, v] for k, v in self.prompt_tokens.items()],
@@ -240,6 +246,7 @@ class RouterMetrics:
         upstream_errors = dict(self.upstream_errors)
         retries: dict[Any, int] = dict(self.retries)
         resumes: dict[Any, int] = dict(self.resumes)
+        api_requests: dict[Any, int] = dict(self.api_requests)
         ejections: dict[Any, int] = dict(self.ejections)
         canary_checks: dict[Any, int] = dict(self.canary_checks)
         prompt_tokens: dict[Any, int] = {(k,): v for k, v in self.prompt_tokens.items()}
@@ -262,6 +269,7 @@ class RouterMetrics:
                 (upstream_errors, peer["upstream_errors"]),
                 (retries, peer.get("retries", [])),
                 (resumes, peer.get("resumes", [])),
+                (api_requests, peer.get("api_requests", [])),
                 (ejections, peer.get("ejections", [])),
                 (canary_checks, peer.get("canary_checks", [])),
                 (prompt_tokens, peer["prompt_tokens"]),
@@ -285,6 +293,7 @@ class RouterMetrics:
             "upstream_errors": upstream_errors,
             "retries": retries,
             "resumes": resumes,
+            "api_requests": api_requests,
             "ejections": ejections,
             "canary_checks": canary_checks,
             "prompt_tokens": {k[0]: v for k, v in prompt_tokens.items()},
@@ -396,6 +405,16 @@ def _reliability_families(
     for (kind,), count in merged["retries"].items():
         retries.add_metric([kind], count)
     yield retries
+    apis = CounterMetricFamily(
+        "kvroute_api_requests",
+        "Client requests by the API they came in on: completions, chat, messages (Anthropic "
+        "Messages), count_tokens (its token counting) or responses (OpenAI Responses).",
+        labels=["api"],
+    )
+    for (api,), count in merged["api_requests"].items():
+        apis.add_metric([api], count)
+    yield apis
+
     resumes = CounterMetricFamily(
         "kvroute_stream_resumes",
         "Streams that broke after tokens were sent, by outcome (resumed, failed: no replica "

@@ -164,6 +164,7 @@ class RequestPipeline:
         # it, and the queue's length bounds what queued requests tokenize.
         body = await self._read_body(request)
         parsed = parse(body)
+        self.metrics.observe_api(parsed.api)
         self.catalog.check(parsed.model)
         return await self._admit_parsed(
             request, self._client_headers(request), body, parsed, tenant, priority

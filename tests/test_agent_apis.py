@@ -11,6 +11,8 @@ import anthropic
 import openai
 import pytest
 
+from kvroute.kvcore.stats import parse_metrics
+
 from .conftest import StartReplica, StartRouter
 from .fake_replica import FAKE_PROMPT_TOKENS
 from .helpers import wait_until
@@ -357,3 +359,24 @@ async def test_tenants_are_charged_each_apis_usage_and_over_budget_is_a_429_in_i
     with pytest.raises(anthropic.RateLimitError) as spent:
         await claude.messages.create(model="tiny", max_tokens=8, messages=turn)  # type: ignore[arg-type]
     assert spent.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+
+
+async def test_metrics_count_requests_by_api(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a = await start_replica("a")
+    r = await start_router([a])
+    turn = [{"role": "user", "content": "Hi"}]
+    claude = anthropic_client(r.url)
+    await claude.messages.create(model="tiny", max_tokens=8, messages=turn)  # type: ignore[arg-type]
+    await claude.messages.count_tokens(model="tiny", messages=turn)  # type: ignore[arg-type]
+    oa = openai_client(r.url)
+    await oa.responses.create(model="tiny", input="Hi")
+    await oa.responses.create(model="tiny", input="Hi again")
+    await oa.chat.completions.create(model="tiny", messages=turn)  # type: ignore[arg-type]
+    async with aiohttp.ClientSession() as http, http.get(r.url + "/metrics") as resp:
+        page = parse_metrics(await resp.text())
+    by_api = {
+        s.labels["api"]: s.value for s in page.samples if s.name == "kvroute_api_requests_total"
+    }
+    assert by_api == {"messages": 1, "count_tokens": 1, "responses": 2, "chat": 1}

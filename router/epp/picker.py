@@ -154,6 +154,7 @@ class EndpointPicker:
         parse = self.parsers.get(path.partition("?")[0])
         parsed = parse(body) if parse is not None else None
         if parsed is not None:
+            self.metrics.observe_api(parsed.api)
             self.core.catalog.check(parsed.model)
         estimate = parsed.prompt_tokens if parsed is not None else len(body) // CHARS_PER_TOKEN
         # The gateway authenticates: the tenant is its fairness id (or X-Tenant-Id).
