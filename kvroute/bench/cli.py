@@ -13,6 +13,7 @@ from kvroute.bench.epp import add_epp_bench
 from kvroute.bench.fairness import add_fairness_bench
 from kvroute.bench.index_bench import add_index_bench
 from kvroute.bench.prefix import add_prefix_bench
+from kvroute.bench.send_tokens import add_send_tokens_bench
 from kvroute.bench.soak_cli import add_soak_bench
 from kvroute.bench.status_ab import add_status_bench
 from kvroute.bench.streams import add_streams_bench
@@ -32,6 +33,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_fairness_bench(bench_sub)
     add_status_bench(bench_sub)
     add_batch_bench(bench_sub)
+    add_send_tokens_bench(bench_sub)
     from kvroute.bench.fidelity import add_fidelity_bench
     from kvroute.simulator.cli_replay import add_replay_bench
 
