@@ -16,11 +16,15 @@ The emulated replica uses the same conversion, so the two cannot drift.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import jinja2.ext
 import jinja2.sandbox
+
+# Claude Code's attribution header (a per-request hash): vLLM drops a system block that starts
+# with it here, and a system text's first line when rendering (hf.py).
+from .tokenizer.hf import BILLING_HEADER
 
 # Content block types vLLM's AnthropicContentBlock accepts (any other is a 400 there).
 MESSAGE_BLOCK_TYPES = frozenset(
@@ -39,9 +43,6 @@ MESSAGE_BLOCK_TYPES = frozenset(
 _ROLES = ("user", "assistant", "system")
 _TOOL_CHOICES = ("auto", "any", "tool", "none")
 _THINKING = ("enabled", "disabled", "adaptive")
-# Claude Code's attribution header: a per-request hash that vLLM drops so prefixes still match
-# (a system block that starts with it here; a system text's first line at rendering, hf.py).
-BILLING_HEADER = "x-anthropic-billing-header"
 # vLLM flattens a namespace tool's functions to "<namespace>__<name>".
 NAMESPACE_SEPARATOR = "__"
 # Responses' custom tools are shown to the template as a one-string function.
@@ -77,7 +78,6 @@ class ChatConversion:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
-    options: dict[str, Any] = field(default_factory=dict)
 
     def chat_options(self) -> dict[str, Any]:
         """The options a chat request with these fields hands the template."""
@@ -189,6 +189,14 @@ def _check_blocks(blocks: Any, where: str) -> None:
             value = block.get(key)
             if value is not None and not isinstance(value, str):
                 raise AgentRequestError(f"'{at}.{key}' must be a string.", f"{at}.{key}")
+        source = block.get("source")
+        if source is not None and not isinstance(source, dict):
+            raise AgentRequestError(f"'{at}.source' must be an object.", f"{at}.source")
+        change = block.get("tool")
+        if block["type"] in ("tool_addition", "tool_removal") and not _tool_change_ok(change):
+            raise AgentRequestError(
+                f"'{at}.tool' must name a declared tool or give its definition.", f"{at}.tool"
+            )
         tool_input = block.get("input")
         if (
             block["type"] == "tool_use"
@@ -196,6 +204,20 @@ def _check_blocks(blocks: Any, where: str) -> None:
             and not isinstance(tool_input, dict)
         ):
             raise AgentRequestError(f"'{at}.input' must be an object.", f"{at}.input")
+
+
+def _tool_change_ok(change: Any) -> bool:
+    """A tool_addition / tool_removal's ``tool``: a name, or a definition (name, schema)."""
+    if not isinstance(change, dict):
+        return False
+    definition = change.get("definition")
+    if definition is not None:
+        return (
+            isinstance(definition, dict)
+            and isinstance(definition.get("name"), str)
+            and isinstance(definition.get("input_schema", {}), dict)
+        )
+    return isinstance(change.get("name"), str)
 
 
 def _check_tools(tools: Any) -> None:

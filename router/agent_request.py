@@ -77,6 +77,8 @@ def _checked(body: bytes, check: Callable[[Any], dict[str, Any]]) -> dict[str, A
         checked: dict[str, Any] = check(obj)
     except AgentRequestError as exc:
         raise _invalid(exc) from None
+    except (TypeError, AttributeError, KeyError) as exc:  # a shape the checks did not foresee
+        raise _misshapen(exc) from None
     return checked
 
 
@@ -87,10 +89,18 @@ def _converted(
         return convert(request)
     except AgentRequestError as exc:  # an input item vLLM cannot convert either
         raise _invalid(exc) from None
+    except (TypeError, AttributeError, KeyError) as exc:  # a shape the checks did not foresee
+        raise _misshapen(exc) from None
 
 
 def _invalid(exc: AgentRequestError) -> ApiError:
     return ApiError(400, f"Invalid request: {exc}", param=exc.param)
+
+
+def _misshapen(exc: Exception) -> ApiError:
+    """A body whose fields have types vLLM's request models would refuse too: a 400 (never a
+    500), saying what Python found."""
+    return ApiError(400, f"Invalid request: a field has the wrong type or shape ({exc}).")
 
 
 def _parsed(

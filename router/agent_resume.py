@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from .openai_request import ParsedRequest
-from .resume import whole_events
+from .sse import sse_error, whole_events
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -155,6 +155,27 @@ class AgentStreamTranscript:
             self.blocker is None and self._head is not None and not self.finished and not self.done
         )
 
+    @property
+    def response_id(self) -> str | None:
+        """A Responses stream's id, from its whole response.created event."""
+        found = (self._head or {}).get("id") if self.api == "responses" else None
+        return found if isinstance(found, str) else None
+
+    def closing(self) -> bytes:
+        """A Messages stream that sent its message_delta gets the message_stop it lacks; a
+        Responses stream whose text was done but not its response an error event (its
+        response.completed cannot be rebuilt from what was seen)."""
+        if self.api == "messages" and self.finished:
+            self.done = True
+            return self._event("message_stop")
+        return self.error_event("The replica ended the stream before its last event.")
+
+    def error_event(self, message: str) -> bytes:
+        """This stream's end with an error: its API's error event, numbered after its own."""
+        self.done = True
+        self._sequence += 1
+        return sse_error(message, api=self.api, sequence_number=self._sequence)
+
     def length_finish(self) -> bytes:
         """The closing events of a stream that reached its token limit."""
         self._finish_reason = "length"
@@ -233,6 +254,8 @@ class AgentStreamTranscript:
         if not event.startswith(b"data:"):
             return b""
         payload = event[5:].strip()
+        if self.done:
+            return b""  # ended already (an error, below): nothing more reaches the client
         if payload == b"[DONE]":
             return self._close()
         try:
@@ -241,8 +264,9 @@ class AgentStreamTranscript:
             self.blocker = "an event the router cannot read"
             return b""
         if not isinstance(obj, dict) or "error" in obj:
+            # Not a finish: the client's stream ends with the error, not a closing event.
             self.blocker = "the replica sent an error"
-            return b""
+            return self.error_event("The replica resuming this stream failed.")
         if isinstance(obj.get("usage"), dict):
             self._continuation_usage = obj["usage"]
         out = []

@@ -52,9 +52,10 @@ from .openai_request import ParsedRequest
 from .parity import ParityChecker
 from .pools import PoolRouting, Pools
 from .prompt_keys import rendered_messages
-from .proxy import ClientExchange, ClientRequest, Relayed, end_broken_stream, sse_error
+from .proxy import ClientExchange, ClientRequest, Relayed, end_broken_stream
 from .registry import ReplicaRegistry
 from .resume import StreamTranscript, Transcript, continuation_body, resume_blocker
+from .sse import sse_error
 from .stored_responses import StoredResponses
 from .tenants import DEFAULT_TENANT, Tenants
 from .usage import asking_usage
@@ -268,6 +269,10 @@ class RequestPipeline:
             self.parity.offer(parsed, route, relayed.replica, admitted.body)
         transcript = exchange.transcript
         if relayed.broken is not None and relayed.resumable and transcript is not None:
+            if relayed.response_id is not None:
+                # vLLM stores a response when it finishes there: one resumed elsewhere is
+                # stored nowhere, and a follow-up naming it is told so.
+                self.stored_responses.lost(relayed.response_id)
             relayed = await self._resume(exchange, route, tried, body, request_id, parsed, relayed)
         admitted.served(relayed, transcript)
         return relayed.response
@@ -364,16 +369,30 @@ class RequestPipeline:
         replica = self.stored_responses.replica_of(response_id)
         if replica is None:
             return route
-        handle = self.registry.handles.get(replica)
-        if handle is None or not self.registry.may_take(handle, time.monotonic()):
-            state = "has left the fleet" if handle is None else "is out of rotation"
+        handle = self.registry.handles.get(replica) if replica else None
+        if handle is None:
+            where = (
+                f"is stored on replica {replica!r}, which has left the fleet"
+                if replica
+                else "was stored nowhere: its stream was resumed on another replica"
+            )
             raise errors.ApiError(
                 404,
-                f"The previous response {response_id!r} is stored on replica {replica!r}, "
-                f"which {state}; its conversation cannot be continued elsewhere. Send the "
-                "whole conversation as input instead.",
+                f"The previous response {response_id!r} {where}; its conversation cannot be "
+                "continued elsewhere. Send the whole conversation as input instead.",
                 param="previous_response_id",
                 code="previous_response_unavailable",
+            )
+        if not self.registry.may_take(handle, time.monotonic()):
+            # Out of rotation for now (a breaker, a health flap, a drain): not gone.
+            raise errors.ApiError(
+                503,
+                f"The previous response {response_id!r} is stored on replica {replica!r}, "
+                "which cannot take requests right now; try again shortly.",
+                error_type="service_unavailable_error",
+                param="previous_response_id",
+                code="previous_response_unavailable",
+                headers={"Retry-After": str(self.retry_after_s)},
             )
         return dataclasses.replace(route, ranked=(replica,), reason=STORED_RESPONSE)
 
@@ -457,8 +476,9 @@ class RequestPipeline:
             if blocker is not None or transcript.resumes >= max_resumes:
                 why = blocker or f"retry.max_resumes ({max_resumes}) reached"
                 self.metrics.observe_resume("impossible")
+                why = f"{broken}; not resumed: {why}"
                 return await end_broken_stream(
-                    stream, relayed.status, relayed.ttfb_s, f"{broken}; not resumed: {why}", api
+                    stream, relayed.status, relayed.ttfb_s, why, api, transcript
                 )
             if isinstance(transcript, AgentStreamTranscript):
                 conversation = self._conversation(parsed)
@@ -479,7 +499,9 @@ class RequestPipeline:
             if nxt is None:
                 self.metrics.observe_resume("failed")
                 why = f"{broken}; no replica could resume it"
-                return await end_broken_stream(stream, relayed.status, relayed.ttfb_s, why, api)
+                return await end_broken_stream(
+                    stream, relayed.status, relayed.ttfb_s, why, api, transcript
+                )
             self.metrics.observe_resume("resumed")
             relayed = nxt
         return relayed

@@ -20,21 +20,9 @@ from multidict import CIMultiDict
 
 from .errors import anthropic_error_body
 from .resume import Transcript
+from .sse import sse_error
 from .upstream_client import HOP_BY_HOP, UpstreamClient, UpstreamError, UpstreamResponse
 from .usage import StreamTail, UsageStripper, strip_usage_events, usage_of
-
-
-def sse_error(message: str, code: str = "stream_broken", api: str = "chat") -> bytes:
-    """How a stream that cannot go on ends, in its API's events: for chat and completions an
-    OpenAI-shaped error event, then [DONE]; for Messages Anthropic's ``error`` event; for
-    Responses its ``error`` event (neither has [DONE])."""
-    if api == "messages":
-        return b"event: error\ndata: " + anthropic_error_body(502, message) + b"\n\n"
-    if api == "responses":
-        event = {"type": "error", "code": code, "message": message, "param": None}
-        return b"event: error\ndata: " + msgspec.json.encode(event) + b"\n\n"
-    error = {"message": message, "type": "upstream_error", "param": None, "code": code}
-    return b"data: " + msgspec.json.encode({"error": error}) + b"\n\ndata: [DONE]\n\n"
 
 
 def anthropic_error_from_replica(data: bytes, status: int) -> bytes:
@@ -52,11 +40,13 @@ def anthropic_error_from_replica(data: bytes, status: int) -> bytes:
     return anthropic_error_body(status, message)
 
 
-def response_id_of(data: bytes) -> str | None:
+def response_id_of(data: bytes, stream: bool = False) -> str | None:
     """A Responses answer's id: the body's, or its stream's first event's (response.created,
     whose ``response`` holds it)."""
-    start = data.find(b"data:")
-    if start >= 0:  # a stream: its first event's data line
+    if stream:
+        start = data.find(b"data:")
+        if start < 0:
+            return None
         end = data.find(b"\n", start)
         data = data[start + 5 : end if end >= 0 else len(data)]
     try:
@@ -66,7 +56,7 @@ def response_id_of(data: bytes) -> str | None:
     if not isinstance(obj, dict):
         return None
     inner = obj.get("response")
-    if isinstance(inner, dict):
+    if stream and isinstance(inner, dict):
         obj = inner
     found = obj.get("id")
     return found if isinstance(found, str) else None
@@ -260,11 +250,15 @@ async def relay(
                 upstream, stream, first, status, ttfb_s, timeouts.idle_s, strip, exchange.api
             )
         else:
+            api = exchange.api
             relayed = await _relay_events(
-                upstream, stream, first, status, ttfb_s, timeouts.idle_s, transcript, strip
+                upstream, stream, first, status, ttfb_s, timeouts.idle_s, transcript, strip, api
             )
         if exchange.api == "responses" and status < 400 and not call.resume:
-            relayed.response_id = response_id_of(first)
+            # The transcript read the whole response.created event; without one, the first
+            # read's (a response.created larger than one read loses the id).
+            found = transcript.response_id if transcript is not None else None
+            relayed.response_id = found or response_id_of(first, stream=True)
         return relayed
     finally:
         # Closing an unfinished response is how the replica learns the client has gone.
@@ -333,6 +327,7 @@ async def _relay_events(
     idle_timeout_s: float,
     transcript: Transcript,
     strip_usage: bool = False,
+    api: str = "chat",
 ) -> Relayed:
     tail = StreamTail()  # the replica's own events: the usage is in its last ones
     try:
@@ -359,6 +354,8 @@ async def _relay_events(
             return Relayed(stream, status, ttfb_s, client_gone=True)
         if transcript.done or transcript.finished or transcript.blocker is not None:
             try:
+                if not transcript.done and (closing := transcript.closing()):
+                    await stream.write(closing)  # an agent stream ended before its last event
                 await stream.write_eof()
             except ConnectionResetError:
                 return Relayed(stream, status, ttfb_s, client_gone=True)
@@ -368,15 +365,23 @@ async def _relay_events(
         reason = "the replica ended the stream before it finished"
     if transcript.resumable():
         return Relayed(stream, status, ttfb_s, broken=reason, resumable=True)
-    return await end_broken_stream(stream, status, ttfb_s, reason)
+    return await end_broken_stream(stream, status, ttfb_s, reason, api, transcript)
 
 
 async def end_broken_stream(
-    stream: web.StreamResponse, status: int, ttfb_s: float, reason: str, api: str = "chat"
+    stream: web.StreamResponse,
+    status: int,
+    ttfb_s: float,
+    reason: str,
+    api: str = "chat",
+    transcript: Transcript | None = None,
 ) -> Relayed:
-    """Too late to pick another replica: end the stream well-formed, never silently cut."""
+    """Too late to pick another replica: end the stream well-formed, never silently cut (in
+    its API's error event, numbered after the transcript's events where it numbers them)."""
+    message = f"The replica failed mid-stream: {reason}"
+    error = transcript.error_event(message) if transcript is not None else b""
     try:
-        await stream.write(sse_error(f"The replica failed mid-stream: {reason}", api=api))
+        await stream.write(error or sse_error(message, api=api))
         await stream.write_eof()
     except ConnectionResetError:
         return Relayed(stream, status, ttfb_s, broken=reason, client_gone=True)

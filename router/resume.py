@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import msgspec
 
+from .sse import sse_error, whole_events
+
 _DONE = b"[DONE]"
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -33,16 +35,6 @@ _JOIN = 16
 _STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-def whole_events(pending: bytes, data: bytes) -> tuple[list[bytes], bytes]:
-    """The whole SSE events (each ended by a blank line, without it; some may be empty) of
-    ``pending + data``, and the bytes of the event not whole yet."""
-    buffer = pending + data
-    end = buffer.rfind(b"\n\n")
-    if end < 0:
-        return [], buffer
-    return buffer[:end].split(b"\n\n"), buffer[end + 2 :]
-
-
 class Transcript(Protocol):
     """A stream that may be resumed: what the relay and the pipeline ask of it (chat's and
     completions' ``StreamTranscript``; the agent APIs' ``agent_resume.AgentStreamTranscript``)."""
@@ -52,6 +44,11 @@ class Transcript(Protocol):
     finished: bool
     done: bool
     usage: dict[str, Any] | None
+
+    @property
+    def response_id(self) -> str | None:
+        """A Responses stream's id (its response.created's); None for other APIs."""
+        ...
 
     @property
     def generated_tokens(self) -> int: ...
@@ -65,6 +62,14 @@ class Transcript(Protocol):
     def resumable(self) -> bool: ...
 
     def length_finish(self) -> bytes: ...
+
+    def closing(self) -> bytes:
+        """What a stream that finished without its last event still owes the client."""
+        ...
+
+    def error_event(self, message: str) -> bytes:
+        """The event that ends this stream with an error (b"": the API's plain one)."""
+        ...
 
 
 def resume_blocker(body: dict[str, Any], chat: bool) -> str | None:
@@ -119,6 +124,7 @@ class StreamTranscript:
         self._continuing = False
         # The last usage the client got (a continuation's counting the whole answer).
         self.usage: dict[str, Any] | None = None
+        self.response_id: str | None = None  # chat and completions have none to pin
 
     @property
     def generated_text(self) -> str:
@@ -246,6 +252,12 @@ class StreamTranscript:
 
     def resumable(self) -> bool:
         return self.blocker is None and not self.finished and not self.done
+
+    def closing(self) -> bytes:
+        return b""  # a finish_reason without [DONE] is whole enough for OpenAI's clients
+
+    def error_event(self, message: str) -> bytes:
+        return sse_error(message)
 
 
 def continuation_body(

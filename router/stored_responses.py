@@ -29,8 +29,14 @@ class StoredResponses:
         if len(replicas) > self.max_entries:
             replicas.popitem(last=False)
 
+    def lost(self, response_id: str) -> None:
+        """This answer was finished on another replica (a resumed stream): no replica stores
+        it; ``replica_of`` says "" for it."""
+        self.remember(response_id, "")
+
     def replica_of(self, response_id: str) -> str | None:
-        """The replica that answered with this id, while remembered (a lookup keeps it)."""
+        """The replica that answered with this id ("" when none stores it), while remembered
+        (a lookup keeps it); None when not remembered."""
         replica = self._replicas.get(response_id)
         if replica is not None:
             self._replicas.move_to_end(response_id)

@@ -8,6 +8,7 @@ prompts script its behaviour:
   "gate"        send one chunk, then wait for ``gate`` to be set before finishing
   "hold"        wait for ``gate`` before answering at all
   "break"       send two chunks, then drop the connection mid-stream
+  "break-tool"  (Messages, Responses) start a tool call, then drop the connection
 """
 
 from __future__ import annotations
@@ -166,6 +167,11 @@ class FakeReplica:
             events = _AgentEvents(api, body, response_id)
             pieces = ["hello", " from", f" {self.name}"]
             await stream.write(events.start())
+            if prompt == "break-tool":  # a tool call under way when the connection breaks
+                await stream.write(events.tool_call_started())
+                assert request.transport is not None
+                request.transport.close()
+                return stream
             for i, piece in enumerate(pieces):
                 await stream.write(events.delta(piece))
                 self.first_chunk_sent.set()
@@ -341,6 +347,7 @@ def _response(
         "tool_choice": "auto",
         "tools": [],
         "previous_response_id": body.get("previous_response_id"),
+        "instructions": body.get("instructions"),  # vLLM echoes the request's
         "usage": usage if done else None,
     }
 
@@ -386,6 +393,22 @@ class _AgentEvents:
                 ),
             )
         )
+
+    def tool_call_started(self) -> bytes:
+        """A tool call's first events (Messages: a tool_use block after the open text one)."""
+        if self.api == "messages":
+            block = {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": '{"pa'}
+            return b"".join(
+                (
+                    self._event("content_block_stop", {"index": 0}),
+                    self._event("content_block_start", {"index": 1, "content_block": block}),
+                    self._event("content_block_delta", {"index": 1, "delta": delta}),
+                )
+            )
+        item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "read_file",
+                "arguments": "", "status": "in_progress"}  # fmt: skip
+        return self._event("response.output_item.added", {"output_index": 1, "item": item})
 
     def delta(self, piece: str) -> bytes:
         if self.api == "messages":

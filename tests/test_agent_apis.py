@@ -229,13 +229,33 @@ async def test_a_follow_up_goes_where_its_previous_response_is_stored(
         model="tiny", input="More", previous_response_id=streamed_id
     )
     assert follow.output_text.endswith(streamed_id.split("_")[1])
-    # The holder leaves rotation: a clear 404 rather than an answer without the history.
+    # An id in a body that holds "data:" too, and one in a response.created larger than one
+    # read (a long instructions, echoed): both remembered.
+    for instructions, stream_it in (("Images come as data:image/png;base64,...", False),
+                                    ("Follow the repository's conventions. " * 3000, True)):  # fmt: skip
+        if stream_it:
+            events = await client.responses.create(
+                model="tiny", input="Hi", instructions=instructions, stream=True
+            )
+            seen = [e async for e in events]  # the whole stream: its answer is then stored
+            answer_id = seen[0].response.id  # type: ignore[union-attr]
+        else:
+            answer = await client.responses.create(
+                model="tiny", input="Hi", instructions=instructions
+            )
+            answer_id = answer.id
+        follow = await client.responses.create(
+            model="tiny", input="More", previous_response_id=answer_id
+        )
+        assert follow.output_text.endswith(answer_id.split("_")[1])
+    # The holder out of rotation: try again later (503), not an answer without the history.
     holder.healthy = False
     await wait_until(lambda: r.router.registry.in_rotation() == 1, timeout_s=5)
-    with pytest.raises(openai.NotFoundError) as gone:
+    with pytest.raises(openai.InternalServerError) as away:
         await client.responses.create(model="tiny", input="x", previous_response_id=first.id)
-    assert gone.value.body["code"] == "previous_response_unavailable"  # type: ignore[index]
-    assert gone.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert away.value.status_code == 503 and "retry-after" in away.value.response.headers
+    assert away.value.body["code"] == "previous_response_unavailable"  # type: ignore[index]
+    assert away.value.body["param"] == "previous_response_id"  # type: ignore[index]
 
 
 async def test_a_broken_messages_stream_is_resumed_on_another_replica(
@@ -287,6 +307,32 @@ async def test_a_broken_responses_stream_is_resumed_on_another_replica(
     assert completed.id == events[0].response.id  # type: ignore[union-attr]
     assert completed.usage is not None and completed.usage.output_tokens == 2 + 3
     assert second.seen[-1].body["add_special_tokens"] is True  # as vLLM tokenizes Responses
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_a_broken_tool_call_is_not_resumed_and_ends_in_its_apis_error_event(
+    api: str, start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    """Resume on (the default): a stream cut during a tool call cannot be continued from text;
+    the client's stream still ends well-formed, in its own API's error event."""
+    a, b = await start_replica("a"), await start_replica("b")
+    r = await start_router([a, b])
+    if api == "messages":
+        body = {"model": "tiny", "max_tokens": 8, "stream": True,
+                "messages": [{"role": "user", "content": "break-tool"}]}  # fmt: skip
+    else:
+        body = {"model": "tiny", "stream": True, "input": "break-tool"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{r.url}/v1/{api}", json=body) as response:
+            raw = await response.read()
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert events[-1].startswith("event: error\ndata: ") and b"[DONE]" not in raw
+    error = json.loads(events[-1].split("data: ", 1)[1])
+    if api == "responses":  # numbered after the stream's own events
+        numbers = [json.loads(e.split("data: ", 1)[1])["sequence_number"] for e in events]
+        assert numbers == list(range(len(events)))
+    assert "failed mid-stream" in json.dumps(error)
+    assert not r.router.metrics.resumes  # nothing was tried: a tool call is not text
 
 
 @pytest.mark.parametrize("api", ["messages", "responses"])

@@ -137,6 +137,18 @@ def test_a_responses_continuation_numbers_on_and_completes_the_response() -> Non
     assert completed["usage"]["input_tokens"] == 20 and completed["usage"]["output_tokens"] == 2
 
 
+def test_a_continuation_that_fails_ends_the_stream_with_an_error_not_a_finish() -> None:
+    t = AgentStreamTranscript("messages")
+    t.feed(MESSAGE_START)
+    t.feed(event("content_block_start", index=0, content_block={"type": "text", "text": ""}))
+    t.start_continuation()
+    error = {"error": {"message": "engine died", "type": "InternalServerError"}}
+    out = t.feed(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+    events = parse_events(out)
+    assert [e["type"] for e in events] == ["error"]
+    assert t.done and not t.resumable()
+
+
 def test_a_continuation_that_calls_a_tool_stops_resuming() -> None:
     t = AgentStreamTranscript("messages")
     t.feed(MESSAGE_START)
