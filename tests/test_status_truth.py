@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import openai
 import pytest
 
 from kvroute.health.parity import MISMATCH, TOKENS, Finding
@@ -20,13 +21,14 @@ from kvroute.router.membership import DRAINING, STARTING
 from kvroute.router.server import Router
 
 from .cdp import Browser
-from .conftest import RunningRouter, StartEmulated, StartRouter, launch_emulated
+from .conftest import RunningRouter, StartEmulated, StartReplica, StartRouter, launch_emulated
 
 KEY = "status-truth-key"
 # A replica name and a parity finding a hostile operator (or a compromised config source, such
 # as Kubernetes discovery) could set: shown as text on the page, never run or parsed as HTML.
 HOSTILE = "<img src=x onerror=\"window.pwned='name'\">&amp;'\""
 HOSTILE_DETAIL = "</li><script>window.pwned='detail'</script><b>bold</b>"
+HOSTILE_TENANT = "<svg onload=\"window.pwned='tenant'\"></svg>"
 INTERVAL_S = 0.5
 
 
@@ -214,6 +216,15 @@ async def test_status_page_in_a_browser_shows_the_incident_and_escapes_names(
     start_emulated: StartEmulated, start_router: StartRouter, tmp_path: Path
 ) -> None:
     running, victim_runner = await _incident(start_emulated, start_router)
+    # A tenant named like markup (printable ASCII is all the header asks).
+    client = openai.AsyncOpenAI(
+        base_url=running.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        default_headers={"X-Tenant-Id": HOSTILE_TENANT},
+    )
+    await client.completions.create(model="tiny", prompt="hello", max_tokens=2)
+    await client.close()
     browser = await Browser.launch(tmp_path / "profile")
     try:
         await browser.goto(f"{running.url}/status?key={KEY}")
@@ -258,11 +269,38 @@ async def test_status_page_in_a_browser_shows_the_incident_and_escapes_names(
         assert reason == f"parity alarm: {HOSTILE_DETAIL}"
         assert (
             await browser.evaluate(
-                "document.querySelectorAll('main img, main b, main script').length"
+                "document.querySelectorAll('main img, main b, main script, main svg').length"
             )
             == 0
         )
+        tenants = "document.getElementById('tenants').textContent"
+        await browser.wait_for(f"{tenants}.includes('requests')", what="the tenants line")
+        assert (await browser.evaluate(tenants)).startswith(HOSTILE_TENANT + ": 1 requests")
         assert await browser.evaluate("window.pwned === undefined")
     finally:
         await browser.close()
         await victim_runner.cleanup()
+
+
+async def test_prompts_never_appear_on_the_status_data_or_the_admin_api(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    secret = "the launch codes are 0000-SECRET-PROMPT-0000"
+    a = await start_replica("a")
+    r = await start_router([a], auth={"admin_api_key": KEY})
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="unused", max_retries=0)
+    await client.completions.create(model="tiny", prompt=secret, max_tokens=2)
+    await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": secret}], max_tokens=2
+    )
+    await client.close()
+    bearer = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession(headers=bearer) as http:
+        status = await _status_until(
+            http, r.url, lambda s: s["fleet"]["requests"] == 2, "both requests counted"
+        )
+        assert len(status["decisions"]) == 2
+        for path in ("/status/events", "/admin/replicas", "/admin/tenants", "/metrics"):
+            async with http.get(r.url + path) as resp:
+                assert resp.status == 200, path
+                assert "SECRET-PROMPT" not in await resp.text(), path
