@@ -239,8 +239,8 @@ class AuthConfig(_Section):
     # Keys clients must present (Authorization: Bearer KEY) on /v1/*; empty = open. Each is a
     # string, or {key: ..., tenant: NAME} to name the tenant its requests belong to.
     api_keys: list[str | ApiKeyConfig] = msgspec.field(default_factory=list)
-    # Key for /metrics and /admin/*; null = /metrics is open and /admin/* answers loopback
-    # clients only.
+    # Key for /metrics, /admin/* and the /status data; null = /metrics is open, and /admin/*
+    # answers loopback clients only, or nobody when api_keys is set.
     admin_api_key: str | None = None
 
 

@@ -15,25 +15,28 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
 import hpack
+import msgspec
 import pytest
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.router.config import ConfigError, config_from_dict
+from kvroute.router.config import ConfigError, config_from_dict, load_config
 from kvroute.router.epp import h2_grpc as h2g
 from kvroute.router.epp.h2_grpc import GrpcServer, H2Limits
 from kvroute.router.epp.health_service import HealthBoard
 
 from .test_epp_h2 import ECHO, RawClient, _Echo, grpc_message
 
+ROOT = Path(__file__).parent.parent
 STREAMS = 16
 LIMITS = H2Limits(
     max_concurrent_streams=STREAMS,
@@ -530,6 +533,15 @@ def test_limits_come_from_the_epp_config_and_bad_ones_are_named() -> None:
         config_from_dict({"epp": {"h2": {"max_connections": 0, "idle_timeout_s": float("nan")}}})
     assert "epp.h2.max_connections: must be >= 1, got 0" in str(bad.value)
     assert "epp.h2.idle_timeout_s: must be a number > 0" in str(bad.value)
+    # The shipped example and the docs say the defaults the code has.
+    assert load_config(ROOT / "configs" / "epp.yaml").epp.h2.limits() == H2Limits()
+    security = (ROOT / "SECURITY.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for key in msgspec.structs.asdict(config.epp.h2):
+        default = getattr(H2Limits(), key)
+        shown = str(int(default)) if float(default).is_integer() else str(default)
+        assert f"| `epp.h2.{key}` | {shown}" in security, key
+        assert f"| `{key}` |" in readme, key
 
 
 # -- fuzz: the frame and HPACK parser -----------------------------------------------------
