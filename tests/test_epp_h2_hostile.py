@@ -633,3 +633,34 @@ def test_fuzzed_frames_never_crash_the_parser_or_grow_it(chunks: list[bytes], sp
         assert not server.connections and server.usage() == 0
 
     asyncio.run(run())
+
+
+async def test_held_bytes_are_measured_once_per_sixteenth_of_the_limit_not_per_send() -> None:
+    """Measuring what a connection holds walks its streams: done on every blocked send or
+    partial message, a client with a closed window would cost O(streams) per answer."""
+    server = GrpcServer({ECHO: lambda stream: _Echo(stream, [])}, limits=LIMITS)
+    conn = h2g.GrpcConnection(server)
+    conn.connection_made(_Transport())  # type: ignore[arg-type]
+    conn.data_received(
+        h2g.PREFACE
+        + h2g.frame(h2g.SETTINGS, 0, 0, struct.pack(">HI", h2g.S_INITIAL_WINDOW_SIZE, 0))
+    )
+    measured = 0
+    usage = conn.usage
+
+    def counting() -> int:
+        nonlocal measured
+        measured += 1
+        return usage()
+
+    conn.usage = counting  # type: ignore[method-assign]
+    sent = 0
+    for i in range(STREAMS):
+        stream = h2g.Stream(1 + 2 * i, conn, {})
+        conn.streams[stream.id] = stream
+        for _ in range(100):
+            stream.send(b"m" * 100)  # the window is 0: every answer waits
+            sent += 105
+    assert sent > 2 * conn.measure_every
+    assert measured <= sent // conn.measure_every + 1
+    assert conn.usage() >= sent  # and what is held is all accounted for

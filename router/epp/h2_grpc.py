@@ -261,7 +261,11 @@ class Stream:
         self.pending += message
         conn.pump(self)
         if self.pending:
-            conn.check_memory()  # the peer's window holds answers back: bounded
+            # The peer's window holds answers back: measured, like messages arriving, once
+            # per 1/16 of the limit queued (measuring each time would cost O(streams) a send).
+            conn.unmeasured += size
+            if conn.unmeasured >= conn.measure_every:
+                conn.check_memory()
 
     def send_all(self, messages: Iterable[bytes]) -> None:
         """Send these messages in one write (outside a read, each ``send`` is its own write:
@@ -387,7 +391,7 @@ class GrpcConnection(asyncio.Protocol):
         self.reset_budget = self.reset_burst
         self.reset_at = self.made_at
         self.held = 0  # bytes held, as last measured by check_memory
-        self.unmeasured = 0  # DATA bytes received since then
+        self.unmeasured = 0  # bytes received or queued for the peer since then
         self.measure_every = max(1, limits.max_connection_bytes // 16)
         # Not read while the peer does not read our answers (pause_writing), since paused_at.
         self.reading_paused = False
