@@ -486,14 +486,26 @@ class EppH2Config(_Section):
     max_concurrent_streams is refused (REFUSED_STREAM). Defaults: router/epp/h2_grpc.py's
     ``H2Limits``; every one is listed in SECURITY.md."""
 
+    # Open streams per connection, advertised in SETTINGS; one more is refused (REFUSED_STREAM).
     max_concurrent_streams: int = _H2.max_concurrent_streams
+    # Connections at once; one more gets GOAWAY and is closed.
     max_connections: int = _H2.max_connections
+    # A request's header list, decoded, and its block however many CONTINUATION frames carry it.
     max_header_list_bytes: int = _H2.max_header_list_bytes
+    # Bytes held for one connection: partial messages, answers the peer's window holds back,
+    # unread input, unsent output.
     max_connection_bytes: int = _H2.max_connection_bytes
+    # The same, for all connections together.
     max_total_bytes: int = _H2.max_total_bytes
+    # Streams a client resets before their answer (or opens past the limit) per second, with a
+    # burst of twice max_concurrent_streams: past it, the connection ends (rapid reset).
     max_resets_per_s: float = _H2.max_resets_per_s
+    # The client preface and first SETTINGS (and the TLS handshake) must arrive within this.
     handshake_timeout_s: float = _H2.handshake_timeout_s
+    # A frame or header block, once started, must be complete within this, and a peer must
+    # read what the picker sends within it.
     frame_timeout_s: float = _H2.frame_timeout_s
+    # A connection with no open stream and no frame for this long is closed.
     idle_timeout_s: float = _H2.idle_timeout_s
 
     def limits(self) -> H2Limits:
