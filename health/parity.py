@@ -75,6 +75,8 @@ class ParityVerdicts:
     checks: dict[tuple[str, str, str], int] = field(
         default_factory=dict
     )  # (replica, check, result)
+    # Each replica's last check: (check, result, what it found: a mismatch's detail, else "").
+    last: dict[str, tuple[str, str, str]] = field(default_factory=dict)
     _block_misses: dict[str, int] = field(default_factory=dict)
     _agreeing: int = 0
 
@@ -82,6 +84,7 @@ class ParityVerdicts:
         """Count one check; True when it raised the alarm (it was down before)."""
         key = (replica, check, result)
         self.checks[key] = self.checks.get(key, 0) + 1
+        self.last[replica] = (check, result, finding.detail if finding is not None else "")
         if result == AGREE:
             if check == BLOCKS:
                 self._block_misses[replica] = 0

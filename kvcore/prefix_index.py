@@ -288,7 +288,13 @@ class PrefixIndex:
             if old is not rh:
                 if old == rh:
                     continue  # the same block stored again
-                self._release(rep, [old])  # an engine hash reused for other content
+                if old in added:
+                    # Reused within this very event (no engine sends that; a broken or
+                    # hostile publisher may): the earlier block is not held yet, so it is
+                    # dropped from what this event adds rather than released.
+                    added.remove(old)
+                else:
+                    self._release(rep, [old])  # an engine hash reused for other content
                 emap[eh] = rh
             added.append(rh)
         return added

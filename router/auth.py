@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 
 from aiohttp import web
 
@@ -10,6 +11,7 @@ from . import errors
 from .config import AuthConfig, api_key_value, resolve_secret
 
 _LOOPBACK = ("127.0.0.1", "::1")
+log = logging.getLogger(__name__)
 
 
 class Auth:
@@ -22,6 +24,11 @@ class Auth:
         self._tenants = [None if isinstance(k, str) else k.tenant for k in config.api_keys]
         key = config.admin_api_key
         self._admin_key = resolve_secret(key, "auth.admin_api_key").encode() if key else None
+        if self._client_keys and self._admin_key is None:
+            log.warning(
+                "auth.api_keys is set and auth.admin_api_key is not: the admin API (/admin/*, "
+                "/status data) is closed; set auth.admin_api_key to use it"
+            )
 
     @property
     def clients_need_key(self) -> bool:
@@ -42,10 +49,19 @@ class Auth:
         return self._tenants[matched]
 
     def check_admin(self, request: web.Request, *, open_without_key: bool = False) -> None:
-        """Admin endpoints need the admin key; without one configured, only loopback clients
-        (or anyone, for ``open_without_key`` endpoints such as /metrics) may use them."""
+        """Admin endpoints need the admin key. Without one configured: closed to everyone when
+        clients need keys (``auth.api_keys``: the admin API never asks less than the client
+        API), else open to loopback clients only; ``open_without_key`` endpoints (/metrics)
+        to anyone."""
         if self._admin_key is None:
-            if not open_without_key and request.remote not in _LOOPBACK:
+            if open_without_key:
+                return
+            if self._client_keys:
+                raise errors.forbidden(
+                    "admin endpoints need auth.admin_api_key when auth.api_keys is set "
+                    "(clients need a key, so the admin API is closed without one)"
+                )
+            if request.remote not in _LOOPBACK:
                 raise errors.forbidden("admin endpoints without auth.admin_api_key: loopback only")
             return
         presented = _bearer(request)

@@ -36,6 +36,7 @@ from kvroute.kvcore.lora_spread import SpreadSettings
 from kvroute.policies import DEFAULT_POLICY, PolicyConfigError, build_policy
 
 from .batch.store import StoreUrlError, check_store_url
+from .epp.h2_grpc import H2Limits
 
 
 class ConfigError(Exception):
@@ -238,8 +239,8 @@ class AuthConfig(_Section):
     # Keys clients must present (Authorization: Bearer KEY) on /v1/*; empty = open. Each is a
     # string, or {key: ..., tenant: NAME} to name the tenant its requests belong to.
     api_keys: list[str | ApiKeyConfig] = msgspec.field(default_factory=list)
-    # Key for /metrics and /admin/*; null = /metrics is open and /admin/* answers loopback
-    # clients only.
+    # Key for /metrics, /admin/* and the /status data; null = /metrics is open, and /admin/*
+    # answers loopback clients only, or nobody when api_keys is set.
     admin_api_key: str | None = None
 
 
@@ -476,6 +477,41 @@ class TracingConfig(_Section):
     export_interval_s: float = 5.0
 
 
+_H2 = H2Limits()
+
+
+class EppH2Config(_Section):
+    """What one gateway connection may make the picker's HTTP/2 server hold or do; past a
+    limit the connection gets GOAWAY (ENHANCE_YOUR_CALM) and is closed, a stream past
+    max_concurrent_streams is refused (REFUSED_STREAM). Defaults: router/epp/h2_grpc.py's
+    ``H2Limits``; every one is listed in SECURITY.md."""
+
+    # Open streams per connection, advertised in SETTINGS; one more is refused (REFUSED_STREAM).
+    max_concurrent_streams: int = _H2.max_concurrent_streams
+    # Connections at once; one more gets GOAWAY and is closed.
+    max_connections: int = _H2.max_connections
+    # A request's header list, decoded, and its block however many CONTINUATION frames carry it.
+    max_header_list_bytes: int = _H2.max_header_list_bytes
+    # Bytes held for one connection: partial messages, answers the peer's window holds back,
+    # unread input, unsent output.
+    max_connection_bytes: int = _H2.max_connection_bytes
+    # The same, for all connections together.
+    max_total_bytes: int = _H2.max_total_bytes
+    # Streams a client resets before their answer (or opens past the limit) per second, with a
+    # burst of twice max_concurrent_streams: past it, the connection ends (rapid reset).
+    max_resets_per_s: float = _H2.max_resets_per_s
+    # The client preface and first SETTINGS (and the TLS handshake) must arrive within this.
+    handshake_timeout_s: float = _H2.handshake_timeout_s
+    # A frame or header block, once started, must be complete within this, and a peer must
+    # read what the picker sends within it.
+    frame_timeout_s: float = _H2.frame_timeout_s
+    # A connection with no open stream and no frame for this long is closed.
+    idle_timeout_s: float = _H2.idle_timeout_s
+
+    def limits(self) -> H2Limits:
+        return H2Limits(**msgspec.structs.asdict(self))
+
+
 class EppConfig(_Section):
     """``kvroute epp``: the endpoint picker behind an Envoy-based gateway (ext_proc)."""
 
@@ -497,6 +533,8 @@ class EppConfig(_Section):
     # this NATS server (nats://host:4222) on this subject, so each decides as one would.
     ledger_bus: str | None = None
     ledger_bus_subject: str = "kvroute.ledger"
+    # The gRPC server's HTTP/2 limits (streams, connections, headers, memory, timeouts).
+    h2: EppH2Config = msgspec.field(default_factory=EppH2Config)
 
 
 class Config(_Section):
@@ -1204,6 +1242,7 @@ def _epp_problems(epp: EppConfig) -> list[str]:
         problems.append("epp.ledger_bus_subject: must be a NATS subject without spaces")
     if epp.pool_name is not None and not epp.pool_name.strip():
         problems.append("epp.pool_name: must not be empty")
+    problems += epp.h2.limits().problems("epp.h2.")
     return problems
 
 

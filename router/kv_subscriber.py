@@ -53,6 +53,14 @@ from kvroute.kvcore.kv_events import (
 log = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8
+# What one publisher may make the router hold: a message (one batch) larger than this drops the
+# connection (ZMQ_MAXMSGSIZE; ZMQ reconnects, the gap is then repaired or resynced), and a
+# replay answer longer than this many batches is abandoned for a resync. vLLM's largest batch,
+# a million-token prefill's token ids, is a few MB; its replay buffer holds 10,000 steps.
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_REPLAY_BATCHES = 100_000
+# A whole replay, however its publisher drips it (each message within replay_timeout_s).
+MAX_REPLAY_S = 60.0
 """The replay end marker's seq frame (``(-1).to_bytes(8, "big", signed=True)``)."""
 
 
@@ -88,6 +96,7 @@ class SubscriberStats:
     last_seq: int | None = None  # last seq applied
     connected: bool = False  # the SUB socket has a live connection
     replay_timeouts: int = 0
+    replay_overflows: int = 0  # replays abandoned past max_replay_batches (then resynced)
     sink_errors: int = 0  # exceptions raised by the sink (logged, skipped)
 
 
@@ -132,8 +141,12 @@ class KVEventSubscriber:
         *,
         context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 2.0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        max_replay_batches: int = MAX_REPLAY_BATCHES,
     ) -> None:
         self.replica = replica
+        self.max_message_bytes = max_message_bytes
+        self.max_replay_batches = max_replay_batches
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint or None
         self.sink = sink
@@ -157,6 +170,7 @@ class KVEventSubscriber:
             raise RuntimeError("subscriber already started or closed")
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sub.set_hwm(100_000)  # vLLM's PUB hwm; frames wait here while a replay runs
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._monitor = sub.get_monitor_socket(
@@ -282,23 +296,33 @@ class KVEventSubscriber:
         if self._dealer is None:
             self._dealer = self._context.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             self._dealer.connect(self.replay_endpoint)
         dealer = self._dealer
         batches: list[tuple[int, bytes]] = []
         try:
-            await dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
-                if not frames or frames[0] != b"":
-                    self.stats.malformed += 1
-                    continue
-                if len(frames) >= 3 and frames[-2] == END_SEQ:
-                    return batches
-                split = _split(frames[1:])
-                if split is None:
-                    self.stats.malformed += 1
-                    continue
-                batches.append(split)
+            async with asyncio.timeout(MAX_REPLAY_S):
+                await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+                # Messages, good or bad: a flood of either ends the replay, not the router.
+                for _ in range(self.max_replay_batches + 1):
+                    frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                    if not frames or frames[0] != b"":
+                        self.stats.malformed += 1
+                        continue
+                    if len(frames) >= 3 and frames[-2] == END_SEQ:
+                        return batches
+                    split = _split(frames[1:])
+                    if split is None:
+                        self.stats.malformed += 1
+                        continue
+                    batches.append(split)
+                self.stats.replay_overflows += 1
+                log.warning(
+                    "%s: KV event replay from %d sent more than %d messages: abandoned",
+                    self.replica,
+                    start,
+                    self.max_replay_batches,
+                )
         except TimeoutError:
             self.stats.replay_timeouts += 1
             log.warning(
@@ -385,6 +409,21 @@ class KVEventSubscriber:
                 self.stats.connected = True
             elif event == zmq.EVENT_DISCONNECTED:
                 self.stats.connected = False
+                self._reconnect()
+
+    def _reconnect(self) -> None:
+        """Connect anew after a drop. ZMQ reconnects by itself after a lost connection, but
+        not after a protocol error, and a message past max_message_bytes is one: without this
+        a single oversized batch would end the replica's event feed for good. Disconnecting
+        first keeps it one connection either way."""
+        if self._sub is None or self._closed or _binds(self.endpoint):
+            return  # a bound endpoint: the publisher connects, and reconnects, to us
+        with contextlib.suppress(zmq.ZMQError):
+            self._sub.disconnect(self.endpoint)
+        try:
+            self._sub.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            log.warning("%s: reconnecting to %s failed: %s", self.replica, self.endpoint, exc)
 
 
 class KVEventSubscribers:

@@ -181,6 +181,11 @@ class ParityChecker:
                 {"replica": r, "check": c, "result": res, "count": n}
                 for (r, c, res), n in sorted(self.verdicts.checks.items())
             ],
+            # Each replica's last check, for its row on /status.
+            "last": {
+                r: {"check": c, "result": res, "detail": detail or None}
+                for r, (c, res, detail) in self.verdicts.last.items()
+            },
         }
 
     # -- the checks --------------------------------------------------------------------

@@ -199,6 +199,10 @@ class Router:
             self._status_header,
             self._status_checks,
             lambda: self.tenants.summary(self.admission.fair, time.monotonic()),
+            fleet_fields=lambda name: self.fleet_control.row_fields(name),
+            parity=lambda: self.parity.snapshot() if self.parity is not None else None,
+            rollout=lambda: self.fleet_control.progress(),
+            canary_enabled=config.canary.enabled,
         )
         self._worker_index = worker.index if worker is not None else None
         # Fleet changes while serving: add/remove replicas, rollouts, the autoscaler.

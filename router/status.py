@@ -25,6 +25,7 @@ from kvroute.backends.handle import ReplicaHandle
 from kvroute.health.breaker import BreakerState
 from kvroute.health.scrape import ReplicaReport
 from kvroute.kvcore.ledger import Dispatch
+from kvroute.policies import FleetView
 
 # Recent routing decisions kept for the page: enough to read, small enough to hold (a Dispatch
 # keeps its request's block hashes alive: ~50 long prompts at most).
@@ -110,8 +111,19 @@ class StatusFeed:
         router: Callable[[], dict[str, Any]],
         checks: Callable[[], dict[str, Any]] | None = None,
         tenants: Callable[[], Any] | None = None,
+        *,
+        fleet_fields: Callable[[str], dict[str, Any]] | None = None,
+        parity: Callable[[], dict[str, Any] | None] | None = None,
+        rollout: Callable[[], dict[str, Any] | None] | None = None,
+        canary_enabled: bool = False,
     ) -> None:
         self._checks = checks
+        # A replica's rollout phase and pool (fleet_admin.FleetControl.row_fields).
+        self._fleet_fields = fleet_fields
+        # The parity checker's snapshot (router/parity.py), None when it is off.
+        self._parity = parity
+        self._rollout = rollout
+        self._canary_enabled = canary_enabled
         self._tenants = tenants
         self._handles = handles
         self._reports = reports
@@ -160,10 +172,12 @@ class StatusFeed:
             {what[6:] for row in counters.values() for what in row if what.startswith("reuse:")},
             key=lambda k: (REUSE_ORDER.index(k) if k in REUSE_ORDER else len(REUSE_ORDER), k),
         )
+        parity = self._parity() if self._parity is not None else None
         replicas = []
         for name, handle in handles.items():
             w = window[name]
-            row = _replica_row(handle, reports.get(name), now)
+            fields = self._fleet_fields(name) if self._fleet_fields is not None else {}
+            row = _replica_row(handle, reports.get(name), now, fields, parity)
             row["requests"] = int(sum(v for what, v in w.items() if what.startswith("req:")))
             row["hit_rate"] = _ratio(w.get("hits", 0.0), w.get("queries", 0.0))
             row["predicted_hit_rate"] = _ratio(w.get("predicted", 0.0), w.get("routed", 0.0))
@@ -174,7 +188,14 @@ class StatusFeed:
         }
         fleet = {
             "replicas": len(replicas),
-            "in_rotation": sum(1 for r in replicas if r["healthy"] and not r["ejected"]),
+            # Only replicas that take new requests now (FleetView.admits: healthy, breaker
+            # closed or on trial, not quarantined, not draining).
+            "in_rotation": sum(1 for r in replicas if r["in_rotation"]),
+            "out": {
+                status: sum(1 for r in replicas if r["status"] == status)
+                for status in STATUS_WORDS
+                if any(r["status"] == status for r in replicas)
+            },
             "in_flight": sum(r["in_flight"] for r in replicas),
             "waiting": sum(r["waiting"] or 0 for r in replicas),
             "requests": sum(reasons.values()),
@@ -195,11 +216,31 @@ class StatusFeed:
             "decisions": self._decisions(now),
             # The policy's estimate against round robin (policies/regret.py); None without.
             "regret": regret,
-            # The router's own checks (parity; drift once built); the page says which are not.
-            "checks": {"drift": NOT_CHECKED, "parity": NOT_CHECKED, "alarm": False}
-            | (self._checks() if self._checks is not None else {}),
+            # The router's own checks (drift canary, parity); the page says which are not.
+            "checks": self._fleet_checks(handles),
+            "rollout": self._rollout() if self._rollout is not None else None,
             "tenants": self._tenants() if self._tenants is not None else None,
         }
+
+    def _fleet_checks(self, handles: Mapping[str, ReplicaHandle]) -> dict[str, Any]:
+        checks: dict[str, Any] = {"drift": NOT_CHECKED, "parity": NOT_CHECKED, "alarm": False}
+        if not self._canary_enabled:
+            checks["drift"] = "off (canary.enabled: false)"
+        else:
+            checked = [h for h in handles.values() if h.drift.checked_at is not None]
+            quarantined = sorted(h.name for h in handles.values() if h.drift.quarantined)
+            if quarantined:
+                checks["drift"] = "QUARANTINED: " + ", ".join(quarantined)
+                checks["alarm"] = True
+            elif checked:
+                agree = sum(1 for h in checked if h.drift.last_result == "agree")
+                checks["drift"] = f"ok ({agree} of {len(checked)} replicas agree)"
+        if self._checks is not None:
+            given = self._checks()
+            if given.get("alarm"):
+                checks["alarm"] = True
+            checks["parity"] = given.get("parity", checks["parity"])
+        return checks
 
     def _counters(
         self, handles: Mapping[str, ReplicaHandle], reports: Mapping[str, ReplicaReport]
@@ -266,24 +307,75 @@ _PER_REPLICA = {
 }
 
 
-def _replica_row(handle: ReplicaHandle, report: ReplicaReport | None, now: float) -> dict[str, Any]:
-    """One replica as a person reads it: a status word (never colour alone) and why."""
-    state, breaker = handle.state, handle.breaker
+# Status words, most serious first: a replica's status is the first that applies. "up" and
+# "parity alarm" take new requests; "half-open" takes trial requests.
+STATUS_WORDS = (
+    "down",
+    "quarantined",
+    "draining",
+    "starting",
+    "ejected",
+    "half-open",
+    "parity alarm",
+    "up",
+)
+
+
+def _replica_row(
+    handle: ReplicaHandle,
+    report: ReplicaReport | None,
+    now: float,
+    fleet_fields: Mapping[str, Any] | None = None,
+    parity: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One replica as a person reads it: a status word (never colour alone), every reason it
+    is out of rotation or suspect (``reasons``, most serious first), and its checks' last
+    results."""
+    state, breaker, drift = handle.state, handle.breaker, handle.drift
+    phase = (fleet_fields or {}).get("phase", "serving")
+    finding = (parity or {}).get("finding") or {}
+    alarmed = bool((parity or {}).get("alarm")) and finding.get("replica") == handle.name
+    reasons: list[dict[str, str]] = []
     if not state.healthy:
-        status, why = "down", handle.down_reason or "no passing health check yet"
-    elif breaker.state is BreakerState.OPEN:
-        status, why = "ejected", breaker.last_reason
+        reasons.append(
+            {"status": "down", "why": handle.down_reason or "no passing health check yet"}
+        )
+    if drift.quarantined:
+        where = drift.quarantine
+        detail = "quarantined for output drift by the canary"
+        if where is not None:
+            detail += (
+                f": on {where.prompt!r} its token {where.position} differs from the"
+                f" {where.reference}'s"
+            )
+        reasons.append({"status": "quarantined", "why": detail})
+    if state.draining or phase == "draining":
+        reasons.append({"status": "draining", "why": "draining: takes no new requests"})
+    if phase == "starting":
+        reasons.append({"status": "starting", "why": "starting: not yet checked in"})
+    if breaker.state is BreakerState.OPEN:
+        reasons.append({"status": "ejected", "why": f"breaker open: {breaker.last_reason}"})
     elif breaker.state is BreakerState.HALF_OPEN:
-        status, why = "half-open", f"on trial after: {breaker.last_reason}"
-    else:
-        status, why = "up", None
+        reasons.append(
+            {"status": "half-open", "why": f"breaker on trial after: {breaker.last_reason}"}
+        )
+    if alarmed:
+        reasons.append({"status": "parity alarm", "why": f"parity alarm: {finding.get('detail')}"})
+    status = reasons[0]["status"] if reasons else "up"
     return {
         "name": handle.name,
         "url": handle.base_url,
         "status": status,
-        "why": why,
+        "why": "; ".join(r["why"] for r in reasons) or None,
+        "reasons": reasons,
+        # Takes new requests now: the one rule the policies use (FleetView.admits).
+        "in_rotation": FleetView.admits(state, None),
         "healthy": state.healthy,
         "ejected": state.ejected,
+        "quarantined": drift.quarantined,
+        "draining": state.draining,
+        "phase": phase,
+        "pool": (fleet_fields or {}).get("pool"),
         "breaker": breaker.state.value,
         "breaker_reason": breaker.last_reason or None,
         "down_reason": None if state.healthy else handle.down_reason,
@@ -298,8 +390,40 @@ def _replica_row(handle: ReplicaHandle, report: ReplicaReport | None, now: float
         "kv_usage": state.reported_kv_usage,
         "kv_capacity_tokens": state.kv_capacity_tokens,
         "latency": state.latency.describe() if state.latency is not None else None,
-        "drift": None,  # not checked yet (see "checks")
-        "parity": None,
+        # The drift canary's last result on this replica; None before its first round.
+        "drift": _drift_row(handle),
+        # The parity check's last result on this replica; None before its first check.
+        "parity": _parity_row(handle.name, parity, alarmed),
+    }
+
+
+def _drift_row(handle: ReplicaHandle) -> dict[str, Any] | None:
+    drift = handle.drift
+    if drift.checked_at is None and not drift.quarantined:
+        return None
+    divergence = drift.quarantine or drift.last_divergence
+    return {
+        "result": drift.last_result,
+        "checked_at": drift.checked_at,
+        "quarantined": drift.quarantined,
+        "quarantined_at": drift.quarantined_at,
+        "position": divergence.position if divergence is not None else None,
+        "reference": divergence.reference if divergence is not None else None,
+        "error": drift.last_error,
+    }
+
+
+def _parity_row(
+    name: str, parity: Mapping[str, Any] | None, alarmed: bool
+) -> dict[str, Any] | None:
+    last = (parity or {}).get("last", {}).get(name)
+    if last is None and not alarmed:
+        return None
+    return {
+        "check": last["check"] if last else None,
+        "result": last["result"] if last else None,
+        "detail": last["detail"] if last else None,
+        "alarm": alarmed,
     }
 
 

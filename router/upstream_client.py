@@ -27,6 +27,14 @@ import httptools
 # Buffered response bytes above which reading from the replica pauses.
 _HIGH_WATER = 1 << 20
 _LOW_WATER = 1 << 18
+# A response's status line and headers, together: vLLM's are a few hundred bytes. A replica
+# that sends more (endless headers, one endless header value) fails the request at once
+# instead of filling the router's memory until the first-byte timeout.
+MAX_RESPONSE_HEAD_BYTES = 64 << 10
+# A non-streamed answer, held whole to be relayed (streams are relayed chunk by chunk): a
+# completion with prompt logprobs of a long prompt is tens of MB; a replica sending more, or a
+# body that never ends, fails the attempt instead of filling the router's memory.
+MAX_RESPONSE_BODY_BYTES = 256 << 20
 
 HOP_BY_HOP = frozenset(
     {
@@ -136,9 +144,15 @@ class UpstreamResponse:
             self._conn.resume()
         return chunk
 
-    async def read(self, idle_timeout_s: float) -> bytes:
+    async def read(self, idle_timeout_s: float, max_bytes: int = MAX_RESPONSE_BODY_BYTES) -> bytes:
+        """The whole body (a non-streamed answer); UpstreamError past ``max_bytes``."""
         parts = []
+        size = 0
         while chunk := await self.read_chunk(idle_timeout_s):
+            size += len(chunk)
+            if size > max_bytes:
+                self._conn.abort()
+                raise UpstreamError(f"response body larger than {max_bytes} bytes")
             parts.append(chunk)
         return b"".join(parts)
 
@@ -205,6 +219,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.used = False
+        self.head_bytes = 0  # bytes of the current response before its headers ended
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
@@ -212,11 +227,29 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None:
+            # Bytes nobody asked for (on an idle keep-alive connection, or after a complete
+            # response): the connection's framing can no longer be trusted.
+            self.abort()
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._lost(UpstreamError(f"malformed response from replica: {exc}"))
             self.abort()
+            return
+        if not response.status and self.response is response:
+            # Still inside the status line and headers: all of it is held by the parser.
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_RESPONSE_HEAD_BYTES:
+                self._lost(
+                    UpstreamError(
+                        f"response status line and headers larger than "
+                        f"{MAX_RESPONSE_HEAD_BYTES} bytes"
+                    )
+                )
+                self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -266,6 +299,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.response = response
         self.used = True
+        self.head_bytes = 0
         self.transport.write(data)
 
     def _lost(self, error: UpstreamError) -> None:

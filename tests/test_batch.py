@@ -397,3 +397,68 @@ async def test_a_tenant_sees_and_cancels_only_its_own_files_and_batches(
     assert [line["custom_id"] for line in await lines_of(acme, done.output_file_id)] == ["c1"]
     with pytest.raises(openai.NotFoundError):
         await zeta.files.content(done.output_file_id)
+
+
+def _multipart(filename: bytes, content: bytes) -> tuple[bytes, str]:
+    """A multipart body written by hand, so the file name's bytes go as they are (clients
+    escape some characters; a hostile one need not). A name starting ``*=`` is sent as an
+    RFC 5987 ``filename*`` (percent-encoded: any character gets through the header)."""
+    boundary = "kvroute-boundary-1"
+    field = (
+        b"filename" + filename if filename.startswith(b"*=") else b'filename="' + filename + b'"'
+    )
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '.encode()
+        + field
+        + b"\r\nContent-Type: application/jsonl\r\n\r\n"
+        + content
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    return body, f"multipart/form-data; boundary={boundary}"
+
+
+async def test_uploaded_file_names_keep_no_path_and_no_control_characters(
+    start_replica: StartReplica, start_router: StartRouter, tmp_path: Path
+) -> None:
+    a = await start_replica("a")
+    r = await start_router([a], batch=batch_config(tmp_path))
+    content = jsonl([chat_line("x", "hi")])
+    async with aiohttp.ClientSession() as http:
+
+        async def upload(name: bytes) -> tuple[int, dict[str, Any]]:
+            body, kind = _multipart(name, content)
+            headers = {"Content-Type": kind}
+            async with http.post(r.url + "/v1/files", data=body, headers=headers) as resp:
+                return resp.status, await resp.json()
+
+        for given, kept in (
+            (b"../../etc/passwd", "passwd"),
+            (b"C:\\\\Users\\\\me\\\\batch.jsonl", "batch.jsonl"),
+            (b"\xc3\xa9t\xc3\xa9 <b>.jsonl", "été <b>.jsonl"),  # shown as text, never markup
+        ):
+            status, answer = await upload(given)
+            assert status == 200, answer
+            assert answer["filename"] == kept
+        for given in (
+            b"*=UTF-8''a%01b.jsonl",  # a control character
+            b"*=UTF-8''a%0Ab.jsonl",  # a line break (a forged log line)
+            b"*=UTF-8''a%E2%80%AEb.jsonl",  # right-to-left override
+            b"x" * 300,
+            b"dir/..",
+        ):
+            status, answer = await upload(given)
+            assert status == 400, (given, answer)
+            assert answer["error"]["code"] == "invalid_file_name", (given, answer)
+            assert answer["error"]["param"] == "file"
+        # Raw control characters, which aiohttp's header parser refuses first: a 400 too.
+        for given in (b"a\x01b.jsonl", b"a\x7fb.jsonl"):
+            status, answer = await upload(given)
+            assert status == 400, answer
+            assert answer["error"]["message"].startswith("The multipart body cannot be read")
+    client = client_for(r)
+    assert sorted([f.filename async for f in client.files.list()]) == [
+        "batch.jsonl",
+        "passwd",
+        "été <b>.jsonl",
+    ]

@@ -558,3 +558,101 @@ async def test_garbage_in_a_replay_is_counted_and_skipped(subscribe) -> None:
         pub.close(linger=0)
         router.close(linger=0)
         context.term()
+
+
+async def test_a_batch_larger_than_the_limit_is_never_held(subscribe) -> None:
+    """A publisher sending a batch past max_message_bytes: ZMQ drops that connection before
+    the message is held whole (ZMQ_MAXMSGSIZE), reconnects, and the batches after it are
+    applied (the jump in seq is a gap like any other)."""
+    context = zmq.asyncio.Context()
+    pub = context.socket(zmq.PUB)
+    (port,) = free_ports(1)
+    pub.bind(f"tcp://*:{port}")
+    source = Source.__new__(Source)
+    source.events_port, source.replay = port, False
+    sink = Recorder()
+    sub = subscribe(source, sink, max_message_bytes=1 << 20)
+    seq = 0
+
+    def batch(block_id: int, pad: int = 0) -> list[bytes]:
+        nonlocal seq
+        event = stored(block_id)
+        if pad:
+            event = BlockStored([block_id], None, [1] * pad, BS)
+        frames = [b"", seq.to_bytes(8, "big"), encode_event_batch(0.0, [event], 0)]
+        seq += 1
+        return frames
+
+    try:
+        deadline = time.monotonic() + 5
+        while not sink.calls:
+            assert time.monotonic() < deadline
+            pub.send_multipart(batch(1))
+            await asyncio.sleep(0.02)
+        giant = batch(666, pad=1 << 20)  # ~1 MB of token ids, plus framing: past 1 MiB
+        assert len(giant[2]) > 1 << 20
+        pub.send_multipart(giant)
+        deadline = time.monotonic() + 10
+        while 42 not in sink.stored_ids():  # ZMQ reconnects; batches sent meanwhile are lost
+            assert time.monotonic() < deadline, "no batch applied after the giant one"
+            pub.send_multipart(batch(42))
+            await asyncio.sleep(0.02)
+        assert 666 not in sink.stored_ids()
+        assert not sub._tasks[0].done()
+    finally:
+        pub.close(linger=0)
+        context.term()
+
+
+@pytest.mark.parametrize("flood", ["batches", "garbage"])
+async def test_a_replay_that_never_ends_is_abandoned(subscribe, flood: str) -> None:
+    """A replay server answering with endless batches (or endless garbage) and no end marker:
+    the subscriber stops after max_replay_batches messages, resyncs, and follows the live
+    stream; what it held is let go."""
+    context = zmq.asyncio.Context()
+    pub, router = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    events_port, replay_port = free_ports(2)
+    pub.bind(f"tcp://*:{events_port}")
+    router.bind(f"tcp://*:{replay_port}")
+    answered = 0
+
+    async def serve() -> None:
+        nonlocal answered
+        while True:
+            client, _, start = await router.recv_multipart()
+            seq = int.from_bytes(start, "big")
+            for i in range(1_000):  # far past the limit below, no END_SEQ
+                answered += 1
+                if flood == "batches":
+                    payload = encode_event_batch(0.0, [stored(5000 + i)], 0)
+                    frames = [client, b"", b"kv", (seq + i).to_bytes(8, "big"), payload]
+                else:
+                    frames = [client, b"", b"garbage"]
+                await router.send_multipart(frames)
+
+    server = asyncio.create_task(serve())
+    source = Source.__new__(Source)
+    source.events_port, source.replay_port, source.replay = events_port, replay_port, True
+    sink = Recorder()
+    sub = subscribe(source, sink, max_replay_batches=50, replay_timeout_s=5.0)
+    try:
+        deadline = time.monotonic() + 10
+        live = 10  # the first live frame has seq > 0: the subscriber asks for a replay
+        while not sub.stats.replay_overflows:
+            assert time.monotonic() < deadline, "the replay was never abandoned"
+            pub.send_multipart(
+                [b"kv", live.to_bytes(8, "big"), encode_event_batch(0.0, [stored(live)], 0)]
+            )
+            live += 1
+            await asyncio.sleep(0.02)
+        # Nothing of the abandoned replay was applied; the live stream goes on.
+        await wait_until(lambda: any(i < 5000 for i in sink.stored_ids()), timeout=10)
+        assert all(i < 5000 for i in sink.stored_ids())
+        assert sub.stats.replayed_batches == 0
+        assert not sub._tasks[0].done()
+    finally:
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        pub.close(linger=0)
+        router.close(linger=0)
+        context.term()

@@ -215,7 +215,7 @@ async def test_status_json_lists_200_replicas() -> None:
     row = status["replicas"][0]
     assert row["status"] == "down" and row["why"] == "no passing health check yet"
     assert status["fleet"]["replicas"] == 200 and status["fleet"]["in_rotation"] == 0
-    checks = {"drift": "not checked yet", "parity": "not checked yet", "alarm": False}
+    checks = {"drift": "off (canary.enabled: false)", "parity": "not checked yet", "alarm": False}
     assert status["checks"] == checks
     assert status["decisions"] == []
 

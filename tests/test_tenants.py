@@ -18,6 +18,7 @@ from .helpers import wait_until
 
 ALPHA_KEY = "key-of-alpha-0001"
 PLAIN_KEY = "plain-key-0002"
+ADMIN_KEY = "admin-key-0003"
 
 
 def client_for(
@@ -28,8 +29,12 @@ def client_for(
     )
 
 
-async def tenants_of(r: RunningRouter) -> dict[str, dict[str, Any]]:
-    async with aiohttp.ClientSession() as http, http.get(r.url + "/admin/tenants") as resp:
+async def tenants_of(r: RunningRouter, admin_key: str | None = None) -> dict[str, dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(r.url + "/admin/tenants", headers=headers) as resp,
+    ):
         assert resp.status == 200
         body = await resp.json()
     return {row["tenant"]: row for row in body["tenants"]}
@@ -40,7 +45,7 @@ async def test_the_tenant_comes_from_the_api_key_else_the_headers(
 ) -> None:
     a = await start_replica("a")
     keys = [{"key": ALPHA_KEY, "tenant": "alpha"}, PLAIN_KEY]
-    r = await start_router([a], auth={"api_keys": keys})
+    r = await start_router([a], auth={"api_keys": keys, "admin_api_key": ADMIN_KEY})
     # The key's tenant wins over whatever the headers say.
     alpha = client_for(r.url, ALPHA_KEY, {"X-Tenant-Id": "beta"})
     await alpha.completions.create(model="tiny", prompt="hi", max_tokens=3)
@@ -51,7 +56,7 @@ async def test_the_tenant_comes_from_the_api_key_else_the_headers(
         model="tiny", prompt="hi"
     )
     await client_for(r.url, PLAIN_KEY).completions.create(model="tiny", prompt="hi")
-    tenants = await tenants_of(r)
+    tenants = await tenants_of(r, ADMIN_KEY)
     for name in ("alpha", "beta", "gamma", "default"):
         assert tenants[name]["requests"] == {"ok": 1}, (name, tenants[name])
         # Charged the replica's own counts (the fake says 3 in, 3 out).

@@ -11,6 +11,7 @@ from kvroute.bench.argtypes import add_report_args, non_negative_int, positive_i
 from kvroute.bench.batch_lane import add_batch_bench
 from kvroute.bench.epp import add_epp_bench
 from kvroute.bench.fairness import add_fairness_bench
+from kvroute.bench.h2_attacks import add_h2_attacks_bench
 from kvroute.bench.index_bench import add_index_bench
 from kvroute.bench.prefix import add_prefix_bench
 from kvroute.bench.send_tokens import add_send_tokens_bench
@@ -28,6 +29,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_prefix_bench(bench_sub)
     add_tokenize_bench(bench_sub)
     add_epp_bench(bench_sub)
+    add_h2_attacks_bench(bench_sub)
     add_soak_bench(bench_sub)
     add_streams_bench(bench_sub)
     add_fairness_bench(bench_sub)

@@ -11,11 +11,13 @@ import json
 import logging
 import os
 import time
+import unicodedata
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .. import errors
 from ..auth import Auth
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_PAGE = 100
+MAX_FILENAME_BYTES = 255  # an uploaded file's name, as most file systems allow
 
 
 class BatchApi:
@@ -108,8 +111,11 @@ class BatchApi:
         limit = self.config.max_file_bytes
         try:
             return await self._read_parts(request, limit)
-        except ValueError as exc:  # aiohttp's multipart reader on a malformed body
-            raise errors.bad_request(f"The multipart body cannot be read: {exc}") from None
+        except (ValueError, HttpProcessingError) as exc:
+            # aiohttp's multipart reader on a malformed body, or a part's malformed headers
+            # (a control character in a file name, say): the client's fault, not the store's.
+            why = getattr(exc, "message", None) or str(exc)
+            raise errors.bad_request(f"The multipart body cannot be read: {why}") from None
 
     async def _read_parts(self, request: web.Request, limit: int) -> tuple[str, str, bytes]:
         purpose, filename, content = None, "", None
@@ -120,7 +126,7 @@ class BatchApi:
             if part.name == "purpose":
                 purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()
             elif part.name == "file":
-                filename = part.filename or "upload.jsonl"
+                filename = file_name(part.filename)
                 chunks, size = [], 0
                 while chunk := await part.read_chunk(1 << 16):
                     size += len(chunk)
@@ -271,6 +277,26 @@ async def _json_body(request: web.Request) -> Any:
         return json.loads(await request.read())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise errors.bad_request("The request body is not valid JSON.") from None
+
+
+def file_name(given: str | None) -> str:
+    """An uploaded file's name as it is kept and shown: its last path component (a name is
+    never used as a path, but a client's directories are none of the router's business);
+    control characters, or more than MAX_FILENAME_BYTES, are a 400."""
+    if not given:
+        return "upload.jsonl"
+    name = given.replace("\\", "/").rsplit("/", 1)[-1]
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name):
+        raise errors.ApiError(
+            400, "The file name must not contain control characters.", param="file",
+            code="invalid_file_name",
+        )  # fmt: skip
+    if name in ("", ".", "..") or len(name.encode("utf-8", "surrogatepass")) > MAX_FILENAME_BYTES:
+        raise errors.ApiError(
+            400, f"The file name must be 1-{MAX_FILENAME_BYTES} bytes, not a directory.",
+            param="file", code="invalid_file_name",
+        )  # fmt: skip
+    return name
 
 
 def _page(request: web.Request, default: int) -> tuple[int, str | None]:

@@ -14,14 +14,24 @@ sending); HPACK decoding with the ``hpack`` library (responses use no dynamic ta
 header blocks it sends are constant bytes); uncompressed length-prefixed messages; unknown
 methods answered ``UNIMPLEMENTED``. Not spoken: server push, priorities (ignored, as RFC 9113
 allows), message compression (a compressed message is refused with ``UNIMPLEMENTED``).
+
+Limits (``H2Limits``, from the picker's ``epp:`` config; SECURITY.md lists them): streams per
+connection (advertised in SETTINGS; more are refused with ``REFUSED_STREAM``), connections,
+header list size (through CONTINUATION frames), bytes held per connection and overall (partial
+messages and answers waiting for the peer's window), client stream resets per second (rapid
+reset), and timeouts for the handshake, for a frame or header block once started, and for an
+idle connection. A peer past a limit gets ``GOAWAY`` with ``ENHANCE_YOUR_CALM`` and is closed;
+``GrpcServer.counts`` says how often each limit was hit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from ssl import SSLContext
 from typing import Protocol, cast
 from urllib.parse import quote
@@ -59,6 +69,87 @@ MAX_NEUTRAL_BLOCKS = 64  # distinct table-neutral header blocks remembered per c
 MAX_HEADER_LIST_BYTES = 64 << 10
 
 
+@dataclass(frozen=True, slots=True)
+class H2Limits:
+    """What one peer may make this server hold or do (the ``epp:`` config's ``h2_*`` keys)."""
+
+    # Open streams per connection, advertised as SETTINGS_MAX_CONCURRENT_STREAMS; a stream
+    # opened past it is refused with RST_STREAM REFUSED_STREAM (the client may retry it).
+    max_concurrent_streams: int = 1024
+    # Connections at once; one more is answered GOAWAY and closed.
+    max_connections: int = 1024
+    # A request's header list, decoded (RFC 7541 4.1 sizes), and its encoded block however
+    # many CONTINUATION frames carry it; advertised as SETTINGS_MAX_HEADER_LIST_SIZE.
+    max_header_list_bytes: int = MAX_HEADER_LIST_BYTES
+    # Bytes held for one connection (partial messages, answers waiting for the peer's window,
+    # unread input, the transport's unsent output), and for all connections together.
+    max_connection_bytes: int = 64 << 20
+    max_total_bytes: int = 512 << 20
+    # Streams the client resets (or opens past the limit) per second, with a burst of twice
+    # max_concurrent_streams: past it, the rapid-reset attack (CVE-2023-44487).
+    max_resets_per_s: float = 1000.0
+    # The client preface and its SETTINGS (and TLS handshake) must arrive within this.
+    handshake_timeout_s: float = 10.0
+    # A frame or header block, once started, must be complete within this (slowloris), and
+    # a peer must read what this side sends within it (a peer that stops reading).
+    frame_timeout_s: float = 30.0
+    # A connection without open streams and without a frame for this long is closed.
+    idle_timeout_s: float = 600.0
+
+    def problems(self, prefix: str = "") -> list[str]:
+        """What is wrong with these limits, each naming its key."""
+        out = []
+        for key in ("max_concurrent_streams", "max_connections"):
+            if getattr(self, key) < 1:
+                out.append(f"{prefix}{key}: must be >= 1, got {getattr(self, key)}")
+        if self.max_header_list_bytes < 4096:
+            out.append(
+                f"{prefix}max_header_list_bytes: must be >= 4096, got {self.max_header_list_bytes}"
+            )
+        if self.max_connection_bytes < 1 << 20:
+            out.append(
+                f"{prefix}max_connection_bytes: must be >= 1048576 (1 MiB), "
+                f"got {self.max_connection_bytes}"
+            )
+        if self.max_total_bytes < self.max_connection_bytes:
+            out.append(
+                f"{prefix}max_total_bytes: must be >= max_connection_bytes, "
+                f"got {self.max_total_bytes}"
+            )
+        for key in ("max_resets_per_s", "handshake_timeout_s", "frame_timeout_s", "idle_timeout_s"):
+            value = getattr(self, key)
+            if not (isinstance(value, int | float) and 0 < value < float("inf")):
+                out.append(f"{prefix}{key}: must be a number > 0, got {value}")
+        return out
+
+    def settings(self) -> bytes:
+        """This server's SETTINGS frame payload."""
+        return b"".join(
+            struct.pack(">HI", key, value)
+            for key, value in (
+                (S_ENABLE_PUSH, 0),
+                (S_MAX_CONCURRENT_STREAMS, self.max_concurrent_streams),
+                (S_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW),
+                (S_MAX_FRAME_SIZE, RECEIVE_FRAME_BYTES),
+                (S_MAX_HEADER_LIST_SIZE, self.max_header_list_bytes),
+            )
+        )
+
+
+# What GrpcServer.counts counts: each limit a peer ran into.
+LIMIT_EVENTS = (
+    "refused_streams",  # opened past max_concurrent_streams
+    "refused_connections",  # past max_connections
+    "header_lists_too_large",
+    "memory",  # past max_connection_bytes or max_total_bytes
+    "rapid_resets",  # past max_resets_per_s
+    "handshake_timeouts",
+    "frame_timeouts",
+    "idle_closed",
+    "protocol_errors",  # connections ended for a malformed or forbidden frame
+)
+
+
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     n = len(payload)
     return FRAME.pack(n >> 16, n & 0xFFFF, kind, flags, stream_id) + payload
@@ -92,15 +183,6 @@ TABLE_SIZE_ZERO = b"\x20"
 
 # ":status: 200" is the static table's entry 8; the rest are literals.
 RESPONSE_HEADERS = b"\x88" + _literal(b"content-type", b"application/grpc")
-SETTINGS_PAYLOAD = b"".join(
-    struct.pack(">HI", key, value)
-    for key, value in (
-        (S_ENABLE_PUSH, 0),
-        (S_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW),
-        (S_MAX_FRAME_SIZE, RECEIVE_FRAME_BYTES),
-        (S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST_BYTES),
-    )
-)
 
 
 # Printable ASCII but "%" stands as it is in grpc-message; everything else is %XX.
@@ -178,6 +260,12 @@ class Stream:
         self.pending += GRPC_PREFIX.pack(0, len(message))
         self.pending += message
         conn.pump(self)
+        if self.pending:
+            # The peer's window holds answers back: measured, like messages arriving, once
+            # per 1/16 of the limit queued (measuring each time would cost O(streams) a send).
+            conn.unmeasured += size
+            if conn.unmeasured >= conn.measure_every:
+                conn.check_memory()
 
     def send_all(self, messages: Iterable[bytes]) -> None:
         """Send these messages in one write (outside a read, each ``send`` is its own write:
@@ -268,11 +356,12 @@ class GrpcConnection(asyncio.Protocol):
 
     def __init__(self, server: GrpcServer) -> None:
         self.server = server
+        self.limits = limits = server.limits
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.preface_seen = False
         self.decoder = hpack.Decoder()
-        self.decoder.max_header_list_size = MAX_HEADER_LIST_BYTES
+        self.decoder.max_header_list_size = limits.max_header_list_bytes
         self.streams: dict[int, Stream] = {}
         self.last_stream_id = 0
         self.peer_initial_window = DEFAULT_WINDOW
@@ -290,23 +379,55 @@ class GrpcConnection(asyncio.Protocol):
         self.table_size_changed = False
         self.corked = False  # writes wait for flush(): during a read, or send_all
         self.going_away = False
-        self.closed = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.closed = loop.create_future()
+        # For the timeouts (GrpcServer's sweep): when it connected, the last complete frame,
+        # and since when a frame or header block has been incomplete (None: none is).
+        self.made_at = self.last_frame_at = loop.time()
+        self.partial_since: float | None = None
+        self.settings_seen = False  # the client's first SETTINGS (ends the handshake)
+        # Rapid reset: a budget of client resets, refilled at max_resets_per_s.
+        self.reset_burst = 2.0 * limits.max_concurrent_streams
+        self.reset_budget = self.reset_burst
+        self.reset_at = self.made_at
+        self.held = 0  # bytes held, as last measured by check_memory
+        self.unmeasured = 0  # bytes received or queued for the peer since then
+        self.measure_every = max(1, limits.max_connection_bytes // 16)
+        # Not read while the peer does not read our answers (pause_writing), since paused_at.
+        self.reading_paused = False
+        self.paused_at = 0.0
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.server.connections.add(self)
-        self.emit(frame(SETTINGS, 0, 0, SETTINGS_PAYLOAD))
+        server = self.server
+        if len(server.connections) >= self.limits.max_connections:
+            server.count("refused_connections")
+            self.go_away(ENHANCE_YOUR_CALM, "too many connections")
+            self.transport.close()
+            return
+        server.connections.add(self)
+        self.emit(frame(SETTINGS, 0, 0, server.settings_payload))
         self.emit(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", RECEIVE_WINDOW - DEFAULT_WINDOW)))
         self.flush()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return  # closed for a limit: what is still in flight is not read
         self.buffer += data
         self.corked = True
         try:
-            self._parse()
+            progressed = self._parse()
+            if self.buffer or self.header_stream:
+                # A frame (or header block) is incomplete: its clock starts with this read,
+                # unless it started before and nothing completed since (slowloris).
+                if progressed or self.partial_since is None:
+                    self.partial_since = asyncio.get_running_loop().time()
+            else:
+                self.partial_since = None
         except _ConnectionError as exc:
+            self.server.count(exc.event)
             self.go_away(exc.code, str(exc))
         except Exception:
             log.exception("HTTP/2 connection failed")
@@ -317,8 +438,53 @@ class GrpcConnection(asyncio.Protocol):
             if self.written:
                 self._run_written()
 
+    def pause_writing(self) -> None:
+        """The peer does not read what this side writes: stop reading what it sends (PING and
+        SETTINGS floods, CVE-2019-9512/-9515, cannot pile up answers), until it reads again."""
+        if self.transport is not None and not self.reading_paused:
+            self.reading_paused = True
+            self.paused_at = asyncio.get_running_loop().time()
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and self.reading_paused:
+            self.reading_paused = False
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
+
+    def usage(self) -> int:
+        """Bytes this connection holds now: input not yet parsed, a header block, partial
+        messages and unsent answers of its streams, the transport's unsent output."""
+        held = len(self.buffer) + len(self.header_block)
+        for stream in self.streams.values():
+            held += len(stream.reassembly) + len(stream.pending)
+        if self.transport is not None:
+            held += self.transport.get_write_buffer_size()
+        return held
+
+    def check_memory(self) -> None:
+        """Measure what this connection holds, where it may have grown past a frame's worth;
+        past its limit, or the server's overall, the connection is closed at once (its
+        streams cancelled, whatever it holds let go)."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.held = self.usage()
+        self.unmeasured = 0
+        limits = self.limits
+        if self.held > limits.max_connection_bytes:
+            why = f"holds {self.held} bytes, over {limits.max_connection_bytes}"
+        elif self.server.held() > limits.max_total_bytes:
+            why = f"the server holds over {limits.max_total_bytes} bytes"
+        else:
+            return
+        self.server.count("memory")
+        log.warning("HTTP/2 connection closed: %s", why)
+        self.go_away(ENHANCE_YOUR_CALM, why)
+        self.transport.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.held = 0
         for stream in list(self.streams.values()):
             self._cancel(stream)
         self.streams.clear()
@@ -409,6 +575,8 @@ class GrpcConnection(asyncio.Protocol):
         self.flush()
         if code != NO_ERROR:
             self.transport.close()
+            if self.transport.get_write_buffer_size():
+                self.transport.abort()  # a peer that does not read holds nothing of ours
 
     def drain(self) -> None:
         """The server stops: no new streams; open ones finish; the connection closes after."""
@@ -423,14 +591,15 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- input ---------------------------------------------------------------------------
 
-    def _parse(self) -> None:
+    def _parse(self) -> bool:
+        """Handle every complete frame buffered; whether there was one."""
         buf = self.buffer
         pos = 0
         if not self.preface_seen:
             if len(buf) < len(PREFACE):
                 if not PREFACE.startswith(bytes(buf)):
                     raise _ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                return
+                return False
             if buf[: len(PREFACE)] != PREFACE:
                 raise _ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
             self.preface_seen = True
@@ -448,12 +617,16 @@ class GrpcConnection(asyncio.Protocol):
                     break
                 self._frame(kind, flags, stream_id & 0x7FFFFFFF, view[pos + 9 : end])
                 pos = end
+                if self.transport is not None and self.transport.is_closing():
+                    break  # closed for a limit: the rest is not read
         finally:
             view.release()
         if pos:
+            self.last_frame_at = asyncio.get_running_loop().time()
             # A new buffer rather than ``del buf[:pos]``: a slice of this one still held
             # (a logged traceback's frame) would make resizing it fail.
             self.buffer = buf[pos:]
+        return pos > 0
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: memoryview) -> None:
         if self.header_stream and kind != CONTINUATION:
@@ -466,8 +639,11 @@ class GrpcConnection(asyncio.Protocol):
             if stream_id != self.header_stream or not stream_id:
                 raise _ConnectionError(PROTOCOL_ERROR, "unexpected CONTINUATION")
             self.header_block += payload
-            if len(self.header_block) > 2 * MAX_HEADER_LIST_BYTES:
-                raise _ConnectionError(ENHANCE_YOUR_CALM, "header block too large")
+            if len(self.header_block) > self.limits.max_header_list_bytes:
+                # CONTINUATION flood (CVE-2024-27316): the block is bounded however it comes.
+                raise _ConnectionError(
+                    ENHANCE_YOUR_CALM, "header block too large", "header_lists_too_large"
+                )
             if flags & END_HEADERS:
                 self._header_block_done()
         elif kind == SETTINGS:
@@ -480,8 +656,14 @@ class GrpcConnection(asyncio.Protocol):
             if not flags & ACK:
                 self.emit(frame(PING, ACK, 0, bytes(payload)))
         elif kind == RST_STREAM:
+            if len(payload) != 4 or not stream_id:
+                raise _ConnectionError(
+                    FRAME_SIZE_ERROR if stream_id else PROTOCOL_ERROR, "bad RST_STREAM"
+                )
             stream = self.streams.get(stream_id)
             if stream is not None:
+                if not stream.finished:
+                    self._spend_reset()  # reset before it was answered: rapid reset's unit
                 self._cancel(stream)
                 self._forget(stream)
         elif kind == GOAWAY:
@@ -505,6 +687,7 @@ class GrpcConnection(asyncio.Protocol):
             raise _ConnectionError(PROTOCOL_ERROR, "DATA on stream 0")
         # Flow control counts the whole frame, padding included, stream open or not.
         self.unacked += len(payload)
+        self.unmeasured += len(payload)
         if self.unacked >= RECEIVE_WINDOW // 2:
             self.emit(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.unacked)))
             self.unacked = 0
@@ -559,13 +742,24 @@ class GrpcConnection(asyncio.Protocol):
             del held[:pos]
         else:
             stream.reassembly = bytearray(source[pos:])
+        if stream.reassembly and self.unmeasured >= self.measure_every:
+            # Messages still arriving: measured once per 1/16 of the limit received (held
+            # bytes grow no faster than that), so a 200 KB body in 16 KB frames costs one
+            # O(streams) measurement, not one per frame.
+            self.check_memory()
 
     def _headers(self, flags: int, stream_id: int, payload: memoryview) -> None:
         if not stream_id:
             raise _ConnectionError(PROTOCOL_ERROR, "HEADERS on stream 0")
         block = self._unpad(flags, payload)
         if flags & PRIORITY_FLAG:
+            if len(block) < 5:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
             block = block[5:]
+        if len(block) > self.limits.max_header_list_bytes:
+            raise _ConnectionError(
+                ENHANCE_YOUR_CALM, "header block too large", "header_lists_too_large"
+            )
         self.header_stream = stream_id
         self.header_flags = flags
         self.header_block = bytearray(block)
@@ -589,6 +783,12 @@ class GrpcConnection(asyncio.Protocol):
         if stream_id <= self.last_stream_id:
             return  # the client's trailers on a stream this side already closed
         self.last_stream_id = stream_id
+        if len(self.streams) >= self.limits.max_concurrent_streams:
+            # Past the limit this side advertised: refused, never started (RFC 9113 5.1.2).
+            self.server.count("refused_streams")
+            self.emit(frame(RST_STREAM, 0, stream_id, struct.pack(">I", REFUSED_STREAM)))
+            self._spend_reset()
+            return
         stream = Stream(stream_id, self, fields)
         self.streams[stream_id] = stream
         if self.going_away:
@@ -619,6 +819,12 @@ class GrpcConnection(asyncio.Protocol):
             return dict(known)
         try:
             headers = self.decoder.decode(block, raw=True)
+        except hpack.OversizedHeaderListError as exc:
+            # An HPACK bomb, or just too many headers: the table may be half-updated, so the
+            # connection ends (RFC 9113 4.3).
+            raise _ConnectionError(
+                COMPRESSION_ERROR, f"header list too large: {exc}", "header_lists_too_large"
+            ) from exc
         except hpack.HPACKError as exc:
             raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from exc
         # Field values may be any octets (latin-1), not only UTF-8.
@@ -666,9 +872,12 @@ class GrpcConnection(asyncio.Protocol):
         if stream_id:
             raise _ConnectionError(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:
+            if payload:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
             return
         if len(payload) % 6:
             raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS of a wrong length")
+        self.settings_seen = True
         for pos in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, pos)
             if key == S_INITIAL_WINDOW_SIZE:
@@ -684,6 +893,8 @@ class GrpcConnection(asyncio.Protocol):
                 self.peer_frame_bytes = value
             elif key == S_HEADER_TABLE_SIZE:
                 self.table_size_changed = True
+            elif key == S_ENABLE_PUSH and value > 1:
+                raise _ConnectionError(PROTOCOL_ERROR, "bad SETTINGS_ENABLE_PUSH")
         self.emit(frame(SETTINGS, ACK, 0))
         for stream in list(self.streams.values()):
             if stream.pending:
@@ -716,6 +927,33 @@ class GrpcConnection(asyncio.Protocol):
             return
         if stream.pending or stream.trailers is not None:
             self.pump(stream)
+
+    def _spend_reset(self) -> None:
+        """One stream reset by the client before its answer (or refused): past the budget,
+        the connection is a rapid-reset attack (CVE-2023-44487) and ends."""
+        now = asyncio.get_running_loop().time()
+        rate = self.limits.max_resets_per_s
+        self.reset_budget = min(self.reset_burst, self.reset_budget + (now - self.reset_at) * rate)
+        self.reset_at = now
+        self.reset_budget -= 1.0
+        if self.reset_budget < 0:
+            raise _ConnectionError(
+                ENHANCE_YOUR_CALM, "too many streams reset or refused", "rapid_resets"
+            )
+
+    def overdue(self, now: float) -> str | None:
+        """Which timeout this connection is past (GrpcServer's sweep), if any."""
+        limits = self.limits
+        if not (self.preface_seen and self.settings_seen):
+            if now - self.made_at > limits.handshake_timeout_s:
+                return "handshake_timeouts"
+        elif self.partial_since is not None and now - self.partial_since > limits.frame_timeout_s:
+            return "frame_timeouts"
+        elif self.reading_paused and now - self.paused_at > limits.frame_timeout_s:
+            return "frame_timeouts"  # the peer has not read our answers for that long
+        elif not self.streams and now - self.last_frame_at > limits.idle_timeout_s:
+            return "idle_closed"
+        return None
 
     # -- stream endings ------------------------------------------------------------------
 
@@ -755,31 +993,82 @@ class GrpcConnection(asyncio.Protocol):
 
 
 class _ConnectionError(Exception):
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, event: str = "protocol_errors") -> None:
         super().__init__(message)
         self.code = code
+        self.event = event  # which of GrpcServer.counts it adds to
 
 
 class GrpcServer:
     """Listens on one port; ``handlers`` maps a method's path (``/pkg.Service/Method``) to
     its call factory."""
 
-    def __init__(self, handlers: dict[str, Handler], *, max_message_bytes: int = 4 << 20) -> None:
+    def __init__(
+        self,
+        handlers: dict[str, Handler],
+        *,
+        max_message_bytes: int = 4 << 20,
+        limits: H2Limits | None = None,
+    ) -> None:
         self.handlers = handlers
         self.max_message_bytes = max_message_bytes
+        self.limits = limits = limits if limits is not None else H2Limits()
+        self.settings_payload = limits.settings()
         self.connections: set[GrpcConnection] = set()
+        # How often peers ran into each limit (LIMIT_EVENTS), for tests and logs.
+        self.counts: dict[str, int] = dict.fromkeys(LIMIT_EVENTS, 0)
         self._server: asyncio.base_events.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def count(self, event: str) -> None:
+        self.counts[event] = self.counts.get(event, 0) + 1
+
+    def held(self) -> int:
+        """Bytes held for all connections, as each last measured (``check_memory``)."""
+        return sum(conn.held for conn in self.connections)
+
+    def usage(self) -> int:
+        """Bytes held for all connections, measured now."""
+        return sum(conn.usage() for conn in self.connections)
 
     async def start(self, host: str, port: int, ssl: SSLContext | None = None) -> int:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: GrpcConnection(self), host, port, ssl=ssl, reuse_address=True
+            lambda: GrpcConnection(self),
+            host,
+            port,
+            ssl=ssl,
+            reuse_address=True,
+            ssl_handshake_timeout=self.limits.handshake_timeout_s if ssl is not None else None,
         )
+        self._sweeper = asyncio.create_task(self._sweep(), name="kvroute-h2-timeouts")
         sockets = self._server.sockets
         return int(sockets[0].getsockname()[1])
 
+    async def _sweep(self) -> None:
+        """Close connections past a timeout: a few times per shortest timeout, O(connections)."""
+        limits = self.limits
+        shortest = min(limits.handshake_timeout_s, limits.frame_timeout_s, limits.idle_timeout_s)
+        every = min(1.0, shortest / 4)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(every)
+            now = loop.time()
+            for conn in list(self.connections):
+                event = conn.overdue(now)
+                if event is not None:
+                    self.count(event)
+                    code = NO_ERROR if event == "idle_closed" else ENHANCE_YOUR_CALM
+                    conn.go_away(code, event.replace("_", " "))
+                    if conn.transport is not None:
+                        conn.transport.close()
+
     async def stop(self, grace_s: float) -> None:
         """No new connections or streams; open streams get ``grace_s`` to finish."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):

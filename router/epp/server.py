@@ -71,11 +71,13 @@ class PickerServer:
         self._set_health(READINESS_SERVICES, serving=False)
         # A body of up to max_body_bytes comes in one message in BUFFERED mode.
         max_message = max(4 << 20, self.config.limits.max_body_bytes + (64 << 10))
+        limits = epp.h2.limits()
         self._grpc = GrpcServer(
             {**service.handlers(self.picker), **self.health.handlers()},
             max_message_bytes=max_message,
+            limits=limits,
         )
-        self._health_server = GrpcServer(self.health.handlers())
+        self._health_server = GrpcServer(self.health.handlers(), limits=limits)
         metrics_port = await self._start_metrics(epp.host, epp.metrics_port)
         await self.picker.start()
         if epp.ledger_bus:

@@ -1,0 +1,360 @@
+"""``kvroute bench h2-attacks``: the endpoint picker's HTTP/2 server under each attack class.
+
+One ``kvroute epp`` process (its default limits) and, in this process, a well-behaved gRPC
+client (gRPC's C core) asking the picker's gRPC health ``Check`` on its ext_proc port, one call
+after another: the same event loop and HTTP/2 server the picks go through. First its latency
+alone (the baseline), then during each attack, run by a raw HTTP/2 client written for it; the
+picker's RSS before and after each. The issue's targets: the picker alive and answering during
+and after every attack, the well-behaved client's p99 within twice its baseline, memory growth
+under a stated bound per class.
+
+The picker and both clients share the machine: on a small one, the attacker's own CPU shows in
+the other client's latency (reported as it is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+HOST = "127.0.0.1"
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+DATA, HEADERS, RST_STREAM, SETTINGS, PING, CONTINUATION = 0, 1, 3, 4, 6, 9
+END_HEADERS = 0x4
+# Memory growth the picker may show after an attack (its limits hold far less; RSS moves with
+# the allocator and the first use of code paths).
+RSS_BOUND_MB = 32
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return (
+        len(payload).to_bytes(3, "big")
+        + bytes([kind, flags])
+        + stream_id.to_bytes(4, "big")
+        + payload
+    )
+
+
+def _request_block() -> bytes:
+    """Request headers as HPACK literals without indexing: the same bytes every time."""
+
+    def literal(name: bytes, value: bytes) -> bytes:
+        return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+    return b"\x83\x86" + b"".join(  # :method POST, :scheme http
+        literal(n, v)
+        for n, v in (
+            (b":path", PROCESS.encode()),
+            (b":authority", b"picker"),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        )
+    )
+
+
+BLOCK = _request_block()
+
+
+async def _connect(
+    port: int, rcvbuf: int | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (HOST, port))
+    return await asyncio.open_connection(sock=sock)
+
+
+async def _send(writer: asyncio.StreamWriter, data: bytes) -> bool:
+    """Write, and say whether the picker still takes it (False once it closed on us)."""
+    try:
+        writer.write(data)
+        await writer.drain()
+    except (ConnectionError, OSError):
+        return False
+    return True
+
+
+async def _drain_reader(reader: asyncio.StreamReader) -> None:
+    with contextlib.suppress(ConnectionError, OSError):
+        while await reader.read(1 << 16):
+            pass
+
+
+async def streams_never_finished(port: int) -> None:
+    """20,000 ext_proc streams opened on one connection and never finished."""
+    reader, writer = await _connect(port)
+    reading = asyncio.create_task(_drain_reader(reader))
+    await _send(writer, PREFACE + frame(SETTINGS, 0, 0))
+    for start in range(0, 20_000, 500):
+        batch = b"".join(
+            frame(HEADERS, END_HEADERS, 1 + 2 * i, BLOCK) for i in range(start, start + 500)
+        )
+        if not await _send(writer, batch):
+            break
+    await asyncio.wait_for(reading, 30)
+    writer.close()
+
+
+async def rapid_reset(port: int) -> None:
+    """CVE-2023-44487: a stream opened and reset at once, 20,000 times."""
+    reader, writer = await _connect(port)
+    reading = asyncio.create_task(_drain_reader(reader))
+    await _send(writer, PREFACE + frame(SETTINGS, 0, 0))
+    cancel = struct.pack(">I", 8)
+    for start in range(0, 20_000, 500):
+        batch = b"".join(
+            frame(HEADERS, END_HEADERS, 1 + 2 * i, BLOCK) + frame(RST_STREAM, 0, 1 + 2 * i, cancel)
+            for i in range(start, start + 500)
+        )
+        if not await _send(writer, batch):
+            break
+    await asyncio.wait_for(reading, 30)
+    writer.close()
+
+
+async def continuation_flood(port: int) -> None:
+    """CVE-2024-27316: one header block continued by 1 KB CONTINUATION frames, 10,000 of them."""
+    reader, writer = await _connect(port)
+    reading = asyncio.create_task(_drain_reader(reader))
+    await _send(writer, PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, 0, 1, BLOCK))
+    for _ in range(100):
+        if not await _send(writer, frame(CONTINUATION, 0, 1, b"\x00" * 1024) * 100):
+            break
+    await asyncio.wait_for(reading, 30)
+    writer.close()
+
+
+async def hpack_bomb(port: int) -> None:
+    """A 4 KB header put in the HPACK table, then blocks naming it thousands of times."""
+    reader, writer = await _connect(port)
+    reading = asyncio.create_task(_drain_reader(reader))
+    import hpack
+
+    # A literal with incremental indexing and a new name: the same bytes for any table.
+    entry = hpack.Encoder().encode([(b"bomb", b"v" * 4000)], huffman=False)
+    await _send(
+        writer, PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 1, BLOCK + entry)
+    )
+    await _send(writer, frame(HEADERS, END_HEADERS, 3, b"\xbe" * 16_000))
+    await asyncio.wait_for(reading, 30)
+    writer.close()
+
+
+async def _flood_unread(port: int, unit: bytes, total_bytes: int) -> None:
+    """Frames that each ask for an answer, from a client that reads none of the answers."""
+    _, writer = await _connect(port, rcvbuf=4096)
+    cast(asyncio.Transport, writer.transport).pause_reading()
+    await _send(writer, PREFACE + frame(SETTINGS, 0, 0))
+    chunk = unit * ((1 << 16) // len(unit))
+    sent = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(5.0):  # the picker stops reading us: our writes stall
+            while sent < total_bytes and await _send(writer, chunk):
+                sent += len(chunk)
+    writer.transport.abort()
+
+
+async def ping_flood(port: int) -> None:
+    """CVE-2019-9512: PINGs whose answers are never read."""
+    await _flood_unread(port, frame(PING, 0, 0, b"12345678"), 64 << 20)
+
+
+async def settings_flood(port: int) -> None:
+    """CVE-2019-9515: SETTINGS whose acknowledgements are never read."""
+    await _flood_unread(port, frame(SETTINGS, 0, 0, struct.pack(">HI", 4, 65535)), 64 << 20)
+
+
+async def slowloris(port: int) -> None:
+    """200 connections each sending half a preface, then nothing, held for 3 s."""
+    writers = []
+    for _ in range(200):
+        _, writer = await _connect(port)
+        writer.write(PREFACE[:12])
+        writers.append(writer)
+    await asyncio.sleep(3.0)  # the attack's own length: they hold their connections open
+    for writer in writers:
+        writer.transport.abort()
+
+
+ATTACKS: dict[str, Callable[[int], Coroutine[Any, Any, None]]] = {
+    "streams-20k": streams_never_finished,
+    "rapid-reset": rapid_reset,
+    "continuation-flood": continuation_flood,
+    "hpack-bomb": hpack_bomb,
+    "ping-flood": ping_flood,
+    "settings-flood": settings_flood,
+    "slowloris": slowloris,
+}
+
+
+@dataclass
+class Probe:
+    latencies_ms: list[float]
+    failures: int
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.latencies_ms) if self.latencies_ms else float("nan")
+
+    @property
+    def p99(self) -> float:
+        if not self.latencies_ms:
+            return float("nan")
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+async def probe_until(port: int, done: Callable[[], bool], least_s: float) -> Probe:
+    """Health checks one after another until ``done()`` and at least ``least_s`` passed."""
+    from grpc import aio
+    from grpc_health.v1 import health_pb2
+
+    latencies: list[float] = []
+    failures = 0
+    async with aio.insecure_channel(f"{HOST}:{port}") as channel:
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        request = health_pb2.HealthCheckRequest(service="liveness")
+        await check(request, timeout=10)  # connected before the clock starts
+        started = time.perf_counter()
+        while not done() or time.perf_counter() - started < least_s:
+            t0 = time.perf_counter()
+            try:
+                reply = await check(request, timeout=5)
+                ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+            except aio.AioRpcError:
+                ok = False
+            if ok:
+                latencies.append(1000 * (time.perf_counter() - t0))
+            else:
+                failures += 1
+    return Probe(latencies, failures)
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@dataclass
+class Outcome:
+    name: str
+    probe: Probe
+    rss_before: float
+    rss_after: float
+    alive: bool
+
+
+async def run(
+    port: int, pid: int, names: list[str], baseline_s: float
+) -> tuple[Probe, list[Outcome]]:
+    baseline = await probe_until(port, lambda: True, baseline_s)
+    outcomes = []
+    for name in names:
+        before = rss_mb(pid)
+        attack = asyncio.create_task(ATTACKS[name](port))
+        probe = await probe_until(port, attack.done, 1.0)
+        with contextlib.suppress(Exception):
+            await attack
+        after_probe = await probe_until(port, lambda: True, 0.2)  # answered after it, too
+        alive = after_probe.failures == 0 and bool(after_probe.latencies_ms)
+        outcomes.append(Outcome(name, probe, before, rss_mb(pid), alive))
+    return baseline, outcomes
+
+
+def report(baseline: Probe, outcomes: list[Outcome], command: str) -> tuple[str, bool]:
+    lines = [
+        f"baseline: health Check p50 {baseline.p50:.2f} ms, p99 {baseline.p99:.2f} ms "
+        f"({len(baseline.latencies_ms)} calls)",
+        "",
+        "| attack | checks during | failed | p50 ms | p99 ms | p99 / baseline | RSS MB before -> after | alive after |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ok = True
+    for o in outcomes:
+        ratio = o.probe.p99 / baseline.p99 if baseline.p99 > 0 else float("nan")
+        grown = o.rss_after - o.rss_before
+        ok = ok and o.alive and o.probe.failures == 0 and grown <= RSS_BOUND_MB
+        lines.append(
+            f"| {o.name} | {len(o.probe.latencies_ms)} | {o.probe.failures} | {o.probe.p50:.2f} | "
+            f"{o.probe.p99:.2f} | {ratio:.1f}x | {o.rss_before:.0f} -> {o.rss_after:.0f} | "
+            f"{'yes' if o.alive else 'NO'} |"
+        )
+    lines += ["", f"Reproduce: `{command}`"]
+    return "\n".join(lines), ok
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from kvroute.backends.process import free_ports
+    from kvroute.bench import processes
+    from kvroute.bench.epp import picker_argv, wait_serving
+
+    names = list(ATTACKS) if args.attacks == "all" else args.attacks.split(",")
+    unknown = [n for n in names if n not in ATTACKS]
+    if unknown:
+        print(f"kvroute bench h2-attacks: unknown attack(s) {', '.join(unknown)}; choose from "
+              f"{', '.join(ATTACKS)} or all", file=sys.stderr)  # fmt: skip
+        return 2
+    ports = free_ports(3)
+    argv = picker_argv(["http://127.0.0.1:9"], ports, "builtin", None)
+    command = "kvroute bench h2-attacks" + (
+        f" --attacks {args.attacks}" if args.attacks != "all" else ""
+    )
+    with tempfile.TemporaryDirectory() as logs, processes.managed("epp", argv, Path(logs)) as child:
+        wait_serving(child, ports[1], 60.0)
+        baseline, outcomes = asyncio.run(run(ports[0], child.popen.pid, names, args.baseline_s))
+    text, ok = report(baseline, outcomes, command)
+    print(text)
+    return 0 if ok else 1
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def add_h2_attacks_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "h2-attacks",
+        help="The endpoint picker's HTTP/2 server under each attack class: alive, another "
+        "client's latency, memory.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--attacks",
+        default="all",
+        help=f"comma-separated, from: {', '.join(ATTACKS)} (default: all)",
+    )
+    p.add_argument(
+        "--baseline-s",
+        type=_positive_seconds,
+        default=3.0,
+        help="seconds of checks with no attack (default 3)",
+    )
+    p.set_defaults(func=_cmd)
