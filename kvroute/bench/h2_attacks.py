@@ -1,8 +1,10 @@
 """``kvroute bench h2-attacks``: the endpoint picker's HTTP/2 server under each attack class.
 
-One ``kvroute epp`` process (its default limits) and, in this process, a well-behaved gRPC
-client (gRPC's C core) asking the picker's gRPC health ``Check`` on its ext_proc port, one call
-after another: the same event loop and HTTP/2 server the picks go through. First its latency
+One ``kvroute epp`` process (its default limits, one instant stub endpoint) and, in this
+process, a well-behaved gRPC client (gRPC's C core) on its ext_proc port, one call after
+another: an ext_proc pick (``--probe pick``, the default: a request's headers and body in, the
+pick's answer out) or the picker's gRPC health ``Check`` (``--probe health``), on the same event
+loop and HTTP/2 server. First its latency
 alone (the baseline), then during each attack, run by a raw HTTP/2 client written for it; the
 picker's RSS before and after each. The issue's targets: the picker alive and answering during
 and after every attack, the well-behaved client's p99 within twice its baseline, memory growth
@@ -218,27 +220,24 @@ class Probe:
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-async def probe_until(port: int, done: Callable[[], bool], least_s: float) -> Probe:
-    """Health checks one after another until ``done()`` and at least ``least_s`` passed."""
+async def probe_until(
+    port: int, done: Callable[[], bool], least_s: float, kind: str = "pick"
+) -> Probe:
+    """Calls one after another until ``done()`` and at least ``least_s`` passed: ext_proc picks
+    (``kind`` "pick": one Process stream each, its request's headers and body sent, the pick's
+    answer read) or health checks."""
     from grpc import aio
-    from grpc_health.v1 import health_pb2
 
     latencies: list[float] = []
     failures = 0
     async with aio.insecure_channel(f"{HOST}:{port}") as channel:
-        check = channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString,
-        )
-        request = health_pb2.HealthCheckRequest(service="liveness")
-        await check(request, timeout=10)  # connected before the clock starts
+        call = _pick_call(channel) if kind == "pick" else _health_call(channel)
+        await call()  # connected before the clock starts
         started = time.perf_counter()
         while not done() or time.perf_counter() - started < least_s:
             t0 = time.perf_counter()
             try:
-                reply = await check(request, timeout=5)
-                ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+                ok = await call()
             except aio.AioRpcError:
                 ok = False
             if ok:
@@ -246,6 +245,61 @@ async def probe_until(port: int, done: Callable[[], bool], least_s: float) -> Pr
             else:
                 failures += 1
     return Probe(latencies, failures)
+
+
+def _health_call(channel: Any) -> Callable[[], Coroutine[Any, Any, bool]]:
+    from grpc_health.v1 import health_pb2
+
+    check = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    request = health_pb2.HealthCheckRequest(service="liveness")
+
+    async def call() -> bool:
+        reply = await check(request, timeout=5)
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    return call
+
+
+def _pick_call(channel: Any) -> Callable[[], Coroutine[Any, Any, bool]]:
+    """One ext_proc pick as Envoy asks it (full duplex): ok when it names the endpoint."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    process = channel.stream_stream(
+        PROCESS,
+        request_serializer=ep.ProcessingRequest.SerializeToString,
+        response_deserializer=ep.ProcessingResponse.FromString,
+    )
+    body = b'{"model": "stub-model", "prompt": "Say ok, eight times.", "max_tokens": 8}'
+    headers = [(":path", "/v1/completions"), (":method", "POST"),
+               ("content-type", "application/json")]  # fmt: skip
+    mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    messages = (
+        ep.ProcessingRequest(
+            request_headers=ep.HttpHeaders(
+                headers=base_pb2.HeaderMap(
+                    headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers]
+                )
+            ),
+            protocol_config=ep.ProtocolConfiguration(request_body_mode=mode),
+        ),
+        ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True)),
+    )
+
+    async def call() -> bool:
+        stream = process(timeout=5)
+        for message in messages:
+            await stream.write(message)
+        answer = await stream.read()
+        stream.cancel()
+        return bool(answer.WhichOneof("response") == "request_headers")
+
+    return call
 
 
 def rss_mb(pid: int) -> float:
@@ -266,28 +320,31 @@ class Outcome:
 
 
 async def run(
-    port: int, pid: int, names: list[str], baseline_s: float
+    port: int, pid: int, names: list[str], baseline_s: float, kind: str = "pick"
 ) -> tuple[Probe, list[Outcome]]:
-    baseline = await probe_until(port, lambda: True, baseline_s)
+    baseline = await probe_until(port, lambda: True, baseline_s, kind)
     outcomes = []
     for name in names:
         before = rss_mb(pid)
         attack = asyncio.create_task(ATTACKS[name](port))
-        probe = await probe_until(port, attack.done, 1.0)
+        probe = await probe_until(port, attack.done, 1.0, kind)
         with contextlib.suppress(Exception):
             await attack
-        after_probe = await probe_until(port, lambda: True, 0.2)  # answered after it, too
+        after_probe = await probe_until(port, lambda: True, 0.2, kind)  # answered after it
         alive = after_probe.failures == 0 and bool(after_probe.latencies_ms)
         outcomes.append(Outcome(name, probe, before, rss_mb(pid), alive))
     return baseline, outcomes
 
 
-def report(baseline: Probe, outcomes: list[Outcome], command: str) -> tuple[str, bool]:
+def report(
+    baseline: Probe, outcomes: list[Outcome], command: str, kind: str = "pick"
+) -> tuple[str, bool]:
+    what = "ext_proc pick" if kind == "pick" else "health Check"
     lines = [
-        f"baseline: health Check p50 {baseline.p50:.2f} ms, p99 {baseline.p99:.2f} ms "
+        f"baseline: {what} p50 {baseline.p50:.2f} ms, p99 {baseline.p99:.2f} ms "
         f"({len(baseline.latencies_ms)} calls)",
         "",
-        "| attack | checks during | failed | p50 ms | p99 ms | p99 / baseline | RSS MB before -> after | alive after |",
+        "| attack | calls during | failed | p50 ms | p99 ms | p99 / baseline | RSS MB before -> after | alive after |",
         "|---|---|---|---|---|---|---|---|",
     ]
     ok = True
@@ -315,15 +372,25 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"kvroute bench h2-attacks: unknown attack(s) {', '.join(unknown)}; choose from "
               f"{', '.join(ATTACKS)} or all", file=sys.stderr)  # fmt: skip
         return 2
-    ports = free_ports(3)
-    argv = picker_argv(["http://127.0.0.1:9"], ports, "builtin", None)
-    command = "kvroute bench h2-attacks" + (
-        f" --attacks {args.attacks}" if args.attacks != "all" else ""
+    from kvroute.bench.overhead import stub_argv
+
+    *ports, stub_port = free_ports(4)
+    # One instant stub endpoint: the picks have a healthy replica to name.
+    argv = picker_argv([f"http://{HOST}:{stub_port}"], ports, "builtin", None)
+    command = (
+        "kvroute bench h2-attacks"
+        + (f" --attacks {args.attacks}" if args.attacks != "all" else "")
+        + (f" --probe {args.probe}" if args.probe != "pick" else "")
     )
-    with tempfile.TemporaryDirectory() as logs, processes.managed("epp", argv, Path(logs)) as child:
+    with contextlib.ExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        stack.enter_context(processes.managed("stub", stub_argv(stub_port, "stub-model"), logs))
+        child = stack.enter_context(processes.managed("epp", argv, logs))
         wait_serving(child, ports[1], 60.0)
-        baseline, outcomes = asyncio.run(run(ports[0], child.popen.pid, names, args.baseline_s))
-    text, ok = report(baseline, outcomes, command)
+        baseline, outcomes = asyncio.run(
+            run(ports[0], child.popen.pid, names, args.baseline_s, args.probe)
+        )
+    text, ok = report(baseline, outcomes, command, args.probe)
     print(text)
     return 0 if ok else 1
 
@@ -355,6 +422,13 @@ def add_h2_attacks_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser
         "--baseline-s",
         type=_positive_seconds,
         default=3.0,
-        help="seconds of checks with no attack (default 3)",
+        help="seconds of calls with no attack (default 3)",
+    )
+    p.add_argument(
+        "--probe",
+        choices=("pick", "health"),
+        default="pick",
+        help="what the well-behaved client asks, one call after another: an ext_proc pick "
+        "(default: a request's headers and body, the pick's answer) or the gRPC health Check",
     )
     p.set_defaults(func=_cmd)
