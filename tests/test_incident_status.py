@@ -33,7 +33,9 @@ INTERVAL_S = 0.5
 
 
 async def _status(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    async with http.get(url + "/status/events", headers={"Authorization": f"Bearer {KEY}"}) as r:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    timeout = aiohttp.ClientTimeout(total=10)  # a router that does not answer fails the test
+    async with http.get(url + "/status/events", headers=headers, timeout=timeout) as r:
         assert r.status == 200, await r.text()
         body: dict[str, Any] = await r.json()
         return body
