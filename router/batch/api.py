@@ -43,7 +43,10 @@ MAX_PAGE = 100
 MAX_FILENAME_BYTES = 255  # an uploaded file's name, as most file systems allow
 
 
-class BatchApi:
+class LaneEndpoints:
+    """What the batch lane's HTTP APIs share: the lane's parts, the tenant a request belongs
+    to, and their routes, each behind its API's error guard (``guard``)."""
+
     def __init__(
         self,
         config: BatchConfig,
@@ -58,9 +61,29 @@ class BatchApi:
         self.auth = auth
         self.tenants = tenants
 
+    def routes(self) -> list[tuple[str, str, Handler]]:
+        raise NotImplementedError
+
+    def guard(self, handler: Handler) -> Handler:
+        """The handler with its API's errors answered in that API's shape."""
+        raise NotImplementedError
+
     def add_routes(self, routes: web.UrlDispatcher) -> None:
         for method, path, handler in self.routes():
-            routes.add_route(method, path, _guarded(handler))
+            routes.add_route(method, path, self.guard(handler))
+
+    def _tenant(self, request: web.Request) -> str:
+        """Whose files and batches this request may see: its tenant (the API key's, else the
+        headers', as for any request), the only one it can read, list or cancel."""
+        key_tenant = self.auth.check_client(request)
+        if self.tenants is None:
+            return DEFAULT_TENANT
+        return self.tenants.identify(request.headers, key_tenant)[0]
+
+
+class BatchApi(LaneEndpoints):
+    def guard(self, handler: Handler) -> Handler:
+        return _guarded(handler)
 
     def routes(self) -> list[tuple[str, str, Handler]]:
         return [
@@ -75,14 +98,6 @@ class BatchApi:
         ]
 
     # -- files -------------------------------------------------------------------------
-
-    def _tenant(self, request: web.Request) -> str:
-        """Whose files and batches this request may see: its tenant (the API key's, else the
-        headers', as for any request), the only one it can read, list or cancel."""
-        key_tenant = self.auth.check_client(request)
-        if self.tenants is None:
-            return DEFAULT_TENANT
-        return self.tenants.identify(request.headers, key_tenant)[0]
 
     async def upload(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)

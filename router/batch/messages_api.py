@@ -22,9 +22,7 @@ from aiohttp import web
 
 from .. import errors
 from ..agent_request import parse_messages
-from ..auth import Auth
-from ..config import BatchConfig
-from ..tenants import DEFAULT_TENANT, Tenants
+from .api import LaneEndpoints
 from .messages_model import (
     ID_PREFIX,
     MESSAGES_ENDPOINT,
@@ -34,8 +32,6 @@ from .messages_model import (
     to_message_batch,
 )
 from .model import CANCELLABLE, InputLine, Job, Status
-from .runner import BatchRunner
-from .store import BatchStore
 
 log = logging.getLogger(__name__)
 
@@ -46,24 +42,9 @@ DEFAULT_PAGE = 20
 _CREATE_FIELDS = frozenset({"requests"})
 
 
-class MessageBatchApi:
-    def __init__(
-        self,
-        config: BatchConfig,
-        store: BatchStore,
-        runner: BatchRunner,
-        auth: Auth,
-        tenants: Tenants | None,
-    ) -> None:
-        self.config = config
-        self.store = store
-        self.runner = runner
-        self.auth = auth
-        self.tenants = tenants
-
-    def add_routes(self, routes: web.UrlDispatcher) -> None:
-        for method, path, handler in self.routes():
-            routes.add_route(method, path, _guarded(handler))
+class MessageBatchApi(LaneEndpoints):
+    def guard(self, handler: Handler) -> Handler:
+        return _guarded(handler)
 
     def routes(self) -> list[tuple[str, str, Handler]]:
         return [
@@ -74,14 +55,6 @@ class MessageBatchApi:
             ("POST", BASE + "/{batch_id}/cancel", self.cancel),
             ("GET", BASE + "/{batch_id}/results", self.results),
         ]
-
-    def _tenant(self, request: web.Request) -> str:
-        """Whose batches this request may see: its tenant (the API key's, else the headers'),
-        as for /v1/batches."""
-        key_tenant = self.auth.check_client(request)
-        if self.tenants is None:
-            return DEFAULT_TENANT
-        return self.tenants.identify(request.headers, key_tenant)[0]
 
     async def create(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)
