@@ -194,6 +194,9 @@ async def _drive(options: SoakOptions, url: str, tree: RouterTree) -> SoakResult
         options.warmup_s,
         cycle_samples(options.kill_every_s, options.replicas, options.sample_interval_s),
         missed_samples=missed,
+        # Each replica caches at most ``blocks`` blocks, so an index that tracks them truly
+        # holds at most replicas x blocks entries, however long it takes to fill.
+        ceilings={"index_entries": float(options.replicas * options.blocks)},
     )
 
 

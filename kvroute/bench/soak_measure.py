@@ -94,6 +94,10 @@ class Growth:
     end: float  # the end window's median
     allowance: float  # how far ``end`` may exceed ``start`` and pass
     samples: int  # in each window
+    # A hard bound the resource stays under when nothing leaks (the prefix index: the fleet's
+    # KV blocks); None for resources with no such bound.
+    ceiling: float | None = None
+    peak: float = 0.0  # the end window's largest sample, judged against ``ceiling``
 
     @property
     def growth(self) -> float | None:
@@ -101,8 +105,15 @@ class Growth:
         return (self.end - self.start) / self.start if self.start else None
 
     @property
+    def within_ceiling(self) -> bool:
+        return self.ceiling is not None and self.peak <= self.ceiling
+
+    @property
     def passed(self) -> bool:
-        return self.end - self.start <= self.allowance
+        # A bounded resource that is still filling towards its bound (a short run, or a
+        # cache that took longer than the warm-up to fill) grows without leaking; a leak
+        # would carry it past the bound, because what leaks stays while the fleet fills on.
+        return self.end - self.start <= self.allowance or self.within_ceiling
 
 
 def window_size(measured: int, cycle_samples: int) -> int:
@@ -124,7 +135,12 @@ def windows(
     return measured[:size], measured[-size:]
 
 
-def window_growth(resource: Resource, first: Sequence[Sample], last: Sequence[Sample]) -> Growth:
+def window_growth(
+    resource: Resource,
+    first: Sequence[Sample],
+    last: Sequence[Sample],
+    ceiling: float | None = None,
+) -> Growth:
     """Median of the first window against the median of the last.
 
     Medians, not single samples or means: the soak's faults make every resource a sawtooth. A
@@ -132,7 +148,8 @@ def window_growth(resource: Resource, first: Sequence[Sample], last: Sequence[Sa
     and the allocator move RSS up and down; fds follow open connections. A median over a window
     that spans several of these cycles ignores the teeth and keeps the level, so only a level
     that moved (a leak) reads as growth. Against ``GROWTH_LIMIT`` of that level; load-driven
-    gauges may also move within the start window's interquartile range (see ``Resource``).
+    gauges may also move within the start window's interquartile range (see ``Resource``); a
+    resource with a ``ceiling`` may also grow while the end window stays under it.
     """
     values = [s.value(resource.key) for s in first]
     start = statistics.median(values)
@@ -141,7 +158,8 @@ def window_growth(resource: Resource, first: Sequence[Sample], last: Sequence[Sa
     if resource.load_driven and len(values) >= 2:
         q1, _, q3 = statistics.quantiles(values, n=4)
         allowance = max(allowance, q3 - q1)
-    return Growth(resource, start, end, allowance, len(first))
+    peak = max(s.value(resource.key) for s in last)
+    return Growth(resource, start, end, allowance, len(first), ceiling, peak)
 
 
 def mean_loop_lag_ms(window: Sequence[Sample]) -> float | None:

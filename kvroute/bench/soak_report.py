@@ -31,6 +31,8 @@ class SoakResult:
     warmup_s: float
     cycle_samples: int  # samples in a kill cycle (every replica killed once; 0: no kills)
     missed_samples: int = 0  # /metrics did not answer in time
+    # Hard bounds by Sample field (the prefix index: replicas x KV blocks); see ``Growth``.
+    ceilings: dict[str, float] = field(default_factory=dict)
     growth: list[Growth] = field(default_factory=list)
     # The first and last window after the warm-up (see ``soak_measure.windows``), once judged.
     windows: tuple[list[Sample], list[Sample]] | None = None
@@ -39,7 +41,9 @@ class SoakResult:
         self.windows = windows(self.samples, self.warmup_s, self.cycle_samples)
         if self.windows is not None:
             first, last = self.windows
-            self.growth = [window_growth(r, first, last) for r in RESOURCES]
+            self.growth = [
+                window_growth(r, first, last, self.ceilings.get(r.key)) for r in RESOURCES
+            ]
 
     def failures(self) -> list[str]:
         """Why the soak failed; empty when it passed."""
@@ -82,6 +86,8 @@ def resource_table(result: SoakResult) -> str:
         limit = f"{100 * GROWTH_LIMIT:.0f}%"
         if g.resource.load_driven and g.allowance > GROWTH_LIMIT * g.start:
             limit += f" or +{_value(unit, g.allowance)} (IQR)"
+        if g.ceiling is not None:
+            limit += f" or all <= {_value(unit, g.ceiling)} (the fleet's KV blocks)"
         lines.append(
             f"| {g.resource.label} | {_value(unit, g.start)} | {_value(unit, g.end)} | "
             f"{_pct(g.growth)} | {limit} | {'pass' if g.passed else 'FAIL'} |"
