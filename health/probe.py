@@ -44,6 +44,7 @@ class ActiveProber:
         timeout_s: float = 2.0,
         unhealthy_after: int = 3,
         on_change: Callable[[], None] = lambda: None,
+        check_generate: bool = False,
     ) -> None:
         self._replicas = replicas
         self._path = path
@@ -59,6 +60,12 @@ class ActiveProber:
         # LoRA adapters each replica serves (cards with a ``parent``): vLLM keys their KV blocks
         # by adapter name, so the router hashes a request for one the same way.
         self.lora_adapters: dict[str, frozenset[str]] = {}
+        # Each model's context length per replica (/v1/models' max_model_len).
+        self.max_model_len: dict[str, dict[str, int]] = {}
+        # Whether each replica serves vLLM's token-in /inference/v1/generate (--enable-scale-out),
+        # asked once per healthy spell when ``check_generate`` (routing.send_tokens).
+        self.serves_generate: dict[str, bool] = {}
+        self._check_generate = check_generate
         self._timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._task: asyncio.Task[None] | None = None
@@ -68,6 +75,8 @@ class ActiveProber:
         self._misses.pop(replica_id, None)
         self.model_roots.pop(replica_id, None)
         self.lora_adapters.pop(replica_id, None)
+        self.max_model_len.pop(replica_id, None)
+        self.serves_generate.pop(replica_id, None)
 
     async def probe_all(self) -> None:
         """One round over every replica, concurrently."""
@@ -86,11 +95,15 @@ class ActiveProber:
         healthy = passed or (state.healthy and misses < self._unhealthy_after)
         changed = healthy != state.healthy
         replica.down_reason = None if healthy else failure
+        if not passed:
+            # A replica that restarts may come back with other flags.
+            self.serves_generate.pop(state.replica_id, None)
         if healthy:
             listed = await self._fetch_models(replica.base_url)
             if listed is not None:
-                models, roots, adapters = listed
+                models, roots, adapters, lengths = listed
                 self.model_roots[state.replica_id] = roots
+                self.max_model_len[state.replica_id] = lengths
                 if adapters != self.lora_adapters.get(state.replica_id, frozenset()):
                     self.lora_adapters[state.replica_id] = adapters
                     changed = True
@@ -98,6 +111,10 @@ class ActiveProber:
                 if models != state.models:
                     state.models = models
                     changed = True
+            if self._check_generate and state.replica_id not in self.serves_generate:
+                serves = await self._serves_generate(replica.base_url)
+                if serves is not None:
+                    self.serves_generate[state.replica_id] = serves
         if healthy != state.healthy:
             log.info(
                 "replica %s is now %s", state.replica_id, "healthy" if healthy else "unhealthy"
@@ -122,16 +139,34 @@ class ActiveProber:
 
     async def _fetch_models(
         self, base_url: str
-    ) -> tuple[frozenset[str], list[str], frozenset[str]] | None:
+    ) -> tuple[frozenset[str], list[str], frozenset[str], dict[str, int]] | None:
         try:
             response = await self._client.get(base_url + "/v1/models")
             data = response.json()["data"]
             models = frozenset(str(m["id"]) for m in data)
             roots = [str(m["root"]) for m in data if isinstance(m.get("root"), str)]
             adapters = frozenset(str(m["id"]) for m in data if isinstance(m.get("parent"), str))
-            return models, roots, adapters
+            lengths = {
+                str(m["id"]): m["max_model_len"]
+                for m in data
+                if isinstance(m.get("max_model_len"), int) and m["max_model_len"] > 0
+            }
+            return models, roots, adapters, lengths
         except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
+
+    async def _serves_generate(self, base_url: str) -> bool | None:
+        """Whether the replica has the POST-only /inference/v1/generate: a GET there is
+        refused 405 where the route exists and 404 where it does not; None: no answer."""
+        try:
+            response = await self._client.get(base_url + "/inference/v1/generate")
+        except (httpx.HTTPError, OSError):
+            return None
+        if response.status_code == 405:
+            return True
+        if response.status_code == 404:
+            return False
+        return None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvroute-health-probes")

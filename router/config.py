@@ -438,6 +438,12 @@ class RoutingConfig(_Section):
     prediction_ttl_s: float = 10.0
     # How often each replica's /metrics is read (queue depth, KV usage, prefix cache hits).
     scrape_interval_s: float = 1.0
+    # Tokens sent once: a request the router tokenized goes to a replica that serves vLLM's
+    # /inference/v1/generate (--enable-scale-out) as its token ids, so the replica does not
+    # render and tokenize the conversation again; the answer comes back in the client's API.
+    # Requests the generate path cannot answer exactly (tools, structured output, logprobs,
+    # stored Responses) still go as text. Off by default: docs/agents.md has the measurements.
+    send_tokens: bool = False
 
 
 class MetricsConfig(_Section):

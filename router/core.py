@@ -81,6 +81,7 @@ class RoutingCore:
             timeout_s=config.health.timeout_s,
             unhealthy_after=config.health.unhealthy_after,
             on_change=self._probed,
+            check_generate=any(spec.routing.send_tokens for spec in specs),
         )
         self.scraper = MetricsScraper(
             lambda: list(self.registry.handles.values()),
@@ -277,6 +278,14 @@ class RoutingCore:
         self.catalog.update(known)
         if self.canary is not None:
             self.canary.replicas_changed()
+
+    def generate_context(self, replica: str, model: str) -> int | None:
+        """The model's context length on ``replica`` where it serves vLLM's token-in
+        /inference/v1/generate (routing.send_tokens), else None (send it text)."""
+        prober = self.prober
+        if not prober.serves_generate.get(replica):
+            return None
+        return prober.max_model_len.get(replica, {}).get(model)
 
     def scrape_ages(self, now: float | None = None) -> dict[str, float]:
         """Seconds since each replica's metrics were last scraped successfully."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvroute.backends.handle import ReplicaHandle
 from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.reuse import available_tokens, decompose
+from kvroute.kvcore.token_path import Answer
 
 from .metrics import RouterMetrics
 from .pools import Pools
@@ -30,6 +31,8 @@ class Try:
     retry_status: bool  # a retryable answer raises instead of reaching the client
     resume: bool = False  # write into the client's open stream
     path: str | None = None  # where on the replica (a continuation's); None: the client's
+    # Sent as token ids (routing.send_tokens): writes the generate answer in the client's API.
+    answer: Answer | None = None
 
 
 class Forwarder:
@@ -93,6 +96,7 @@ class Forwarder:
             attempt.retry_status,
             attempt.resume,
             attempt.path,
+            attempt.answer,
         )
         started = time.perf_counter()
         assert self.client is not None

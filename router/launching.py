@@ -70,18 +70,27 @@ def gpu_plan(
         raise ConfigError(*in_key(exc.problems, key)) from None
 
 
+# vLLM serves its token-in /inference/v1/generate (and the render endpoints) only with it.
+SCALE_OUT_FLAG = "--enable-scale-out"
+
+
 def launch_spec(
     launch: LaunchConfig,
     gpus: GpuPlan | None = None,
     *,
     model: str | None = None,
     name_prefix: str = "",
+    send_tokens: bool = False,
 ) -> LaunchSpec:
-    """``model``: the served name when it is not ``launch.model`` (a pool's model)."""
+    """``model``: the served name when it is not ``launch.model`` (a pool's model).
+    ``send_tokens`` (routing.send_tokens): vLLM replicas serve /inference/v1/generate."""
     fields = msgspec.structs.asdict(launch)
     for key in _GPU_KEYS:
         del fields[key]
-    fields["extra_args"] = tuple(fields["extra_args"])
+    extra = list(fields["extra_args"])
+    if send_tokens and launch.engine == "vllm" and SCALE_OUT_FLAG not in extra:
+        extra.append(SCALE_OUT_FLAG)
+    fields["extra_args"] = tuple(extra)
     fields["name_prefix"] = name_prefix
     if model is not None:
         fields["model"] = model
@@ -100,7 +109,7 @@ def start_launched_replicas(config: Config) -> tuple[Config, LaunchedFleet | Non
     if config.launch is None:
         return config, None
     gpus = gpu_plan(config.launch)
-    spec = launch_spec(config.launch, gpus)
+    spec = launch_spec(config.launch, gpus, send_tokens=config.routing.send_tokens)
     fleet = _start(spec, gpus, "")
     launched = _as_listed(fleet)
     routing = routing_for_launch(config.routing, spec)
@@ -175,7 +184,13 @@ def plan_pools(
             taken=taken,
             key=key,
         )
-        spec = launch_spec(pool.launch, gpus, model=pool.model, name_prefix=pool.replica_prefix)
+        spec = launch_spec(
+            pool.launch,
+            gpus,
+            model=pool.model,
+            name_prefix=pool.replica_prefix,
+            send_tokens=config.routing.send_tokens,
+        )
         if pool.role is not None:
             transfer = pool.kv_transfer_config or default_kv_transfer_config(pool.role)
             spec = replace(spec, kv_transfer_config=json.dumps(transfer))
@@ -260,7 +275,7 @@ def dry_run(
             f"{len(config.replicas)} listed replicas; the config launches none"
         )
     gpus = gpu_plan(config.launch, dry_run=True, discover=discover, environ=environ)
-    spec = launch_spec(config.launch, gpus)
+    spec = launch_spec(config.launch, gpus, send_tokens=config.routing.send_tokens)
     routing = routing_for_launch(config.routing, spec)
     head = (
         f"router on {listen} (policy {config.policy.name}, tokenizer {routing.tokenizer}, "

@@ -26,7 +26,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
-from kvroute.kvcore import pd
+from kvroute.kvcore import pd, token_path
 from kvroute.kvcore.fair_queue import Priority, Ticket
 from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.tokenizer import PromptBlocks
@@ -58,6 +58,18 @@ from .resume import StreamTranscript, Transcript, continuation_body, resume_bloc
 from .sse import sse_error
 from .stored_responses import StoredResponses
 from .tenants import DEFAULT_TENANT, Tenants
+from .token_path import (
+    NEEDS_TEXT,
+    NO_GENERATE,
+    NOT_TOKENIZED,
+    TOKENS,
+    GenerateSupport,
+    TokenPathMetrics,
+    TokenRequest,
+    blocker,
+    generation_defaults,
+    request_fields,
+)
 from .usage import asking_usage
 
 log = logging.getLogger(__name__)
@@ -101,6 +113,7 @@ class RequestPipeline:
         retry_after_s: int,
         parity: ParityChecker | None = None,
         tenants: Tenants | None = None,
+        generate_support: GenerateSupport | None = None,
     ) -> None:
         self.config = config
         self.auth = auth
@@ -114,6 +127,11 @@ class RequestPipeline:
         self.retry_after_s = retry_after_s
         self.parity = parity
         self.tenants = tenants
+        # Tokens sent once (routing.send_tokens): a replica's context length for a model
+        # where it serves /inference/v1/generate, else None.
+        self.generate_support = generate_support
+        self.token_metrics = TokenPathMetrics()  # exported (empty) with send_tokens off too
+        metrics.parts["send_tokens"] = self.token_metrics
         # Which replica holds each Responses answer it relayed (for previous_response_id).
         self.stored_responses = StoredResponses()
         r = config.retry
@@ -208,6 +226,7 @@ class RequestPipeline:
             else None
         )
         admitted = Admitted(body, parsed, ticket)
+        self._plan_token_path(admitted)
         try:
             admitted.ticket = await self.admission.acquire(
                 ticket, functools.partial(self._tokenize_queued, admitted)
@@ -256,8 +275,9 @@ class RequestPipeline:
         if first_route.transferred:  # a decode leg: its own retry budget from now
             arrived = time.monotonic()
             exchange.retry_until = arrived + self.retry.budget_s - self.retry.backoff_max_s
+        tokens = self._token_request(admitted) if first_route is route else None
         relayed = await self._try_replicas(
-            exchange, first_route, tried, first_body, request_id, arrived
+            exchange, first_route, tried, first_body, request_id, arrived, tokens=tokens
         )
         if relayed is None:
             if not tried:  # every ranked replica was ejected or down by now
@@ -322,7 +342,7 @@ class RequestPipeline:
         """While it waits for a slot: its block hashes, for the queue to weigh locality by."""
         if not self._pool(admitted.parsed.model).keys.wanted:
             return
-        blocks = await self._tokenize(admitted.parsed)
+        blocks = await self._tokenize(admitted.parsed, admitted.token_fields is not None)
         admitted.blocks, admitted.tokenized = blocks, True
         if blocks is not None and admitted.ticket is not None:
             admitted.ticket.block_hashes = blocks.hashes
@@ -348,7 +368,10 @@ class RequestPipeline:
         if admitted is not None and admitted.tokenized:
             blocks = admitted.blocks  # tokenized while it queued
         else:
-            blocks = await self._tokenize(parsed)
+            keep_ids = admitted is not None and admitted.token_fields is not None
+            blocks = await self._tokenize(parsed, keep_ids)
+            if admitted is not None:
+                admitted.blocks = blocks
         route_request = RouteRequest(
             blocks.tokens if blocks is not None else parsed.prompt_tokens,
             parsed.max_tokens,
@@ -398,8 +421,68 @@ class RequestPipeline:
 
     # Tokenizing and deciding are methods of their own so that tracing (traced.py) can wrap
     # each in a span; a plain call returning the awaitable adds no coroutine frame here.
-    def _tokenize(self, parsed: ParsedRequest) -> Awaitable[PromptBlocks | None]:
-        return self._pool(parsed.model).keys.blocks(parsed)
+    def _tokenize(
+        self, parsed: ParsedRequest, keep_ids: bool = False
+    ) -> Awaitable[PromptBlocks | None]:
+        return self._pool(parsed.model).keys.blocks(parsed, keep_ids)
+
+    # -- tokens sent once (routing.send_tokens; router/token_path.py) -------------------------
+
+    def _plan_token_path(self, admitted: Admitted) -> None:
+        """Whether this request may go as token ids: its top-level fields read (not its
+        conversation) and checked; counted at once when it may not."""
+        parsed = admitted.parsed
+        metrics = self.token_metrics
+        if parsed.api not in token_path.APIS or not self._pool(parsed.model).send_tokens:
+            return
+        fields = request_fields(admitted.body)
+        why = blocker(parsed.api, fields) if fields is not None else "not a JSON object"
+        if why is not None:
+            log.debug("sent as text: %s", why)
+            metrics.count(parsed.api, NEEDS_TEXT)
+            return
+        admitted.token_fields = fields
+
+    def _token_request(self, admitted: Admitted) -> TokenRequest | None:
+        """What every try needs to send this request as token ids; None: it goes as text."""
+        fields, metrics = admitted.token_fields, self.token_metrics
+        if fields is None:
+            return None
+        parsed = admitted.parsed
+        blocks = admitted.blocks
+        keys = self._pool(parsed.model).keys
+        if blocks is None or blocks.ids is None or keys.tokenizer is None:
+            metrics.count(parsed.api, NOT_TOKENIZED)
+            return None
+        return TokenRequest(
+            parsed.api,
+            fields,
+            parsed.model,
+            list(blocks.ids),
+            parsed.stream,
+            generation_defaults(keys.tokenizer.spec),
+            parsed.cache_salt,
+        )
+
+    def _token_try(
+        self, tokens: TokenRequest, replica: str, first: bool
+    ) -> tuple[bytes, str, token_path.Answer] | None:
+        """The body, path and answer writer of a try as token ids on ``replica``; None where
+        that replica takes text only (or its context length is not known yet)."""
+        support = self.generate_support
+        context = support(replica, tokens.model) if support is not None else None
+        metrics = self.token_metrics
+        if context is None:
+            if first:
+                metrics.count(tokens.api, NO_GENERATE)
+            return None
+        made = tokens.body(context)
+        if first:
+            metrics.count(tokens.api, TOKENS if made is not None else NEEDS_TEXT)
+        if made is None:
+            return None
+        body, max_tokens = made
+        return body, token_path.GENERATE_PATH, tokens.answer(max_tokens)
 
     def _decide(self, route_request: RouteRequest) -> Route:
         pool = self._pool(route_request.model)
@@ -427,17 +510,26 @@ class RequestPipeline:
         started: float,
         resume: bool = False,
         path: str | None = None,
+        tokens: TokenRequest | None = None,
     ) -> Awaitable[Relayed | None]:
         """The ranked replicas in order until one answers (retries before the first byte),
-        at ``path`` (None: the client's). Plain functions returning awaitables: a coroutine
-        frame less per try and request."""
+        at ``path`` (None: the client's); as token ids where ``tokens`` and the replica takes
+        them. Plain functions returning awaitables: a coroutine frame less per try and request."""
 
         def try_one(replica: str, attempt: int, last: bool) -> Awaitable[Relayed | None]:
             tried.add(replica)
             exchange.tries += 1
             reason = "resume" if resume else ("retry" if attempt else route.reason)
             # A continuation's error cannot be relayed into the open stream: always retry it.
-            try_ = Try(body, request_id, reason, not last or resume, resume=resume, path=path)
+            retry_status = not last or resume
+            as_tokens = self._token_try(tokens, replica, attempt == 0) if tokens else None
+            if as_tokens is not None:
+                token_body, token_path_, answer = as_tokens
+                try_ = Try(
+                    token_body, request_id, reason, retry_status, path=token_path_, answer=answer
+                )
+            else:
+                try_ = Try(body, request_id, reason, retry_status, resume=resume, path=path)
             return self.forwarder.forward(exchange, route, replica, try_)
 
         def retried() -> None:
@@ -594,6 +686,8 @@ class Admitted:
     ticket: Ticket | None
     blocks: PromptBlocks | None = None
     tokenized: bool = False  # ``blocks`` were found while it queued
+    # Its top-level fields when it may go as token ids (routing.send_tokens), else None.
+    token_fields: dict[str, Any] | None = None
     prompt_tokens: int = 0  # as routed: exact when tokenized, else the estimate
     replica: str | None = None  # the replica that answered last
     usage: dict[str, int] | None = None  # the replica's own counts

@@ -48,7 +48,10 @@ class PoolRouting:
         self.disaggregate = spec.disaggregate  # a decode pool's rule
         self.index = PrefixIndex()
         self.policy: Policy = build_policy(spec.policy.name, spec.policy_params)
-        self.keys = PromptKeys(spec.routing, self.index, self.policy.reads_prefixes)
+        # Tokens sent once need the prompt's ids whatever the policy reads.
+        wanted = self.policy.reads_prefixes or spec.routing.send_tokens
+        self.keys = PromptKeys(spec.routing, self.index, wanted)
+        self.send_tokens = spec.routing.send_tokens
         self.kv_events = KVEventSubscribers(self.index)
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self.fleet = FleetView(states, membership_version=1)

@@ -117,9 +117,9 @@ class PromptKeys:
                 in_use,
             )
 
-    async def blocks(self, parsed: ParsedRequest) -> PromptBlocks | None:
-        """The prompt's exact token count and block hashes; None when they cannot be known
-        or the policy has no use for them."""
+    async def blocks(self, parsed: ParsedRequest, keep_ids: bool = False) -> PromptBlocks | None:
+        """The prompt's exact token count and block hashes (and a chat's ids when
+        ``keep_ids``); None when they cannot be known or the policy has no use for them."""
         if not self.wanted:
             return None
         block_size = self.block_size()
@@ -144,6 +144,7 @@ class PromptKeys:
                     parsed.add_special_tokens,
                     block_size,
                     key,
+                    keep_ids,
                 )
             except ChatTemplateError as exc:
                 # The replica renders the template too and gives the client its own error.

@@ -84,10 +84,20 @@ def _init_worker(spec: str) -> None:
 
 
 def _encode_in_worker(
-    text: str, add_special_tokens: bool, block_size: int, extra_key: str | None
+    text: str, add_special_tokens: bool, block_size: int, extra_key: str | None, keep_ids: bool
 ) -> PromptBlocks:
     assert _worker_tokenizer is not None
-    return prompt_blocks(_worker_tokenizer, text, add_special_tokens, block_size, extra_key)
+    blocks = prompt_blocks(
+        _worker_tokenizer, text, add_special_tokens, block_size, extra_key, keep_ids
+    )
+    return _compact(blocks)
+
+
+def _compact(blocks: PromptBlocks) -> PromptBlocks:
+    """Ids cross the process boundary as an array: a quarter of a pickled list's bytes."""
+    if blocks.ids is None or isinstance(blocks.ids, array):
+        return blocks
+    return dataclasses.replace(blocks, ids=array("I", blocks.ids))
 
 
 def _plan_in_worker(plan: Plan) -> Pieces:
@@ -103,10 +113,14 @@ def _chat_in_worker(
     add_special_tokens: bool,
     block_size: int,
     extra_key: str | None,
+    keep_ids: bool,
 ) -> PromptBlocks:
     assert _worker_tokenizer is not None
     text = render_chat(_worker_tokenizer, messages, options)
-    return prompt_blocks(_worker_tokenizer, text, add_special_tokens, block_size, extra_key)
+    blocks = prompt_blocks(
+        _worker_tokenizer, text, add_special_tokens, block_size, extra_key, keep_ids
+    )
+    return _compact(blocks)
 
 
 class PromptTokenizer:
@@ -158,13 +172,20 @@ class PromptTokenizer:
         return render_chat(self.tokenizer, messages, options, incremental=incremental)
 
     async def blocks(
-        self, text: str, add_special_tokens: bool, block_size: int, extra_key: str | None
+        self,
+        text: str,
+        add_special_tokens: bool,
+        block_size: int,
+        extra_key: str | None,
+        keep_ids: bool = False,
     ) -> PromptBlocks | None:
         """A completion prompt's blocks; None when the worker pool broke (it is restarted)."""
         if len(text) <= self.inline_chars or self.processes < 1:
-            return prompt_blocks(self.tokenizer, text, add_special_tokens, block_size, extra_key)
+            return prompt_blocks(
+                self.tokenizer, text, add_special_tokens, block_size, extra_key, keep_ids
+            )
         return await self._offload(
-            _encode_in_worker, text, add_special_tokens, block_size, extra_key
+            _encode_in_worker, text, add_special_tokens, block_size, extra_key, keep_ids
         )
 
     async def chat_blocks(
@@ -175,16 +196,22 @@ class PromptTokenizer:
         add_special_tokens: bool,
         block_size: int,
         extra_key: str | None,
+        keep_ids: bool = False,
     ) -> PromptBlocks | None:
-        """A chat's blocks: rendering and encoding both leave the loop when it is long."""
+        """A chat's blocks (and ids when ``keep_ids``): rendering and encoding both leave the
+        loop when it is long."""
         cache = self.prefix_cache
         if cache is not None and not add_special_tokens and size_chars >= cache.min_prefix_chars:
-            return await self._incremental(cache, messages, options, block_size, extra_key)
+            return await self._incremental(
+                cache, messages, options, block_size, extra_key, keep_ids
+            )
         if size_chars <= self.inline_chars or self.processes < 1:
             text = self.render_chat(messages, options)
-            return prompt_blocks(self.tokenizer, text, add_special_tokens, block_size, extra_key)
+            return prompt_blocks(
+                self.tokenizer, text, add_special_tokens, block_size, extra_key, keep_ids
+            )
         return await self._offload(
-            _chat_in_worker, messages, options, add_special_tokens, block_size, extra_key
+            _chat_in_worker, messages, options, add_special_tokens, block_size, extra_key, keep_ids
         )
 
     async def _incremental(
@@ -194,6 +221,7 @@ class PromptTokenizer:
         options: dict[str, Any],
         block_size: int,
         extra_key: str | None,
+        keep_ids: bool = False,
     ) -> PromptBlocks | None:
         """Only what the cache does not hold is tokenized: on the loop when that is short (a
         new turn), in the pool otherwise (a conversation seen for the first time). Rendering
@@ -208,8 +236,8 @@ class PromptTokenizer:
             pieces = await self._offload(_plan_in_worker, shipped)
             if pieces is None:
                 return None
-        tokens, hashes = cache.commit(plan, pieces, block_size, extra_key)
-        return PromptBlocks(tokens, hashes)
+        tokens, hashes, ids = cache.commit_ids(plan, pieces, block_size, extra_key, keep_ids)
+        return PromptBlocks(tokens, hashes, ids)
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T | None:
         pool = self._ensure_pool()

@@ -4,6 +4,8 @@ Bodies go out as received and come back as received: non-streamed answers are re
 (they are small JSON), streamed ones are relayed as they arrive. A stream that may be resumed
 elsewhere goes through a ``StreamTranscript`` (router/resume.py), which forwards whole SSE
 events only and remembers what was sent; other streams are relayed chunk by chunk untouched.
+A request sent as token ids (routing.send_tokens) is the exception: its generate answer is
+rewritten in the client's API as it arrives (kvcore/token_path.py).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
+
+from kvroute.kvcore.token_path import Answer
 
 from .errors import anthropic_error_body
 from .resume import Transcript
@@ -166,6 +170,8 @@ class UpstreamCall:
     retry_status: bool  # raise UpstreamUnavailable for a retryable status instead of relaying
     resume: bool = False  # continue the client's open stream (a continuation)
     path: str | None = None  # where on the replica; None: the client's path
+    # Sent as token ids: the generate answer, written in the client's API on its way.
+    answer: Answer | None = None
 
 
 async def relay(
@@ -206,6 +212,8 @@ async def relay(
             # A continuation's error cannot be spliced into the client's stream either.
             raise UpstreamUnavailable(f"http_{status}", f"answered HTTP {status}", status)
         streaming = (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
+        if streaming and call.answer is not None and status < 400:
+            upstream = _Answered(upstream, call.answer)  # type: ignore[assignment]
         first = b""
         if streaming:
             # Until the first token: queueing and prefill.
@@ -229,6 +237,8 @@ async def relay(
             except UpstreamError as exc:
                 raise UpstreamUnavailable(exc.kind, str(exc)) from None
             headers = _response_headers(upstream, call.response_headers)
+            if call.answer is not None and status < 400:
+                data = call.answer.whole(data)
             if status >= 400 and exchange.api in _ANTHROPIC_APIS:
                 data = anthropic_error_from_replica(data, status)
             response = web.Response(body=data, status=status, headers=headers)
@@ -266,6 +276,36 @@ async def relay(
 
 
 _ANTHROPIC_APIS = frozenset(("messages", "count_tokens"))
+
+
+class _Answered:
+    """A generate stream read as the client's API's stream: what the relay reads of an
+    UpstreamResponse, its chunks rewritten by the answer writer (kvcore/token_path.py)."""
+
+    def __init__(self, upstream: UpstreamResponse, answer: Answer) -> None:
+        self._upstream = upstream
+        self._answer = answer
+        self._ended = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._upstream, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:  # movable: the relay marks the response itself
+            setattr(self._upstream, name, value)
+
+    async def read_chunk(self, idle_timeout_s: float) -> bytes:
+        while not self._ended:
+            chunk = await self._upstream.read_chunk(idle_timeout_s)
+            if not chunk:
+                self._ended = True
+                return self._answer.end()
+            out = self._answer.feed(chunk)
+            if out:
+                return out
+        return b""
 
 
 def _retry_left(exchange: ClientExchange) -> bool:

@@ -136,14 +136,14 @@ class TracedPipeline(RequestPipeline):
         trace.get_current_span().set_attribute("kvroute.request_id", request_id)
         return request_id
 
-    async def _tokenize(self, parsed: ParsedRequest) -> PromptBlocks | None:
+    async def _tokenize(self, parsed: ParsedRequest, keep_ids: bool = False) -> PromptBlocks | None:
         request_span = trace.get_current_span()  # admission's span has ended: the request's
         if not request_span.is_recording():
-            return await super()._tokenize(parsed)
+            return await super()._tokenize(parsed, keep_ids)
         request_span.set_attribute("gen_ai.request.model", parsed.model)
         request_span.set_attribute("kvroute.stream", parsed.stream)
         with self._tracer.start_as_current_span("kvroute.tokenize") as span:
-            blocks = await super()._tokenize(parsed)
+            blocks = await super()._tokenize(parsed, keep_ids)
             if blocks is None:  # no tokenizer, or a policy that reads no prefixes
                 span.set_attribute("kvroute.prompt_tokens_estimated", parsed.prompt_tokens)
             else:

@@ -582,3 +582,132 @@ async def test_openai_client_responses_through_kvroute_serve(
     await client.close()
 
     await _expect_parity_agrees(router, replica.name, served)
+
+
+# -- tokens sent once (routing.send_tokens) ----------------------------------------------------
+
+# A conversation without tools (the token path's requests: tools are parsed by the replica's
+# own API layer, so a request with tools goes as text), greedy, with a stop sequence that may
+# or may not match: each answer must be the replica's own, word for word.
+_PLAIN_SYSTEM = "You are a terse assistant. Answer in one line."
+_PLAIN_TURNS = ("Name a prime number.", "And the next one?", "Sum them, please.")
+
+
+def _chat_messages(turns: int) -> list[dict[str, str]]:
+    out = [{"role": "system", "content": _PLAIN_SYSTEM}]
+    for i, text in enumerate(_PLAIN_TURNS[:turns]):
+        out.append({"role": "user", "content": text})
+        if i + 1 < turns:
+            out.append({"role": "assistant", "content": f"Answer {i}."})
+    return out
+
+
+async def _sent_tokens(router: Router) -> dict[tuple[str, str], int]:
+    return dict(router.pipeline.token_metrics.requests)
+
+
+async def test_tokens_sent_once_answer_exactly_as_the_replicas_own_apis(
+    replica: LaunchedReplica, model_dir: Path
+) -> None:
+    """With routing.send_tokens, chat, Messages and Responses requests without tools go to the
+    replica as the router's token ids (/inference/v1/generate); the vendors' clients get the
+    replica's own answer: the same text, finish reason and usage, streamed in the same events."""
+    config = config_from_dict(
+        {
+            "replicas": [{"url": replica.url, "name": replica.name}],
+            "routing": {"tokenizer": str(model_dir), "block_size": BLOCK_SIZE, "send_tokens": True},
+            "health": {"interval_s": 0.5},
+        }
+    )
+    router = Router(config)
+    runner, url = await serve_router(router)
+    try:
+        await wait_until(
+            lambda: router.core.generate_context(replica.name, MODEL) == MAX_MODEL_LEN,
+            timeout_s=30,
+            what="the probe finding the replica's /inference/v1/generate and context length",
+        )
+        sampling = {"temperature": 0.0}
+        for turns in (1, 3):
+            messages = _chat_messages(turns)
+            chat = {"model": MODEL, "messages": messages, "max_tokens": 10, "stop": ["\n\n"]}
+            system, rest = messages[0]["content"], messages[1:]
+            anthropic_body = {"model": MODEL, "system": system, "messages": rest, "max_tokens": 10}
+            responses_body = {
+                "model": MODEL, "instructions": system, "input": rest,
+                "max_output_tokens": 10, "store": False,
+            }  # fmt: skip
+            for base, via in ((replica.url, "replica"), (url, "router")):
+                oc = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+                ac = anthropic.AsyncAnthropic(base_url=base, api_key="x", max_retries=0)
+                got = await _answers(oc, ac, chat, anthropic_body, responses_body, sampling)
+                if via == "replica":
+                    expected = got
+                else:
+                    assert got == expected, (turns, got, expected)
+                await oc.close()
+                await ac.close()
+        assert await _sent_tokens(router) == {
+            ("chat", "tokens"): 4, ("messages", "tokens"): 4, ("responses", "tokens"): 4
+        }  # fmt: skip
+
+        # A request with tools goes as text (its tool calls are the replica's to parse).
+        (body,) = _pick(load_corpus()["messages"], "messages/fix-test/0")
+        ac = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
+        request = _short(body, "messages")
+        message = await ac.messages.create(**_split(ac.messages.create, request))
+        assert message.stop_reason in STOP_REASONS
+        await ac.close()
+        assert (await _sent_tokens(router))[("messages", "request_needs_text")] == 1
+    finally:
+        await runner.cleanup()
+
+
+async def _answers(
+    oc: openai.AsyncOpenAI,
+    ac: anthropic.AsyncAnthropic,
+    chat: dict[str, Any],
+    messages: dict[str, Any],
+    responses: dict[str, Any],
+    sampling: dict[str, Any],
+) -> list[Any]:
+    """What a user reads of each API's answer, whole and streamed (ids and times aside)."""
+    out: list[Any] = []
+    whole = await oc.chat.completions.create(**chat, extra_body=sampling)
+    choice = whole.choices[0]
+    assert whole.usage is not None
+    out.append(("chat", choice.message.content, choice.finish_reason, whole.usage.prompt_tokens,
+                whole.usage.completion_tokens))  # fmt: skip
+    stream = await oc.chat.completions.create(
+        **chat, extra_body=sampling, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    usage = chunks[-1].usage
+    assert usage is not None
+    out.append(("chat stream", text, finish, usage.prompt_tokens, usage.completion_tokens))
+
+    message = await ac.messages.create(**messages, extra_body=sampling)
+    out.append(("messages", [b.model_dump() for b in message.content], message.stop_reason,
+                message.stop_sequence, _prompt_of(message.usage), message.usage.output_tokens))  # fmt: skip
+    async with ac.messages.stream(**messages, extra_body=sampling) as events:
+        kinds = [event.type async for event in events]
+        final = await events.get_final_message()
+    out.append(("messages stream", kinds, [b.model_dump() for b in final.content],
+                final.stop_reason, final.usage.output_tokens))  # fmt: skip
+
+    response = await oc.responses.create(**responses, extra_body=sampling)
+    assert response.usage is not None
+    out.append(("responses", response.output_text, response.status, response.incomplete_details,
+                response.usage.input_tokens, response.usage.output_tokens))  # fmt: skip
+    stream_r = await oc.responses.create(**responses, extra_body=sampling, stream=True)
+    events_r = [event async for event in stream_r]
+    last = events_r[-1]
+    assert last.type == "response.completed" and last.response.usage is not None
+    out.append(("responses stream", [e.type for e in events_r],
+                [e.sequence_number for e in events_r], last.response.output_text,
+                last.response.usage.output_tokens))  # fmt: skip
+    return out

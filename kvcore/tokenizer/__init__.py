@@ -57,10 +57,12 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PromptBlocks:
-    """What routing needs from a prompt: its exact token count and full-block hashes."""
+    """What routing needs from a prompt: its exact token count and full-block hashes; its ids
+    too when asked (tokens sent once: ``routing.send_tokens``)."""
 
     tokens: int
     hashes: list[int]
+    ids: Sequence[int] | None = None
 
 
 def load_tokenizer(
@@ -85,9 +87,12 @@ def prompt_blocks(
     add_special_tokens: bool,
     block_size: int,
     extra_key: str | None,
+    keep_ids: bool = False,
 ) -> PromptBlocks:
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return PromptBlocks(len(ids), block_hashes(ids, block_size, extra_key))
+    return PromptBlocks(
+        len(ids), block_hashes(ids, block_size, extra_key), ids if keep_ids else None
+    )
 
 
 def token_id_blocks(ids: Sequence[int], block_size: int, extra_key: str | None) -> PromptBlocks:

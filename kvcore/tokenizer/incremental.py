@@ -148,9 +148,26 @@ class PrefixTokenCache:
     ) -> tuple[int, list[int]]:
         """The plan's text's token count and the router hashes of its full blocks, from the
         pieces ``tokenize_plan`` gave; its prefix up to the last cut point is stored."""
+        count, hashes, _ = self.commit_ids(plan, pieces, block_size, extra_key, keep_ids=False)
+        return count, hashes
+
+    def commit_ids(
+        self,
+        plan: Plan,
+        pieces: Pieces,
+        block_size: int,
+        extra_key: str | None,
+        keep_ids: bool = True,
+    ) -> tuple[int, list[int], array[int] | None]:
+        """``commit``, and the text's whole ids when ``keep_ids`` (a copy: the cache's array
+        grows in place with later turns)."""
         mid, tail = pieces
         entry = plan.entry
         ids, count = _extended(plan, mid)
+        whole = None
+        if keep_ids:
+            whole = ids[:count]
+            whole.extend(tail)
         key = (block_size, extra_key)
         known = entry.hashes.get(key) if entry is not None else None
         hashes = _hashes(ids, count, tail, block_size, extra_key, known)
@@ -163,7 +180,7 @@ class PrefixTokenCache:
             self._store(plan, _Entry(plan.last, ids, count, plan.last_token, {key: full}))
         elif entry is not None and known is None:
             self._add_hashes(entry, key, full)
-        return count + len(tail), hashes
+        return count + len(tail), hashes, whole
 
     def encode(self, text: str) -> list[int]:
         """``text``'s ids (no special tokens added), as full tokenization gives them."""

