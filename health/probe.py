@@ -18,6 +18,12 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvroute.kvcore.token_path import (
+    PROBE_RENDER_PATH,
+    ReplicaTokenPath,
+    probe_render_body,
+    replica_token_path,
+)
 from kvroute.policies import ReplicaState
 
 log = logging.getLogger(__name__)
@@ -62,9 +68,10 @@ class ActiveProber:
         self.lora_adapters: dict[str, frozenset[str]] = {}
         # Each model's context length per replica (/v1/models' max_model_len).
         self.max_model_len: dict[str, dict[str, int]] = {}
-        # Whether each replica serves vLLM's token-in /inference/v1/generate (--enable-scale-out),
-        # asked once per healthy spell when ``check_generate`` (routing.send_tokens).
-        self.serves_generate: dict[str, bool] = {}
+        # Per replica and model, where it takes token ids (routing.send_tokens): its
+        # /inference/v1/generate (--enable-scale-out), context length and sampling defaults;
+        # None where it takes text only. Asked once per healthy spell when ``check_generate``.
+        self.token_paths: dict[str, dict[str, ReplicaTokenPath | None]] = {}
         self._check_generate = check_generate
         self._timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
@@ -76,7 +83,7 @@ class ActiveProber:
         self.model_roots.pop(replica_id, None)
         self.lora_adapters.pop(replica_id, None)
         self.max_model_len.pop(replica_id, None)
-        self.serves_generate.pop(replica_id, None)
+        self.token_paths.pop(replica_id, None)
 
     async def probe_all(self) -> None:
         """One round over every replica, concurrently."""
@@ -97,7 +104,7 @@ class ActiveProber:
         replica.down_reason = None if healthy else failure
         if not passed:
             # A replica that restarts may come back with other flags.
-            self.serves_generate.pop(state.replica_id, None)
+            self.token_paths.pop(state.replica_id, None)
         if healthy:
             listed = await self._fetch_models(replica.base_url)
             if listed is not None:
@@ -111,10 +118,8 @@ class ActiveProber:
                 if models != state.models:
                     state.models = models
                     changed = True
-            if self._check_generate and state.replica_id not in self.serves_generate:
-                serves = await self._serves_generate(replica.base_url)
-                if serves is not None:
-                    self.serves_generate[state.replica_id] = serves
+            if self._check_generate:
+                await self._probe_token_paths(replica.base_url, state.replica_id, state)
         if healthy != state.healthy:
             log.info(
                 "replica %s is now %s", state.replica_id, "healthy" if healthy else "unhealthy"
@@ -155,18 +160,33 @@ class ActiveProber:
         except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
-    async def _serves_generate(self, base_url: str) -> bool | None:
-        """Whether the replica has the POST-only /inference/v1/generate: a GET there is
-        refused 405 where the route exists and 404 where it does not; None: no answer."""
-        try:
-            response = await self._client.get(base_url + "/inference/v1/generate")
-        except (httpx.HTTPError, OSError):
-            return None
-        if response.status_code == 405:
-            return True
-        if response.status_code == 404:
-            return False
-        return None
+    async def _probe_token_paths(self, base_url: str, replica_id: str, state: ReplicaState) -> None:
+        """For each model not asked yet: whether the replica takes token ids for it. vLLM
+        serves its render endpoints exactly where it serves /inference/v1/generate; a render
+        of a request that sets no sampling value shows the replica's own defaults, and whether
+        it parses reasoning (kvcore/token_path.py)."""
+        known = self.token_paths.setdefault(replica_id, {})
+        lengths = self.max_model_len.get(replica_id, {})
+        adapters = self.lora_adapters.get(replica_id, frozenset())
+        for model in sorted((state.models or frozenset()) - adapters - known.keys()):
+            length = lengths.get(model)
+            if length is None:
+                continue
+            try:
+                response = await self._client.post(
+                    base_url + PROBE_RENDER_PATH, json=probe_render_body(model)
+                )
+            except (httpx.HTTPError, OSError):
+                continue  # asked again next round
+            if response.status_code == 200:
+                try:
+                    render = response.json()
+                except ValueError:
+                    render = None
+                found = replica_token_path(render, length) if isinstance(render, dict) else None
+                known[model] = found
+            elif response.status_code in (400, 404, 405, 422):
+                known[model] = None  # no render endpoint (no --enable-scale-out), or no template
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvroute-health-probes")

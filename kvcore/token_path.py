@@ -26,7 +26,8 @@ import msgspec
 GENERATE_PATH = "/inference/v1/generate"
 
 # vLLM's neutral sampling defaults (ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS), under the
-# model's generation config (``defaults`` below) and the client's own values.
+# replica's own defaults (its model's generation config: ``replica_token_path``) and the
+# client's values.
 NEUTRAL = {
     "repetition_penalty": 1.0,
     "presence_penalty": 0.0,
@@ -36,8 +37,6 @@ NEUTRAL = {
     "top_k": 0,
     "min_p": 0.0,
 }
-# The generation-config keys vLLM reads as sampling defaults (ModelConfig.get_diff_sampling_param).
-GENERATION_CONFIG_KEYS = (*NEUTRAL, "max_new_tokens")
 
 # Fields each API's token path maps exactly; a request with any other field goes as text.
 # Rendering-only fields (messages, chat_template_kwargs, ...) the router has rendered already.
@@ -91,13 +90,38 @@ def blocker(api: str, body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def generation_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The sampling defaults a model's ``generation_config.json`` gives vLLM (``--generation-config
-    auto``, vLLM's default): the keys it reads, ``max_new_tokens`` as ``max_tokens``."""
-    out = {k: config[k] for k in GENERATION_CONFIG_KEYS if config.get(k) is not None}
-    if "max_new_tokens" in out:
-        out["max_tokens"] = out.pop("max_new_tokens")
-    return out
+@dataclass(frozen=True)
+class ReplicaTokenPath:
+    """What a replica's token path needs to know of it, for one model."""
+
+    max_model_len: int
+    # Its sampling defaults (the model's generation config, or --override-generation-config),
+    # where they differ from vLLM's neutral ones; max_tokens only from max_new_tokens.
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+# What the probe asks the replica to render: a request that sets no sampling value.
+PROBE_RENDER_PATH = "/v1/chat/completions/render"
+
+
+def probe_render_body(model: str) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def replica_token_path(render: Mapping[str, Any], max_model_len: int) -> ReplicaTokenPath | None:
+    """From the replica's render of ``probe_render_body`` (a GenerateRequest): its sampling
+    defaults as it resolves them; None where it has a reasoning parser (its chat layer splits
+    reasoning from content, which a generate answer does not) or the render is not one."""
+    if render.get("reasoning_parser_kwargs") is not None:
+        return None
+    params, ids = render.get("sampling_params"), render.get("token_ids")
+    if not isinstance(params, dict) or not isinstance(ids, list) or not ids:
+        return None
+    defaults = {k: params[k] for k, neutral in NEUTRAL.items() if params.get(k, neutral) != neutral}
+    max_tokens = params.get("max_tokens")
+    if isinstance(max_tokens, int) and max_tokens < max_model_len - len(ids):
+        defaults["max_tokens"] = max_tokens  # the generation config's max_new_tokens
+    return ReplicaTokenPath(max_model_len, defaults)
 
 
 def asked_max_tokens(api: str, body: Mapping[str, Any]) -> int | None:

@@ -22,6 +22,7 @@ from kvroute.health.probe import ActiveProber
 from kvroute.health.scrape import MetricsScraper
 from kvroute.kvcore.ledger import DispatchLedger
 from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.kvcore.token_path import ReplicaTokenPath
 from kvroute.policies import FleetView, Policy, ReplicaState
 
 from .config import Config, ReplicaConfig, replica_name_from_url
@@ -279,13 +280,10 @@ class RoutingCore:
         if self.canary is not None:
             self.canary.replicas_changed()
 
-    def generate_context(self, replica: str, model: str) -> int | None:
-        """The model's context length on ``replica`` where it serves vLLM's token-in
-        /inference/v1/generate (routing.send_tokens), else None (send it text)."""
-        prober = self.prober
-        if not prober.serves_generate.get(replica):
-            return None
-        return prober.max_model_len.get(replica, {}).get(model)
+    def token_path(self, replica: str, model: str) -> ReplicaTokenPath | None:
+        """Where ``replica`` takes ``model``'s requests as token ids (routing.send_tokens):
+        its context length and sampling defaults; None: send it text."""
+        return self.prober.token_paths.get(replica, {}).get(model)
 
     def scrape_ages(self, now: float | None = None) -> dict[str, float]:
         """Seconds since each replica's metrics were last scraped successfully."""

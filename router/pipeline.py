@@ -60,14 +60,13 @@ from .stored_responses import StoredResponses
 from .tenants import DEFAULT_TENANT, Tenants
 from .token_path import (
     NEEDS_TEXT,
-    NO_GENERATE,
     NOT_TOKENIZED,
+    REPLICA_TAKES_TEXT,
     TOKENS,
-    GenerateSupport,
     TokenPathMetrics,
+    TokenPaths,
     TokenRequest,
     blocker,
-    generation_defaults,
     request_fields,
 )
 from .usage import asking_usage
@@ -113,7 +112,7 @@ class RequestPipeline:
         retry_after_s: int,
         parity: ParityChecker | None = None,
         tenants: Tenants | None = None,
-        generate_support: GenerateSupport | None = None,
+        token_paths: TokenPaths | None = None,
     ) -> None:
         self.config = config
         self.auth = auth
@@ -127,9 +126,9 @@ class RequestPipeline:
         self.retry_after_s = retry_after_s
         self.parity = parity
         self.tenants = tenants
-        # Tokens sent once (routing.send_tokens): a replica's context length for a model
-        # where it serves /inference/v1/generate, else None.
-        self.generate_support = generate_support
+        # Tokens sent once (routing.send_tokens): where a replica takes a model's requests as
+        # token ids (the health probe finds out), else None.
+        self.token_paths = token_paths
         self.token_metrics = TokenPathMetrics()  # exported (empty) with send_tokens off too
         metrics.parts["send_tokens"] = self.token_metrics
         # Which replica holds each Responses answer it relayed (for previous_response_id).
@@ -450,33 +449,25 @@ class RequestPipeline:
             return None
         parsed = admitted.parsed
         blocks = admitted.blocks
-        keys = self._pool(parsed.model).keys
-        if blocks is None or blocks.ids is None or keys.tokenizer is None:
+        if blocks is None or blocks.ids is None:
             metrics.count(parsed.api, NOT_TOKENIZED)
             return None
-        return TokenRequest(
-            parsed.api,
-            fields,
-            parsed.model,
-            list(blocks.ids),
-            parsed.stream,
-            generation_defaults(keys.tokenizer.spec),
-            parsed.cache_salt,
-        )
+        ids = list(blocks.ids)
+        return TokenRequest(parsed.api, fields, parsed.model, ids, parsed.stream, parsed.cache_salt)
 
     def _token_try(
         self, tokens: TokenRequest, replica: str, first: bool
     ) -> tuple[bytes, str, token_path.Answer] | None:
         """The body, path and answer writer of a try as token ids on ``replica``; None where
         that replica takes text only (or its context length is not known yet)."""
-        support = self.generate_support
-        context = support(replica, tokens.model) if support is not None else None
+        paths = self.token_paths
+        found = paths(replica, tokens.model) if paths is not None else None
         metrics = self.token_metrics
-        if context is None:
+        if found is None:
             if first:
-                metrics.count(tokens.api, NO_GENERATE)
+                metrics.count(tokens.api, REPLICA_TAKES_TEXT)
             return None
-        made = tokens.body(context)
+        made = tokens.body(found)
         if first:
             metrics.count(tokens.api, TOKENS if made is not None else NEEDS_TEXT)
         if made is None:

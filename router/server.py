@@ -174,7 +174,7 @@ class Router:
             retry_after_s=max(1, math.ceil(config.health.interval_s)),
             parity=self.parity,
             tenants=self.tenants,
-            generate_support=core.generate_context,
+            token_paths=core.token_path,
         )
         # The batch lane (/v1/files, /v1/batches, /v1/messages/batches), when configured; its metrics always exist.
         self.batch_metrics = BatchMetrics()

