@@ -82,6 +82,9 @@ def blocker(api: str, body: Mapping[str, Any]) -> str | None:
             return "n > 1"
         if body.get("logprobs") or body.get("echo"):
             return "logprobs or echo"
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("continuous_usage_stats"):
+            return "continuous usage stats"
     if api == "responses" and body.get("store", True) is not False:
         # vLLM stores a response for previous_response_id in its chat layer only.
         return "a stored response (store is not false)"
@@ -118,6 +121,9 @@ def replica_token_path(render: Mapping[str, Any], max_model_len: int) -> Replica
     if not isinstance(params, dict) or not isinstance(ids, list) or not ids:
         return None
     defaults = {k: params[k] for k, neutral in NEUTRAL.items() if params.get(k, neutral) != neutral}
+    stop_ids = params.get("stop_token_ids")
+    if isinstance(stop_ids, list) and stop_ids:  # a model's own (gpt-oss's </call>)
+        defaults["stop_token_ids"] = stop_ids
     max_tokens = params.get("max_tokens")
     if isinstance(max_tokens, int) and max_tokens < max_model_len - len(ids):
         defaults["max_tokens"] = max_tokens  # the generation config's max_new_tokens
@@ -177,6 +183,10 @@ def sampling_params(
     stop = params.get("stop")
     if isinstance(stop, str):
         params["stop"] = [stop]
+    default_stop_ids = defaults.get("stop_token_ids")
+    if default_stop_ids and api != "responses":  # chat (and Messages, through chat) merge them
+        asked_ids = params.get("stop_token_ids") or []
+        params["stop_token_ids"] = list(dict.fromkeys([*asked_ids, *default_stop_ids]))
     limit = asked["max_tokens"] if asked["max_tokens"] is not None else defaults.get("max_tokens")
     if limit is not None:
         params["max_tokens"] = min(int(limit), max(0, max_model_len - prompt_tokens))

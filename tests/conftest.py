@@ -119,6 +119,7 @@ async def launch_emulated(
     time_scale: float = 1.0,
     kv_transfer: dict[str, Any] | None = None,
     preset: str = "tiny-cpu",
+    enable_scale_out: bool = False,
 ) -> tuple[web.AppRunner, Running]:
     """An in-process emulated vLLM replica (built-in tokenizer) publishing KV events over ZMQ;
     the caller cleans its runner up."""
@@ -146,6 +147,7 @@ async def launch_emulated(
         enable_lora=bool(max_loras),
         allow_runtime_lora_updating=runtime_lora,
         kv_transfer=kv_transfer,
+        enable_scale_out=enable_scale_out,
     )
     emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
     runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)

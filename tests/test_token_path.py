@@ -11,12 +11,25 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anthropic
+import httpx
 import msgspec
+import openai
 import pytest
 
 from kvroute.kvcore import token_path as tp
+from kvroute.kvcore.stats import parse_metrics
 from kvroute.router.sse import sse_error
 from kvroute.router.token_path import blocker, request_fields
+from kvroute.simulator.replica.faults import FaultSpec
+
+from .conftest import StartEmulated, StartRouter
+from .helpers import replica_source, wait_until
+
+
+def entry(running: Any, name: str) -> dict[str, Any]:
+    return replica_source(running, name, events=False)
+
 
 # -- which requests go as tokens ---------------------------------------------------------------
 
@@ -38,6 +51,7 @@ def test_a_plain_request_of_each_api_may_go_as_tokens() -> None:
         ("chat", {"model": "m", "messages": [], "response_format": {"type": "json"}}, "'response_format'"),
         ("chat", {"model": "m", "messages": [], "n": 2}, "n > 1"),
         ("chat", {"model": "m", "messages": [], "logprobs": True}, "logprobs"),
+        ("chat", {"model": "m", "messages": [], "stream_options": {"continuous_usage_stats": True}}, "usage stats"),
         ("messages", {"model": "m", "messages": [], "thinking": {"type": "enabled"}}, "'thinking'"),
         ("messages", {"model": "m", "messages": [], "tool_choice": {"type": "any"}}, "'tool_choice'"),
         ("responses", {"model": "m", "input": "hi"}, "stored response"),
@@ -85,6 +99,13 @@ def test_a_replicas_defaults_come_from_its_own_render() -> None:
     # A replica that parses reasoning splits it from the content: it takes text only.
     reasoning = {**render, "reasoning_parser_kwargs": {"chat_template_kwargs": {}}}
     assert tp.replica_token_path(reasoning, 4096) is None
+
+    # A model's own stop tokens (gpt-oss's) are merged with the client's, as chat does.
+    own_stops = {**render, "sampling_params": {**render["sampling_params"], "stop_token_ids": [9]}}
+    with_stops = tp.replica_token_path(own_stops, 4096)
+    assert with_stops is not None and with_stops.defaults["stop_token_ids"] == [9]
+    merged = tp.sampling_params("chat", {"stop_token_ids": [7]}, with_stops.defaults, 10, 4096)
+    assert merged["stop_token_ids"] == [7, 9]
 
     body = {"temperature": 0.2, "stop": "END", "seed": 7}
     params = tp.sampling_params(
@@ -266,3 +287,164 @@ def test_an_error_mid_stream_ends_it_in_the_apis_shape(api: str) -> None:
         sequence = [e["sequence_number"] for e in _events(out)]
         assert sequence == list(range(len(sequence)))
     assert b"message_stop" not in out and b"response.completed" not in out
+
+
+# -- through kvroute serve, on emulated replicas with --enable-scale-out ------------------------
+
+CONVERSATION = [
+    {"role": "system", "content": "You are brief."},
+    {"role": "user", "content": "Tell me a story about a lighthouse keeper."},
+]
+
+
+async def _all_answers(url: str) -> list[Any]:
+    """What a user reads of each API's answer, whole and streamed (ids and times aside)."""
+    oc = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=20)
+    ac = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0, timeout=20)
+    greedy = {"temperature": 0}
+    out: list[Any] = []
+    chat = await oc.chat.completions.create(
+        model="tiny",
+        messages=CONVERSATION,
+        max_tokens=9,
+        extra_body=greedy,  # type: ignore[arg-type]
+    )
+    assert chat.usage is not None
+    out.append((chat.choices[0].message.content, chat.choices[0].finish_reason,
+                chat.usage.prompt_tokens, chat.usage.completion_tokens))  # fmt: skip
+    stream = await oc.chat.completions.create(
+        model="tiny", messages=CONVERSATION, max_tokens=9, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}, extra_body=greedy,
+    )  # fmt: skip
+    chunks = [c async for c in stream]
+    assert len({c.id for c in chunks}) == 1
+    usage = chunks[-1].usage
+    assert usage is not None
+    out.append(("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                usage.completion_tokens))  # fmt: skip
+    system, rest = CONVERSATION[0]["content"], CONVERSATION[1:]
+    message = await ac.messages.create(
+        model="tiny",
+        system=system,
+        messages=rest,
+        max_tokens=9,
+        extra_body=greedy,  # type: ignore[arg-type]
+    )
+    out.append(([b.model_dump() for b in message.content], message.stop_reason,
+                message.usage.input_tokens, message.usage.output_tokens))  # fmt: skip
+    async with ac.messages.stream(
+        model="tiny",
+        system=system,
+        messages=rest,
+        max_tokens=9,
+        extra_body=greedy,  # type: ignore[arg-type]
+    ) as events:
+        final = await events.get_final_message()
+    out.append(([b.model_dump() for b in final.content], final.stop_reason))
+    responses = {"model": "tiny", "instructions": system, "input": rest,
+                 "max_output_tokens": 9, "store": False}  # fmt: skip
+    response = await oc.responses.create(**responses, extra_body=greedy)
+    assert response.usage is not None
+    out.append((response.output_text, response.status, response.usage.output_tokens))
+    events_r = [
+        e async for e in await oc.responses.create(**responses, extra_body=greedy, stream=True)
+    ]
+    assert [e.sequence_number for e in events_r] == list(range(len(events_r)))
+    last = events_r[-1]
+    assert last.type == "response.completed"
+    out.append((last.response.output_text, last.response.status))
+    await oc.close()
+    await ac.close()
+    return out
+
+
+async def test_answers_sent_as_tokens_read_as_the_text_paths(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    """Two routers in front of one emulated replica with --enable-scale-out: send_tokens off
+    and on give a user the same answers in every API; the second sent them all as token ids."""
+    replica = await start_emulated(kv_events=False, enable_scale_out=True)
+    routing = {"tokenizer": "builtin"}
+    text = await start_router([entry(replica, "emu")], routing=routing)
+    tokens = await start_router([entry(replica, "emu")], routing={**routing, "send_tokens": True})
+    await wait_until(
+        lambda: tokens.router.core.token_path("emu", "tiny") is not None,
+        what="the probe finding the replica's token path",
+    )
+    assert await _all_answers(tokens.url) == await _all_answers(text.url)
+    assert tokens.router.pipeline.token_metrics.requests == {
+        ("chat", "tokens"): 2, ("messages", "tokens"): 2, ("responses", "tokens"): 2
+    }  # fmt: skip
+    assert text.router.pipeline.token_metrics.requests == {}
+    # The replica's own count: token-in requests only, none rendered.
+    page = parse_metrics(await _get(tokens.url + "/metrics"))
+    assert page.sum("kvroute_send_tokens_requests_total", path="tokens") == 6
+
+
+async def test_a_replica_without_generate_gets_text(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    replica = await start_emulated(kv_events=False)  # no --enable-scale-out
+    r = await start_router(
+        [entry(replica, "emu")], routing={"tokenizer": "builtin", "send_tokens": True}
+    )
+    await wait_until(
+        lambda: "tiny" in r.router.core.prober.token_paths.get("emu", {}),
+        what="the probe asking the replica",
+    )
+    assert r.router.core.token_path("emu", "tiny") is None
+    oc = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    chat = await oc.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=3)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content
+    await oc.close()
+    assert r.router.pipeline.token_metrics.requests == {("chat", "replica_takes_text"): 1}
+
+
+@pytest.mark.parametrize("api", ["chat", "messages"])
+async def test_a_token_stream_broken_mid_way_is_resumed_as_text_in_one_stream(
+    start_emulated: StartEmulated, start_router: StartRouter, api: str
+) -> None:
+    a = await start_emulated(kv_events=False, enable_scale_out=True)
+    b = await start_emulated(kv_events=False, enable_scale_out=True)
+    r = await start_router(
+        [entry(a, "a"), entry(b, "b")],
+        policy={"name": "round_robin"},
+        routing={"tokenizer": "builtin", "send_tokens": True},
+    )
+    await wait_until(
+        lambda: all(r.router.core.token_path(n, "tiny") is not None for n in "ab"),
+        what="both replicas probed",
+    )
+    a.replica.faults.update(FaultSpec(drop_after_chunks=4))
+    for _ in range(2):  # round robin: one of the two starts on a
+        if api == "chat":
+            oc = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+            stream = await oc.chat.completions.create(
+                model="tiny", messages=CONVERSATION, max_tokens=12, stream=True,  # type: ignore[arg-type]
+                stream_options={"include_usage": True},
+            )  # fmt: skip
+            chunks = [c async for c in stream]
+            assert len({c.id for c in chunks}) == 1
+            finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+            assert finishes[-1] == "length" and finishes.count("length") == 1
+            usage = chunks[-1].usage
+            assert usage is not None and usage.completion_tokens == 12
+            await oc.close()
+        else:
+            ac = anthropic.AsyncAnthropic(base_url=r.url, api_key="x", max_retries=0)
+            async with ac.messages.stream(
+                model="tiny",
+                max_tokens=12,
+                messages=CONVERSATION[1:],  # type: ignore[arg-type]
+            ) as events:
+                final = await events.get_final_message()
+            assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
+            assert len(final.content) == 1 and final.content[0].type == "text"
+            await ac.close()
+    assert r.router.metrics.resumes[("resumed",)] == 1
+    assert r.router.pipeline.token_metrics.requests == {(api, "tokens"): 2}
+
+
+async def _get(url: str) -> str:
+    async with httpx.AsyncClient(timeout=10) as http:
+        return (await http.get(url)).text

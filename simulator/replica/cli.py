@@ -130,6 +130,12 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "without a tool parser does. The emulated model calls no tools: answers are text.",
     )
     p.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="As vLLM's flag: serve /v1/chat/completions/render and the token-in "
+        "/inference/v1/generate (what the router's routing.send_tokens sends requests to).",
+    )
+    p.add_argument(
         "--responses-store",
         action="store_true",
         help="Keep /v1/responses answers (the newest 10,000) for previous_response_id and GET "
@@ -283,6 +289,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
         side_channel_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or None,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         responses_store=store,
+        enable_scale_out=args.enable_scale_out,
     )
     replica = EmulatedReplica(options, tokenizer, faults)
     try:

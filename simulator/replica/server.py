@@ -117,6 +117,9 @@ class ReplicaOptions:
     # keeps the newest ``responses_store_size`` (vLLM never evicts).
     responses_store: bool = False
     responses_store_size: int = 10_000
+    # vLLM's --enable-scale-out: /v1/chat/completions/render and the token-in
+    # /inference/v1/generate (simulator/replica/scale_out.py).
+    enable_scale_out: bool = False
 
     @property
     def lora(self) -> bool:
@@ -206,6 +209,10 @@ class EmulatedReplica:
         from .agent_api import AgentAPIs  # (it builds on this module)
 
         AgentAPIs(self).routes(app)
+        if self.options.enable_scale_out:
+            from .scale_out import ScaleOutAPIs  # (it builds on this module)
+
+            ScaleOutAPIs(self).routes(app)
         app.router.add_get("/admin/faults", self.get_faults)
         app.router.add_post("/admin/faults", self.set_faults)
         app.on_startup.append(self._startup)
