@@ -13,7 +13,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -51,6 +51,8 @@ class ActiveProber:
         unhealthy_after: int = 3,
         on_change: Callable[[], None] = lambda: None,
         check_generate: bool = False,
+        renders_alike: Callable[[str, list[int]], bool | None] | None = None,
+        wants_token_path: Callable[[str], bool] = lambda model: True,
     ) -> None:
         self._replicas = replicas
         self._path = path
@@ -73,6 +75,13 @@ class ActiveProber:
         # None where it takes text only. Asked once per healthy spell when ``check_generate``.
         self.token_paths: dict[str, dict[str, ReplicaTokenPath | None]] = {}
         self._check_generate = check_generate
+        # (model, the replica's ids for PROBE_MESSAGES) -> whether the router's own render
+        # and tokenizer give the same ids (None: it has no tokenizer yet): token ids go only
+        # where they would be the same.
+        self._renders_alike = renders_alike
+        # Whether a model's requests may go as token ids at all (its pool has send_tokens and
+        # a tokenizer): the others are not asked about.
+        self._wants_token_path = wants_token_path
         self._timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._task: asyncio.Task[None] | None = None
@@ -119,7 +128,8 @@ class ActiveProber:
                     state.models = models
                     changed = True
             if self._check_generate:
-                await self._probe_token_paths(replica.base_url, state.replica_id, state)
+                learnt = await self._probe_token_paths(replica.base_url, state.replica_id, state)
+                changed = changed or learnt
         if healthy != state.healthy:
             log.info(
                 "replica %s is now %s", state.replica_id, "healthy" if healthy else "unhealthy"
@@ -160,17 +170,32 @@ class ActiveProber:
         except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
-    async def _probe_token_paths(self, base_url: str, replica_id: str, state: ReplicaState) -> None:
+    def _alike(self, model: str, render: dict[str, Any], replica_id: str) -> bool | None:
+        check = self._renders_alike
+        alike = check(model, list(render.get("token_ids") or ())) if check is not None else True
+        if alike is not False:
+            return alike
+        log.warning(
+            "replica %s renders a chat for %s differently from the router's tokenizer (a chat "
+            "template of its own, or another tokenizer): requests go to it as text, not as "
+            "token ids (routing.send_tokens)",
+            replica_id,
+            model,
+        )
+        return False
+
+    async def _probe_token_paths(self, base_url: str, replica_id: str, state: ReplicaState) -> bool:
         """For each model not asked yet: whether the replica takes token ids for it. vLLM
         serves its render endpoints exactly where it serves /inference/v1/generate; a render
         of a request that sets no sampling value shows the replica's own defaults, and whether
-        it parses reasoning (kvcore/token_path.py)."""
+        it parses reasoning (kvcore/token_path.py). True when it learnt something."""
         known = self.token_paths.setdefault(replica_id, {})
+        before = dict(known)
         lengths = self.max_model_len.get(replica_id, {})
         adapters = self.lora_adapters.get(replica_id, frozenset())
         for model in sorted((state.models or frozenset()) - adapters - known.keys()):
             length = lengths.get(model)
-            if length is None:
+            if length is None or not self._wants_token_path(model):
                 continue
             try:
                 response = await self._client.post(
@@ -184,9 +209,15 @@ class ActiveProber:
                 except ValueError:
                     render = None
                 found = replica_token_path(render, length) if isinstance(render, dict) else None
+                if found is not None:
+                    alike = self._alike(model, render, replica_id)
+                    if alike is None:
+                        continue  # asked again once the router has its tokenizer
+                    found = found if alike else None
                 known[model] = found
             elif response.status_code in (400, 404, 405, 422):
                 known[model] = None  # no render endpoint (no --enable-scale-out), or no template
+        return known != before  # the router's parts are told (on_change)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvroute-health-probes")

@@ -17,7 +17,7 @@ Pure: the caller passes the clock's ``created`` and the ids it wants in answers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,8 +107,18 @@ class ReplicaTokenPath:
 PROBE_RENDER_PATH = "/v1/chat/completions/render"
 
 
+# A short conversation with every role a template must place: the router renders it too, and
+# a replica that renders it otherwise (a --chat-template of its own) is sent text only.
+PROBE_MESSAGES = (
+    {"role": "system", "content": "You are brief."},
+    {"role": "user", "content": "Hello there!"},
+    {"role": "assistant", "content": "Hi. How can I help?"},
+    {"role": "user", "content": "Name a colour."},
+)
+
+
 def probe_render_body(model: str) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    return {"model": model, "messages": [dict(m) for m in PROBE_MESSAGES]}
 
 
 def replica_token_path(render: Mapping[str, Any], max_model_len: int) -> ReplicaTokenPath | None:
@@ -191,6 +201,22 @@ def sampling_params(
     if limit is not None:
         params["max_tokens"] = min(int(limit), max(0, max_model_len - prompt_tokens))
     return params
+
+
+# Content parts a chat message may carry on the token path: text only. An image (or audio,
+# video, file) becomes multimodal features the generate request would have to carry.
+_TEXT_PARTS = frozenset(("text", "input_text", "output_text", "refusal"))
+
+
+def media_in(messages: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether any message of a (chat) conversation carries a part that is not text."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+                    return True
+    return False
 
 
 def generate_body(

@@ -441,9 +441,11 @@ class RoutingConfig(_Section):
     # Tokens sent once: a request the router tokenized goes to a replica that serves vLLM's
     # /inference/v1/generate (--enable-scale-out) as its token ids, so the replica does not
     # render and tokenize the conversation again; the answer comes back in the client's API.
-    # Requests the generate path cannot answer exactly (tools, structured output, logprobs,
-    # stored Responses) still go as text. Off by default: docs/agents.md has the measurements.
-    send_tokens: bool = False
+    # Only to replicas whose render of a probe conversation equals the router's, and with no
+    # reasoning parser; requests the generate path cannot answer exactly (tools, structured
+    # output, logprobs, images, stored Responses) still go as text. Measured (docs/agents.md):
+    # 3.1x less replica API-server CPU per 220 KB turn, TTFT p50 1.33x lower; so on.
+    send_tokens: bool = True
 
 
 class MetricsConfig(_Section):

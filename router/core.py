@@ -22,7 +22,8 @@ from kvroute.health.probe import ActiveProber
 from kvroute.health.scrape import MetricsScraper
 from kvroute.kvcore.ledger import DispatchLedger
 from kvroute.kvcore.prefix_index import PrefixIndex
-from kvroute.kvcore.token_path import ReplicaTokenPath
+from kvroute.kvcore.token_path import PROBE_MESSAGES, ReplicaTokenPath
+from kvroute.kvcore.tokenizer import ChatTemplateError
 from kvroute.policies import FleetView, Policy, ReplicaState
 
 from .config import Config, ReplicaConfig, replica_name_from_url
@@ -83,6 +84,8 @@ class RoutingCore:
             unhealthy_after=config.health.unhealthy_after,
             on_change=self._probed,
             check_generate=any(spec.routing.send_tokens for spec in specs),
+            renders_alike=self._renders_alike,
+            wants_token_path=self._wants_token_path,
         )
         self.scraper = MetricsScraper(
             lambda: list(self.registry.handles.values()),
@@ -273,12 +276,36 @@ class RoutingCore:
             pool.keys.lora_adapters = frozenset().union(
                 *(adapters.get(n, frozenset()) for n in names)
             )
+            if pool.send_tokens:
+                paths = self.prober.token_paths
+                live = any(p is not None for n in names for p in paths.get(n, {}).values())
+                pool.token_path_live = live
+                pool.keys.tokens_wanted(live)
         known: set[str] = set()
         for state in self.fleet.replicas:
             known.update(state.models or ())
         self.catalog.update(known)
         if self.canary is not None:
             self.canary.replicas_changed()
+
+    def _wants_token_path(self, model: str) -> bool:
+        pool = self.pools.for_model(model)
+        return pool is not None and pool.send_tokens and pool.keys.tokenizer is not None
+
+    def _renders_alike(self, model: str, replica_ids: list[int]) -> bool | None:
+        """Whether the router's tokenizer for ``model`` gives the replica's ids for the probe's
+        conversation (kvcore/token_path.PROBE_MESSAGES), rendered as a chat request; None
+        while it has none (one discovered from the replicas comes after their first probe)."""
+        pool = self.pools.for_model(model)
+        tokenizer = pool.keys.tokenizer if pool is not None else None
+        if tokenizer is None:
+            return None
+        messages = [dict(m) for m in PROBE_MESSAGES]
+        try:
+            text = tokenizer.render_chat(messages, {}, incremental=False)
+        except ChatTemplateError:
+            return False
+        return tokenizer.tokenizer.encode(text, add_special_tokens=False) == replica_ids
 
     def token_path(self, replica: str, model: str) -> ReplicaTokenPath | None:
         """Where ``replica`` takes ``model``'s requests as token ids (routing.send_tokens):

@@ -432,7 +432,7 @@ class RequestPipeline:
         conversation) and checked; counted at once when it may not."""
         parsed = admitted.parsed
         metrics = self.token_metrics
-        if parsed.api not in token_path.APIS or not self._pool(parsed.model).send_tokens:
+        if parsed.api not in token_path.APIS or not self._pool(parsed.model).token_path_live:
             return
         fields = request_fields(admitted.body)
         why = blocker(parsed.api, fields) if fields is not None else "not a JSON object"
@@ -452,8 +452,12 @@ class RequestPipeline:
         if blocks is None or blocks.ids is None:
             metrics.count(parsed.api, NOT_TOKENIZED)
             return None
-        ids = list(blocks.ids)
-        return TokenRequest(parsed.api, fields, parsed.model, ids, parsed.stream, parsed.cache_salt)
+        if parsed.messages is not None and token_path.media_in(parsed.messages):
+            metrics.count(parsed.api, NEEDS_TEXT)  # images and such: the replica's to load
+            return None
+        return TokenRequest(
+            parsed.api, fields, parsed.model, blocks.ids, parsed.stream, parsed.cache_salt
+        )
 
     def _token_try(
         self, tokens: TokenRequest, replica: str, first: bool

@@ -48,10 +48,15 @@ class PoolRouting:
         self.disaggregate = spec.disaggregate  # a decode pool's rule
         self.index = PrefixIndex()
         self.policy: Policy = build_policy(spec.policy.name, spec.policy_params)
-        # Tokens sent once need the prompt's ids whatever the policy reads.
-        wanted = self.policy.reads_prefixes or spec.routing.send_tokens
-        self.keys = PromptKeys(spec.routing, self.index, wanted)
+        # Tokens sent once need the prompt's ids whatever the policy reads, once a replica
+        # takes them (PromptKeys.tokens_wanted).
         self.send_tokens = spec.routing.send_tokens
+        # Some replica of the pool takes token ids now (the health probe says): until one
+        # does, requests are not even looked at for the token path.
+        self.token_path_live = False
+        self.keys = PromptKeys(
+            spec.routing, self.index, self.policy.reads_prefixes, self.send_tokens
+        )
         self.kv_events = KVEventSubscribers(self.index)
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self.fleet = FleetView(states, membership_version=1)

@@ -42,14 +42,26 @@ def rendered_messages(parsed: ParsedRequest, tokenizer: PromptTokenizer) -> list
 
 
 class PromptKeys:
-    def __init__(self, routing: RoutingConfig, index: PrefixIndex, wanted: bool = True) -> None:
+    def __init__(
+        self,
+        routing: RoutingConfig,
+        index: PrefixIndex,
+        wanted: bool = True,
+        for_token_path: bool = False,
+    ) -> None:
         self._routing = routing
         self._index = index
-        # False when the policy never reads prefixes: prompts are not tokenized at all, and
-        # no tokenizer (nor its worker pool) is loaded.
+        # Whether prompts are tokenized: when the policy reads prefixes, or (``tokens_wanted``)
+        # when some replica takes token ids (routing.send_tokens).
+        self.reads_prefixes = wanted
         self.wanted = wanted
+        # A tokenizer (and its worker pool) is loaded only where prompts may be tokenized:
+        # the policy reads prefixes, or routing.send_tokens may send them as token ids.
+        self.loads_tokenizer = wanted or for_token_path
         # Checked at config load when given; a launched model directory may lack one.
-        self.tokenizer = self._load(routing.tokenizer) if routing.tokenizer and wanted else None
+        self.tokenizer = (
+            self._load(routing.tokenizer) if routing.tokenizer and self.loads_tokenizer else None
+        )
         self._scraped_block_size: int | None = None
         self._block_size_warned = False
         self.lora_adapters: frozenset[str] = frozenset()  # from the replicas' /v1/models
@@ -81,7 +93,11 @@ class PromptKeys:
         vLLM lists the path it loaded the model from as ``root`` in /v1/models; when that is a
         local directory with tokenizer files, it is exactly the tokenizer the replica uses.
         """
-        if not self.wanted or self.tokenizer is not None or self._routing.tokenizer is not None:
+        if (
+            not self.loads_tokenizer
+            or self.tokenizer is not None
+            or self._routing.tokenizer is not None
+        ):
             return
         for roots in model_roots:
             for root in roots:
@@ -93,6 +109,11 @@ class PromptKeys:
                 self.tokenizer.start()
                 log.info("tokenizing prompts with the tokenizer in %s (from /v1/models)", root)
                 return
+
+    def tokens_wanted(self, wanted: bool) -> None:
+        """Some replica takes token ids (routing.send_tokens), or none does any more: with a
+        policy that reads no prefixes, prompts are tokenized only while one does."""
+        self.wanted = self.reads_prefixes or (wanted and self.loads_tokenizer)
 
     def block_size(self) -> int:
         """The replicas' KV block size: configured, else seen in events, else scraped."""

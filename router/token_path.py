@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from array import array
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +72,7 @@ class TokenRequest:
     api: str
     fields: dict[str, Any]  # request_fields
     model: str
-    ids: list[int]
+    ids: Sequence[int]  # an array or a list: made a list only for a try that sends them
     stream: bool
     cache_salt: str | None
     # The last replica's body: replicas of a model mostly share context length and defaults.
@@ -91,9 +92,10 @@ class TokenRequest:
                 self.api, self.fields, replica.defaults, len(self.ids), replica.max_model_len
             )
             priority = self.fields.get("priority")
+            ids = self.ids
             body = tp.generate_body(
                 self.model,
-                self.ids,
+                ids.tolist() if isinstance(ids, array) else list(ids),
                 params,
                 stream=self.stream,
                 cache_salt=self.cache_salt,
@@ -140,7 +142,9 @@ class TokenPathMetrics:
             f"{TOKENS} (as token ids to vLLM's /inference/v1/generate) or why as text "
             f"({NEEDS_TEXT}: a field only the replica's own API layer answers, such as tools; "
             f"{NOT_TOKENIZED}: the router had no token ids for it; {REPLICA_TAKES_TEXT}: the "
-            "replica serves no /inference/v1/generate, parses reasoning, or is not probed yet).",
+            "replica serves no /inference/v1/generate, renders otherwise, parses reasoning, or "
+            "is not probed yet). Counted only once some replica of the request's pool takes "
+            "token ids.",
             labels=["api", "path"],
         )
         merged = dict(self.requests)

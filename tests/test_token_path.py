@@ -17,6 +17,7 @@ import msgspec
 import openai
 import pytest
 
+from kvroute.backends.launcher import ensure_tiny_model
 from kvroute.kvcore import token_path as tp
 from kvroute.kvcore.stats import parse_metrics
 from kvroute.router.sse import sse_error
@@ -362,11 +363,13 @@ async def test_answers_sent_as_tokens_read_as_the_text_paths(
     start_emulated: StartEmulated, start_router: StartRouter
 ) -> None:
     """Two routers in front of one emulated replica with --enable-scale-out: send_tokens off
-    and on give a user the same answers in every API; the second sent them all as token ids."""
+    and on (the default) give a user the same answers in every API; the second sent them all
+    as token ids."""
     replica = await start_emulated(kv_events=False, enable_scale_out=True)
-    routing = {"tokenizer": "builtin"}
-    text = await start_router([entry(replica, "emu")], routing=routing)
-    tokens = await start_router([entry(replica, "emu")], routing={**routing, "send_tokens": True})
+    text = await start_router(
+        [entry(replica, "emu")], routing={"tokenizer": "builtin", "send_tokens": False}
+    )
+    tokens = await start_router([entry(replica, "emu")], routing={"tokenizer": "builtin"})
     await wait_until(
         lambda: tokens.router.core.token_path("emu", "tiny") is not None,
         what="the probe finding the replica's token path",
@@ -384,20 +387,49 @@ async def test_answers_sent_as_tokens_read_as_the_text_paths(
 async def test_a_replica_without_generate_gets_text(
     start_emulated: StartEmulated, start_router: StartRouter
 ) -> None:
+    """A fleet where one replica takes token ids and one does not (no --enable-scale-out)."""
+    plain = await start_emulated(kv_events=False)
+    scale_out = await start_emulated(kv_events=False, enable_scale_out=True)
+    r = await start_router(
+        [entry(plain, "plain"), entry(scale_out, "scale-out")],
+        policy={"name": "round_robin"},
+        routing={"tokenizer": "builtin"},
+    )
+    paths = r.router.core.prober.token_paths
+    await wait_until(
+        lambda: all("tiny" in paths.get(n, {}) for n in ("plain", "scale-out")),
+        what="the probe asking both replicas",
+    )
+    assert r.router.core.token_path("plain", "tiny") is None
+    assert r.router.core.token_path("scale-out", "tiny") is not None
+    oc = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    for _ in range(2):  # round robin: one to each
+        chat = await oc.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=3)  # type: ignore[arg-type]
+        assert chat.choices[0].message.content
+    await oc.close()
+    assert r.router.pipeline.token_metrics.requests == {
+        ("chat", "replica_takes_text"): 1, ("chat", "tokens"): 1
+    }  # fmt: skip
+
+
+async def test_no_replica_takes_token_ids_so_round_robin_tokenizes_nothing(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
     replica = await start_emulated(kv_events=False)  # no --enable-scale-out
     r = await start_router(
-        [entry(replica, "emu")], routing={"tokenizer": "builtin", "send_tokens": True}
+        [entry(replica, "emu")], policy={"name": "round_robin"}, routing={"tokenizer": "builtin"}
     )
     await wait_until(
         lambda: "tiny" in r.router.core.prober.token_paths.get("emu", {}),
         what="the probe asking the replica",
     )
-    assert r.router.core.token_path("emu", "tiny") is None
+    pool = r.router.core.pools.sole
+    assert not pool.token_path_live and not pool.keys.wanted
     oc = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0, timeout=20)
     chat = await oc.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=3)  # type: ignore[arg-type]
     assert chat.choices[0].message.content
     await oc.close()
-    assert r.router.pipeline.token_metrics.requests == {("chat", "replica_takes_text"): 1}
+    assert r.router.pipeline.token_metrics.requests == {}  # not even looked at
 
 
 @pytest.mark.parametrize("api", ["chat", "messages"])
@@ -409,7 +441,7 @@ async def test_a_token_stream_broken_mid_way_is_resumed_as_text_in_one_stream(
     r = await start_router(
         [entry(a, "a"), entry(b, "b")],
         policy={"name": "round_robin"},
-        routing={"tokenizer": "builtin", "send_tokens": True},
+        routing={"tokenizer": "builtin"},
     )
     await wait_until(
         lambda: all(r.router.core.token_path(n, "tiny") is not None for n in "ab"),
@@ -448,3 +480,28 @@ async def test_a_token_stream_broken_mid_way_is_resumed_as_text_in_one_stream(
 async def _get(url: str) -> str:
     async with httpx.AsyncClient(timeout=10) as http:
         return (await http.get(url)).text
+
+
+def test_images_and_other_media_go_as_text() -> None:
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                 {"role": "assistant", "content": "hello"}]  # fmt: skip
+    assert not tp.media_in(text_only)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert tp.media_in([*text_only, {"role": "user", "content": [image]}])
+
+
+async def test_a_replica_that_renders_otherwise_gets_text(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    """The router tokenizes with another tokenizer than the replica's (as with a replica run
+    with a --chat-template of its own): the probe's render disagrees, so no token ids go there."""
+    replica = await start_emulated(kv_events=False, enable_scale_out=True)
+    r = await start_router(
+        [entry(replica, "emu")],
+        routing={"tokenizer": str(ensure_tiny_model())},
+    )
+    await wait_until(
+        lambda: "tiny" in r.router.core.prober.token_paths.get("emu", {}),
+        what="the probe comparing renders",
+    )
+    assert r.router.core.token_path("emu", "tiny") is None
