@@ -53,6 +53,8 @@ from .prompt_keys import PromptKeys
 from .prompt_tokenizer import PromptTokenizer
 from .proxy import Timeouts
 from .status import StatusFeed, page_html
+from .stored_response_api import PATH as STORED_RESPONSE_PATH
+from .stored_response_api import StoredResponseLookup
 from .tenant_metrics import TenantMetrics
 from .tenants import Tenants, fairness_params
 from .tokenizer_cache_metrics import TokenizerCacheMetrics
@@ -177,6 +179,10 @@ class Router:
             token_paths=core.token_path,
         )
         # The batch lane (/v1/files, /v1/batches, /v1/messages/batches), when configured; its metrics always exist.
+        # GET /v1/responses/{id}: from the replica that stores it.
+        self.stored_response_lookup = StoredResponseLookup(
+            self.pipeline.stored_responses, self.registry, self.auth, config.timeouts.first_byte_s
+        )
         self.batch_metrics = BatchMetrics()
         self.metrics.parts["batch"] = self.batch_metrics
         self.batch: BatchLane | None = None
@@ -258,6 +264,9 @@ class Router:
         count_tokens = handler(parse_count_tokens, errors.ANTHROPIC)
         routes.add_post("/v1/messages/count_tokens", count_tokens, expect_handler=expect)
         routes.add_post("/v1/responses", handler(parse_responses), expect_handler=expect)
+        routes.add_get(
+            STORED_RESPONSE_PATH, self.stored_response_lookup.handle_get, expect_handler=expect
+        )
         routes.add_get("/v1/models", self.handle_models, expect_handler=expect)
         if self.batch is not None:
             self.batch.add_routes(routes)
@@ -300,6 +309,7 @@ class Router:
         if self.batch is not None:
             await self.batch.close()  # its lines go back to the queue while the client is open
         await self.fleet_control.close()
+        await self.stored_response_lookup.close()
         self._loop_lag.close()
         if self._deadlines is not None:
             await self._deadlines.close()

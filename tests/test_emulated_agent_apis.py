@@ -29,7 +29,8 @@ from kvroute.simulator.replica.cli import add_replica_command, responses_store
 from kvroute.simulator.replica.faults import Faults
 from kvroute.simulator.replica.server import EmulatedReplica, ReplicaOptions
 
-from .conftest import Running
+from .conftest import Running, StartRouter
+from .helpers import wait_until
 
 END_SEQ = b"\xff" * 8
 BLOCK = 16
@@ -741,3 +742,40 @@ def test_the_replica_command_has_the_agent_flags() -> None:
     assert not responses_store({})
     with pytest.raises(ValueError):
         responses_store({"VLLM_ENABLE_RESPONSES_API_STORE": "yes"})
+
+
+async def test_a_stored_response_is_retrieved_through_the_router_from_its_replica(
+    start_agent_replica: StartAgentReplica, start_router: StartRouter
+) -> None:
+    """GET /v1/responses/{id} through kvroute serve: from the replica that answered (the
+    router remembers), or, for one it has not seen, from whichever replica holds it."""
+    a = await start_agent_replica(responses_store=True)
+    b = await start_agent_replica(responses_store=True)
+    entries = [{"url": a.url, "name": "a"}, {"url": b.url, "name": "b"}]
+    r = await start_router(entries, policy={"name": "round_robin"})
+    await wait_until(lambda: all(s.healthy for s in r.router.fleet.replicas), what="replicas up")
+    client = _openai(r.url)
+    made = [
+        await client.responses.create(model="tiny", input=QUESTION, max_output_tokens=3)
+        for _ in range(2)  # round robin: one on each replica
+    ]
+    for answer in made:
+        got = await client.responses.retrieve(answer.id)
+        assert (got.id, got.output_text, got.status) == (
+            answer.id,
+            answer.output_text,
+            answer.status,
+        )
+    # Another router, which relayed none of them: it asks every replica.
+    fresh = await start_router(entries, policy={"name": "round_robin"})
+    await wait_until(
+        lambda: all(s.healthy for s in fresh.router.fleet.replicas), what="replicas up"
+    )
+    other = _openai(fresh.url)
+    for answer in made:
+        assert (await other.responses.retrieve(answer.id)).output_text == answer.output_text
+    with pytest.raises(openai.NotFoundError) as missing:
+        await other.responses.retrieve("resp_nowhere")
+    assert missing.value.body["code"] == "response_not_found"  # type: ignore[index]
+    await client.close()
+    await other.close()
