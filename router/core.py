@@ -42,8 +42,16 @@ log = logging.getLogger(__name__)
 
 class RoutingCore:
     def __init__(
-        self, config: Config, hooks: RegistryHooks, shared: WorkerLoad | None = None
+        self,
+        config: Config,
+        hooks: RegistryHooks,
+        shared: WorkerLoad | None = None,
+        *,
+        forwards: bool = True,
     ) -> None:
+        """``forwards``: this router sends requests to the replicas itself (kvroute serve);
+        the endpoint picker only picks (the gateway forwards the client's body), so tokens
+        sent once (routing.send_tokens) are nothing to it."""
         self.config = config
         routing = config.routing
         specs = pool_specs(config)
@@ -66,6 +74,7 @@ class RoutingCore:
                 states[first : first + count],
                 prediction_ttl_s=routing.prediction_ttl_s,
                 shared=OffsetLoad(shared, first) if shared is not None and first else shared,
+                send_tokens=forwards and spec.routing.send_tokens,
             )
             pools.append(pool)
             first += count
@@ -83,7 +92,7 @@ class RoutingCore:
             timeout_s=config.health.timeout_s,
             unhealthy_after=config.health.unhealthy_after,
             on_change=self._probed,
-            check_generate=any(spec.routing.send_tokens for spec in specs),
+            check_generate=any(pool.send_tokens for pool in pools),
             renders_alike=self._renders_alike,
             wants_token_path=self._wants_token_path,
         )

@@ -41,7 +41,9 @@ class PoolRouting:
         *,
         prediction_ttl_s: float,
         shared: SharedLoad | None = None,
+        send_tokens: bool = False,
     ) -> None:
+        """``send_tokens``: routing.send_tokens, where the router forwards requests itself."""
         self.name = spec.name
         self.model = spec.model  # None: the implicit pool, any model
         self.role = spec.role  # "prefill", "decode" or None (P/D disaggregation)
@@ -50,7 +52,7 @@ class PoolRouting:
         self.policy: Policy = build_policy(spec.policy.name, spec.policy_params)
         # Tokens sent once need the prompt's ids whatever the policy reads, once a replica
         # takes them (PromptKeys.tokens_wanted).
-        self.send_tokens = spec.routing.send_tokens
+        self.send_tokens = send_tokens
         # Some replica of the pool takes token ids now (the health probe says): until one
         # does, requests are not even looked at for the token path.
         self.token_path_live = False

@@ -67,7 +67,7 @@ class Pick:
 class EndpointPicker:
     def __init__(self, config: Config, *, destinations: int = 4) -> None:
         self.config = config
-        self.core = RoutingCore(config, _Hooks(self))
+        self.core = RoutingCore(config, _Hooks(self), forwards=False)
         self.registry = self.core.registry
         self.ledger = self.core.ledger
         self.destinations = destinations
