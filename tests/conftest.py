@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
 import os
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,65 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             "KVROUTE_REQUIRE_VLLM=1 but vLLM is not installed: pip install -e '.[vllm]'",
             returncode=3,
         )
+
+
+# The openai and anthropic SDKs' async HTTP clients (``AsyncHttpxClientWrapper``) close
+# themselves from ``__del__`` by scheduling ``aclose()`` on the running loop. A client that a
+# test leaves open is garbage in a reference cycle (the client and its resources refer to each
+# other), so it goes whenever the collector next runs: in a later test, on this session's one
+# event loop. In that collection asyncio's transport finalizer (``_SelectorTransport.__del__``)
+# closes the client's pooled connection's socket without marking the transport closed, and the
+# client's ``__del__`` brings it all back with the ``aclose()`` task. When that task runs, the
+# socket's fd number may already be a new socket's, and the task's ``transport.abort()`` calls
+# ``loop.remove_reader()`` on the number: the new socket is never read again. It was a router's
+# listening socket (test_status_truth after test_status_page: the status request waited in
+# the accept queue until it timed out). So each SDK client a test creates on the loop is held
+# until the test ends, and one left open is closed then, while its sockets are still its own.
+SDK_CLIENT_MODULES = ("openai._base_client", "anthropic._base_client")
+_sdk_clients: list[tuple[Any, asyncio.AbstractEventLoop]] = []
+
+
+def _track_sdk_clients() -> None:
+    """Record every SDK async client created from now on (once the SDK is imported)."""
+    for name in SDK_CLIENT_MODULES:
+        cls = getattr(sys.modules.get(name), "AsyncHttpxClientWrapper", None)
+        if cls is None or "_kvroute_tracked" in cls.__dict__:
+            continue
+        init = cls.__init__
+
+        def tracked_init(self: Any, *args: Any, _init: Any = init, **kwargs: Any) -> None:
+            _init(self, *args, **kwargs)
+            # One made outside a loop has no sockets on this session's loop to harm.
+            with contextlib.suppress(RuntimeError):
+                _sdk_clients.append((self, asyncio.get_running_loop()))
+
+        cls.__init__ = tracked_init
+        cls._kvroute_tracked = True
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _track_sdk_clients()  # the test modules that use an SDK have imported it by now
+
+
+async def close_sdk_clients_left_open() -> list[Any]:
+    """Close the SDK clients made on this loop that are still open, and hold none any more
+    (a client made on another loop, one a test ran itself, has no sockets on this one)."""
+    loop = asyncio.get_running_loop()
+    held = [client for client, on in _sdk_clients if on is loop]
+    _sdk_clients.clear()
+    left_open = [client for client in held if not client.is_closed]
+    for client in left_open:
+        async with asyncio.timeout(10):
+            await client.aclose()
+    return left_open
+
+
+@pytest.fixture(autouse=True)
+async def _sdk_clients_closed_at_the_end() -> AsyncIterator[None]:
+    """Hold the SDK clients a test makes and close those it leaves open (see above)."""
+    _track_sdk_clients()
+    yield
+    await close_sdk_clients_left_open()
 
 
 @dataclass

@@ -56,8 +56,10 @@ async def _traffic(url: str, stop: asyncio.Event, sent: list[int], workers: int 
                 sent[1] += 1
             i += 1
 
-    await asyncio.gather(*(loop(w) for w in range(workers)))
-    await client.close()
+    try:
+        await asyncio.gather(*(loop(w) for w in range(workers)))
+    finally:
+        await client.close()
 
 
 def _small_png(source: Path, target: Path) -> None:
@@ -225,8 +227,11 @@ async def test_status_data_needs_the_admin_key(
 ) -> None:
     a = await start_replica("a")
     r = await start_router([a], auth={"admin_api_key": KEY})
-    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="unused", max_retries=0)
-    await client.completions.create(model="tiny", prompt="hello", max_tokens=2)
+    # Closed when done: an SDK client left open can break a later test's sockets (conftest.py).
+    async with openai.AsyncOpenAI(
+        base_url=r.url + "/v1", api_key="unused", max_retries=0
+    ) as client:
+        await client.completions.create(model="tiny", prompt="hello", max_tokens=2)
     async with aiohttp.ClientSession() as http:
         async with http.get(r.url + "/status") as resp:  # the page holds no data: open
             assert resp.status == 200
