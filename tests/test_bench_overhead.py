@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.bench import overhead, processes
+from kvroute.bench import overhead
+from kvroute.bench.harness import host, processes, report
 from kvroute.bench.loadgen import LoadError, LoadResult, parse_wrk, wrk_script
 from kvroute.bench.overhead import TARGETS, Row
 from kvroute.cli import build_parser
@@ -131,12 +132,12 @@ def test_smg_ratio_line() -> None:
 def test_reproduce_command_keeps_the_arguments() -> None:
     argv = ["--log-level", "info", "bench", "overhead", "--targets", "direct,smg-ca", "--x", "a b"]
     assert (
-        overhead.reproduce_command(argv)
+        report.reproduce_command(argv, "overhead")
         == "kvroute bench overhead --targets direct,smg-ca --x 'a b'"
     )
     # Where the report went is no part of reproducing it (and a path names a machine).
     argv = ["bench", "soak", "--output-md", "/srv/x.md", "--rate", "4", "--output-md=y.md"]
-    assert overhead.reproduce_command([*argv, "--no-record"], "soak") == (
+    assert report.reproduce_command([*argv, "--no-record"], "soak") == (
         "kvroute bench soak --rate 4"
     )
 
@@ -177,8 +178,8 @@ def test_launch_commands() -> None:
 
 def test_record_writes_the_header_once(tmp_path: Path) -> None:
     path = tmp_path / "BENCHMARKS.md"
-    overhead.record(path, "## one\n")
-    overhead.record(path, "## two\n")
+    host.record(path, "## one\n")
+    host.record(path, "## two\n")
     text = path.read_text()
     assert text.count("# Benchmarks") == 1
     assert text.index("## one") < text.index("## two")

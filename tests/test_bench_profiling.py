@@ -7,7 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvroute.bench.profiling import CpuSampler, frames_table, top_frames, tree_cpu_seconds
+from kvroute.bench.harness.procs import tree_cpu_seconds
+from kvroute.bench.harness.sampling import CpuSampler
+from kvroute.bench.profiling import frames_table, top_frames
 
 BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
 

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from kvroute.backends.process import free_ports
-from kvroute.bench.processes import Child, start, stop
+from kvroute.bench.harness.processes import Child, start, stop
 from kvroute.drill import run as drill_run
 from kvroute.drill.faults import DrillError
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import io
 import json
 import math
@@ -27,9 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.backends.process import free_ports
-from kvroute.bench import processes
 from kvroute.bench.argtypes import add_report_args, positive_int
-from kvroute.bench.overhead import HOST, kvroute_argv, machine_line, record, reproduce_command
+from kvroute.bench.harness import processes
+from kvroute.bench.harness.fleet import (
+    Launch,
+    kvroute_argv,
+    replica_argv,
+    serve_argv,
+    start_all,
+    start_router,
+)
+from kvroute.bench.harness.host import machine_line, record, utc_stamp
+from kvroute.bench.harness.processes import StartError
+from kvroute.bench.harness.report import reproduce_command, section_head
 
 MODEL = "bench-model"
 TARGET_RATIO = 1.1  # issue 14: online TTFT p99 with the batch lane <= 1.1x online alone
@@ -63,13 +72,13 @@ class Run:
 def fleet(options: Options, log_dir: Path, store: Path) -> Iterator[str]:
     """Fresh emulated replicas and a router with the batch lane; yields the router's URL."""
     with contextlib.ExitStack() as stack:
-        urls = []
-        for i, port in enumerate(free_ports(options.replicas)):
-            url = f"http://{HOST}:{port}"
-            argv = [*kvroute_argv(), "replica", "--host", HOST, "--port", str(port)]
-            argv += ["--preset", options.preset, "--served-model-name", MODEL]
-            stack.enter_context(processes.managed(f"replica-{i}", argv, log_dir, url + "/health"))
-            urls.append(url)
+        urls = start_all(
+            stack,
+            "replica",
+            lambda port: replica_argv(port, MODEL, "--preset", options.preset, cli=kvroute_argv()),
+            free_ports(options.replicas),
+            log_dir,
+        )
         config = {
             "replicas": [{"url": u, "name": f"r{i}"} for i, u in enumerate(urls)],
             "batch": {
@@ -82,10 +91,8 @@ def fleet(options: Options, log_dir: Path, store: Path) -> Iterator[str]:
         path = log_dir / f"router-{store.stem}.json"  # YAML reads JSON
         path.write_text(json.dumps(config))
         (port,) = free_ports(1)
-        argv = [*kvroute_argv(), "serve", "--config", str(path), "--host", HOST]
-        argv += ["--port", str(port)]
-        base = f"http://{HOST}:{port}"
-        stack.enter_context(processes.managed("router", argv, log_dir, base + "/ready"))
+        serve = Launch(serve_argv(port, (), "--config", str(path)), "/ready")
+        base, _ = start_router(stack, "router", serve, port, log_dir)
         yield base
 
 
@@ -119,7 +126,7 @@ async def run_once(options: Options, trace: Any, scale: float, with_job: bool) -
     from kvroute.simulator.traces.live import replay_live_async
 
     with (
-        processes.log_directory() as log_dir,
+        processes.session() as log_dir,
         fleet(
             options, log_dir, log_dir / ("with.sqlite3" if with_job else "alone.sqlite3")
         ) as base,
@@ -176,7 +183,6 @@ def report(options: Options, alone: Run, both: Run, command: str) -> str:
     job_tokens = job.get("completed", 0) * (options.input_words + 1 + options.output_tokens)
     share = job_tokens / (job_tokens + online_tokens) if job_tokens + online_tokens else 0.0
     met_ttft = ratio <= TARGET_RATIO
-    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     rows = [
         "| run | online requests | failed | TTFT p50 | TTFT p99 | TPOT p99 | batch job |",
         "|---|--:|--:|--:|--:|--:|---|",
@@ -198,12 +204,10 @@ def report(options: Options, alone: Run, both: Run, command: str) -> str:
     return (
         "\n".join(
             [
-                f"## Batch lane on idle capacity, live (`kvroute bench batch`), {date}",
-                "",
-                "```",
-                command,
-                "```",
-                "",
+                *section_head(
+                    f"Batch lane on idle capacity, live (`kvroute bench batch`), {utc_stamp()}",
+                    command,
+                ),
                 f"- machine: {machine_line()}",
                 f"- fleet: {options.replicas} emulated replicas (`kvroute replica --preset "
                 f"{options.preset}`, each a process, in real time) behind `kvroute serve` with "
@@ -286,7 +290,7 @@ def _cmd(args: argparse.Namespace) -> int:
         alone = asyncio.run(run_once(options, trace, scale, with_job=False))
         print(f"alone: TTFT p99 {alone.online['ttft_p99_s']:.3f} s", flush=True)
         both = asyncio.run(run_once(options, trace, scale, with_job=True))
-    except (processes.StartError, OSError, ValueError, TraceError) as exc:
+    except (StartError, OSError, ValueError, TraceError) as exc:
         print(f"kvroute bench batch: {exc}", file=sys.stderr)
         return 2
     text = report(options, alone, both, reproduce_command(sys.argv[1:], "batch"))

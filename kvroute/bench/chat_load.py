@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvroute.kvcore.stats import parse_metrics, percentile
+from kvroute.bench.harness.metrics import metrics_page
+from kvroute.kvcore.stats import percentile
 from kvroute.simulator import loadgen
 from kvroute.simulator.loadgen import Outcome
 from kvroute.simulator.workload import Conversation
@@ -84,8 +85,7 @@ async def replica_counters(
     """Each replica's own counters, from its /metrics (``kvcore.stats.parse_metrics``)."""
     out = {}
     for url in urls:
-        async with http.get(url + "/metrics") as resp:
-            page = parse_metrics(await resp.text())
+        page = await metrics_page(http, url)
         out[url] = ReplicaCounters(
             queries=page.sum("vllm:prefix_cache_queries_total"),
             hits=page.sum("vllm:prefix_cache_hits_total"),

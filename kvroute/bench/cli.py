@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
 
-from kvroute.bench.argtypes import add_report_args, non_negative_int, positive_int
+from kvroute.bench.argtypes import (
+    add_report_args,
+    add_startup_timeout,
+    non_negative_int,
+    positive_int,
+)
 from kvroute.bench.batch_lane import add_batch_bench
 from kvroute.bench.epp import add_epp_bench
 from kvroute.bench.fairness import add_fairness_bench
@@ -135,12 +138,7 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--model", default="stub-model", help="Model name the stubs serve and requests ask for."
     )
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=60.0,
-        help="Seconds each process may take to become ready (default 60).",
-    )
+    add_startup_timeout(p, float)
     p.add_argument(
         "--peer-bin-dir",
         metavar="DIR",
@@ -158,9 +156,10 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _cmd_overhead(args: argparse.Namespace) -> int:
+    from kvroute.bench.harness.processes import exit_status
     from kvroute.bench.loadgen import LoadError
     from kvroute.bench.overhead import Options, run_overhead
-    from kvroute.bench.processes import StartError
+    from kvroute.bench.profiling import prepare_profile
 
     options = Options(
         concurrency=args.concurrency,
@@ -183,14 +182,6 @@ def _cmd_overhead(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         profile_dir=args.profile,
     )
-    if args.profile:
-        if shutil.which("py-spy") is None:
-            print("kvroute bench overhead: --profile needs py-spy (pip install -e '.[bench]')",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-        os.makedirs(args.profile, exist_ok=True)
-    try:
-        return run_overhead(options, sys.argv[1:])
-    except (LoadError, StartError) as exc:
-        print(f"kvroute bench overhead: {exc}", file=sys.stderr)
+    if not prepare_profile("overhead", args.profile):
         return 2
+    return exit_status("overhead", lambda: run_overhead(options, sys.argv[1:]), LoadError)

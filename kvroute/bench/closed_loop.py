@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from kvroute.bench.chat_load import RunResult, record_counters, replica_counters
-from kvroute.kvcore.stats import parse_metrics
+from kvroute.bench.harness.metrics import metrics_page
 from kvroute.simulator import loadgen
 from kvroute.simulator.workload import Conversation
 
@@ -153,8 +153,7 @@ async def queue_depths(
     """(waiting, running) of each replica, from its /metrics."""
 
     async def one(url: str) -> tuple[float, float]:
-        async with http.get(url + "/metrics") as resp:
-            page = parse_metrics(await resp.read(), only=_QUEUE_METRICS)
+        page = await metrics_page(http, url, only=_QUEUE_METRICS)
         return page.sum(_QUEUE_METRICS[0]), page.sum(_QUEUE_METRICS[1])
 
     return list(await asyncio.gather(*(one(u) for u in urls)))

@@ -21,31 +21,47 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime as dt
 import json
 import os
-import platform
 import random
 import re
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvroute.bench import overhead, processes
-from kvroute.bench.argtypes import add_report_args, non_negative_int, positive_int
-from kvroute.bench.loadgen import LoadError, find_wrk, parse_wrk, wrk_version
+from kvroute.bench import overhead
+from kvroute.bench.argtypes import (
+    add_report_args,
+    add_startup_timeout,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+from kvroute.bench.harness import processes
+from kvroute.bench.harness.fleet import HOST, kvroute_argv, running_stubs
+from kvroute.bench.harness.host import (
+    cpu_count,
+    kvroute_version,
+    machine_line,
+    python_version,
+    record,
+    shown_path,
+    utc_stamp,
+)
+from kvroute.bench.harness.metrics import scrape
+from kvroute.bench.harness.procs import group_cpu_s, machine_busy_s, process_cpu_s
+from kvroute.bench.harness.report import errors_cell, one_line, reproduce_command, section_head
+from kvroute.bench.harness.sampling import Sampler
+from kvroute.bench.loadgen import LoadError, find_wrk, parse_wrk, wrk_output, wrk_version
 
 if TYPE_CHECKING:
     from kvroute.gateway import EnvoyProcess
 
-HOST = overhead.HOST
 SCENARIOS = ("latency", "large")
 # The issue's targets.
 ADDED_P50_MS = 1.0
@@ -57,7 +73,6 @@ MAX_TOKENS = 8
 SATURATED_CORES = 0.9  # a Python process at about one core: it is the bottleneck
 READY_SERVICE = "readiness"  # kvroute epp's gRPC health: SERVING once its endpoints are probed
 _POLL_S = 0.1
-_SAMPLE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -92,107 +107,6 @@ class Options:
 
 
 # ------------------------------------------------------------------ CPU accounting
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _stat_fields(pid: int | str) -> list[str] | None:
-    """/proc/<pid>/stat after the command name (which may hold spaces): fields 3 on."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rpartition(")")[2].split()
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) of one process; 0 once it is gone."""
-    fields = _stat_fields(pid)
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK if fields else 0.0
-
-
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds of the live processes of a process group (kvroute epp and its tokenizer
-    workers: children inherit the group its own session gave it)."""
-    total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        fields = _stat_fields(entry.name)
-        if fields and int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / _CLK_TCK
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine spent not idle (all cores), from /proc/stat."""
-    try:
-        first = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return 0.0
-    ticks = [int(x) for x in first[:8]]  # user nice system idle iowait irq softirq steal
-    return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
-
-
-class Sampler:
-    """Counters (CPU seconds, the picker's decision totals) sampled in a thread every
-    ``interval_s``.
-
-    A measured window is sometimes known only afterwards (the conversations' window is the last
-    ``duration_s`` seconds of the run), so the counters are kept over time and read for any
-    window by interpolation.
-    """
-
-    def __init__(self, read: Callable[[], dict[str, float]], interval_s: float = _SAMPLE_S):
-        self.read = read
-        self.interval_s = interval_s
-        self.samples: list[tuple[float, dict[str, float]]] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
-
-    def sample(self) -> None:
-        values = self.read()
-        with self._lock:
-            self.samples.append((time.monotonic(), values))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.sample()
-
-    def __enter__(self) -> Sampler:
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return list(self.samples[0][1]) if self.samples else []
-
-    def _at(self, name: str, t: float) -> float:
-        with self._lock:
-            samples = list(self.samples)
-        before = [(ts, v[name]) for ts, v in samples if ts <= t]
-        after = [(ts, v[name]) for ts, v in samples if ts >= t]
-        if not before:
-            return after[0][1]
-        if not after:
-            return before[-1][1]
-        (t0, v0), (t1, v1) = before[-1], after[0]
-        return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
-
-    def delta(self, name: str, start: float, end: float) -> float:
-        """How much counter ``name`` grew over ``[start, end]``."""
-        self.sample()
-        return self._at(name, end) - self._at(name, start)
-
-    def cores(self, name: str, start: float, end: float) -> float:
-        """Cores CPU counter ``name`` kept busy on average over ``[start, end]`` (1.0: one)."""
-        return self.delta(name, start, end) / (end - start) if end > start else 0.0
 
 
 def cpu_sampler(gateway: Gateway) -> Sampler:
@@ -244,7 +158,7 @@ def picker_argv(
     upstreams: Sequence[str], ports: Sequence[int], tokenizer: str, policy: str | None
 ) -> list[str]:
     grpc_port, health_port, metrics_port = ports
-    argv = [*overhead.kvroute_argv(), "epp"]
+    argv = [*kvroute_argv(), "epp"]
     for url in upstreams:
         argv += ["--endpoint", url.removeprefix("http://")]
     argv += [
@@ -300,10 +214,11 @@ def running_gateway(options: Options, log_dir: Path) -> Iterator[Gateway]:
     from kvroute.backends.process import free_ports
     from kvroute.gateway import EnvoyProcess, GatewaySpec
 
-    shared = options.overhead_options()
-    tokenizer = overhead.agent_tokenizer(shared)
+    tokenizer = overhead.agent_tokenizer(options.overhead_options())
     with (
-        overhead.running_upstreams(shared, log_dir) as upstreams,
+        running_stubs(
+            options.upstreams, options.model, log_dir, options.startup_timeout_s
+        ) as upstreams,
         contextlib.ExitStack() as stack,
     ):
         grpc_port, health_port, metrics_port, listen, admin, direct = free_ports(6)
@@ -365,13 +280,8 @@ def smoke_check(gateway: Gateway, options: Options) -> None:
 
 def decision_counters(metrics_url: str) -> tuple[float, float] | None:
     """The picker's own ``kvroute_epp_decision_seconds`` (sum, count): parse, tokenize, route."""
-    import urllib.request
-
-    from kvroute.kvcore.stats import parse_metrics
-
     try:
-        with urllib.request.urlopen(metrics_url, timeout=5) as resp:
-            page = parse_metrics(resp.read(), only=("kvroute_epp_decision_seconds_",))
+        page = scrape(metrics_url, only=("kvroute_epp_decision_seconds_",), timeout=5)
     except (OSError, ValueError):
         return None
     return (
@@ -494,21 +404,10 @@ def parse_latency(output: str) -> Latency:
 
 
 def run_wrk(wrk: str, url: str, script: str, options: Options, duration_s: int) -> Latency:
-    threads = max(1, min(options.threads, options.concurrency))
-    with tempfile.NamedTemporaryFile("w", suffix=".lua", prefix="kvroute-bench-epp-") as f:
-        f.write(script)
-        f.flush()
-        argv = [
-            wrk, f"-t{threads}", f"-c{options.concurrency}", f"-d{duration_s}s",
-            "--latency", "-s", f.name, url + "/v1/completions",
-        ]  # fmt: skip
-        try:
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + 60)
-        except subprocess.TimeoutExpired as exc:
-            raise LoadError(f"wrk did not finish: {exc}") from exc
-    if out.returncode != 0:
-        raise LoadError(f"wrk exited with {out.returncode}: {(out.stdout + out.stderr).strip()}")
-    return parse_latency(out.stdout)
+    url += "/v1/completions"
+    prefix = "kvroute-bench-epp-"
+    c, threads = options.concurrency, options.threads
+    return parse_latency(wrk_output(wrk, url, script, threads, c, duration_s, prefix))
 
 
 def run_latency(gateway: Gateway, options: Options, wrk: str, cpu: Sampler) -> list[LatencyRound]:
@@ -663,8 +562,8 @@ def envoy_version() -> str:
 def versions_line(wrk: str | None) -> str:
     parts = [
         envoy_version(),
-        f"kvroute {overhead.package_version('kvroute') or '?'}",
-        f"Python {platform.python_version()}",
+        kvroute_version(),
+        python_version(),
     ]
     if wrk:
         parts.append(wrk_version(wrk))
@@ -678,7 +577,7 @@ def setup_line(options: Options, tokenizer: str) -> str:
     workers = "worker thread" if options.envoy_workers == 1 else "worker threads"
     return (
         f"{options.upstreams} instant-answer stub upstreams; kvroute epp as its own process "
-        f"(policy {policy}, --tokenizer {overhead.display_path(tokenizer)}); one Envoy "
+        f"(policy {policy}, --tokenizer {shown_path(tokenizer)}); one Envoy "
         f"({options.envoy_workers} {workers}) with two listeners over the same pods: the "
         "picker's (ext_proc, FULL_DUPLEX_STREAMED bodies, override_host) and a direct one "
         "(round robin)"
@@ -707,12 +606,6 @@ def load_lines(options: Options, wrk: str | None) -> list[str]:
             "measured window, in cores (1.00 = one core busy)"
         )
     return lines
-
-
-def errors_cell(r: Latency | Large) -> str:
-    if not r.errors:
-        return "0"
-    return f"{r.errors} ({r.non_2xx} http, {r.socket_errors} socket)"
 
 
 def _cell(value: float | None, places: int = 2) -> str:
@@ -849,18 +742,12 @@ def note_lines(results: Results, options: Options) -> list[str]:
 
 
 def report(context: Context, results: Results, options: Options, markdown: bool) -> str:
-    cpus = len(os.sched_getaffinity(0))
+    cpus = cpu_count()
     bullet = "- " if markdown else ""
     lines = []
     if markdown:
-        lines += [
-            f"## Endpoint picker behind Envoy (`kvroute bench epp`), {context.date}",
-            "",
-            "```",
-            context.command,
-            "```",
-            "",
-        ]
+        title = f"Endpoint picker behind Envoy (`kvroute bench epp`), {context.date}"
+        lines += section_head(title, context.command)
     else:
         lines += [f"date: {context.date}", f"command: {context.command}"]
     lines += [
@@ -920,9 +807,9 @@ def run_epp_bench(options: Options, argv: Sequence[str]) -> int:
             )
     context_tokenizer = overhead.agent_tokenizer(options.overhead_options())
     context = Context(
-        date=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        command=overhead.reproduce_command(argv, "epp"),
-        machine=overhead.machine_line(),
+        date=utc_stamp(),
+        command=reproduce_command(argv, "epp"),
+        machine=machine_line(),
         versions=versions_line(wrk),
         setup=setup_line(options, context_tokenizer),
         loads=load_lines(options, wrk),
@@ -930,8 +817,7 @@ def run_epp_bench(options: Options, argv: Sequence[str]) -> int:
     print(f"command: {context.command}", flush=True)
     results = Results()
     with (
-        processes.sigterm_as_exit(),
-        processes.log_directory("kvroute-bench-epp-") as log_dir,
+        processes.session("kvroute-bench-epp-") as log_dir,
         running_gateway(options, log_dir) as gateway,
     ):
         print("gateway ready: stubs, kvroute epp and Envoy", flush=True)
@@ -942,14 +828,14 @@ def run_epp_bench(options: Options, argv: Sequence[str]) -> int:
                 try:
                     results.latency = run_latency(gateway, options, wrk, cpu)
                 except LoadError as exc:
-                    results.failures.append(f"latency: {overhead.one_line(str(exc))}")
+                    results.failures.append(f"latency: {one_line(str(exc))}")
             if "large" in options.scenarios:
                 for label, url in (("picker", gateway.epp_url), ("direct", gateway.direct_url)):
                     print(f"large: through the {label} listener ...", end=" ", flush=True)
                     try:
                         large = run_large(gateway, options, url, cpu)
                     except (LoadError, OSError) as exc:
-                        results.failures.append(f"large, {label}: {overhead.one_line(str(exc))}")
+                        results.failures.append(f"large, {label}: {one_line(str(exc))}")
                         print("failed", flush=True)
                         continue
                     print(f"{large.requests_per_s:.0f} req/s", flush=True)
@@ -961,7 +847,7 @@ def run_epp_bench(options: Options, argv: Sequence[str]) -> int:
     print(report(context, results, options, markdown=False), end="")
     if options.record:
         path = Path(options.output)
-        overhead.record(path, report(context, results, options, markdown=True))
+        record(path, report(context, results, options, markdown=True))
         print(f"\nappended to {path}")
     measured = results.latency or results.large_epp is not None
     return 0 if measured else 1
@@ -976,13 +862,6 @@ def _scenarios(text: str) -> tuple[str, ...]:
     if text not in SCENARIOS:
         raise argparse.ArgumentTypeError(f"choose latency, large or all (got {text!r})")
     return (text,)
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value
 
 
 def add_epp_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -1070,7 +949,7 @@ def add_epp_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument(
         "--turn-kb",
-        type=_positive_float,
+        type=positive_float,
         default=2.0,
         help="large: KB each request adds to its conversation (default 2).",
     )
@@ -1095,12 +974,7 @@ def add_epp_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--model", default="stub-model", help="Model name the stubs serve and requests ask for."
     )
-    p.add_argument(
-        "--startup-timeout",
-        type=_positive_float,
-        default=60.0,
-        help="Seconds each process may take to become ready (default 60).",
-    )
+    add_startup_timeout(p)
     add_report_args(p)
     p.set_defaults(func=_cmd_epp_bench)
 
@@ -1126,8 +1000,4 @@ def _cmd_epp_bench(args: argparse.Namespace) -> int:
         output=args.output_md,
         record=not args.no_record,
     )
-    try:
-        return run_epp_bench(options, sys.argv[1:])
-    except (LoadError, processes.StartError) as exc:
-        print(f"kvroute bench epp: {exc}", file=sys.stderr)
-        return 2
+    return processes.exit_status("epp", lambda: run_epp_bench(options, sys.argv[1:]), LoadError)

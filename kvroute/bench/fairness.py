@@ -45,13 +45,24 @@ import aiohttp
 import uvloop
 
 from kvroute.backends.process import free_ports
-from kvroute.bench import processes
 from kvroute.bench.argtypes import add_report_args, positive_int
 from kvroute.bench.chat_load import replica_counters
-from kvroute.bench.overhead import machine_line, record, reproduce_command
+from kvroute.bench.harness import processes
+from kvroute.bench.harness.fleet import (
+    HOST,
+    Launch,
+    kvroute_cli,
+    replica_argv,
+    serve_argv,
+    start_all,
+    start_router,
+)
+from kvroute.bench.harness.host import machine_line, record
+from kvroute.bench.harness.metrics import metrics_page
+from kvroute.bench.harness.report import reproduce_command
 from kvroute.bench.streams import lag_summary
 from kvroute.kvcore.fair_queue import FairnessParams
-from kvroute.kvcore.stats import MetricsPage, parse_metrics, percentile
+from kvroute.kvcore.stats import MetricsPage, percentile
 from kvroute.simulator.workload import filler, multi_tenant_chat
 
 # Issue 14's targets.
@@ -61,8 +72,6 @@ TARGET_TTFT = 1.2  # the light tenant's p99 under the flood, against alone
 TARGET_HIT_RATE = 0.9  # fair's hit rate against FIFO's
 OUTPUT_WEIGHT = 2.0
 
-
-HOST = "127.0.0.1"
 RESERVED_SLOTS = FairnessParams().reserved_slots  # what the router runs with (the default)
 
 
@@ -95,6 +104,13 @@ class Phase:
     lag_p99_le_s: float = 0.0  # the router's event-loop lag p99 (a bucket bound), worst window
     errors: int = 0
 
+    def record(self, tenant: str, ttft: float | None) -> None:
+        """One request's TTFT, or an error when it failed (None)."""
+        if ttft is None:
+            self.errors += 1
+        else:
+            self.ttfts.setdefault(tenant, []).append(ttft)
+
     def add(self, other: Phase) -> None:
         for tenant, values in other.ttfts.items():
             self.ttfts.setdefault(tenant, []).extend(values)
@@ -120,13 +136,8 @@ class Phase:
 # -- the fleet: each replica and the router a process of its own ---------------------------
 
 
-def kvroute_cli() -> list[str]:
-    # This interpreter, so the children run the code under test whatever PATH holds.
-    return [sys.executable, "-m", "kvroute.cli"]
-
-
-def replica_argv(
-    port: int, events_port: int, replay_port: int, num_blocks: int, options: Options
+def replica_flags(
+    events_port: int, replay_port: int, num_blocks: int, options: Options
 ) -> list[str]:
     events = {
         "enable_kv_cache_events": True,
@@ -136,10 +147,6 @@ def replica_argv(
         "topic": "kv-events",
     }
     return [
-        *kvroute_cli(), "replica",
-        "--host", HOST,
-        "--port", str(port),
-        "--served-model-name", "tiny",
         "--preset", options.preset,
         "--block-size", "16",
         "--num-gpu-blocks-override", str(num_blocks),
@@ -170,40 +177,30 @@ def fleet(
     options: Options, num_blocks: int, log_dir: Path, fair: bool = True
 ) -> Iterator[tuple[str, list[str]]]:
     """The replicas and the router in front of them: (router URL, replica URLs)."""
+    cli, timeout_s = kvroute_cli(), options.startup_timeout_s
     with contextlib.ExitStack() as stack:
-        ports = free_ports(1 + 3 * options.replicas)
-        entries, urls = [], []
-        for i in range(options.replicas):
-            port, events_port, replay_port = ports[1 + 3 * i : 4 + 3 * i]
-            url = f"http://{HOST}:{port}"
-            argv = replica_argv(port, events_port, replay_port, num_blocks, options)
-            stack.enter_context(
-                processes.managed(
-                    f"replica-{i}", argv, log_dir, url + "/health", options.startup_timeout_s
-                )
-            )
-            urls.append(url)
-            entries.append(
-                {
-                    "url": url,
-                    "name": f"r{i}",
-                    "kv_events": f"tcp://{HOST}:{events_port}",
-                    "kv_replay": f"tcp://{HOST}:{replay_port}",
-                }
-            )
+        port, *ports = free_ports(1 + 3 * options.replicas)
+        # Each replica's HTTP port -> its KV events and replay ports.
+        kv = {ports[k]: (ports[k + 1], ports[k + 2]) for k in range(0, len(ports), 3)}
+
+        def replica(p: int) -> list[str]:
+            flags = replica_flags(*kv[p], num_blocks, options)
+            return replica_argv(p, "tiny", *flags, cli=cli)
+
+        urls = start_all(stack, "replica", replica, list(kv), log_dir, timeout_s)
+        entries = [
+            {
+                "url": url,
+                "name": f"r{i}",
+                "kv_events": f"tcp://{HOST}:{events}",
+                "kv_replay": f"tcp://{HOST}:{replay}",
+            }
+            for i, (url, (events, replay)) in enumerate(zip(urls, kv.values(), strict=True))
+        ]
         config = log_dir / f"router-{'fair' if fair else 'fifo'}.yaml"
         config.write_text(json.dumps(router_config(entries, options, fair)))  # JSON is YAML
-        router_url = f"http://{HOST}:{ports[0]}"
-        argv = [*kvroute_cli(), "serve", "--config", str(config), "--host", HOST]
-        stack.enter_context(
-            processes.managed(
-                "router",
-                [*argv, "--port", str(ports[0])],
-                log_dir,
-                router_url + "/ready",
-                options.startup_timeout_s,
-            )
-        )
+        serve = Launch(serve_argv(port, (), "--config", str(config), cli=cli), "/ready")
+        router_url, _ = start_router(stack, "router", serve, port, log_dir, timeout_s)
         yield router_url, urls
 
 
@@ -250,13 +247,8 @@ async def _closed_loop(
 ) -> None:
     async def worker() -> None:
         while not stop.is_set():
-            ttft = await _stream(
-                http, url, "/v1/completions", _prompt_body(rng, tenant, options), tenant
-            )
-            if ttft is None:
-                phase.errors += 1
-            else:
-                phase.ttfts.setdefault(tenant, []).append(ttft)
+            body = _prompt_body(rng, tenant, options)
+            phase.record(tenant, await _stream(http, url, "/v1/completions", body, tenant))
 
     await asyncio.gather(*(worker() for _ in range(workers)))
 
@@ -274,13 +266,8 @@ async def _open_loop(
     pending: set[asyncio.Task[None]] = set()
 
     async def one() -> None:
-        ttft = await _stream(
-            http, url, "/v1/completions", _prompt_body(rng, tenant, options), tenant
-        )
-        if ttft is None:
-            phase.errors += 1
-        else:
-            phase.ttfts.setdefault(tenant, []).append(ttft)
+        body = _prompt_body(rng, tenant, options)
+        phase.record(tenant, await _stream(http, url, "/v1/completions", body, tenant))
 
     while not stop.is_set():
         task = asyncio.create_task(one())
@@ -379,11 +366,6 @@ def _weighted(row: dict[str, Any]) -> float:
     return float(row["tokens"]["input"] + OUTPUT_WEIGHT * row["tokens"]["output"])
 
 
-async def _page(http: aiohttp.ClientSession, url: str) -> MetricsPage:
-    async with http.get(url + "/metrics") as resp:
-        return parse_metrics(await resp.text())
-
-
 @dataclass
 class _Readings:
     tenants: dict[str, dict[str, Any]]
@@ -394,8 +376,8 @@ class _Readings:
 async def _read(http: aiohttp.ClientSession, url: str, replicas: Sequence[str]) -> _Readings:
     return _Readings(
         await _tenant_rows(http, url),
-        await _page(http, url),
-        [await _page(http, r) for r in replicas],
+        await metrics_page(http, url),
+        [await metrics_page(http, r) for r in replicas],
     )
 
 
@@ -564,7 +546,7 @@ def run(options: Options) -> Outcome:
     """Every phase, each fleet started for it and stopped after (small KV caches for the
     locality phases, so what stays cached matters)."""
     outcome = Outcome()
-    with processes.log_directory("kvroute-bench-fairness-") as logs, processes.sigterm_as_exit():
+    with processes.session("kvroute-bench-fairness-") as logs:
         with fleet(options, 4096, logs) as (url, urls):
             uvloop.run(_service_and_latency(options, url, urls, outcome))
         for fair in (False, True):

@@ -199,25 +199,19 @@ def _fidelity_live(
 ) -> tuple[dict[str, Any], list[Probe]]:
     """Launch the replicas and the router, probe step times, replay; stop everything."""
     import contextlib
-    from pathlib import Path
 
     from kvroute.backends.launcher import LaunchedFleet, LaunchSpec
     from kvroute.backends.process import LaunchError, free_ports
-    from kvroute.bench import processes
-    from kvroute.bench.overhead import kvroute_argv
+    from kvroute.bench.harness import processes
+    from kvroute.bench.harness.fleet import HOST, Launch, serve_argv, start_router
 
-    host = "127.0.0.1"
     with contextlib.ExitStack() as stack:
-        if args.log_dir:
-            log_dir = Path(args.log_dir)
-            log_dir.mkdir(parents=True, exist_ok=True)
-        else:
-            log_dir = stack.enter_context(processes.log_directory("kvroute-bench-fidelity-"))
-        stack.enter_context(processes.sigterm_as_exit())
+        session = processes.session("kvroute-bench-fidelity-", keep_in=args.log_dir)
+        log_dir = stack.enter_context(session)
         spec = LaunchSpec(
             engine="vllm", count=args.replicas, model="tiny", model_path=None, tokenizer=None,
             block_size=block, num_gpu_blocks=args.kv_blocks, max_num_seqs=args.max_num_seqs,
-            preset="", time_scale=1.0, kv_events=True, host=host, log_dir=str(log_dir),
+            preset="", time_scale=1.0, kv_events=True, host=HOST, log_dir=str(log_dir),
             startup_timeout_s=args.startup_timeout_s, max_restarts=0,
         )  # fmt: skip
         print(
@@ -232,13 +226,12 @@ def _fidelity_live(
         except LaunchError as exc:
             raise UsageError(f"vLLM replicas did not start: {str(exc).splitlines()[0]}") from None
         port = free_ports(1)[0]
-        argv = [*kvroute_argv(), "serve", "--host", host, "--port", str(port)]
-        argv += ["--policy", args.policy, "--tokenizer", model_dir, "--block-size", str(block)]
+        flags = ["--policy", args.policy, "--tokenizer", model_dir, "--block-size", str(block)]
         for r in fleet.replicas:
-            argv += ["--replica", r.url, "--kv-events", f"{r.url}={r.kv_events},{r.kv_replay}"]
-        base = f"http://{host}:{port}"
+            flags += ["--replica", r.url, "--kv-events", f"{r.url}={r.kv_events},{r.kv_replay}"]
         try:
-            stack.enter_context(processes.managed("kvroute", argv, log_dir, base + "/ready", 120))
+            serve = Launch(serve_argv(port, (), *flags), "/ready")
+            base, _ = start_router(stack, "kvroute", serve, port, log_dir, 120)
         except processes.StartError as exc:
             raise UsageError(f"the router did not start: {str(exc).splitlines()[0]}") from None
         urls = [r.url for r in fleet.replicas]
@@ -339,20 +332,16 @@ def _fidelity_report(
     fit: LatencyFit,
     runs: list[tuple[str, SimResult, float]],
 ) -> str:
-    from kvroute.bench.overhead import package_version
-
-    def ms(value: float | None) -> str:
-        return "n/a" if value is None or math.isnan(value) else f"{value * 1000:.0f}"
+    from kvroute.bench.harness.host import package_version
+    from kvroute.bench.harness.report import load_text, ms, section_head
 
     live_hit = live.get("prefix_hit_rate")
     per_replica = "/".join(str(v) for v in live.get("requests_per_replica", {}).values())
     lines = [
-        f"## Simulator fidelity against real vLLM, {started}",
-        "",
-        "```",
-        "kvroute " + shlex.join(sys.argv[1:]),
-        "```",
-        "",
+        *section_head(
+            f"Simulator fidelity against real vLLM, {started}",
+            "kvroute " + shlex.join(sys.argv[1:]),
+        ),
         "| run | engine hit rate | vs vLLM | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
         "| TPOT p50 ms | requests per replica |",
         "|---|--:|--:|--:|--:|--:|--:|--:|",
@@ -399,7 +388,6 @@ def _fidelity_report(
         f"{args.kv_blocks} KV blocks of 32 tokens ({args.kv_blocks - 1} usable), max_num_seqs "
         f"{args.max_num_seqs}, max_num_batched_tokens {VLLM_CPU_MAX_NUM_BATCHED_TOKENS}; "
         f"policy {args.policy}; live send lateness p99 {ms(live.get('send_late_p99_s'))} ms",
-        f"- machine: {os.cpu_count()} CPUs, load average before run "
-        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        f"- machine: {os.cpu_count()} CPUs, load average before run {load_text(load)}",
     ]
     return "\n".join(lines) + "\n"

@@ -20,12 +20,9 @@ over-allocation, so it is what a router process really pays.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
-import os
 import platform
 import random
-import shlex
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -34,17 +31,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvroute.bench.argtypes import add_report_args, fraction, non_negative_int, positive_int
+from kvroute.bench.harness import procs
+from kvroute.bench.harness.host import (
+    cpu_count,
+    load_average,
+    python_version,
+    record,
+    utc_stamp,
+)
+from kvroute.bench.harness.report import reproduce_command, section_head
 from kvroute.kvcore import block_hashing, packed_runs
 from kvroute.kvcore.block_hashing import block_hashes
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.kvcore.stats import percentile
-
-MD_HEADER = (
-    "# Benchmarks\n\n"
-    "Results appended by `kvroute bench ...`, newest last. Each section gives the command that "
-    "reproduces it. The machines are often small and shared: compare ratios within a section, "
-    "not absolute numbers across sections.\n"
-)
 
 TARGET_BYTES_PER_ENTRY = 2**30 / 5_000_000
 TARGET_P99_US = 50.0
@@ -97,12 +96,9 @@ class Result:
 
 def rss_bytes() -> int:
     """Current resident set size (VmRSS) of this process."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    current = procs.rss_bytes("self")
+    if current:
+        return current
     import resource  # fallback: peak, not current (macOS reports bytes, Linux KiB)
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -317,25 +313,11 @@ def format_table(res: Result, o: Options) -> str:
     return "\n".join(lines)
 
 
-def reproduce_command(argv: Sequence[str]) -> str:
-    args = list(argv)
-    if "index" in args:
-        args = args[args.index("index") + 1 :]
-    return shlex.join(["kvroute", "bench", "index", *args])
-
-
 def markdown_section(command: str, date: str, res: Result, o: Options) -> str:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     lines = [
-        f"## Prefix index, {date}",
-        "",
-        "```",
-        command,
-        "```",
-        "",
-        f"- machine: {cpus} CPUs (nproc), {platform.machine()}, load average before run {load}; "
-        f"Python {platform.python_version()}",
+        *section_head(f"Prefix index, {date}", command),
+        f"- machine: {cpu_count()} CPUs (nproc), {platform.machine()}, load average before run "
+        f"{load_average()}; {python_version()}",
         f"- workload: {o.replicas} replicas, {o.entries:,} target entries, chains of "
         f"{o.chain_blocks} blocks of {o.block_size} tokens in BlockStored events of "
         f"{o.event_blocks} blocks; {o.shared:.0%} of chains from a hot pool held by ~{o.copies} "
@@ -354,12 +336,6 @@ def markdown_section(command: str, date: str, res: Result, o: Options) -> str:
         format_table(res, o),
     ]
     return "\n".join(lines) + "\n"
-
-
-def record(path: Path, section: str) -> None:
-    prefix = "" if path.exists() and path.stat().st_size else MD_HEADER
-    with path.open("a", encoding="utf-8") as f:
-        f.write(prefix + "\n" + section)
 
 
 # --- CLI ---------------------------------------------------------------------------------------
@@ -456,8 +432,9 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
 
 def run_and_report(options: Options, argv: Sequence[str]) -> int:
-    command = reproduce_command(argv)
-    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    # The command as given, --output-md included (this bench has always quoted it whole).
+    command = reproduce_command(argv, "index", report_args=True)
+    date = utc_stamp()
     print(f"$ {command}", file=sys.stderr)
     res = run_index_bench(options)
     section = markdown_section(command, date, res, options)

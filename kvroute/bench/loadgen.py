@@ -120,28 +120,39 @@ def parse_wrk(output: str) -> LoadResult:
     )
 
 
-def run_wrk(wrk: str, load: Load) -> LoadResult:
-    threads = max(1, min(load.threads, load.concurrency))
-    with tempfile.NamedTemporaryFile("w", suffix=".lua", prefix="kvroute-bench-") as script:
-        script.write(wrk_script(load.body))
-        script.flush()
+def wrk_output(
+    wrk: str,
+    url: str,
+    script: str,
+    threads: int,
+    concurrency: int,
+    duration_s: int,
+    prefix: str = "kvroute-bench-",
+) -> str:
+    """What wrk prints after ``duration_s`` of ``concurrency`` connections to ``url``, each
+    request made by the Lua ``script``; LoadError when it fails or hangs."""
+    threads = max(1, min(threads, concurrency))
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", prefix=prefix) as f:
+        f.write(script)
+        f.flush()
         argv = [
-            wrk,
-            f"-t{threads}",
-            f"-c{load.concurrency}",
-            f"-d{load.duration_s}s",
-            "--latency",
-            "-s",
-            script.name,
-            load.url,
-        ]
+            wrk, f"-t{threads}", f"-c{concurrency}", f"-d{duration_s}s",
+            "--latency", "-s", f.name, url,
+        ]  # fmt: skip
         try:
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=load.duration_s + 60)
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + 60)
         except subprocess.TimeoutExpired as exc:
             raise LoadError(f"wrk did not finish: {exc}") from exc
     if out.returncode != 0:
         raise LoadError(f"wrk exited with {out.returncode}: {(out.stdout + out.stderr).strip()}")
-    return parse_wrk(out.stdout)
+    return out.stdout
+
+
+def run_wrk(wrk: str, load: Load) -> LoadResult:
+    script = wrk_script(load.body)
+    return parse_wrk(
+        wrk_output(wrk, load.url, script, load.threads, load.concurrency, load.duration_s)
+    )
 
 
 # ---------------------------------------------------------------------- built-in

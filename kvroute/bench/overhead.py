@@ -10,13 +10,7 @@ often small and shared, so read the ratios within one run, not the absolute numb
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import importlib.metadata
 import json
-import os
-import platform
-import shlex
-import shutil
 import sys
 import threading
 import time
@@ -27,7 +21,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvroute.backends.process import free_ports
-from kvroute.bench import processes
+from kvroute.bench.harness import processes
+from kvroute.bench.harness.fleet import (
+    HOST,
+    Launch,
+    find_executable,
+    peer_launch,
+    running_stubs,
+    serve_argv,
+)
+from kvroute.bench.harness.fleet import stub_argv as stub_argv  # h2_attacks imports it here
+from kvroute.bench.harness.host import (
+    kvroute_version,
+    machine_line,
+    package_version,
+    python_version,
+    record,
+    shown_path,
+    utc_stamp,
+)
+from kvroute.bench.harness.report import (
+    errors_cell,
+    one_line,
+    ratio,
+    reproduce_command,
+    section_head,
+)
+from kvroute.bench.harness.sampling import CpuSampler
 from kvroute.bench.loadgen import (
     Conversations,
     Load,
@@ -38,10 +58,9 @@ from kvroute.bench.loadgen import (
     run_load,
     wrk_version,
 )
-from kvroute.bench.profiling import CpuSampler, Frame, PySpy, frames_table, top_frames
+from kvroute.bench.profiling import Frame, PySpy, frames_table, top_frames
 from kvroute.policies import DEFAULT_POLICY
 
-HOST = "127.0.0.1"
 INSTALL_HINT = "install with: pip install -e '.[bench]'"
 
 
@@ -129,44 +148,6 @@ class Row:
         return f"{policy}, {self.target.workers} workers" if self.target.workers > 1 else policy
 
 
-@dataclass(frozen=True)
-class Launch:
-    argv: list[str]
-    ready_path: str
-
-
-# ------------------------------------------------------------------ executables
-
-
-def find_executable(name: str, peer_bin_dir: str | None) -> str | None:
-    """``name`` in --peer-bin-dir, else next to this Python (same venv), else on PATH."""
-    dirs = [Path(peer_bin_dir)] if peer_bin_dir else []
-    dirs.append(Path(sys.executable).parent)
-    for d in dirs:
-        candidate = d / name
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return shutil.which(name)
-
-
-def kvroute_argv() -> list[str]:
-    exe = find_executable("kvroute", None)
-    return [exe] if exe else [sys.executable, "-m", "kvroute.cli"]
-
-
-def package_version(dist: str, executable: str | None = None) -> str | None:
-    """The installed version of ``dist``: in this environment, else in the venv of ``executable``."""
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        return importlib.metadata.version(dist)
-    if executable is None:
-        return None
-    venv = Path(executable).parent.parent
-    for site in sorted(venv.glob("lib/python*/site-packages")):
-        for found in importlib.metadata.distributions(name=dist, path=[str(site)]):
-            return str(found.version)
-    return None
-
-
 # ---------------------------------------------------------------- command lines
 
 
@@ -180,64 +161,13 @@ def launch_for(
 ) -> Launch:
     """The command line that starts ``target`` in front of ``upstreams``, and its ready path."""
     if target.router == "kvroute":
-        argv = [*kvroute_argv(), "serve"]
-        for url in upstreams:
-            argv += ["--replica", url]
-        if tokenizer:
-            argv += ["--tokenizer", tokenizer]
+        flags = ["--tokenizer", tokenizer] if tokenizer else []
         if target.policy:
-            argv += ["--policy", target.policy]
+            flags += ["--policy", target.policy]
         if target.workers > 1:
-            argv += ["--workers", str(target.workers)]
-        argv += ["--host", HOST, "--port", str(port)]
-        return Launch(argv, "/ready")
-    common = [
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--worker-urls",
-        *upstreams,
-        "--policy",
-        target.policy or "cache_aware",
-        "--prometheus-port",
-        str(metrics_port),
-        "--worker-startup-check-interval",
-        "1",
-    ]
-    if target.router == "vllm-router":
-        return Launch([exe, *common, "--log-level", "error"], "/health")
-    if target.router == "smg":
-        return Launch(
-            [
-                exe,
-                "launch",
-                *common,
-                "--log-level",
-                "warn",
-                "--disable-tokenizer-autoload",
-                "--shutdown-grace-period-secs",
-                "0",
-                "--prometheus-host",
-                HOST,
-            ],
-            "/readiness",
-        )
-    raise ValueError(f"no launch command for {target.router}")
-
-
-def stub_argv(port: int, model: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "kvroute.bench.stub_upstream",
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--model",
-        model,
-    ]
+            flags += ["--workers", str(target.workers)]
+        return Launch(serve_argv(port, upstreams, *flags), "/ready")
+    return peer_launch(target.router, exe, upstreams, port, metrics_port, target.policy)
 
 
 def request_body(model: str, stream: bool) -> bytes:
@@ -431,26 +361,6 @@ def run_target(
     return row
 
 
-@contextlib.contextmanager
-def running_upstreams(options: Options, log_dir: Path) -> Iterator[list[str]]:
-    """Start the stub upstreams, wait until each answers /health, yield their URLs."""
-    with contextlib.ExitStack() as stack:
-        urls = []
-        for i, port in enumerate(free_ports(options.upstreams)):
-            url = f"http://{HOST}:{port}"
-            stack.enter_context(
-                processes.managed(
-                    f"stub-{i}",
-                    stub_argv(port, options.model),
-                    log_dir,
-                    url + "/health",
-                    options.startup_timeout_s,
-                )
-            )
-            urls.append(url)
-        yield urls
-
-
 # ---------------------------------------------------------------------- report
 
 
@@ -463,46 +373,13 @@ class Context:
     load: str
 
 
-def reproduce_command(argv: Sequence[str], bench: str = "overhead") -> str:
-    """``kvroute bench BENCH ...`` with the arguments this run was given, less where its
-    report went (``--output-md``, ``--no-record``): they change no number, and a path names a
-    machine."""
-    args = list(argv)
-    if bench in args:
-        args = args[args.index(bench) + 1 :]
-    kept: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg == "--output-md":
-            skip = True
-        elif not arg.startswith("--output-md=") and arg != "--no-record":
-            kept.append(arg)
-    return shlex.join(["kvroute", "bench", bench, *kept])
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def machine_line() -> str:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{cpus} CPUs (nproc), {cpu_model()}, load average before run {load}"
-
-
 def versions_line(options: Options, wrk: str | None) -> str:
-    parts = [f"kvroute {package_version('kvroute') or '?'}"]
+    parts = [kvroute_version()]
     for router in ("vllm-router", "smg"):
         exe = find_executable(router, options.peer_bin_dir)
         version = package_version(DISTRIBUTIONS[router], exe)
         parts.append(f"{router} {version or 'not installed'}")
-    parts.append(f"Python {platform.python_version()}")
+    parts.append(python_version())
     parts.append(wrk_version(wrk) if wrk else "built-in load generator (aiohttp)")
     return ", ".join(parts)
 
@@ -516,7 +393,7 @@ def load_line(options: Options, wrk: str | None) -> str:
             f"{options.turn_kb:g} KB (a user message, then the reply carried into the next turn), "
             f"POST /v1/chat/completions (max_tokens 8); each conversation's first request (its "
             f"whole history new to the router) before the warmup; kvroute tokenizes with "
-            f"--tokenizer {display_path(agent_tokenizer(options))}; {options.upstreams} stub "
+            f"--tokenizer {shown_path(agent_tokenizer(options))}; {options.upstreams} stub "
             "upstreams"
         )
     gen = f"wrk, {min(options.threads, options.concurrency)} threads" if wrk else "built-in"
@@ -524,27 +401,9 @@ def load_line(options: Options, wrk: str | None) -> str:
     return (
         f"{gen}, {options.concurrency} connections, {options.duration_s} s per target after "
         f"{options.warmup_s} s warmup; {kind} POST /v1/completions (max_tokens 8); "
-        f"kvroute tokenizes with --tokenizer {display_path(agent_tokenizer(options))}; "
+        f"kvroute tokenizes with --tokenizer {shown_path(agent_tokenizer(options))}; "
         f"{options.upstreams} stub upstreams"
     )
-
-
-def display_path(path: str) -> str:
-    """``path`` with the home directory as ``~`` (BENCHMARKS.md names no machine's paths)."""
-    home = str(Path.home())
-    return "~" + path[len(home) :] if path.startswith(home + "/") else path
-
-
-def ratio(value: float | None, base: float | None) -> str:
-    if value is None or not base:
-        return "-"
-    return f"{value / base:.2f}x"
-
-
-def errors_cell(result: LoadResult) -> str:
-    if not result.errors:
-        return "0"
-    return f"{result.errors} ({result.non_2xx} http, {result.socket_errors} socket)"
 
 
 def direct_result(rows: list[Row]) -> LoadResult | None:
@@ -679,12 +538,6 @@ def run_notes(rows: list[Row], options: Options, wrk: str | None) -> list[str]:
     return notes
 
 
-def one_line(text: str, limit: int = 600) -> str:
-    """``text`` on one line (log tails included), cut to ``limit`` characters."""
-    flat = " | ".join(line.strip() for line in text.splitlines() if line.strip())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
 def report(context: Context, rows: list[Row], notes: list[str]) -> str:
     return "\n".join(
         [
@@ -703,23 +556,10 @@ def report(context: Context, rows: list[Row], notes: list[str]) -> str:
     )
 
 
-MD_HEADER = (
-    "# Benchmarks\n\n"
-    "Results appended by `kvroute bench ...`, newest last. Each section gives the command that "
-    "reproduces it. The machines are often small and shared: compare ratios within a section, "
-    "not absolute numbers across sections.\n"
-)
-
-
 def markdown_section(context: Context, rows: list[Row], notes: list[str]) -> str:
+    agent = " (agent conversations)" if options_agent(rows) else ""
     lines = [
-        f"## Router overhead{' (agent conversations)' if options_agent(rows) else ''}, "
-        f"{context.date}",
-        "",
-        "```",
-        context.command,
-        "```",
-        "",
+        *section_head(f"Router overhead{agent}, {context.date}", context.command),
         f"- machine: {context.machine}",
         f"- versions: {context.versions}",
         f"- load: {context.load}",
@@ -736,13 +576,6 @@ def markdown_section(context: Context, rows: list[Row], notes: list[str]) -> str
 
 def options_agent(rows: list[Row]) -> bool:
     return any(row.mean_body_kb is not None for row in rows)
-
-
-def record(path: Path, section: str) -> None:
-    """Append ``section`` to the Markdown file, creating it with a header if missing."""
-    prefix = "" if path.exists() and path.stat().st_size else MD_HEADER
-    with path.open("a", encoding="utf-8") as f:
-        f.write(prefix + "\n" + section)
 
 
 # ------------------------------------------------------------------------- main
@@ -763,22 +596,21 @@ def run_overhead(options: Options, argv: Sequence[str]) -> int:
     targets = [TARGETS[name] for name in options.targets]
     rows: list[Row] = []
     context = Context(
-        date=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        command=reproduce_command(argv),
+        date=utc_stamp(),
+        command=reproduce_command(argv, "overhead"),
         machine=machine_line(),
         versions=versions_line(options, wrk),
         load=load_line(options, wrk),
     )
     print(f"command: {context.command}\nload: {context.load}", flush=True)
     with (
-        processes.sigterm_as_exit(),
-        processes.log_directory() as log_dir,
-        running_upstreams(options, log_dir) as upstreams,
+        processes.session() as log_dir,
+        running_stubs(options.upstreams, options.model, log_dir, options.startup_timeout_s) as ups,
     ):
         try:
             for i, target in enumerate(targets, 1):
                 print(f"[{i}/{len(targets)}] {target.name} ...", end=" ", flush=True)
-                row = run_target(target, upstreams, options, wrk, log_dir)
+                row = run_target(target, ups, options, wrk, log_dir)
                 rows.append(row)
                 print(progress(row), flush=True)
         except (KeyboardInterrupt, SystemExit):

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -47,7 +45,6 @@ from kvroute.backends.launcher import (
     ensure_tiny_model,
 )
 from kvroute.backends.process import free_ports
-from kvroute.bench import processes
 from kvroute.bench.argtypes import add_report_args, positive_int
 from kvroute.bench.chat_load import (
     RunResult,
@@ -56,16 +53,31 @@ from kvroute.bench.chat_load import (
     reset_prefix_caches,
     run_conversations,
 )
-from kvroute.bench.overhead import (
+from kvroute.bench.harness import processes
+from kvroute.bench.harness.fleet import (
+    HOST,
+    Launch,
     find_executable,
-    kvroute_argv,
+    peer_launch,
+    serve_argv,
+    start_router,
+)
+from kvroute.bench.harness.host import (
+    load_average,
     machine_line,
     package_version,
+    record,
+    utc_stamp,
+)
+from kvroute.bench.harness.report import (
+    first_line,
+    ms,
+    ratio,
     reproduce_command,
+    section_head,
 )
 from kvroute.simulator.workload import Conversation, multi_tenant_chat
 
-HOST = "127.0.0.1"
 MODEL = "tiny"
 BLOCK_SIZE = 32
 
@@ -174,13 +186,9 @@ def start_fleet(
 ) -> tuple[Path, list[LaunchedReplica]]:
     """The log directory (--log-dir, else a temporary one) and the running replicas, both
     closed with ``stack``; SIGTERM stops them as Ctrl-C does."""
-    log_dir = (
-        Path(options.log_dir)
-        if options.log_dir
-        else stack.enter_context(processes.log_directory(f"{who.replace(' ', '-')}-"))
+    log_dir = stack.enter_context(
+        processes.session(f"{who.replace(' ', '-')}-", keep_in=options.log_dir)
     )
-    log_dir.mkdir(parents=True, exist_ok=True)
-    stack.enter_context(processes.sigterm_as_exit())
     print(
         f"{who}: starting {options.replicas} {options.engine} replicas "
         f"({kv_blocks} KV blocks of {BLOCK_SIZE}; logs in {log_dir})",
@@ -218,42 +226,28 @@ def running_fleet(
 # ---------------------------------------------------------------- routers
 
 
-def router_argv(
+def router_launch(
     target: Target, replicas: list[LaunchedReplica], port: int, metrics_port: int, exe: str
-) -> tuple[list[str], str]:
+) -> Launch:
     """The command line that starts ``target`` in front of the replicas, and its ready path."""
-    urls = [r.url for r in replicas]
     if target.router == "kvroute":
-        argv = [*kvroute_argv(), "serve", "--host", HOST, "--port", str(port)]
-        argv += [
+        flags = [
             "--policy",
             target.policy or "kv_aware",
             "--tokenizer",
             str(DEFAULT_TINY_MODEL_DIR),
         ]
         for r in replicas:
-            argv += ["--replica", r.url, "--kv-events", f"{r.url}={r.kv_events},{r.kv_replay}"]
-        return argv, "/ready"
-    common = [
-        "--host", HOST, "--port", str(port), "--worker-urls", *urls,
-        "--policy", target.policy or "cache_aware",
-        "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1",
-    ]  # fmt: skip
-    if target.router == "vllm-router":
-        argv = [exe, *common, "--log-level", "error"]
-        if target.policy == "kv_aware":
-            for r in replicas:
-                argv += ["--kv-event-source", f"{r.url}={r.kv_events}"]
-                argv += ["--kv-event-replay-source", f"{r.url}={r.kv_replay}"]
-            argv += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
-        return argv, "/health"
-    if target.router == "smg":
-        argv = [
-            exe, "launch", *common, "--log-level", "warn", "--disable-tokenizer-autoload",
-            "--shutdown-grace-period-secs", "0", "--prometheus-host", HOST,
-        ]  # fmt: skip
-        return argv, "/readiness"
-    raise ValueError(f"no command for {target.router}")
+            flags += ["--replica", r.url, "--kv-events", f"{r.url}={r.kv_events},{r.kv_replay}"]
+        return Launch(serve_argv(port, (), *flags), "/ready")
+    kv_events: list[str] = []
+    if target.router == "vllm-router" and target.policy == "kv_aware":
+        for r in replicas:
+            kv_events += ["--kv-event-source", f"{r.url}={r.kv_events}"]
+            kv_events += ["--kv-event-replay-source", f"{r.url}={r.kv_replay}"]
+        kv_events += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
+    urls = [r.url for r in replicas]
+    return peer_launch(target.router, exe, urls, port, metrics_port, target.policy, kv_events)
 
 
 @contextlib.contextmanager
@@ -276,13 +270,15 @@ def running_router(
             )
         exe = found
     port, metrics_port = free_ports(2)
-    argv, ready = router_argv(target, replicas, port, metrics_port, exe)
-    base = f"http://{HOST}:{port}"
-    with processes.managed(target.name, argv, log_dir, base + ready, 120.0):
-        yield base
+    launch = router_launch(target, replicas, port, metrics_port, exe)
+    with contextlib.ExitStack() as stack:
+        yield start_router(stack, target.name, launch, port, log_dir, 120.0)[0]
 
 
 # ---------------------------------------------------------------- runs
+
+# What makes one target's run fail (its row says why) and not the whole bench.
+RUN_ERRORS = (processes.StartError, FileNotFoundError, OSError, RuntimeError)
 
 
 async def run_target(
@@ -435,17 +431,13 @@ def _run_one(
                     )
 
             row.result = asyncio.run(go())
-    except (processes.StartError, FileNotFoundError, OSError, RuntimeError) as exc:
-        row.error = str(exc).splitlines()[0][:300]
+    except RUN_ERRORS as exc:
+        row.error = first_line(exc)
         print(f"  {target.name}: {row.error}", file=sys.stderr)
     return row
 
 
 # ---------------------------------------------------------------- report
-
-
-def _fmt_ms(seconds: float) -> str:
-    return "n/a" if seconds != seconds else f"{seconds * 1000:.0f}"
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -462,12 +454,12 @@ def format_table(rows: Sequence[Row]) -> str:
         if res is None:
             lines.append(f"| {row.target.name} | {row.error} | | | | | | | | |")
             continue
-        vs_oracle = f"{res.hit_rate / oracle.hit_rate:.2f}x" if oracle and oracle.hit_rate else "-"
-        vs_rr = f"{res.hit_rate / rr.hit_rate:.2f}x" if rr and rr.hit_rate else "-"
+        vs_oracle = ratio(res.hit_rate, oracle.hit_rate if oracle else None)
+        vs_rr = ratio(res.hit_rate, rr.hit_rate if rr else None)
         lines.append(
             f"| {row.target.name} | {res.hit_rate:.1%} | {vs_oracle} | {vs_rr} "
-            f"| {_fmt_ms(res.ttft_s(0.5))} | {_fmt_ms(res.ttft_s(0.99))} "
-            f"| {_fmt_ms(res.latency_s(0.5))} | {res.wall_s:.1f} "
+            f"| {ms(res.ttft_s(0.5))} | {ms(res.ttft_s(0.99))} "
+            f"| {ms(res.latency_s(0.5))} | {res.wall_s:.1f} "
             f"| {res.load_imbalance:.2f} | {res.errors} |"
         )
     return "\n".join(lines)
@@ -530,7 +522,7 @@ def format_controls(outcome: Outcome) -> str:
                 continue
             lines.append(
                 f"| {control} | {row.target.name} | {res.hit_rate:.1%} "
-                f"| {_fmt_ms(res.ttft_s(0.5))} | {_fmt_ms(res.ttft_s(0.99))} "
+                f"| {ms(res.ttft_s(0.5))} | {ms(res.ttft_s(0.99))} "
                 f"| {res.requests_per_s:.2f} | {res.load_imbalance:.2f} | {res.errors} |"
             )
     return "\n".join(lines)
@@ -558,13 +550,17 @@ def report(outcome: Outcome, options: Options) -> str:
         f"{options.turns} turns, system prompt {outcome.prompt_tokens} tokens, "
         f"{options.concurrency} conversations in flight, {options.max_tokens} tokens per reply",
         fleet_line(options, outcome.kv_blocks),
-        f"- peers: vllm-router {package_version('vllm-router') or 'not installed'}, "
-        f"smg {package_version('smg') or 'not installed'}",
+        peers_line(),
         f"- {outcome.machine}",
         # Other work on a shared machine is the noise in every ratio above: say how much.
-        f"- load average after the run {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"- load average after the run {load_average()}",
     ]
     return "\n".join(parts)
+
+
+def peers_line() -> str:
+    vllm_router, smg = (package_version(d) or "not installed" for d in ("vllm-router", "smg"))
+    return f"- peers: vllm-router {vllm_router}, smg {smg}"
 
 
 def fleet_line(options: Options, kv_blocks: int) -> str:
@@ -579,13 +575,12 @@ def fleet_line(options: Options, kv_blocks: int) -> str:
     )
 
 
-def record(
+def record_run(
     path: Path, command: str, body: str, title: str = "Prefix-aware routing on real vLLM"
 ) -> None:
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    section = f"\n## {title}, {stamp}\n\n```\n{command}\n```\n\n{body}\n"
-    with path.open("a", encoding="utf-8") as f:
-        f.write(section)
+    """Append the run to ``path`` (no ``# Benchmarks`` header: this bench never wrote one)."""
+    section = "\n".join([*section_head(f"{title}, {utc_stamp()}", command), body])
+    record(path, section + "\n", header=False)
 
 
 # ---------------------------------------------------------------- CLI
@@ -743,7 +738,7 @@ def _cmd_prefix(args: argparse.Namespace) -> int:
     print(f"(bench took {time.monotonic() - started:.0f} s)", file=sys.stderr)
     if options.record:
         argv = sys.argv[sys.argv.index("prefix") + 1 :] if "prefix" in sys.argv else []
-        record(Path(options.output_md), reproduce_command(argv, "prefix"), body)
+        record_run(Path(options.output_md), reproduce_command(argv, "prefix"), body)
     failed = any(r.error for rows in (outcome.rows, *outcome.controls.values()) for r in rows)
     return 1 if failed else 0
 
@@ -759,7 +754,6 @@ def _cmd_saturate(options: Options) -> int:
     if options.record:
         argv = sys.argv[sys.argv.index("prefix") + 1 :] if "prefix" in sys.argv else []
         on = "real vLLM" if options.engine == "vllm" else "emulated replicas"
-        record(
-            Path(options.output_md), reproduce_command(argv, "prefix"), body, f"Saturation on {on}"
-        )
+        command = reproduce_command(argv, "prefix")
+        record_run(Path(options.output_md), command, body, f"Saturation on {on}")
     return 1 if any(r.error for r in outcome.rows) else 0

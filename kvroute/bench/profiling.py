@@ -3,9 +3,9 @@
 On a small shared machine the load generator competes with the router for the same cores, so
 requests/s alone says little about the router. Its own CPU time over the measured window,
 divided by the requests it answered, does: ``1000 / cpu_ms`` is how many requests one core
-of this machine could route. ``CpuSampler`` reads it from /proc for the router and every
-process under it (``--workers``, the tokenizer pool), so the peers (threads in one process)
-and kvroute (processes) are counted alike. ``PySpy`` records where it goes (py-spy, from
+of this machine could route. ``harness.sampling.CpuSampler`` reads it from /proc for the router
+and every process under it (``--workers``, the tokenizer pool), so the peers (threads in one
+process) and kvroute (processes) are counted alike. ``PySpy`` records where it goes (py-spy, from
 ``pip install -e '.[bench]'``) and ``top_frames`` summarises the recording for BENCHMARKS.md.
 """
 
@@ -16,84 +16,24 @@ import os
 import re
 import shutil
 import subprocess
-import threading
-import time
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _STDLIB = re.compile(r"^.*/lib/python3\.\d+/")
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name is in parentheses and may hold spaces: fields start after the last ")".
-    return text[text.rindex(")") + 2 :].split()
-
-
-def tree_cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of ``root`` and every living process under it."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        fields = _stat_fields(int(entry.name))
-        if fields is None:
-            continue
-        pid = int(entry.name)
-        parents[pid] = int(fields[1])  # ppid
-        cpu[pid] = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime
-    total = 0.0
-    for pid, seconds in cpu.items():
-        p = pid
-        while p > 1 and p != root:
-            p = parents.get(p, 0)
-        if p == root:
-            total += seconds
-    return total
-
-
-class CpuSampler:
-    """Samples a process tree's CPU seconds in a thread, so the CPU spent between any two
-    moments of the run can be read afterwards (the agent workload's measured window opens
-    inside the load generator)."""
-
-    def __init__(self, pid: int, interval_s: float = 0.1) -> None:
-        self.pid = pid
-        self.interval_s = interval_s
-        self.samples: list[tuple[float, float]] = []  # (monotonic time, CPU seconds)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
-
-    def __enter__(self) -> CpuSampler:
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-    def _sample(self) -> None:
-        self.samples.append((time.monotonic(), tree_cpu_seconds(self.pid)))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def cpu_between(self, start: float, end: float) -> float:
-        """CPU seconds spent from ``start`` to ``end`` (monotonic), from the samples closest
-        inside the window (the error is at most one interval of CPU at each end)."""
-        inside = [(t, c) for t, c in self.samples if start <= t <= end]
-        if len(inside) < 2:
-            raise ValueError("the window holds fewer than two CPU samples")
-        (t0, c0), (t1, c1) = inside[0], inside[-1]
-        return (c1 - c0) * (end - start) / (t1 - t0)
+def prepare_profile(bench: str, directory: str | None) -> bool:
+    """For ``--profile DIR``: py-spy is installed and DIR exists (made if missing); False, with
+    the reason printed, when py-spy is missing. True without ``--profile``."""
+    if not directory:
+        return True
+    if shutil.which("py-spy") is None:
+        print(f"kvroute bench {bench}: --profile needs py-spy (pip install -e '.[bench]')",
+              file=sys.stderr)  # fmt: skip
+        return False
+    os.makedirs(directory, exist_ok=True)
+    return True
 
 
 class PySpy:

@@ -31,16 +31,18 @@ from pathlib import Path
 import aiohttp
 
 from kvroute.backends.launcher import LaunchedReplica, ensure_tiny_model
-from kvroute.bench import processes
 from kvroute.bench.chat_load import reset_prefix_caches
 from kvroute.bench.closed_loop import WindowResult, measure_window, wait_idle
-from kvroute.bench.overhead import machine_line, package_version
+from kvroute.bench.harness.host import machine_line
+from kvroute.bench.harness.report import first_line, ms, ratio
 from kvroute.bench.prefix import (
+    RUN_ERRORS,
     TARGETS,
     Options,
     Target,
     fleet_line,
     kv_blocks_for,
+    peers_line,
     running_router,
     start_fleet,
     verdict,
@@ -207,8 +209,8 @@ def _run_rounds(
                 windows[name].append(
                     _run_window(TARGETS[name], replicas, options, concurrency, log_dir)
                 )
-            except (processes.StartError, FileNotFoundError, OSError, RuntimeError) as exc:
-                errors[name] = str(exc).splitlines()[0][:300]
+            except RUN_ERRORS as exc:
+                errors[name] = first_line(exc)
                 print(f"  {name}: {errors[name]}", file=sys.stderr)
     return [
         Row(TARGETS[name], error=errors[name])
@@ -246,10 +248,6 @@ def run_saturate(options: Options) -> Outcome:
 # ---------------------------------------------------------------- report
 
 
-def _ms(seconds: float) -> str:
-    return "n/a" if seconds != seconds else f"{seconds * 1000:.0f}"
-
-
 def format_table(rows: Sequence[Row]) -> str:
     lines = [
         "| target | output tok/s | kv_aware ÷ this | TTFT p50 ms | TTFT p90 ms | requests "
@@ -262,10 +260,10 @@ def format_table(rows: Sequence[Row]) -> str:
         if res is None:
             lines.append(f"| {row.target.name} | {row.error} | | | | | | | | |")
             continue
-        ratio = f"{kv.tokens_per_s / res.tokens_per_s:.2f}x" if kv and res.tokens_per_s else "-"
+        kv_over = ratio(kv.tokens_per_s if kv else None, res.tokens_per_s)
         lines.append(
-            f"| {row.target.name} | {res.tokens_per_s:.1f} | {ratio} "
-            f"| {_ms(res.run.ttft_s(0.5))} | {_ms(res.run.ttft_s(0.9))} | {res.completed} "
+            f"| {row.target.name} | {res.tokens_per_s:.1f} | {kv_over} "
+            f"| {ms(res.run.ttft_s(0.5))} | {ms(res.run.ttft_s(0.9))} | {res.completed} "
             f"| {res.run.errors} | {res.run.hit_rate:.1%} | {_shares(res)} "
             f"| {res.run.load_imbalance:.2f} |"
         )
@@ -285,7 +283,7 @@ def format_ramp(ramp: Sequence[WindowResult], chosen: int) -> str:
         mark = " (chosen)" if step.concurrency == chosen else ""
         lines.append(
             f"| {step.concurrency}{mark} | {step.tokens_per_s:.1f} "
-            f"| {_ms(step.run.ttft_s(0.9))} | {step.min_queued_share:.0%} |"
+            f"| {ms(step.run.ttft_s(0.9))} | {step.min_queued_share:.0%} |"
         )
     return "\n".join(lines)
 
@@ -305,14 +303,14 @@ def ratios(rows: Sequence[Row]) -> list[tuple[str, float]]:
 
 def verdict_lines(rows: Sequence[Row]) -> list[str]:
     lines = []
-    for name, ratio in ratios(rows):
+    for name, kv_over in ratios(rows):
         what = f"kv_aware output tokens/s vs {name}'s"
         if name == "oracle":
-            lines.append(verdict(what, ratio, TARGET_VS_ORACLE, ">="))
+            lines.append(verdict(what, kv_over, TARGET_VS_ORACLE, ">="))
         elif TARGETS[name].router in PEERS:
-            lines.append(verdict(what, ratio, TARGET_VS_PEER, ">"))
+            lines.append(verdict(what, kv_over, TARGET_VS_PEER, ">"))
         else:
-            lines.append(f"- {what}: {ratio:.2f}")
+            lines.append(f"- {what}: {kv_over:.2f}")
     return lines
 
 
@@ -335,8 +333,7 @@ def report(outcome: Outcome, options: Options) -> str:
         f"prompt {outcome.prompt_tokens} tokens, {options.max_tokens} tokens per reply "
         "(ignore_eos), streamed",
         fleet_line(options, outcome.kv_blocks),
-        f"- peers: vllm-router {package_version('vllm-router') or 'not installed'}, "
-        f"smg {package_version('smg') or 'not installed'}",
+        peers_line(),
         f"- {outcome.machine}",
     ]
     if outcome.ramp:

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import math
-import platform
 import random
-import sys
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -29,8 +26,18 @@ import aiohttp
 import yaml
 
 from kvroute.backends.process import free_ports
-from kvroute.bench.overhead import machine_line, package_version, record, reproduce_command
-from kvroute.bench.processes import StartError, log_directory, managed, sigterm_as_exit
+from kvroute.bench.harness import processes
+from kvroute.bench.harness.fleet import Launch, kvroute_cli, start_router
+from kvroute.bench.harness.host import (
+    kvroute_version,
+    machine_line,
+    python_version,
+    record,
+    utc_stamp,
+)
+from kvroute.bench.harness.metrics import metrics_page, metrics_text
+from kvroute.bench.harness.processes import StartError
+from kvroute.bench.harness.report import reproduce_command
 from kvroute.bench.soak_kills import Kill, Replica, kill, replicas
 from kvroute.bench.soak_measure import Sample, gauges, idle, take_sample
 from kvroute.bench.soak_procs import RouterTree
@@ -45,7 +52,6 @@ from kvroute.bench.soak_traffic import (
     normal_plan,
     send_bad,
 )
-from kvroute.kvcore.stats import parse_metrics
 from kvroute.simulator.loadgen import run_open_loop
 
 MODEL = "tiny"
@@ -122,7 +128,7 @@ def header_lines(options: SoakOptions) -> list[str]:
     ]
     return [
         f"machine: {machine_line()}",
-        f"versions: kvroute {package_version('kvroute') or '?'}, Python {platform.python_version()}",
+        f"versions: {kvroute_version()}, {python_version()}",
         f"fleet: {o.replicas} emulated replicas ({o.blocks} KV blocks of {BLOCK_SIZE} tokens "
         "each, KV events on) launched and supervised by one `kvroute serve`, policy kv_aware",
         f"load: {o.rate:g} req/s for {o.duration_s:g} s, chat and completions, streamed and not "
@@ -136,22 +142,18 @@ def run_soak(options: SoakOptions, argv: list[str]) -> int:
     command = reproduce_command(argv, "soak")
     header = header_lines(options)
     print(f"command: {command}", *header, sep="\n", flush=True)
-    with sigterm_as_exit(), log_directory("kvroute-soak-") as tmp:
+    with processes.session("kvroute-soak-") as tmp, contextlib.ExitStack() as stack:
         port = free_ports(1)[0]
-        url = f"http://127.0.0.1:{port}"
         config = tmp / "soak.yaml"
         config.write_text(yaml.safe_dump(soak_config(options, port, tmp / "replicas")))
-        serve = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)]
-        with managed(
-            "router", serve, tmp, ready_url=url + "/ready", timeout_s=options.startup_timeout_s
-        ) as router:
-            result = asyncio.run(_drive(options, url, RouterTree(router.pid)))
+        serve = Launch([*kvroute_cli(), "serve", "--config", str(config)], "/ready")
+        url, router = start_router(stack, "router", serve, port, tmp, options.startup_timeout_s)
+        result = asyncio.run(_drive(options, url, RouterTree(router.pid)))
     result.judge()
     print()
     print(text_report(header, result), flush=True)
     if options.record:
-        date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        title = f"Soak: {options.duration_s:g} s of mixed traffic with faults, {date}"
+        title = f"Soak: {options.duration_s:g} s of mixed traffic with faults, {utc_stamp()}"
         path = Path(options.output_md)
         record(path, markdown_section(title, command, header, result))
         print(f"\nappended to {path}")
@@ -200,14 +202,8 @@ async def _drive(options: SoakOptions, url: str, tree: RouterTree) -> SoakResult
     )
 
 
-async def _metrics(http: aiohttp.ClientSession, url: str) -> str:
-    async with http.get(url + "/metrics") as resp:
-        resp.raise_for_status()
-        return await resp.text()
-
-
 async def _counters(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    page = parse_metrics(await _metrics(http, url))
+    page = await metrics_page(http, url)
     return {
         "retries": page.sum("kvroute_retries_total", kind="retry"),
         "resumed": page.sum("kvroute_stream_resumes_total", outcome="resumed"),
@@ -295,7 +291,7 @@ async def _sample(
     for k in range(count):
         await asyncio.sleep(max(0.0, started + k * options.sample_interval_s - time.monotonic()))
         try:
-            text = await _metrics(http, url)
+            text = await metrics_text(http, url)
         except (aiohttp.ClientError, TimeoutError) as exc:
             missed += 1
             print(f"t={time.monotonic() - started:.0f}s: no sample: {exc!r}", flush=True)
@@ -320,7 +316,7 @@ async def _wait_idle(
     last: dict[str, float] = {}
     while time.monotonic() < stopped + IDLE_TIMEOUT_S:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            last = gauges(parse_metrics(await _metrics(http, url)))
+            last = gauges(await metrics_page(http, url))
         if last and idle(last):
             return time.monotonic() - stopped, last
         await asyncio.sleep(POLL_S)

@@ -7,7 +7,7 @@ import math
 import sys
 
 from kvroute.bench.argtypes import add_report_args
-from kvroute.bench.processes import StartError
+from kvroute.bench.harness.processes import exit_status
 from kvroute.bench.soak import (
     BLOCK_SIZE,
     SoakOptions,
@@ -118,8 +118,4 @@ def _cmd_soak(args: argparse.Namespace) -> int:
         output_md=args.output_md,
         record=not args.no_record,
     )
-    try:
-        return run_soak(options, sys.argv[1:])
-    except StartError as exc:
-        print(f"kvroute bench soak: {exc}", file=sys.stderr)
-        return 2
+    return exit_status("soak", lambda: run_soak(options, sys.argv[1:]))

@@ -10,51 +10,13 @@ crashed machine would kill it, and the serve process's supervisor starts it agai
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvroute.backends.process import signal_group
+from kvroute.bench.harness.procs import children, cmdline, open_fds, rss_bytes
 
 _REAPER_MODULE = "kvroute.backends.reaper"
-
-
-def children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (every thread's, since any thread may have forked)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:  # the thread ended while we looked
-            continue
-    return sorted(set(found))
-
-
-def cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size (VmRSS); 0 for a process that is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def open_fds(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return 0
 
 
 def _port_of(argv: list[str]) -> int | None:

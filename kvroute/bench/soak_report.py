@@ -6,6 +6,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvroute.bench.harness.report import section_head
 from kvroute.bench.soak_kills import Kill
 from kvroute.bench.soak_measure import (
     GROWTH_LIMIT,
@@ -186,12 +187,7 @@ def text_report(header: Sequence[str], result: SoakResult) -> str:
 
 def markdown_section(title: str, command: str, header: Sequence[str], result: SoakResult) -> str:
     lines = [
-        f"## {title}",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+        *section_head(title, command),
         *(f"- {h}" for h in header),
         "",
         resource_table(result),

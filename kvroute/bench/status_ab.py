@@ -18,17 +18,17 @@ stack (building the document, streaming it) is the share of the router's CPU it 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import math
-import os
-import shutil
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute.bench import processes
 from kvroute.bench.argtypes import add_report_args, positive_int
+from kvroute.bench.harness import processes
+from kvroute.bench.harness.fleet import running_stubs
+from kvroute.bench.harness.host import machine_line, record, utc_stamp
+from kvroute.bench.harness.report import reproduce_command, section_head
 from kvroute.bench.loadgen import LoadError
 from kvroute.bench.overhead import (
     TARGETS,
@@ -37,15 +37,11 @@ from kvroute.bench.overhead import (
     Target,
     choose_loadgen,
     load_line,
-    machine_line,
     measure,
-    record,
-    reproduce_command,
     running_target,
-    running_upstreams,
     versions_line,
 )
-from kvroute.bench.profiling import share_on_stack
+from kvroute.bench.profiling import prepare_profile, share_on_stack
 
 TARGET_RATIO = 0.97  # issue 15: the page open costs the data path nothing measurable
 
@@ -89,10 +85,9 @@ def run_rounds(options: Options, rounds: int, viewers: int) -> tuple[list[Round]
     done: list[Round] = []
     notes: list[str] = []
     with (
-        processes.sigterm_as_exit(),
-        processes.log_directory() as log_dir,
-        running_upstreams(options, log_dir) as upstreams,
-        running_target(plain, upstreams, options, log_dir, Row(plain)) as (base, pid),
+        processes.session() as log_dir,
+        running_stubs(options.upstreams, options.model, log_dir, options.startup_timeout_s) as ups,
+        running_target(plain, ups, options, log_dir, Row(plain)) as (base, pid),
     ):
         for k in range(rounds):
             order = ("without", "with") if k % 2 == 0 else ("with", "without")
@@ -203,16 +198,10 @@ def markdown(
     ]
     for k, one in enumerate(rounds, 1):
         table.append(f"| {k} | " + " | ".join(round_cells(one)) + " |")
-    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
         "\n".join(
             [
-                f"## Status page A/B (`kvroute bench status`), {date}",
-                "",
-                "```",
-                command,
-                "```",
-                "",
+                *section_head(f"Status page A/B (`kvroute bench status`), {utc_stamp()}", command),
                 f"- machine: {machine_line()}",
                 f"- load: {wrk_load}",
                 f"- setup: one kvroute process (default policy, the tiny model's tokenizer), "
@@ -271,12 +260,8 @@ def _cmd(args: argparse.Namespace) -> int:
         record=not args.no_record,
         profile_dir=args.profile,
     )
-    if args.profile:
-        if shutil.which("py-spy") is None:
-            print("kvroute bench status: --profile needs py-spy (pip install -e '.[bench]')",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-        os.makedirs(args.profile, exist_ok=True)
+    if not prepare_profile("status", args.profile):
+        return 2
     try:
         wrk = choose_loadgen(options)
         load = load_line(options, wrk)

@@ -24,16 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import math
 import multiprocessing
-import os
-import platform
 import queue
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
@@ -45,14 +41,36 @@ import aiohttp
 import msgspec
 
 from kvroute.backends.process import free_ports
-from kvroute.bench import processes
-from kvroute.bench.argtypes import add_report_args, positive_int
-from kvroute.bench.overhead import machine_line, package_version, record, reproduce_command
-from kvroute.kvcore.stats import MetricsPage, parse_metrics, percentile
+from kvroute.bench.argtypes import (
+    add_report_args,
+    add_startup_timeout,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
+from kvroute.bench.harness import processes
+from kvroute.bench.harness.fleet import (
+    Launch,
+    kvroute_cli,
+    replica_argv,
+    serve_argv,
+    start_all,
+    start_router,
+)
+from kvroute.bench.harness.host import (
+    kvroute_version,
+    machine_line,
+    python_version,
+    record,
+    utc_stamp,
+)
+from kvroute.bench.harness.metrics import scrape
+from kvroute.bench.harness.procs import open_fds, rss_bytes, sched_seconds
+from kvroute.bench.harness.report import ms, reproduce_command, section_head
+from kvroute.kvcore.stats import MetricsPage, percentile
 from kvroute.router.fd_limit import OVERHEAD_FDS, raise_fd_limit
 from kvroute.simulator.engine import latency_preset
 
-HOST = "127.0.0.1"
 MODEL = "stream-model"
 PRESET = "llama-3.1-70b-8xh100"
 BLOCK_SIZE = 16
@@ -95,15 +113,10 @@ def replica_time_scale(options: Options) -> float:
     return options.token_interval_ms / 1000 / step_s
 
 
-def replica_argv(port: int, options: Options) -> list[str]:
+def replica_flags(options: Options) -> list[str]:
     fair_share = math.ceil(options.streams / options.replicas)
     per_stream_blocks = math.ceil((PROMPT_TOKENS + options.tokens) / BLOCK_SIZE) + 1
     return [
-        *kvroute_cli(),
-        "replica",
-        "--host", HOST,
-        "--port", str(port),
-        "--served-model-name", MODEL,
         "--preset", PRESET,
         "--time-scale", f"{replica_time_scale(options):.4g}",
         "--block-size", str(BLOCK_SIZE),
@@ -113,18 +126,6 @@ def replica_argv(port: int, options: Options) -> list[str]:
         "--num-gpu-blocks-override", str(2 * fair_share * per_stream_blocks),
         "--max-model-len", str(PROMPT_TOKENS + options.tokens + 64),
     ]  # fmt: skip
-
-
-def router_argv(port: int, replicas: list[str]) -> list[str]:
-    argv = [*kvroute_cli(), "serve", "--host", HOST, "--port", str(port)]
-    for url in replicas:
-        argv += ["--replica", url]
-    return argv
-
-
-def kvroute_cli() -> list[str]:
-    # This interpreter, so the children run the code under test whatever PATH holds.
-    return [sys.executable, "-m", "kvroute.cli"]
 
 
 # ---------------------------------------------------------------------- clients
@@ -256,28 +257,6 @@ def client_main(
 # ---------------------------------------------------------------- the router
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """Seconds the process ran on a CPU, and seconds it was ready but waited for one."""
-    on_cpu_ns, waited_ns, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
-    return int(on_cpu_ns) / 1e9, int(waited_ns) / 1e9
-
-
-def scrape(url: str) -> MetricsPage:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        return parse_metrics(resp.read())
-
-
 @dataclass(frozen=True)
 class LagSummary:
     ticks: int
@@ -381,7 +360,7 @@ def replicas_running(urls: list[str]) -> int:
     running = 0
     for url in urls:
         with contextlib.suppress(OSError, ValueError):
-            running += int(scrape(url).sum("vllm:num_requests_running"))
+            running += int(scrape(url + "/metrics").sum("vllm:num_requests_running"))
     return running
 
 
@@ -441,8 +420,8 @@ def run_load(router_url: str, router_pid: int, replicas: list[str], options: Opt
         for c in range(clients)
     ]
     idle_rss = rss_bytes(router_pid)
-    before = scrape(router_url)
-    cpu_before = cpu_seconds(router_pid)
+    before = scrape(router_url + "/metrics")
+    cpu_before = sched_seconds(router_pid)
     for w in workers:
         w.start()
     try:
@@ -464,8 +443,8 @@ def run_load(router_url: str, router_pid: int, replicas: list[str], options: Opt
             w.join(timeout=5)
             if w.is_alive():
                 w.terminate()
-    cpu_after = cpu_seconds(router_pid)
-    lag = lag_summary(before, scrape(router_url))
+    cpu_after = sched_seconds(router_pid)
+    lag = lag_summary(before, scrape(router_url + "/metrics"))
     outcome = Outcome(
         [],
         idle_rss,
@@ -489,46 +468,28 @@ def replica_preemptions(urls: list[str]) -> int:
     total = 0
     for url in urls:
         with contextlib.suppress(OSError, ValueError):
-            total += int(scrape(url).sum("vllm:num_preemptions"))
+            total += int(scrape(url + "/metrics").sum("vllm:num_preemptions"))
     return total
 
 
 @contextlib.contextmanager
 def running_fleet(options: Options, log_dir: Path) -> Iterator[tuple[str, int, list[str]]]:
     """The replicas and the router in front of them: (router URL, router pid, replica URLs)."""
+    cli, timeout_s = kvroute_cli(), options.startup_timeout_s
     with contextlib.ExitStack() as stack:
-        ports = free_ports(options.replicas + 1)
-        urls = []
-        for i, port in enumerate(ports[1:]):
-            url = f"http://{HOST}:{port}"
-            stack.enter_context(
-                processes.managed(
-                    f"replica-{i}",
-                    replica_argv(port, options),
-                    log_dir,
-                    url + "/health",
-                    options.startup_timeout_s,
-                )
-            )
-            urls.append(url)
-        router_url = f"http://{HOST}:{ports[0]}"
-        router = stack.enter_context(
-            processes.managed(
-                "router",
-                router_argv(ports[0], urls),
-                log_dir,
-                router_url + "/ready",
-                options.startup_timeout_s,
-            )
-        )
+        port, *ports = free_ports(options.replicas + 1)
+        flags = replica_flags(options)
+
+        def replica(port: int) -> list[str]:
+            return replica_argv(port, MODEL, *flags, cli=cli)
+
+        urls = start_all(stack, "replica", replica, ports, log_dir, timeout_s)
+        serve = Launch(serve_argv(port, urls, cli=cli), "/ready")
+        router_url, router = start_router(stack, "router", serve, port, log_dir, timeout_s)
         yield router_url, router.pid, urls
 
 
 # ---------------------------------------------------------------------- report
-
-
-def ms(seconds: float) -> str:
-    return "-" if seconds != seconds else f"{seconds * 1000:.0f}"
 
 
 def verdict(ok: bool) -> str:
@@ -554,9 +515,9 @@ def format_table(options: Options, o: Outcome) -> str:
          f"<= {TARGET_KB_PER_STREAM:g} KB: {verdict(o.kb_per_stream * 1.024 <= TARGET_KB_PER_STREAM)}"),
         ("router open descriptors with the streams open", str(s.plateau_fds), ""),
         ("event-loop lag p50 / p99 / max (bucket bounds)",
-         f"<= {ms(lag.p50_le_s)} / <= {ms(lag.p99_le_s)} / <= {ms(lag.max_le_s)} ms",
-         f"p99 <= {ms(TARGET_LAG_P99_S)} ms: {verdict(lag.p99_le_s <= TARGET_LAG_P99_S)}"),
-        (f"loop ticks later than {ms(STALL_S)} ms", f"{lag.stalls} of {lag.ticks}", "0"),
+         f"<= {ms(lag.p50_le_s, '-')} / <= {ms(lag.p99_le_s, '-')} / <= {ms(lag.max_le_s, '-')} ms",
+         f"p99 <= {ms(TARGET_LAG_P99_S, '-')} ms: {verdict(lag.p99_le_s <= TARGET_LAG_P99_S)}"),
+        (f"loop ticks later than {ms(STALL_S, '-')} ms", f"{lag.stalls} of {lag.ticks}", "0"),
         ("TTFT p50 / p99", f"{o.ttft_ms(0.5):.0f} / {o.ttft_ms(0.99):.0f} ms", ""),
         ("router CPU over the run", f"{o.router_cpu_s:.1f} s ({o.router_cpu_s / o.wall_s:.0%} "
          "of one core)", ""),
@@ -592,22 +553,14 @@ def problems(o: Outcome) -> list[str]:
 
 
 def versions_line() -> str:
-    return (
-        f"kvroute {package_version('kvroute') or '?'}, aiohttp {aiohttp.__version__}, "
-        f"Python {platform.python_version()}"
-    )
+    return f"{kvroute_version()}, aiohttp {aiohttp.__version__}, {python_version()}"
 
 
 def markdown_section(
     date: str, command: str, machine: str, options: Options, o: Outcome, notes: list[str]
 ) -> str:
     lines = [
-        f"## Thousands of streams in one router process, {date}",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+        *section_head(f"Thousands of streams in one router process, {date}", command),
         f"- machine: {machine}",
         f"- versions: {versions_line()}",
         f"- load: {load_line(options)}",
@@ -636,13 +589,12 @@ def run_notes(o: Outcome) -> list[str]:
 def run_streams(options: Options, argv: Sequence[str]) -> int:
     # Every stream holds a socket in a client, two in the router, one in a replica.
     raise_fd_limit(2 * options.streams + OVERHEAD_FDS)
-    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    date = utc_stamp()
     command = reproduce_command(argv, "streams")
     machine = machine_line()
     print(f"command: {command}\nload: {load_line(options)}", flush=True)
     with (
-        processes.sigterm_as_exit(),
-        processes.log_directory() as log_dir,
+        processes.session() as log_dir,
         running_fleet(options, log_dir) as (router_url, router_pid, replicas),
     ):
         warm_up(router_url, options)
@@ -661,20 +613,6 @@ def run_streams(options: Options, argv: Sequence[str]) -> int:
 
 
 # ------------------------------------------------------------------------- CLI
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
 
 
 def add_streams_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -719,12 +657,7 @@ def add_streams_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=non_negative_float,
         help="Seconds over which the streams start, evenly (default: 500 streams a second).",
     )
-    p.add_argument(
-        "--startup-timeout",
-        type=positive_float,
-        default=60.0,
-        help="Seconds each process may take to become ready (default 60).",
-    )
+    add_startup_timeout(p)
     add_report_args(p)
     p.set_defaults(func=_cmd_streams)
 
@@ -741,8 +674,4 @@ def _cmd_streams(args: argparse.Namespace) -> int:
         output_md=args.output_md,
         record=not args.no_record,
     )
-    try:
-        return run_streams(options, sys.argv[1:])
-    except processes.StartError as exc:
-        print(f"kvroute bench streams: {exc}", file=sys.stderr)
-        return 2
+    return processes.exit_status("streams", lambda: run_streams(options, sys.argv[1:]))

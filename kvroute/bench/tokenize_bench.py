@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import random
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -21,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvroute.bench.argtypes import add_report_args, positive_int
+from kvroute.bench.harness.host import record, utc_stamp
+from kvroute.bench.harness.report import reproduce_command, section_head
 from kvroute.router.prompt_tokenizer import PromptTokenizer
 
 WORDS = [
@@ -154,14 +154,14 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
     table = format_table(lines, args.concurrent)
     print(table)
     if not args.no_record:
-        argv = sys.argv[sys.argv.index("tokenize") + 1 :] if "tokenize" in sys.argv else []
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        command = shlex.join(["kvroute", "bench", "tokenize", *argv])
-        section = (
-            f"\n## Router-side tokenization, {stamp}\n\n```\n{command}\n```\n\n{table}\n\n"
+        argv = sys.argv if "tokenize" in sys.argv else []
+        command = reproduce_command(argv, "tokenize", report_args=True)  # the command as given
+        section = [
+            *section_head(f"Router-side tokenization, {utc_stamp()}", command),
+            table,
+            "",
             f"- tokenizer: {spec}; {args.processes} worker process(es); prompts above 4,096 "
-            "characters offloaded\n"
-        )
-        with Path(args.output_md).open("a", encoding="utf-8") as f:
-            f.write(section)
+            "characters offloaded",
+        ]
+        record(Path(args.output_md), "\n".join(section) + "\n", header=False)
     return 0

@@ -23,7 +23,7 @@ import msgspec
 import yaml
 
 from kvroute.backends.process import free_ports
-from kvroute.bench.processes import Child, managed
+from kvroute.bench.harness.processes import Child, managed
 from kvroute.drill.faults import DrillError
 from kvroute.drill.load import run_load_until
 from kvroute.router.config import Config, api_key_value, resolve_secret

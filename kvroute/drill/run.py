@@ -19,7 +19,7 @@ import msgspec
 import yaml
 
 from kvroute.backends.process import LaunchError, free_ports
-from kvroute.bench.processes import Child, managed
+from kvroute.bench.harness.processes import Child, managed
 from kvroute.drill.faults import SCENARIOS, DrillError, Target, clear, inject
 from kvroute.drill.load import run_load
 from kvroute.kvcore.stats import parse_metrics, percentile
