@@ -108,14 +108,14 @@ def test_a_soak_too_short_to_measure_growth_says_why() -> None:
 
 
 def _index_samples(values: list[float]) -> list[Sample]:
-    return [
-        Sample(
+    def sample(t: int, v: float) -> Sample:
+        return Sample(
             t=float(t), rss_bytes=1.0, open_fds=1.0, index_entries=v, in_flight_requests=0.0,
             in_flight_tokens=0.0, active_requests=0.0, queued_requests=0.0,
             lag_sum_s=None, lag_count=None,
         )  # fmt: skip
-        for t, v in enumerate(values)
-    ]
+
+    return [sample(t, v) for t, v in enumerate(values)]
 
 
 def test_the_index_may_fill_up_to_the_fleets_blocks_but_not_past_them() -> None:
