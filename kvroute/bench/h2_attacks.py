@@ -6,12 +6,14 @@ another: an ext_proc pick (``--probe pick``, the default: a request's headers an
 pick's answer out) or the picker's gRPC health ``Check`` (``--probe health``), on the same event
 loop and HTTP/2 server. First its latency
 alone (the baseline), then during each attack, run by a raw HTTP/2 client written for it; the
-picker's RSS before and after each. The issue's targets: the picker alive and answering during
+picker's RSS before and after each, and its CPU time during each (what the attack cost the
+picker itself, its picks for the other client included: unlike latency, not the machine's load). The issue's targets: the picker alive and answering during
 and after every attack, the well-behaved client's p99 within twice its baseline, memory growth
 under a stated bound per class.
 
-The picker and both clients share the machine: on a small one, the attacker's own CPU shows in
-the other client's latency (reported as it is).
+The picker and both clients share the machine, and the attacker runs on the well-behaved
+client's event loop: on a small or busy machine, the attacker's own CPU and everyone else's show
+in the other client's latency (reported as it is; the CPU column tells the picker's part).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import socket
 import statistics
 import struct
@@ -207,6 +210,8 @@ ATTACKS: dict[str, Callable[[int], Coroutine[Any, Any, None]]] = {
 class Probe:
     latencies_ms: list[float]
     failures: int
+    cpu_s: float = float("nan")  # the picker's CPU over the calls (the baseline's)
+    wall_s: float = float("nan")
 
     @property
     def p50(self) -> float:
@@ -302,6 +307,14 @@ def _pick_call(channel: Any) -> Callable[[], Coroutine[Any, Any, bool]]:
     return call
 
 
+def cpu_s(pid: int) -> float:
+    """The process's CPU time so far (user + system): what an attack costs the picker
+    itself, whatever else the machine runs (its latency shows the machine's load too)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -317,22 +330,28 @@ class Outcome:
     rss_before: float
     rss_after: float
     alive: bool
+    cpu_s: float = float("nan")  # the picker's, during the attack (the probe's picks included)
+    wall_s: float = float("nan")
 
 
 async def run(
     port: int, pid: int, names: list[str], baseline_s: float, kind: str = "pick"
 ) -> tuple[Probe, list[Outcome]]:
+    cpu, wall = cpu_s(pid), time.perf_counter()
     baseline = await probe_until(port, lambda: True, baseline_s, kind)
+    baseline.cpu_s, baseline.wall_s = cpu_s(pid) - cpu, time.perf_counter() - wall
     outcomes = []
     for name in names:
         before = rss_mb(pid)
+        cpu, wall = cpu_s(pid), time.perf_counter()
         attack = asyncio.create_task(ATTACKS[name](port))
         probe = await probe_until(port, attack.done, 1.0, kind)
         with contextlib.suppress(Exception):
             await attack
+        used, took = cpu_s(pid) - cpu, time.perf_counter() - wall
         after_probe = await probe_until(port, lambda: True, 0.2, kind)  # answered after it
         alive = after_probe.failures == 0 and bool(after_probe.latencies_ms)
-        outcomes.append(Outcome(name, probe, before, rss_mb(pid), alive))
+        outcomes.append(Outcome(name, probe, before, rss_mb(pid), alive, used, took))
     return baseline, outcomes
 
 
@@ -342,10 +361,11 @@ def report(
     what = "ext_proc pick" if kind == "pick" else "health Check"
     lines = [
         f"baseline: {what} p50 {baseline.p50:.2f} ms, p99 {baseline.p99:.2f} ms "
-        f"({len(baseline.latencies_ms)} calls)",
+        f"({len(baseline.latencies_ms)} calls; the picker's CPU {baseline.cpu_s:.2f} s in "
+        f"{baseline.wall_s:.1f} s)",
         "",
-        "| attack | calls during | failed | p50 ms | p99 ms | p99 / baseline | RSS MB before -> after | alive after |",
-        "|---|---|---|---|---|---|---|---|",
+        "| attack | calls during | failed | p50 ms | p99 ms | p99 / baseline | picker CPU s / wall s | RSS MB before -> after | alive after |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     ok = True
     for o in outcomes:
@@ -354,7 +374,8 @@ def report(
         ok = ok and o.alive and o.probe.failures == 0 and grown <= RSS_BOUND_MB
         lines.append(
             f"| {o.name} | {len(o.probe.latencies_ms)} | {o.probe.failures} | {o.probe.p50:.2f} | "
-            f"{o.probe.p99:.2f} | {ratio:.1f}x | {o.rss_before:.0f} -> {o.rss_after:.0f} | "
+            f"{o.probe.p99:.2f} | {ratio:.1f}x | {o.cpu_s:.2f} / {o.wall_s:.1f} | "
+            f"{o.rss_before:.0f} -> {o.rss_after:.0f} | "
             f"{'yes' if o.alive else 'NO'} |"
         )
     lines += ["", f"Reproduce: `{command}`"]
