@@ -611,6 +611,10 @@ def _kv_event_families(m: RouterMetrics) -> Iterable[CounterMetricFamily | Gauge
         "replayed_batches": "Batches recovered through the replay socket.",
         "resyncs": "Times a replica's index entries were dropped (restart or unrecoverable gap).",
         "malformed": "Malformed frames or payloads skipped.",
+        "replay_timeouts": "Replays abandoned for a publisher too slow to answer (2 s per "
+        "message, 60 s in all); the replica's entries are resynced.",
+        "replay_overflows": "Replays abandoned for sending more than 100,000 messages; the "
+        "replica's entries are resynced.",
     }
     families = {
         name: CounterMetricFamily(f"kvroute_kv_event_{name}", doc, labels=["replica", "endpoint"])

@@ -68,7 +68,6 @@ async def test_a_batch_runs_every_line_once_and_reports_bad_ones_by_custom_id(
     r = await start_router([a, b], batch=batch_config(tmp_path))
     client = client_for(r)
     lines = [chat_line(f"req-{i}", f"prompt {i}") for i in range(30)]
-    lines.append(chat_line("bad-model", "x", model="no-such-model"))
     lines.append(chat_line("replica-400", "status:400"))
     uploaded = await client.files.create(
         file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch"
@@ -85,8 +84,8 @@ async def test_a_batch_runs_every_line_once_and_reports_bad_ones_by_custom_id(
     assert batch.id.startswith("batch_") and batch.completion_window == "24h"
     done = await wait_status(client, batch.id, {"completed"})
     assert done.request_counts is not None
-    assert (done.request_counts.total, done.request_counts.completed) == (32, 30)
-    assert done.request_counts.failed == 2
+    assert (done.request_counts.total, done.request_counts.completed) == (31, 30)
+    assert done.request_counts.failed == 1
     assert done.in_progress_at and done.finalizing_at and done.completed_at
     output = await lines_of(client, done.output_file_id)
     failed = await lines_of(client, done.error_file_id)
@@ -95,7 +94,6 @@ async def test_a_batch_runs_every_line_once_and_reports_bad_ones_by_custom_id(
     assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in output)
     assert output[0]["response"]["body"]["choices"][0]["message"]["content"].startswith("hello")
     by_id = {f["custom_id"]: f for f in failed}
-    assert by_id["bad-model"]["error"]["code"] == "model_not_found"
     assert by_id["replica-400"]["response"]["status_code"] == 400
     # Every good line reached a replica exactly once; the replicas shared them.
     prompts = a.completed + b.completed
@@ -150,6 +148,62 @@ async def test_bad_files_and_bad_batches_get_a_clear_400(
         )
     with pytest.raises(openai.NotFoundError):
         await client.batches.retrieve("batch_nope")
+
+
+def error_of(exc: openai.APIStatusError) -> str:
+    """The error's message as the router sent it (the client's ``message`` adds the status)."""
+    assert isinstance(exc.body, dict), exc.body
+    return str(exc.body["message"])
+
+
+async def wait_serving(client: openai.AsyncOpenAI, model: str, timeout_s: float = 10) -> None:
+    """Until the router lists ``model`` (its catalog comes from the replicas' first probes)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while model not in [m.id async for m in client.models.list()]:
+        if loop.time() > deadline:
+            raise AssertionError(f"the router does not list {model} after {timeout_s}s")
+        await asyncio.sleep(0.05)
+
+
+async def test_a_line_naming_a_model_the_router_does_not_serve_is_refused_at_upload(
+    start_replica: StartReplica, start_router: StartRouter, tmp_path: Path
+) -> None:
+    r = await start_router([await start_replica("a")], batch=batch_config(tmp_path))
+    client = client_for(r)
+    await wait_serving(client, "tiny")
+    lines = [chat_line("ok-1", "hi"), chat_line("ok-2", "hi"), chat_line("gpt", "hi", "gpt-4o")]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.files.create(file=("f.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    assert error_of(refused.value) == (
+        "The batch input file is not valid: line 3: body.model: 'gpt-4o' is not a model this "
+        "router serves (it serves: tiny)."
+    )
+    assert (refused.value.code, refused.value.param) == ("invalid_file", "file")
+    assert [f async for f in client.files.list()] == []  # nothing was kept
+
+
+async def test_a_file_naming_a_model_no_longer_served_is_refused_at_batch_create(
+    start_replica: StartReplica, start_router: StartRouter, tmp_path: Path
+) -> None:
+    """Two routers on one store: the first serves "retired" and takes the file, the second
+    (another config, or the first restarted without it) refuses the batch, naming the line."""
+    a = await start_replica("a")
+    store = batch_config(tmp_path)
+    old = client_for(await start_router([a], batch=store, models=["tiny", "retired"]))
+    new = client_for(await start_router([a], batch=store, models=["tiny"]))
+    lines = [chat_line("ok", "hi"), chat_line("old", "hi", "retired")]
+    uploaded = await old.files.create(file=("f.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as refused:
+        await new.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    assert error_of(refused.value) == (
+        f"The batch input file {uploaded.id} is not valid: line 2: body.model: 'retired' is not "
+        "a model this router serves (it serves: tiny)."
+    )
+    assert refused.value.param == "input_file_id"
+    assert [b async for b in new.batches.list()] == []
 
 
 async def test_batches_list_in_pages_newest_first(

@@ -69,6 +69,8 @@ def test_a_good_file_parses_to_its_lines_with_their_numbers() -> None:
         (line("a", body="text"), "line 1: body must be a JSON object"),
         (line("a", body={"model": "m", "stream": True}), "line 1: body.stream must not be true"),
         (line("a", extra=1), "line 1: unknown field(s) extra"),
+        (line("a", body={"prompt": "hi"}), "line 1: body.model: required"),
+        (line("a", body={"model": 7, "prompt": "hi"}), "line 1: body.model: required"),
         (b"\n\n", "no request lines"),
         (line("a") + b"\n" + line("b") + b"\n" + line("c"), "more than batch.max_lines (2)"),
     ],
@@ -77,6 +79,18 @@ def test_a_bad_file_is_refused_naming_the_line_and_why(data: bytes, why: str) ->
     with pytest.raises(InvalidFile, match=None) as info:
         parse_input(data, 2)
     assert why in str(info.value)
+
+
+def test_a_line_naming_a_model_the_router_does_not_serve_is_refused_naming_both() -> None:
+    data = line("a") + b"\n" + line("b", body={"model": "gpt-4o", "prompt": "hi"})
+    with pytest.raises(InvalidFile) as info:
+        parse_input(data, 10, served=frozenset({"m", "m-lora"}))
+    assert str(info.value) == (
+        "line 2: body.model: 'gpt-4o' is not a model this router serves (it serves: m, m-lora)"
+    )
+    assert len(parse_input(line("a"), 10, served=frozenset({"m"}))) == 1
+    # A catalog not known yet (no replica probed) refuses nothing, as online requests.
+    assert len(parse_input(data, 10, served=frozenset())) == 2
 
 
 def test_a_batch_request_is_checked_param_by_param() -> None:

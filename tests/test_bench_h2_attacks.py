@@ -24,6 +24,7 @@ def test_the_picker_survives_the_attacks_and_the_bench_says_so() -> None:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[2] == "0", row  # no failed pick during the attack
         assert cells[-1] == "yes", row  # answered after it
+    assert "Each attack ran in a process of its own" in done.stdout
     assert "Reproduce: `kvroute bench h2-attacks --attacks rapid-reset,ping-flood`" in done.stdout
 
 

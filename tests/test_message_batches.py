@@ -21,7 +21,7 @@ from kvroute.backends.process import free_ports
 from .conftest import StartReplica, StartRouter
 from .fake_replica import FAKE_PROMPT_TOKENS
 from .helpers import wait_until
-from .test_batch import batch_config
+from .test_batch import batch_config, wait_serving
 from .test_batch_durability import start_router as start_router_process
 
 
@@ -64,15 +64,15 @@ async def test_a_message_batch_runs_each_request_once_and_charges_its_tenant(
     )
     client = claude_for(r.url, **{"X-Tenant-Id": "agents"})
     requests = [request(f"req-{i}", f"prompt {i}") for i in range(20)]
-    requests += [request("bad-model", "x", model="no-such-model"), request("r400", "status:400")]
+    requests.append(request("r400", "status:400"))
     created = await client.messages.batches.create(requests=requests)
     assert created.id.startswith("msgbatch_") and created.type == "message_batch"
     assert created.processing_status == "in_progress" and created.results_url is None
-    assert created.request_counts.processing == 22
+    assert created.request_counts.processing == 21
     assert created.expires_at > created.created_at and created.ended_at is None
     done = await wait_ended(client, created.id)
     counts = done.request_counts
-    assert (counts.succeeded, counts.errored, counts.processing) == (20, 2, 0)
+    assert (counts.succeeded, counts.errored, counts.processing) == (20, 1, 0)
     assert (counts.canceled, counts.expired) == (0, 0)
     assert done.ended_at is not None and done.cancel_initiated_at is None
     assert done.results_url == f"{r.url}/v1/messages/batches/{created.id}/results"
@@ -81,9 +81,6 @@ async def test_a_message_batch_runs_each_request_once_and_charges_its_tenant(
     ok = results["req-0"]
     assert ok.type == "succeeded" and ok.message.content[0].text.startswith("hello from")
     assert ok.message.usage.input_tokens == FAKE_PROMPT_TOKENS
-    missing = results["bad-model"]
-    assert missing.type == "errored" and missing.error.error.type == "not_found_error"
-    assert "no-such-model" in missing.error.error.message
     refused = results["r400"]
     assert refused.type == "errored" and refused.error.error.type == "invalid_request_error"
     assert refused.error.error.message == "scripted 400"
@@ -149,6 +146,26 @@ async def test_bad_requests_get_a_400_naming_the_request_in_anthropics_shape(
         await client.messages.batches.retrieve("msgbatch_nope")
     with pytest.raises(anthropic.BadRequestError, match="limit"):
         await client.messages.batches.list(limit=0)
+    assert [x async for x in client.messages.batches.list()] == []  # nothing was created
+
+
+async def test_a_request_naming_a_model_the_router_does_not_serve_is_refused_at_create(
+    start_replica: StartReplica, start_router: StartRouter, tmp_path: Path
+) -> None:
+    r = await start_router([await start_replica("a")], batch=batch_config(tmp_path))
+    await wait_serving(openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x"), "tiny")
+    client = claude_for(r.url)
+    requests = [request("ok", "hi"), request("opus", "hi", model="claude-opus-4-1")]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await client.messages.batches.create(requests=requests)
+    assert refused.value.body == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "Invalid request: requests[1].params.model: 'claude-opus-4-1' is not a "
+            "model this router serves (it serves: tiny)",
+        },
+    }
     assert [x async for x in client.messages.batches.list()] == []  # nothing was created
 
 

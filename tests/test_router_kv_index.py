@@ -3,16 +3,27 @@ router's own block hashes, and /metrics shows the subscription."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from typing import Any
+
 import aiohttp
 import openai
+import zmq
+import zmq.asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvroute.backends.process import free_ports
 from kvroute.kvcore.block_hashing import block_hashes
+from kvroute.kvcore.kv_events import encode_event_batch
 from kvroute.kvcore.stats import parse_metrics
 from kvroute.kvcore.tokenizer import SimpleTokenizer
+from kvroute.router.kv_subscriber import MAX_REPLAY_BATCHES
 
-from .conftest import Running, StartRouter
+from .conftest import Running, StartReplica, StartRouter
 from .helpers import wait_until
 
+EMPTY_BATCH = encode_event_batch(0.0, [])
 PROMPT = "Every full block of this prompt ends up in the router's index. " * 12
 
 
@@ -46,3 +57,100 @@ async def test_index_learns_what_the_replica_caches(
     assert samples[("kvroute_kv_event_batches_total", "emu")] >= 1
     assert samples[("kvroute_kv_event_connected", "emu")] == 1
     assert samples[("kvroute_prefix_index_entries", None)] >= len(hashes)
+
+
+class _HostileReplay:
+    """A replay socket that floods its first request with garbage past the router's limit
+    (100,000 messages, no end marker) and never answers another: one replay overflow, then
+    one replay timeout. A thread with a plain ZMQ socket, to send the flood fast."""
+
+    def __init__(self, port: int) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # queue the whole flood: a ROUTER drops past it
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(f"tcp://127.0.0.1:{port}")
+        self.asked = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.socket.poll(50):
+                continue
+            client, *_ = self.socket.recv_multipart()
+            self.asked += 1
+            if self.asked == 1:
+                for _ in range(MAX_REPLAY_BATCHES + 1):
+                    self.socket.send_multipart([client, b"", b"garbage"])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+async def test_abandoned_replays_show_on_metrics(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    """A publisher whose replay floods, then one that does not answer: each abandoned replay
+    is counted on /metrics (kvroute_kv_event_replay_{overflows,timeouts}_total), as an
+    operator's Prometheus parses it, and the router resyncs and goes on."""
+    events_port, replay_port = free_ports(2)
+    context = zmq.asyncio.Context()
+    pub = context.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{events_port}")
+    replay = _HostileReplay(replay_port)
+    a = await start_replica("a")
+    source = {
+        "url": a.url,
+        "name": "hostile",
+        "kv_events": f"tcp://127.0.0.1:{events_port}",
+        "kv_replay": f"tcp://127.0.0.1:{replay_port}",
+    }
+    r = await start_router([source])
+    seq = 10  # a first frame past 0 makes the router ask for the history: the flood
+
+    async def scrape() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as http, http.get(r.url + "/metrics") as resp:
+            text = await resp.text()
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(families: dict[str, Any], name: str) -> float:
+        (sample,) = [s for s in families[name].samples if s.labels.get("replica") == "hostile"]
+        return float(sample.value)
+
+    async def publish_until(name: str, jump: int) -> dict[str, Any]:
+        """Publish frames (each ``jump`` past the last) until /metrics counts ``name``."""
+        nonlocal seq
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while True:
+            await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), EMPTY_BATCH])
+            seq += jump
+            families = await scrape()
+            if name in families and value(families, name) >= 1:
+                return families
+            assert loop.time() < deadline, f"{name} never counted: asked {replay.asked} times"
+            await asyncio.sleep(0.1)
+
+    try:
+        families = await publish_until("kvroute_kv_event_replay_overflows", 1)
+        assert value(families, "kvroute_kv_event_replay_overflows") == 1
+        assert value(families, "kvroute_kv_event_replay_timeouts") == 0
+        assert value(families, "kvroute_kv_event_malformed") >= MAX_REPLAY_BATCHES
+        # A gap: the router asks for the missing frames; nothing answers within 2 s.
+        families = await publish_until("kvroute_kv_event_replay_timeouts", 5)
+        assert value(families, "kvroute_kv_event_replay_timeouts") == 1
+        assert value(families, "kvroute_kv_event_replay_overflows") == 1
+        assert value(families, "kvroute_kv_event_resyncs") >= 1
+        for name in ("kvroute_kv_event_replay_overflows", "kvroute_kv_event_replay_timeouts"):
+            assert families[name].type == "counter" and "resynced" in families[name].documentation
+        # After the resync the next frame asks for the history again (not answered either).
+        assert replay.asked >= 2
+    finally:
+        pub.close(linger=0)
+        context.term()
+        replay.close()

@@ -1,17 +1,20 @@
 """``kvroute bench h2-attacks``: the endpoint picker's HTTP/2 server under each attack class.
 
-One ``kvroute epp`` process (its default limits, one instant stub endpoint) and, in this
+Three processes: one ``kvroute epp`` (its default limits, one instant stub endpoint); in this
 process, a well-behaved gRPC client (gRPC's C core) on its ext_proc port, one call after
 another: an ext_proc pick (``--probe pick``, the default: a request's headers and body in, the
-pick's answer out) or the picker's gRPC health ``Check`` (``--probe health``), on the same event
-loop and HTTP/2 server. First its latency
-alone (the baseline), then during each attack, run by a raw HTTP/2 client written for it; the
-picker's RSS before and after each. The issue's targets: the picker alive and answering during
-and after every attack, the well-behaved client's p99 within twice its baseline, memory growth
-under a stated bound per class.
+pick's answer out) or the picker's gRPC health ``Check`` (``--probe health``); and, for each
+attack class, an attacker process of its own (a raw HTTP/2 client written for it), started
+before the attack's window and stopped after it. First the client's latency alone (the
+baseline), then during each attack; the picker's RSS before and after each, and its CPU time
+during each (what the attack cost the picker itself, its picks for the other client included:
+unlike latency, not the machine's load). The issue's targets: the picker alive and answering
+during and after every attack, the well-behaved client's p99 within twice its baseline, memory
+growth under a stated bound per class.
 
-The picker and both clients share the machine: on a small one, the attacker's own CPU shows in
-the other client's latency (reported as it is).
+The three share the machine: on a small or busy one, the attacker's CPU and everyone else's can
+still show in the other client's latency (reported as it is; the CPU column tells the picker's
+part), but the attacker no longer runs on that client's event loop.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
+import os
 import socket
 import statistics
 import struct
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -35,6 +40,8 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, CONTINUATION = 0, 1, 3, 4, 6, 9
 END_HEADERS = 0x4
+# The attacker process's lines on stdout: loaded and waiting for the go, then its attack over.
+READY, OVER = b"ready\n", b"over\n"
 # Memory growth the picker may show after an attack (its limits hold far less; RSS moves with
 # the allocator and the first use of code paths).
 RSS_BOUND_MB = 32
@@ -207,6 +214,8 @@ ATTACKS: dict[str, Callable[[int], Coroutine[Any, Any, None]]] = {
 class Probe:
     latencies_ms: list[float]
     failures: int
+    cpu_s: float = float("nan")  # the picker's CPU over the calls (the baseline's)
+    wall_s: float = float("nan")
 
     @property
     def p50(self) -> float:
@@ -302,6 +311,14 @@ def _pick_call(channel: Any) -> Callable[[], Coroutine[Any, Any, bool]]:
     return call
 
 
+def cpu_s(pid: int) -> float:
+    """The process's CPU time so far (user + system): what an attack costs the picker
+    itself, whatever else the machine runs (its latency shows the machine's load too)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -317,22 +334,80 @@ class Outcome:
     rss_before: float
     rss_after: float
     alive: bool
+    cpu_s: float = float("nan")  # the picker's, during the attack (the probe's picks included)
+    wall_s: float = float("nan")
+
+
+def attacker_argv(name: str, port: int) -> list[str]:
+    """The command of one attack's own process (``attacker_main`` below)."""
+    return [sys.executable, "-m", "kvroute.bench.h2_attacks", name, str(port)]
+
+
+def attacker_main(argv: list[str]) -> int:
+    """One attack in a process of its own: loaded, it says READY and waits for a line on stdin
+    (so its start-up falls outside the window), attacks, says OVER and exits."""
+    name, port = argv[0], int(argv[1])
+    importlib.import_module("hpack")  # the HPACK bomb's encoder, loaded before the window
+    _say(READY)
+    sys.stdin.readline()
+    with contextlib.suppress(Exception):  # a cut connection is the picker defending itself
+        asyncio.run(ATTACKS[name](port))
+    _say(OVER)
+    return 0
+
+
+def _say(line: bytes) -> None:
+    sys.stdout.buffer.write(line)
+    sys.stdout.buffer.flush()
+
+
+@contextlib.asynccontextmanager
+async def attacker(name: str, port: int) -> AsyncIterator[asyncio.subprocess.Process]:
+    """The attack's process, started and READY; killed on the way out if it has not exited."""
+    proc = await asyncio.create_subprocess_exec(
+        *attacker_argv(name, port), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        if line != READY:
+            raise RuntimeError(f"the {name} attacker did not start (it said {line!r})")
+        yield proc
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+async def attack_window(proc: asyncio.subprocess.Process, port: int, kind: str) -> Probe:
+    """Tell the READY attacker to go, and call the picker until it says OVER."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"go\n")
+    await proc.stdin.drain()
+    over = asyncio.create_task(proc.stdout.readline())
+    probe = await probe_until(port, over.done, 1.0, kind)
+    await over
+    return probe
 
 
 async def run(
     port: int, pid: int, names: list[str], baseline_s: float, kind: str = "pick"
 ) -> tuple[Probe, list[Outcome]]:
+    cpu, wall = cpu_s(pid), time.perf_counter()
     baseline = await probe_until(port, lambda: True, baseline_s, kind)
+    baseline.cpu_s, baseline.wall_s = cpu_s(pid) - cpu, time.perf_counter() - wall
     outcomes = []
     for name in names:
-        before = rss_mb(pid)
-        attack = asyncio.create_task(ATTACKS[name](port))
-        probe = await probe_until(port, attack.done, 1.0, kind)
-        with contextlib.suppress(Exception):
-            await attack
+        async with attacker(name, port) as proc:
+            before = rss_mb(pid)
+            cpu, wall = cpu_s(pid), time.perf_counter()
+            probe = await attack_window(proc, port, kind)
+            used, took = cpu_s(pid) - cpu, time.perf_counter() - wall
+            await asyncio.wait_for(proc.wait(), 30)
         after_probe = await probe_until(port, lambda: True, 0.2, kind)  # answered after it
         alive = after_probe.failures == 0 and bool(after_probe.latencies_ms)
-        outcomes.append(Outcome(name, probe, before, rss_mb(pid), alive))
+        outcomes.append(Outcome(name, probe, before, rss_mb(pid), alive, used, took))
     return baseline, outcomes
 
 
@@ -342,10 +417,11 @@ def report(
     what = "ext_proc pick" if kind == "pick" else "health Check"
     lines = [
         f"baseline: {what} p50 {baseline.p50:.2f} ms, p99 {baseline.p99:.2f} ms "
-        f"({len(baseline.latencies_ms)} calls)",
+        f"({len(baseline.latencies_ms)} calls; the picker's CPU {baseline.cpu_s:.2f} s in "
+        f"{baseline.wall_s:.1f} s)",
         "",
-        "| attack | calls during | failed | p50 ms | p99 ms | p99 / baseline | RSS MB before -> after | alive after |",
-        "|---|---|---|---|---|---|---|---|",
+        "| attack | calls during | failed | p50 ms | p99 ms | p99 / baseline | picker CPU s / wall s | RSS MB before -> after | alive after |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     ok = True
     for o in outcomes:
@@ -354,10 +430,17 @@ def report(
         ok = ok and o.alive and o.probe.failures == 0 and grown <= RSS_BOUND_MB
         lines.append(
             f"| {o.name} | {len(o.probe.latencies_ms)} | {o.probe.failures} | {o.probe.p50:.2f} | "
-            f"{o.probe.p99:.2f} | {ratio:.1f}x | {o.rss_before:.0f} -> {o.rss_after:.0f} | "
+            f"{o.probe.p99:.2f} | {ratio:.1f}x | {o.cpu_s:.2f} / {o.wall_s:.1f} | "
+            f"{o.rss_before:.0f} -> {o.rss_after:.0f} | "
             f"{'yes' if o.alive else 'NO'} |"
         )
-    lines += ["", f"Reproduce: `{command}`"]
+    lines += [
+        "",
+        "Each attack ran in a process of its own, started before its window and stopped after;"
+        " the picker and this client in theirs.",
+        "",
+        f"Reproduce: `{command}`",
+    ]
     return "\n".join(lines), ok
 
 
@@ -432,3 +515,7 @@ def add_h2_attacks_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser
         "(default: a request's headers and body, the pick's answer) or the gRPC health Check",
     )
     p.set_defaults(func=_cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(attacker_main(sys.argv[1:]))

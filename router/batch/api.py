@@ -22,6 +22,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from .. import errors
 from ..auth import Auth
 from ..config import BatchConfig
+from ..pipeline import ModelCatalog
 from ..tenants import DEFAULT_TENANT, Tenants
 from .model import (
     CANCELLABLE,
@@ -54,12 +55,16 @@ class LaneEndpoints:
         runner: BatchRunner,
         auth: Auth,
         tenants: Tenants | None,
+        catalog: ModelCatalog,
     ) -> None:
         self.config = config
         self.store = store
         self.runner = runner
         self.auth = auth
         self.tenants = tenants
+        # The models online requests may name: a batch naming any other is refused whole
+        # when it comes in, not line by line hours later when its lines run.
+        self.catalog = catalog
 
     def routes(self) -> list[tuple[str, str, Handler]]:
         raise NotImplementedError
@@ -108,7 +113,7 @@ class BatchApi(LaneEndpoints):
                 "purpose",
             )
         try:
-            parse_input(content, self.config.max_lines)
+            parse_input(content, self.config.max_lines, self.catalog.known)
         except InvalidFile as exc:
             raise errors.ApiError(
                 400, f"The batch input file is not valid: {exc}.", param="file",
@@ -200,7 +205,14 @@ class BatchApi(LaneEndpoints):
                 f"File {file_id} has purpose {meta.purpose!r}; upload one with purpose=batch.",
                 "input_file_id",
             )
-        lines = parse_input(content, self.config.max_lines)  # checked at upload: it passes
+        try:
+            # Checked at upload; checked again, as the limits or the models served may have
+            # changed since (a file outlives a restart with another config).
+            lines = parse_input(content, self.config.max_lines, self.catalog.known)
+        except InvalidFile as exc:
+            raise errors.bad_request(
+                f"The batch input file {file_id} is not valid: {exc}.", "input_file_id"
+            ) from None
         endpoint = body["endpoint"]
         for line in lines:
             if line.url != endpoint:

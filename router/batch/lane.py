@@ -33,9 +33,10 @@ class BatchLane:
         self.url = config.store or default_store_url()
         self.store = open_store(self.url)
         self.runner = BatchRunner(config, self.store, pipeline, admission, fleet, metrics)
-        self.api = BatchApi(config, self.store, self.runner, auth, tenants)
+        parts = (config, self.store, self.runner, auth, tenants, pipeline.catalog)
+        self.api = BatchApi(*parts)
         # Anthropic's Message Batches: jobs of the same lane, shown as Anthropic shows them.
-        self.messages = MessageBatchApi(config, self.store, self.runner, auth, tenants)
+        self.messages = MessageBatchApi(*parts)
 
     def add_routes(self, routes: web.UrlDispatcher) -> None:
         self.api.add_routes(routes)

@@ -31,7 +31,7 @@ from .messages_model import (
     processing_status,
     to_message_batch,
 )
-from .model import CANCELLABLE, InputLine, Job, Status
+from .model import CANCELLABLE, InputLine, Job, Status, model_problem
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class MessageBatchApi(LaneEndpoints):
             raise errors.bad_request(f"requests: more than batch.max_lines ({limit}) requests")
         lines: list[InputLine] = []
         seen: set[str] = set()
+        served = self.catalog.known  # one snapshot: this runs in a thread
         for i, item in enumerate(requests):
             problem = check_request(i, item)
             if problem is not None:
@@ -106,11 +107,14 @@ class MessageBatchApi(LaneEndpoints):
             seen.add(custom_id)
             params = json.dumps(item["params"], separators=(",", ":"), ensure_ascii=False).encode()
             try:
-                parse_messages(params)
+                parsed = parse_messages(params)
             except errors.ApiError as exc:
                 where = f"requests[{i}].params" + (f".{exc.param}" if exc.param else "")
                 why = exc.message.removeprefix("Invalid request: ")
                 raise errors.bad_request(f"Invalid request: {where}: {why}") from None
+            problem = model_problem(parsed.model, served)
+            if problem is not None:
+                raise errors.bad_request(f"Invalid request: requests[{i}].params.model: {problem}")
             lines.append(InputLine(i + 1, custom_id, MESSAGES_ENDPOINT, params))
         return lines
 

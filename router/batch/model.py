@@ -9,6 +9,7 @@ A job's ``ending`` says which end its finalizing leads to (completed or expired)
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -156,10 +157,11 @@ class InvalidFile(ValueError):
     """A batch input file that cannot be accepted; the message names the line and why."""
 
 
-def parse_input(data: bytes, max_lines: int) -> list[InputLine]:
+def parse_input(data: bytes, max_lines: int, served: Collection[str] = ()) -> list[InputLine]:
     """The request lines of a ``purpose=batch`` JSONL file, or InvalidFile naming the first
     bad line: JSON objects with a unique ``custom_id``, ``method`` POST, ``url`` one of
-    ENDPOINTS and ``body`` an object that does not ask to stream (a batch answer is whole)."""
+    ENDPOINTS and ``body`` an object that does not ask to stream (a batch answer is whole)
+    and names a model in ``served`` (``model_problem``)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -171,7 +173,7 @@ def parse_input(data: bytes, max_lines: int) -> list[InputLine]:
             continue
         if len(lines) >= max_lines:
             raise InvalidFile(f"the file has more than batch.max_lines ({max_lines}) requests")
-        line = _parse_line(raw, number)
+        line = _parse_line(raw, number, served)
         if line.custom_id in seen:
             raise InvalidFile(f"line {number}: custom_id {line.custom_id!r} is used twice")
         seen.add(line.custom_id)
@@ -181,7 +183,7 @@ def parse_input(data: bytes, max_lines: int) -> list[InputLine]:
     return lines
 
 
-def _parse_line(raw: str, number: int) -> InputLine:
+def _parse_line(raw: str, number: int, served: Collection[str]) -> InputLine:
     def bad(why: str) -> InvalidFile:
         return InvalidFile(f"line {number}: {why}")
 
@@ -204,11 +206,27 @@ def _parse_line(raw: str, number: int) -> InputLine:
         raise bad("body must be a JSON object (the request)")
     if body.get("stream"):
         raise bad("body.stream must not be true: a batch answer is stored whole")
+    problem = model_problem(body.get("model"), served)
+    if problem is not None:
+        raise bad(f"body.model: {problem}")
     unknown = set(obj) - {"custom_id", "method", "url", "body"}
     if unknown:
         raise bad(f"unknown field(s) {', '.join(sorted(unknown))}")
     encoded = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
     return InputLine(number, custom_id, url, encoded)
+
+
+def model_problem(model: object, served: Collection[str]) -> str | None:
+    """Why a batch request's model cannot run on this router (None: it can). ``served`` is
+    the router's model catalog; empty while it is not known yet (no replica has answered a
+    probe), when any name passes, as online requests do: their lines then fail one by one
+    with model_not_found when they run, if the catalog refuses them by then."""
+    if not isinstance(model, str) or not model:
+        return "required, the name of a model this router serves"
+    if served and model not in served:
+        names = ", ".join(sorted(served))
+        return f"{model!r} is not a model this router serves (it serves: {names})"
+    return None
 
 
 def check_create(body: Any, known_windows: tuple[str, ...] = (COMPLETION_WINDOW,)) -> str | None:

@@ -19,7 +19,7 @@ Limits (``H2Limits``, from the picker's ``epp:`` config; SECURITY.md lists them)
 connection (advertised in SETTINGS; more are refused with ``REFUSED_STREAM``), connections,
 header list size (through CONTINUATION frames), bytes held per connection and overall (partial
 messages and answers waiting for the peer's window), client stream resets per second (rapid
-reset), and timeouts for the handshake, for a frame or header block once started, and for an
+reset), PING and SETTINGS frames per read (fixed: ``MAX_CONTROL_FRAMES_PER_READ``), and timeouts for the handshake, for a frame or header block once started, and for an
 idle connection. A peer past a limit gets ``GOAWAY`` with ``ENHANCE_YOUR_CALM`` and is closed;
 ``GrpcServer.counts`` says how often each limit was hit.
 """
@@ -67,6 +67,12 @@ RECEIVE_FRAME_BYTES = 1 << 20
 RECEIVE_WINDOW = 1 << 24
 MAX_NEUTRAL_BLOCKS = 64  # distinct table-neutral header blocks remembered per connection
 MAX_HEADER_LIST_BYTES = 64 << 10
+# PING and SETTINGS frames in one read, each asking for an answer: past this the peer is
+# flooding (CVE-2019-9512/-9515) and the connection ends. A flood reads 256 KB at a time,
+# 17,000 SETTINGS; handling them all held the event loop (every other client's picks) for
+# tens of ms of CPU per read. A real peer sends a few per read (gRPC's BDP pings); Envoy's
+# own cap on queued control frames is 1,000.
+MAX_CONTROL_FRAMES_PER_READ = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +149,7 @@ LIMIT_EVENTS = (
     "header_lists_too_large",
     "memory",  # past max_connection_bytes or max_total_bytes
     "rapid_resets",  # past max_resets_per_s
+    "control_floods",  # past MAX_CONTROL_FRAMES_PER_READ PINGs and SETTINGS in one read
     "handshake_timeouts",
     "frame_timeouts",
     "idle_closed",
@@ -396,6 +403,7 @@ class GrpcConnection(asyncio.Protocol):
         # Not read while the peer does not read our answers (pause_writing), since paused_at.
         self.reading_paused = False
         self.paused_at = 0.0
+        self.control_frames = 0  # PINGs and SETTINGS answered in the read being handled
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
@@ -417,6 +425,7 @@ class GrpcConnection(asyncio.Protocol):
             return  # closed for a limit: what is still in flight is not read
         self.buffer += data
         self.corked = True
+        self.control_frames = 0
         try:
             progressed = self._parse()
             if self.buffer or self.header_stream:
@@ -654,6 +663,7 @@ class GrpcConnection(asyncio.Protocol):
             if len(payload) != 8 or stream_id:
                 raise _ConnectionError(FRAME_SIZE_ERROR, "bad PING")
             if not flags & ACK:
+                self._count_control_frame()
                 self.emit(frame(PING, ACK, 0, bytes(payload)))
         elif kind == RST_STREAM:
             if len(payload) != 4 or not stream_id:
@@ -877,6 +887,7 @@ class GrpcConnection(asyncio.Protocol):
             return
         if len(payload) % 6:
             raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS of a wrong length")
+        self._count_control_frame()
         self.settings_seen = True
         for pos in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, pos)
@@ -927,6 +938,11 @@ class GrpcConnection(asyncio.Protocol):
             return
         if stream.pending or stream.trailers is not None:
             self.pump(stream)
+
+    def _count_control_frame(self) -> None:
+        self.control_frames += 1
+        if self.control_frames > MAX_CONTROL_FRAMES_PER_READ:
+            raise _ConnectionError(ENHANCE_YOUR_CALM, "PING or SETTINGS flood", "control_floods")
 
     def _spend_reset(self) -> None:
         """One stream reset by the client before its answer (or refused): past the budget,
