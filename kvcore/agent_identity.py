@@ -14,7 +14,10 @@ body fields in, an ``Identity`` out. No I/O, no clock. The rules, first match wi
 A program is a session and its sub-agents. Where the agent says so (OpenCode's
 ``x-parent-session-id``) the program is the parent session; otherwise the program is the
 session. Claude Code's sub-agents (the Task tool) run in the parent's process and send the
-parent's session in ``metadata.user_id``; the committed Claude Code excerpt
+parent's session id: "parallel subagents ... share the same session ID and have no agent-level
+identifier" in their API requests (anthropics/claude-code issue #49207,
+https://github.com/anthropics/claude-code/issues/49207; for hooks, issue #7881). The
+committed Claude Code excerpt
 (tests/data/claude_code_sessions_10.tar.xz, 1,316 requests, 8 sub-agents in 10 sessions)
 nests each sub-agent under its parent's session and shares no KV block with it (its own
 model, system prompt and tools), so "same prefix within a time window" would split every

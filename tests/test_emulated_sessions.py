@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import aiohttp
 import anthropic
+import openai
 
 from kvroute.kvcore.stats import parse_metrics
 
@@ -88,3 +89,34 @@ async def test_two_claude_code_sessions_of_one_account_each_keep_their_replica(
     counts = await _detected(r)
     assert counts["claude_code"] == 6
     assert sum(counts.values()) == 6
+
+
+async def test_codex_conversations_are_sessions_by_their_session_id_header(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    """Codex sends neither X-Session-ID nor ``user``: its conversation id comes as the
+    ``session_id`` header (and as ``prompt_cache_key``), and is its session."""
+    replicas = [await start_emulated(num_blocks=256) for _ in range(2)]
+    r = await start_router(
+        [replica_source(rep, f"emu-{i}") for i, rep in enumerate(replicas)],
+        routing={"tokenizer": "builtin"},
+    )
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    conversation = "0199f3a2-5d1e-7c40-9a61-2f0e8b7c4d11"
+    try:
+        for turn in range(2):
+            raw = await client.responses.with_raw_response.create(
+                model="tiny",
+                instructions=_system("gamma"),
+                input=f"Step {turn}: run the tests.",
+                max_output_tokens=4,
+                store=False,
+                prompt_cache_key=conversation,
+                extra_headers={"session_id": conversation, "originator": "codex_cli_rs"},
+            )
+            assert raw.http_response.status_code == 200
+    finally:
+        await client.close()
+    counts = await _detected(r)
+    assert counts["codex"] == 2
+    assert sum(counts.values()) == 2
