@@ -38,7 +38,8 @@ about 30 of them took all the traffic and evicted what the rest of the fleet cou
 shared prefix gets one more copy on the prompt's home.
 
 Live sessions (``session_ttl_s``, policies/sessions.py): a request with a session key
-(``X-Session-ID`` or the body's ``user``) marks its prompt as likely to return soon. The session's
+(detected by the router: ``X-Session-ID``, the agents' own, ``prompt_cache_key``, ``user``;
+kvcore/agent_identity.py) marks its prompt as likely to return soon. The session's
 next turn goes back to the replica that served the last one while that replica is below a looser
 bound (``session_eps``) and no replica is known to hold clearly more of the prompt: an agent's
 blocks are cached there even when the index has not heard yet, and a move costs the whole

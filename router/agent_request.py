@@ -115,7 +115,7 @@ def _parsed(
         bool(request.get("stream")),
         chars // CHARS_PER_TOKEN + 1 + 4 * len(conversion.messages),
         min(max_tokens if max_tokens is not None else DEFAULT_CHAT_MAX_TOKENS, MAX_TOKENS_FOR_LOAD),
-        _session_of(request, api),
+        _user_of(request),
         cache_salt=request.get("cache_salt")
         if isinstance(request.get("cache_salt"), str)
         else None,
@@ -124,6 +124,7 @@ def _parsed(
         add_special_tokens=conversion.add_special_tokens,
         api=api,
         merged_messages=conversion.merged_messages,
+        fields=request,
     )
 
 
@@ -132,15 +133,11 @@ def _unkeyed(parsed: ParsedRequest, **changes: Any) -> ParsedRequest:
     return replace(parsed, messages=None, merged_messages=None, **changes)
 
 
-def _session_of(request: dict[str, Any], api: str) -> str | None:
-    """The key kv_aware keeps a live session on its replica by: Responses' ``user``;
-    Messages' ``metadata.user_id`` (Claude Code puts its session in it)."""
-    if api == RESPONSES:
-        user = request.get("user")
-        return user if isinstance(user, str) and user else None
-    metadata = request.get("metadata")
-    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
-    return user_id if isinstance(user_id, str) and user_id else None
+def _user_of(request: dict[str, Any]) -> str | None:
+    """OpenAI's ``user`` (Responses). The session, Messages' ``metadata.user_id`` (Claude
+    Code's) included, is detected from the whole body (kvcore/agent_identity.py)."""
+    user = request.get("user")
+    return user if isinstance(user, str) and user else None
 
 
 def _chars(content: Any) -> int:

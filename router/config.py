@@ -446,6 +446,10 @@ class RoutingConfig(_Section):
     # output, logprobs, images, stored Responses) still go as text. Measured (docs/agents.md):
     # 3.1x less replica API-server CPU per 220 KB turn, TTFT p50 1.33x lower; so on.
     send_tokens: bool = True
+    # A header that names the request's session (a gateway's or a client's own), read before
+    # every other way of finding it (X-Session-ID, the agents' own headers and fields,
+    # prompt_cache_key, user: kvcore/agent_identity.py); null: none.
+    session_header: str | None = None
 
 
 class MetricsConfig(_Section):

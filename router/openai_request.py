@@ -7,6 +7,7 @@ must fail with a clear 400 instead of reaching a replica.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
@@ -32,6 +33,23 @@ class _Common(msgspec.Struct, kw_only=True):
     # vLLM salts the first block's hash with it: requests with different salts share no blocks.
     cache_salt: str | None = None
     stream_options: dict[str, Any] | None = None
+    # What the session is detected from (kvcore/agent_identity.py), read as sent: their types
+    # are the detector's to check (a wrong one is skipped, not refused).
+    prompt_cache_key: Any = None
+    session_id: Any = None
+    vllm_xargs: Any = None
+    metadata: Any = None
+
+
+def identity_fields(req: _Common) -> dict[str, Any]:
+    """The top-level fields ``kvcore.agent_identity.detect`` reads."""
+    return {
+        "user": req.user,
+        "prompt_cache_key": req.prompt_cache_key,
+        "session_id": req.session_id,
+        "vllm_xargs": req.vllm_xargs,
+        "metadata": req.metadata,
+    }
 
 
 class CompletionBody(_Common, kw_only=True):
@@ -85,6 +103,8 @@ class ParsedRequest:
     merged_messages: list[dict[str, Any]] | None = None
     # Responses: the stored response this one continues (it lives on one replica).
     previous_response_id: str | None = None
+    # The body's top-level fields the session is detected from (kvcore/agent_identity.py).
+    fields: Mapping[str, Any] | None = None
 
 
 def _include_usage(options: dict[str, Any] | None) -> bool:
@@ -122,6 +142,7 @@ def parse_completion(body: bytes) -> ParsedRequest:
         add_special_tokens=req.add_special_tokens,
         include_usage=_include_usage(req.stream_options),
         api="completions",
+        fields=identity_fields(req),
     )
 
 
@@ -164,6 +185,7 @@ def chat_request(req: ChatFields, messages: list[dict[str, Any]], chars: int) ->
         chat_options=options,
         add_special_tokens=req.add_special_tokens,
         include_usage=_include_usage(req.stream_options),
+        fields=identity_fields(req),
     )
 
 

@@ -27,6 +27,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
 from kvroute.kvcore import pd, token_path
+from kvroute.kvcore.agent_identity import Identity
 from kvroute.kvcore.fair_queue import Priority, Ticket
 from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.tokenizer import PromptBlocks
@@ -55,6 +56,7 @@ from .prompt_keys import rendered_messages
 from .proxy import ClientExchange, ClientRequest, Relayed, end_broken_stream
 from .registry import ReplicaRegistry
 from .resume import StreamTranscript, Transcript, continuation_body, resume_blocker
+from .sessions import SessionMetrics, identify
 from .sse import sse_error
 from .stored_responses import StoredResponses
 from .tenants import DEFAULT_TENANT, Tenants
@@ -73,7 +75,6 @@ from .usage import asking_usage
 
 log = logging.getLogger(__name__)
 
-SESSION_HEADER = "X-Session-ID"
 # The reason of a route pinned to the replica that stores a Responses request's history.
 STORED_RESPONSE = "stored_response"
 
@@ -131,6 +132,8 @@ class RequestPipeline:
         self.token_paths = token_paths
         self.token_metrics = TokenPathMetrics()  # exported (empty) with send_tokens off too
         metrics.parts["send_tokens"] = self.token_metrics
+        self.session_metrics = SessionMetrics()
+        metrics.parts["sessions"] = self.session_metrics
         # Which replica holds each Responses answer it relayed (for previous_response_id).
         self.stored_responses = StoredResponses()
         r = config.retry
@@ -371,17 +374,24 @@ class RequestPipeline:
             blocks = await self._tokenize(parsed, keep_ids)
             if admitted is not None:
                 admitted.blocks = blocks
+        identity = self._identify(request, parsed)
         route_request = RouteRequest(
             blocks.tokens if blocks is not None else parsed.prompt_tokens,
             parsed.max_tokens,
             parsed.model,
-            request.headers.get(SESSION_HEADER) or parsed.user,
+            identity.session,
             blocks.hashes if blocks is not None else [],
         )
         route = self._decide(route_request)
         if parsed.previous_response_id is not None:
             route = self._to_stored_response(route, parsed.previous_response_id)
         return route
+
+    def _identify(self, request: ClientRequest, parsed: ParsedRequest) -> Identity:
+        """The request's session (kv_aware's key) and program, counted by how it was found."""
+        identity = identify(request.headers, parsed, self.config.routing.session_header)
+        self.session_metrics.count(identity)
+        return identity
 
     def _to_stored_response(self, route: Route, response_id: str) -> Route:
         """A Responses follow-up goes where its previous response is stored (vLLM keeps it in

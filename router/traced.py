@@ -34,6 +34,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from kvroute.backends.handle import ReplicaHandle
+from kvroute.kvcore.agent_identity import Identity
 from kvroute.kvcore.fair_queue import Ticket
 from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.tokenizer import PromptBlocks
@@ -150,6 +151,13 @@ class TracedPipeline(RequestPipeline):
                 span.set_attribute("kvroute.prompt_tokens", blocks.tokens)
                 span.set_attribute("kvroute.prompt_blocks", len(blocks.hashes))
             return blocks
+
+    def _identify(self, request: ClientRequest, parsed: ParsedRequest) -> Identity:
+        identity = super()._identify(request, parsed)
+        span = trace.get_current_span()  # the request's
+        if span.is_recording():
+            span.set_attribute("kvroute.session_source", identity.source)
+        return identity
 
     def _decide(self, route_request: RouteRequest) -> Route:
         if not sampled():

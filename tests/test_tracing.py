@@ -192,6 +192,7 @@ async def test_a_request_continues_the_clients_trace_and_the_replica_gets_the_at
     await client_for(r.url).chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Hi"}],
+        prompt_cache_key="conversation-1",
         extra_headers={
             "traceparent": f"00-{trace_id}-{client_span}-01",
             "tracestate": "vendor=opaque",
@@ -205,6 +206,7 @@ async def test_a_request_continues_the_clients_trace_and_the_replica_gets_the_at
     assert request.attributes["http.response.status_code"] == 200
     assert request.attributes["gen_ai.request.model"] == "tiny"
     assert request.attributes["kvroute.stream"] is False
+    assert request.attributes["kvroute.session_source"] == "prompt_cache_key"
     for name in CHILDREN:
         assert spans[name].parent_id == request.span_id, name
     # The steps in order, each inside the request's span.

@@ -33,6 +33,7 @@ from ..core import RoutingCore
 from ..ledger_bus import LedgerBus
 from ..metrics import Histogram, RouterMetrics
 from ..openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_completion
+from ..sessions import SessionMetrics, identify
 from ..tenant_metrics import TenantMetrics
 from ..tenants import Tenants, fairness_params
 from ..tokenizer_cache_metrics import TokenizerCacheMetrics
@@ -40,7 +41,6 @@ from .endpoints import address_of_url, in_subset
 
 log = logging.getLogger(__name__)
 
-SESSION_HEADER = "x-session-id"
 DECISION_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
@@ -107,6 +107,8 @@ class EndpointPicker:
             admission=lambda: (self.admission.active, self.admission.queued),
         )
         self.metrics.parts["tenants"] = self.tenants.metrics
+        self.session_metrics = SessionMetrics()
+        self.metrics.parts["sessions"] = self.session_metrics
         pools = self.core.pools
         self.metrics.parts["tokenizer_caches"] = TokenizerCacheMetrics(
             lambda: [self.chat_parser.counts(), *pools.tokenizer_cache_counts()]
@@ -210,11 +212,13 @@ class EndpointPicker:
         blocks = await keys.blocks(parsed) if parsed is not None else None
         if parsed is not None:
             tokens = blocks.tokens if blocks is not None else parsed.prompt_tokens
+            identity = identify(headers, parsed, self.config.routing.session_header)
+            self.session_metrics.count(identity)
             request = RouteRequest(
                 tokens,
                 parsed.max_tokens,
                 parsed.model,
-                headers.get(SESSION_HEADER) or parsed.user,
+                identity.session,
                 blocks.hashes if blocks is not None else [],
             )
         else:
