@@ -27,7 +27,7 @@ def _user_id(session: str) -> str:
 def _system(project: str) -> str:
     # Claude Code's system prompt names the session's working directory and its git state;
     # here it leads, so that the two sessions share no block and the ring places each.
-    return f"/home/dev/{project}: you are Claude Code, working here. " + " ".join(
+    return f"~/code/{project}: you are Claude Code, working here. " + " ".join(
         f"Rule {i}: read before editing {project}/src/module_{i}.py." for i in range(12)
     )
 
