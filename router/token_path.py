@@ -31,7 +31,6 @@ NEEDS_TEXT = "request_needs_text"  # a field the token path cannot answer exactl
 NOT_TOKENIZED = "not_tokenized"  # no tokenizer, a template error, a broken worker pool
 # The replica takes text only: no /inference/v1/generate, a reasoning parser, or not probed yet.
 REPLICA_TAKES_TEXT = "replica_takes_text"
-OUTCOMES = (TOKENS, NEEDS_TEXT, NOT_TOKENIZED, REPLICA_TAKES_TEXT)
 
 # Top-level fields never needed to decide or to answer: the conversation itself (rendered and
 # tokenized by the router already) and tools (whose presence alone sends a request as text).
