@@ -615,6 +615,8 @@ def _kv_event_families(m: RouterMetrics) -> Iterable[CounterMetricFamily | Gauge
         "message, 60 s in all); the replica's entries are resynced.",
         "replay_overflows": "Replays abandoned for sending more than 100,000 messages; the "
         "replica's entries are resynced.",
+        "sink_errors": "KV events the prefix index failed to apply (a bug in kvroute: logged "
+        "with its traceback, the event skipped, the stream goes on).",
     }
     families = {
         name: CounterMetricFamily(f"kvroute_kv_event_{name}", doc, labels=["replica", "endpoint"])

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.backends.process import free_ports
 from kvroute.kvcore.block_hashing import block_hashes
-from kvroute.kvcore.kv_events import encode_event_batch
+from kvroute.kvcore.kv_events import BlockStored, encode_event_batch
 from kvroute.kvcore.stats import parse_metrics
 from kvroute.kvcore.tokenizer import SimpleTokenizer
 from kvroute.router.kv_subscriber import MAX_REPLAY_BATCHES
@@ -154,3 +154,59 @@ async def test_abandoned_replays_show_on_metrics(
         pub.close(linger=0)
         context.term()
         replay.close()
+
+
+async def test_an_event_the_index_fails_to_apply_is_counted_and_the_stream_goes_on(
+    start_replica: StartReplica, start_router: StartRouter, monkeypatch: Any
+) -> None:
+    """A bug in the prefix index (stood in for by an apply that raises once): the event is
+    skipped, kvroute_kv_event_sink_errors_total counts it on /metrics, the next is applied."""
+    (events_port,) = free_ports(1)
+    context = zmq.asyncio.Context()
+    pub = context.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{events_port}")
+    a = await start_replica("a")
+    source = {"url": a.url, "name": "buggy", "kv_events": f"tcp://127.0.0.1:{events_port}"}
+    r = await start_router([source])
+    index = r.router.index
+    real_apply = index.apply_stored
+    failures = []
+
+    def apply_once_broken(*args: Any, **kwargs: Any) -> Any:
+        if not failures:
+            failures.append(args)
+            raise RuntimeError("a bug in the index")
+        return real_apply(*args, **kwargs)
+
+    monkeypatch.setattr(index, "apply_stored", apply_once_broken)
+    seq = 0
+
+    async def publish(block: int) -> None:
+        nonlocal seq
+        stored = BlockStored([block], None, [1] * 16, 16)
+        await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), encode_event_batch(0.0, [stored])])
+        seq += 1
+
+    async def sink_errors() -> float:
+        async with aiohttp.ClientSession() as http, http.get(r.url + "/metrics") as resp:
+            text = await resp.text()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        family = families["kvroute_kv_event_sink_errors"]
+        assert family.type == "counter" and "prefix index" in family.documentation
+        (sample,) = [s for s in family.samples if s.labels.get("replica") == "buggy"]
+        return float(sample.value)
+
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while not failures:  # until the subscriber is connected and the first event reached it
+            await publish(seq + 1)
+            assert loop.time() < deadline, "no event reached the index"
+            await asyncio.sleep(0.1)
+        assert await sink_errors() == 1
+        await publish(999)
+        await wait_until(lambda: index.entries >= 1, timeout_s=10, what="the next event")
+        assert await sink_errors() == 1
+    finally:
+        pub.close(linger=0)
+        context.term()
