@@ -5,16 +5,20 @@ process, a well-behaved gRPC client (gRPC's C core) on its ext_proc port, one ca
 another: an ext_proc pick (``--probe pick``, the default: a request's headers and body in, the
 pick's answer out) or the picker's gRPC health ``Check`` (``--probe health``); and, for each
 attack class, an attacker process of its own (a raw HTTP/2 client written for it), started
-before the attack's window and stopped after it. First the client's latency alone (the
-baseline), then during each attack; the picker's RSS before and after each, and its CPU time
-during each (what the attack cost the picker itself, its picks for the other client included:
-unlike latency, not the machine's load). The issue's targets: the picker alive and answering
-during and after every attack, the well-behaved client's p99 within twice its baseline, memory
-growth under a stated bound per class.
+before the round's windows and stopped after its attack. The issue's targets: the picker alive
+and answering during and after every attack, the well-behaved client's p99 within twice its
+baseline, memory growth under a stated bound per class.
 
-The three share the machine: on a small or busy one, the attacker's CPU and everyone else's can
-still show in the other client's latency (reported as it is; the CPU column tells the picker's
-part), but the attacker no longer runs on that client's event loop.
+Paired, interleaved rounds: ``--rounds`` times, each class in turn gets a baseline window (no
+attack; its attacker already started and waiting) immediately followed by its attack window of
+at least the same length (until the attacker says it is over). A class's ratio is the p99 of
+all its attack windows' calls pooled over the p99 of all its baseline windows' calls pooled, so
+the machine's load, which drifts over seconds on a shared box, weighs on both sides alike; the
+per-round ratios' median is shown beside it. The control ``none`` runs the same way with an
+attacker process that sends nothing: its ratio is the noise floor of the comparison. The
+picker's RSS before and after each attack, and its CPU time during the windows (what the attack
+cost the picker itself, its picks for the other client included: unlike latency, not the
+machine's load).
 """
 
 from __future__ import annotations
@@ -199,7 +203,15 @@ async def slowloris(port: int) -> None:
         writer.transport.abort()
 
 
+async def nothing(port: int) -> None:
+    """The control: an attacker process that sends nothing (its window as long as its baseline)."""
+
+
+# The control's name: always run, first, the noise floor of the comparison.
+CONTROL = "none"
+
 ATTACKS: dict[str, Callable[[int], Coroutine[Any, Any, None]]] = {
+    CONTROL: nothing,
     "streams-20k": streams_never_finished,
     "rapid-reset": rapid_reset,
     "continuation-flood": continuation_flood,
@@ -208,6 +220,11 @@ ATTACKS: dict[str, Callable[[int], Coroutine[Any, Any, None]]] = {
     "settings-flood": settings_flood,
     "slowloris": slowloris,
 }
+# Attacks that last a known time whatever the picker does: their baseline windows as long.
+ATTACK_S = {"slowloris": 3.0}
+TARGET_RATIO = 2.0
+DEFAULT_ROUNDS = 5
+DEFAULT_WINDOW_S = 1.0
 
 
 @dataclass
@@ -223,10 +240,14 @@ class Probe:
 
     @property
     def p99(self) -> float:
-        if not self.latencies_ms:
-            return float("nan")
-        ordered = sorted(self.latencies_ms)
-        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return p99(self.latencies_ms)
+
+
+def p99(latencies_ms: list[float]) -> float:
+    if not latencies_ms:
+        return float("nan")
+    ordered = sorted(latencies_ms)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 async def probe_until(
@@ -239,7 +260,13 @@ async def probe_until(
 
     latencies: list[float] = []
     failures = 0
-    async with aio.insecure_channel(f"{HOST}:{port}") as channel:
+    # A connection of its own for each window: gRPC shares one connection among channels to
+    # the same target by default, and the picks' streams, each cancelled once answered (a client
+    # reset before the stream ended, to the picker), would then run one connection through every
+    # window at ~1,300 a second: past the picker's rapid-reset budget (1,000 a second, a burst
+    # of 2,048), and it ends that connection (GOAWAY ENHANCE_YOUR_CALM) mid-window.
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    async with aio.insecure_channel(f"{HOST}:{port}", options=options) as channel:
         call = _pick_call(channel) if kind == "pick" else _health_call(channel)
         await call()  # connected before the clock starts
         started = time.perf_counter()
@@ -328,14 +355,65 @@ def rss_mb(pid: int) -> float:
 
 
 @dataclass
-class Outcome:
-    name: str
-    probe: Probe
-    rss_before: float
-    rss_after: float
+class Round:
+    """One round of one class: its baseline window, then its attack window."""
+
+    baseline: Probe
+    attack: Probe
+    rss_before: float  # the picker's, just before the attack window
+    rss_after: float  # after the attacker exited and the picker answered again
     alive: bool
-    cpu_s: float = float("nan")  # the picker's, during the attack (the probe's picks included)
-    wall_s: float = float("nan")
+
+    @property
+    def ratio(self) -> float:
+        return _ratio(self.attack.p99, self.baseline.p99)
+
+
+@dataclass
+class Outcome:
+    """A class's rounds, pooled."""
+
+    name: str
+    rounds: list[Round]
+
+    def _pool(self, side: str) -> Probe:
+        probes = [getattr(r, side) for r in self.rounds]
+        return Probe(
+            [x for probe in probes for x in probe.latencies_ms],
+            sum(probe.failures for probe in probes),
+            sum(probe.cpu_s for probe in probes),
+            sum(probe.wall_s for probe in probes),
+        )
+
+    @property
+    def baseline(self) -> Probe:
+        return self._pool("baseline")
+
+    @property
+    def attack(self) -> Probe:
+        return self._pool("attack")
+
+    @property
+    def ratio(self) -> float:
+        """The attack windows' pooled p99 over the baseline windows' pooled p99."""
+        return _ratio(self.attack.p99, self.baseline.p99)
+
+    @property
+    def round_ratios(self) -> list[float]:
+        return [r.ratio for r in self.rounds]
+
+    @property
+    def alive(self) -> bool:
+        return all(r.alive for r in self.rounds)
+
+    @property
+    def grown_mb(self) -> float:
+        """The most the picker's RSS grew over one of this class's attacks."""
+        return max(r.rss_after - r.rss_before for r in self.rounds)
+
+
+def _ratio(value: float, base: float) -> float:
+    return value / base if base > 0 else float("nan")
 
 
 def attacker_argv(name: str, port: int) -> list[str]:
@@ -380,64 +458,130 @@ async def attacker(name: str, port: int) -> AsyncIterator[asyncio.subprocess.Pro
             await proc.wait()
 
 
-async def attack_window(proc: asyncio.subprocess.Process, port: int, kind: str) -> Probe:
-    """Tell the READY attacker to go, and call the picker until it says OVER."""
+async def attack_window(
+    proc: asyncio.subprocess.Process, port: int, kind: str, least_s: float
+) -> Probe:
+    """Tell the READY attacker to go, and call the picker until it says OVER (and at least
+    ``least_s`` passed)."""
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"go\n")
     await proc.stdin.drain()
     over = asyncio.create_task(proc.stdout.readline())
-    probe = await probe_until(port, over.done, 1.0, kind)
+    probe = await probe_until(port, over.done, least_s, kind)
     await over
     return probe
 
 
-async def run(
-    port: int, pid: int, names: list[str], baseline_s: float, kind: str = "pick"
-) -> tuple[Probe, list[Outcome]]:
+async def _window(pid: int, calls: Coroutine[Any, Any, Probe]) -> Probe:
+    """A window's calls, with the picker's CPU time and the wall time they took."""
     cpu, wall = cpu_s(pid), time.perf_counter()
-    baseline = await probe_until(port, lambda: True, baseline_s, kind)
-    baseline.cpu_s, baseline.wall_s = cpu_s(pid) - cpu, time.perf_counter() - wall
-    outcomes = []
-    for name in names:
-        async with attacker(name, port) as proc:
-            before = rss_mb(pid)
-            cpu, wall = cpu_s(pid), time.perf_counter()
-            probe = await attack_window(proc, port, kind)
-            used, took = cpu_s(pid) - cpu, time.perf_counter() - wall
-            await asyncio.wait_for(proc.wait(), 30)
-        after_probe = await probe_until(port, lambda: True, 0.2, kind)  # answered after it
-        alive = after_probe.failures == 0 and bool(after_probe.latencies_ms)
-        outcomes.append(Outcome(name, probe, before, rss_mb(pid), alive, used, took))
-    return baseline, outcomes
+    probe = await calls
+    probe.cpu_s, probe.wall_s = cpu_s(pid) - cpu, time.perf_counter() - wall
+    return probe
+
+
+async def one_round(port: int, pid: int, name: str, window_s: float, kind: str) -> Round:
+    """The attacker started and READY; a baseline window; at once its attack window, at least
+    as long; the attacker gone; then the picker asked again (alive after it)."""
+    least_s = max(window_s, ATTACK_S.get(name, 0.0))
+    async with attacker(name, port) as proc:
+        baseline = await _window(pid, probe_until(port, lambda: True, least_s, kind))
+        before = rss_mb(pid)
+        attack = await _window(pid, attack_window(proc, port, kind, least_s))
+        await asyncio.wait_for(proc.wait(), 30)
+    after_probe = await probe_until(port, lambda: True, 0.2, kind)  # answered after it
+    alive = after_probe.failures == 0 and bool(after_probe.latencies_ms)
+    return Round(baseline, attack, before, rss_mb(pid), alive)
+
+
+async def run(
+    port: int, pid: int, names: list[str], window_s: float, kind: str = "pick", rounds: int = 5
+) -> list[Outcome]:
+    """``rounds`` rounds; in each, every class in turn (``one_round``): a drift in the machine's
+    load falls on every class and on both windows of a pair."""
+    await probe_until(port, lambda: True, 0.5, kind)  # warm: the picker's first picks, uncounted
+    outcomes = [Outcome(name, []) for name in names]
+    for _ in range(rounds):
+        for outcome in outcomes:
+            outcome.rounds.append(await one_round(port, pid, outcome.name, window_s, kind))
+    return outcomes
+
+
+def _x(ratio: float) -> str:
+    return f"{ratio:.2f}x"
 
 
 def report(
-    baseline: Probe, outcomes: list[Outcome], command: str, kind: str = "pick"
+    outcomes: list[Outcome],
+    command: str,
+    kind: str = "pick",
+    head: tuple[str, ...] = (),
+    window_s: float = 1.0,
 ) -> tuple[str, bool]:
+    """The table (the control first) and the verdicts; ok when every class's calls all
+    succeeded, the picker answered after every attack and its RSS grew within the bound."""
     what = "ext_proc pick" if kind == "pick" else "health Check"
+    rounds = len(outcomes[0].rounds) if outcomes else 0
+    held = ", ".join(f"{o.name} {ATTACK_S[o.name]:g} s" for o in outcomes if o.name in ATTACK_S)
+    held = f" ({held})" if held else ""
     lines = [
-        f"baseline: {what} p50 {baseline.p50:.2f} ms, p99 {baseline.p99:.2f} ms "
-        f"({len(baseline.latencies_ms)} calls; the picker's CPU {baseline.cpu_s:.2f} s in "
-        f"{baseline.wall_s:.1f} s)",
+        *head,
+        f"probe: {what}, one call after another; {rounds} rounds, each class in turn: a baseline "
+        f"window of {window_s:g} s{held}, "
+        "then at once its attack window, at least as long",
         "",
-        "| attack | calls during | failed | p50 ms | p99 ms | p99 / baseline | picker CPU s / wall s | RSS MB before -> after | alive after |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| attack | calls baseline / during | failed | p50 ms baseline / during "
+        "| p99 ms baseline / during | p99 during / baseline, pooled | per-round ratios: median "
+        "(min-max) | within 2x | picker CPU s / wall s, baseline / during "
+        "| RSS MB before -> after (most grown) | alive after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ok = True
     for o in outcomes:
-        ratio = o.probe.p99 / baseline.p99 if baseline.p99 > 0 else float("nan")
-        grown = o.rss_after - o.rss_before
-        ok = ok and o.alive and o.probe.failures == 0 and grown <= RSS_BOUND_MB
+        base, hit = o.baseline, o.attack
+        ratios = o.round_ratios
+        ok = ok and o.alive and base.failures == 0 and hit.failures == 0
+        ok = ok and o.grown_mb <= RSS_BOUND_MB
+        label = f"{o.name} (control: no attack)" if o.name == CONTROL else o.name
+        within = "yes" if o.ratio <= TARGET_RATIO else "NO"
         lines.append(
-            f"| {o.name} | {len(o.probe.latencies_ms)} | {o.probe.failures} | {o.probe.p50:.2f} | "
-            f"{o.probe.p99:.2f} | {ratio:.1f}x | {o.cpu_s:.2f} / {o.wall_s:.1f} | "
-            f"{o.rss_before:.0f} -> {o.rss_after:.0f} | "
-            f"{'yes' if o.alive else 'NO'} |"
+            f"| {label} | {len(base.latencies_ms)} / {len(hit.latencies_ms)} "
+            f"| {base.failures + hit.failures} | {base.p50:.2f} / {hit.p50:.2f} "
+            f"| {base.p99:.2f} / {hit.p99:.2f} | {_x(o.ratio)} "
+            f"| {_x(statistics.median(ratios))} ({_x(min(ratios))}-{_x(max(ratios))}) "
+            f"| {within} | {base.cpu_s:.2f} / {base.wall_s:.1f}, {hit.cpu_s:.2f} / "
+            f"{hit.wall_s:.1f} | {o.rounds[0].rss_before:.0f} -> {o.rounds[-1].rss_after:.0f} "
+            f"({o.grown_mb:+.0f}) | {'yes' if o.alive else 'NO'} |"
         )
+    lines += ["", "Per-round ratios, round 1 first:", ""]
+    lines += [f"- {o.name}: {' '.join(_x(r) for r in o.round_ratios)}" for o in outcomes]
+    attacks = [o for o in outcomes if o.name != CONTROL]
+    missed = [o for o in attacks if not o.ratio <= TARGET_RATIO]
+    control = next((o for o in outcomes if o.name == CONTROL), None)
+    verdict = (
+        f"p99 within {TARGET_RATIO:g}x its baseline (pooled): {len(attacks) - len(missed)} of "
+        f"{len(attacks)} attack classes"
+        + (
+            "; missed: " + ", ".join(f"{o.name} {_x(o.ratio)}" for o in missed)
+            if missed
+            else ": met in every class"
+        )
+    )
+    if control is not None:
+        verdict += f". The control (no attack): {_x(control.ratio)}"
     lines += [
         "",
-        "Each attack ran in a process of its own, started before its window and stopped after;"
-        " the picker and this client in theirs.",
+        verdict + ".",
+        "",
+        "Each attack ran in a process of its own, started before its round's baseline window "
+        "(waiting, sending nothing) and stopped after its attack window; the picker and this "
+        "client in theirs. A class's ratio pools all its rounds' calls: the p99 of its attack "
+        "windows' calls over the p99 of its baseline windows' calls; each round's ratio is its "
+        "attack window's p99 over the baseline window just before it. The control `none` is "
+        "measured the same way with an attacker that sends nothing: how far the ratio moves "
+        "with no attack on this machine at this load. RSS is read just before each attack "
+        "window and after the attacker exited; the bound is on the most grown over one attack "
+        f"({RSS_BOUND_MB} MB).",
         "",
         f"Reproduce: `{command}`",
     ]
@@ -446,17 +590,25 @@ def report(
 
 def _cmd(args: argparse.Namespace) -> int:
     from kvroute.backends.process import free_ports
-    from kvroute.bench import processes
     from kvroute.bench.epp import picker_argv, wait_serving
+    from kvroute.bench.harness import processes
+    from kvroute.bench.harness.fleet import stub_argv
+    from kvroute.bench.harness.host import (
+        kvroute_version,
+        machine_line,
+        python_version,
+        utc_stamp,
+    )
 
-    names = list(ATTACKS) if args.attacks == "all" else args.attacks.split(",")
+    names = (
+        [n for n in ATTACKS if n != CONTROL] if args.attacks == "all" else args.attacks.split(",")
+    )
     unknown = [n for n in names if n not in ATTACKS]
     if unknown:
         print(f"kvroute bench h2-attacks: unknown attack(s) {', '.join(unknown)}; choose from "
               f"{', '.join(ATTACKS)} or all", file=sys.stderr)  # fmt: skip
         return 2
-    from kvroute.bench.overhead import stub_argv
-
+    names = [CONTROL, *(n for n in names if n != CONTROL)]  # the control always, first
     *ports, stub_port = free_ports(4)
     # One instant stub endpoint: the picks have a healthy replica to name.
     argv = picker_argv([f"http://{HOST}:{stub_port}"], ports, "builtin", None)
@@ -464,18 +616,35 @@ def _cmd(args: argparse.Namespace) -> int:
         "kvroute bench h2-attacks"
         + (f" --attacks {args.attacks}" if args.attacks != "all" else "")
         + (f" --probe {args.probe}" if args.probe != "pick" else "")
+        + (f" --rounds {args.rounds}" if args.rounds != DEFAULT_ROUNDS else "")
+        + (f" --baseline-s {args.baseline_s:g}" if args.baseline_s != DEFAULT_WINDOW_S else "")
+    )
+    head = (
+        f"started: {utc_stamp()}",
+        f"machine: {machine_line()}",
+        f"versions: {kvroute_version()}, {python_version()}",
     )
     with contextlib.ExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         stack.enter_context(processes.managed("stub", stub_argv(stub_port, "stub-model"), logs))
         child = stack.enter_context(processes.managed("epp", argv, logs))
         wait_serving(child, ports[1], 60.0)
-        baseline, outcomes = asyncio.run(
-            run(ports[0], child.popen.pid, names, args.baseline_s, args.probe)
+        outcomes = asyncio.run(
+            run(ports[0], child.popen.pid, names, args.baseline_s, args.probe, args.rounds)
         )
-    text, ok = report(baseline, outcomes, command, args.probe)
+    text, ok = report(outcomes, command, args.probe, head, args.baseline_s)
     print(text)
     return 0 if ok else 1
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
 
 
 def _positive_seconds(text: str) -> float:
@@ -499,13 +668,22 @@ def add_h2_attacks_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "--attacks",
         default="all",
-        help=f"comma-separated, from: {', '.join(ATTACKS)} (default: all)",
+        help=f"comma-separated, from: {', '.join(ATTACKS)} (default: all; the control "
+        f"{CONTROL!r}, no attack, always runs)",
     )
     p.add_argument(
         "--baseline-s",
         type=_positive_seconds,
-        default=3.0,
-        help="seconds of calls with no attack (default 3)",
+        default=DEFAULT_WINDOW_S,
+        help="seconds of each round's baseline window, and the least of its attack window "
+        f"(default {DEFAULT_WINDOW_S:g}; slowloris's are as long as its attack, 3 s)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=DEFAULT_ROUNDS,
+        help="paired rounds per class, interleaved: a baseline window, then at once the attack "
+        f"window (default {DEFAULT_ROUNDS})",
     )
     p.add_argument(
         "--probe",

@@ -30,7 +30,6 @@ from kvroute.bench.harness.fleet import (
     running_stubs,
     serve_argv,
 )
-from kvroute.bench.harness.fleet import stub_argv as stub_argv  # h2_attacks imports it here
 from kvroute.bench.harness.host import (
     kvroute_version,
     machine_line,
