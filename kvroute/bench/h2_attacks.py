@@ -223,7 +223,7 @@ ATTACKS: dict[str, Callable[[int], Coroutine[Any, Any, None]]] = {
 # Attacks that last a known time whatever the picker does: their baseline windows as long.
 ATTACK_S = {"slowloris": 3.0}
 TARGET_RATIO = 2.0
-DEFAULT_ROUNDS = 5
+DEFAULT_ROUNDS = 10
 DEFAULT_WINDOW_S = 1.0
 
 
