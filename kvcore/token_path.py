@@ -296,12 +296,8 @@ def _anthropic_usage(usage: Mapping[str, Any] | None) -> dict[str, int]:
     return out
 
 
-def _responses_usage(usage: Mapping[str, Any] | None) -> dict[str, Any]:
-    usage = usage or {}
-    prompt = int(usage.get("prompt_tokens") or 0)
-    completion = int(usage.get("completion_tokens") or 0)
-    details = usage.get("prompt_tokens_details")
-    cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+def responses_usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """A ResponsesResponse's usage as vLLM 0.32 fills it."""
     return {
         "input_tokens": prompt,
         "input_tokens_details": {
@@ -321,23 +317,82 @@ def _responses_usage(usage: Mapping[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def _responses_usage(usage: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``responses_usage`` from an OpenAI-style usage object (the generate answer's)."""
+    usage = usage or {}
+    details = usage.get("prompt_tokens_details")
+    cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+    prompt = int(usage.get("prompt_tokens") or 0)
+    return responses_usage(prompt, int(usage.get("completion_tokens") or 0), cached)
+
+
 def _number(value: Any, default: float) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     return float(value) if ok else default
 
 
-def _output_text(text: str, logprobs: list[Any] | None) -> dict[str, Any]:
+def output_text(text: str, logprobs: list[Any] | None) -> dict[str, Any]:
     return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
 
 
-def _output_message(item_id: str, text: str, status: str) -> dict[str, Any]:
+def output_message(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """The one output item of an answer of plain text (no content part when it is empty)."""
     return {
         "id": item_id,
-        "content": [_output_text(text, None)] if text else [],
+        "content": [output_text(text, None)] if text else [],
         "role": "assistant",
         "status": status,
         "type": "message",
         "phase": None,
+    }
+
+
+def response_object(
+    response_id: str,
+    created_at: int,
+    body: Mapping[str, Any],
+    model: str,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    max_output_tokens: int | None,
+) -> dict[str, Any]:
+    """A ResponsesResponse as vLLM 0.32 fills it from the request ``body`` (tool_choice is
+    "none" without tools, as its request model makes it)."""
+    tools = body.get("tools") or []
+    return {
+        "id": response_id,
+        "created_at": created_at,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": body.get("instructions"),
+        "metadata": body.get("metadata"),
+        "model": model,
+        "object": "response",
+        "output": output,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
+        "temperature": _number(body.get("temperature"), 1.0),
+        "tool_choice": body.get("tool_choice", "auto") if tools else "none",
+        "tools": tools,
+        "top_p": _number(body.get("top_p"), 1.0),
+        "background": False,
+        "max_output_tokens": max_output_tokens,
+        "max_tool_calls": body.get("max_tool_calls"),
+        "previous_response_id": body.get("previous_response_id"),
+        "prompt": None,
+        "reasoning": body.get("reasoning"),
+        "service_tier": body.get("service_tier") or "auto",
+        "status": status,
+        "text": body.get("text"),
+        "top_logprobs": None,
+        "truncation": body.get("truncation") or "disabled",
+        "usage": usage,
+        "user": body.get("user"),
+        "presence_penalty": _number(body.get("presence_penalty"), 0.0),
+        "frequency_penalty": _number(body.get("frequency_penalty"), 0.0),
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "input_messages": None,
+        "output_messages": None,
     }
 
 
@@ -455,48 +510,14 @@ class Answer:
 
     def _output(self) -> list[dict[str, Any]]:
         text = "".join(self._progress.text)
-        return [_output_message(self.ids.item_id, text, "completed")] if text else []
+        return [output_message(self.ids.item_id, text, "completed")] if text else []
 
     def _response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
-        """A ResponsesResponse as vLLM fills it from the request (no tools: tool_choice none)."""
-        body = self.body
-        done = status != "in_progress"
-        return {
-            "id": self.ids.id,
-            "created_at": self.ids.created,
-            "incomplete_details": {"reason": "max_output_tokens"}
-            if status == "incomplete"
-            else None,
-            "instructions": body.get("instructions"),
-            "metadata": body.get("metadata"),
-            "model": self.model,
-            "object": "response",
-            "output": output,
-            "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
-            "temperature": _number(body.get("temperature"), 1.0),
-            "tool_choice": "none",
-            "tools": [],
-            "top_p": _number(body.get("top_p"), 1.0),
-            "background": False,
-            "max_output_tokens": self.max_tokens,
-            "max_tool_calls": None,
-            "previous_response_id": None,
-            "prompt": None,
-            "reasoning": None,
-            "service_tier": body.get("service_tier") or "auto",
-            "status": status,
-            "text": None,
-            "top_logprobs": None,
-            "truncation": "disabled",
-            "usage": _responses_usage(self._progress.usage) if done else None,
-            "user": body.get("user"),
-            "presence_penalty": _number(body.get("presence_penalty"), 0.0),
-            "frequency_penalty": _number(body.get("frequency_penalty"), 0.0),
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "input_messages": None,
-            "output_messages": None,
-        }
+        usage = _responses_usage(self._progress.usage) if status != "in_progress" else None
+        return response_object(
+            self.ids.id, self.ids.created, self.body, self.model, status, output, usage,
+            self.max_tokens,
+        )  # fmt: skip
 
     # -- a stream -----------------------------------------------------------------------------
 
@@ -590,11 +611,11 @@ class Answer:
             return out + _sse("content_block_delta", delta)
         where = {"item_id": self.ids.item_id, "output_index": 0, "content_index": 0}
         if first:
-            item = _output_message(self.ids.item_id, "", "in_progress")
+            item = output_message(self.ids.item_id, "", "in_progress")
             out = self._responses_event(
                 "response.output_item.added", item=item, output_index=0
             ) + self._responses_event(
-                "response.content_part.added", part=_output_text("", []), **where
+                "response.content_part.added", part=output_text("", []), **where
             )
         return out + self._responses_event(
             "response.output_text.delta", delta=text, logprobs=[], **where
@@ -622,11 +643,11 @@ class Answer:
         text = "".join(p.text)
         if text:
             where = {"item_id": self.ids.item_id, "output_index": 0, "content_index": 0}
-            item = _output_message(self.ids.item_id, text, "completed")
+            item = output_message(self.ids.item_id, text, "completed")
             out += (
                 self._responses_event("response.output_text.done", text=text, logprobs=[], **where)
                 + self._responses_event(
-                    "response.content_part.done", part=_output_text(text, None), **where
+                    "response.content_part.done", part=output_text(text, None), **where
                 )
                 + self._responses_event("response.output_item.done", item=item, output_index=0)
             )

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
+from kvroute.kvcore import token_path
 from kvroute.kvcore.agent_apis import (
     AgentRequestError,
     ChatConversion,
@@ -94,39 +95,13 @@ def anthropic_usage(output: RequestOutput, output_tokens: int) -> dict[str, int]
 
 
 def responses_usage(output: RequestOutput, output_tokens: int) -> dict[str, Any]:
-    prompt = output.num_prompt_tokens
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {
-            "cached_tokens": output.num_cached_tokens,
-            "cache_write_tokens": 0,
-            "input_tokens_per_turn": [],
-            "cached_tokens_per_turn": [],
-        },
-        "output_tokens": output_tokens,
-        "output_tokens_details": {
-            "reasoning_tokens": 0,
-            "tool_output_tokens": 0,
-            "output_tokens_per_turn": [],
-            "tool_output_tokens_per_turn": [],
-        },
-        "total_tokens": prompt + output_tokens,
-    }
+    return token_path.responses_usage(
+        output.num_prompt_tokens, output_tokens, output.num_cached_tokens
+    )
 
 
-def output_text(text: str, logprobs: list[Any] | None) -> dict[str, Any]:
-    return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
-
-
-def output_message(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    """The one output item of a replica without parsers: the text (no part when empty)."""
-    return {
-        "id": item_id,
-        "content": [output_text(text, None)] if text else [],
-        "role": "assistant",
-        "status": status,
-        "type": "message",
-    }
+output_text = token_path.output_text
+output_message = token_path.output_message
 
 
 class AgentAPIs:
@@ -398,50 +373,10 @@ class ResponseShape:
     def response(
         self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None
     ) -> dict[str, Any]:
-        body = self.body
-        tools = body.get("tools") or []
-        return {
-            "id": self.id,
-            "created_at": self.created_at,
-            "incomplete_details": {"reason": "max_output_tokens"}
-            if status == "incomplete"
-            else None,
-            "instructions": body.get("instructions"),
-            "metadata": body.get("metadata"),
-            "model": self.model,
-            "object": "response",
-            "output": output,
-            "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
-            "temperature": _number(body.get("temperature"), 1.0),
-            # vLLM's request model makes it "none" when there are no tools.
-            "tool_choice": body.get("tool_choice", "auto") if tools else "none",
-            "tools": tools,
-            "top_p": _number(body.get("top_p"), 1.0),
-            "background": False,
-            "max_output_tokens": self.max_tokens,
-            "max_tool_calls": body.get("max_tool_calls"),
-            "previous_response_id": body.get("previous_response_id"),
-            "prompt": None,
-            "reasoning": body.get("reasoning"),
-            "service_tier": body.get("service_tier") or "auto",
-            "status": status,
-            "text": body.get("text"),
-            "top_logprobs": None,
-            "truncation": body.get("truncation") or "disabled",
-            "usage": usage,
-            "user": body.get("user"),
-            "presence_penalty": _number(body.get("presence_penalty"), 0.0),
-            "frequency_penalty": _number(body.get("frequency_penalty"), 0.0),
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "input_messages": None,
-            "output_messages": None,
-        }
-
-
-def _number(value: Any, default: float) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok else default
+        return token_path.response_object(
+            self.id, self.created_at, self.body, self.model, status, output, usage,
+            self.max_tokens,
+        )  # fmt: skip
 
 
 class MessagesFrames:

@@ -17,22 +17,13 @@ from aiohttp import web
 
 from kvroute.simulator.engine import RequestOutput
 
-from .server import DEFAULT_CHAT_MAX_TOKENS, BadRequest, _error, _json_body
+from .server import DEFAULT_CHAT_MAX_TOKENS, BadRequest, _error, _json_body, _usage
 
 if TYPE_CHECKING:
     from .server import EmulatedReplica, Run
 
 RENDER_PATH = "/v1/chat/completions/render"
 GENERATE_PATH = "/inference/v1/generate"
-
-
-def _usage(output: RequestOutput, completion_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": output.num_prompt_tokens,
-        "total_tokens": output.num_prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
-    }
 
 
 def _ids(value: Any) -> list[int] | None:
