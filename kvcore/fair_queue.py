@@ -14,6 +14,21 @@ The rules, in the order they apply:
   spent idle is not banked as credit to spend in a burst later. Ties (what the lift makes) go
   to the tenant with the lighter load, requests in service and waiting per weight: the sparse
   tenant before the flooding one (FQ-CoDel's new flows before old ones, RFC 8290).
+* **Programs** (``by="program"``, least attained service): within a tenant and class, the
+  queued request whose *program* (an agent session and its sub-agents, kvcore/agent_identity.py)
+  will have received the least service once it is served goes first: ``program_attained_weight``
+  x the weighted tokens the program received so far, plus what this request costs, the prompt
+  tokens no replica holds (``cost``, from the prefix index; the whole prompt without one). A new
+  program has received nothing, so short programs finish while long ones wait (Schrage's LAS;
+  Autellix's program-level LAS, Luo et al. 2025; llm-d's program-aware fairness). The request's
+  own cost keeps a running program's next turn, whose context is still cached (a few thousand
+  new tokens), from waiting behind a cold prompt: the cache it would lose while waiting is
+  what saturation cannot afford (measured: docs/agents.md, "Programs under saturation"). Ties go
+  to the older request. A request that has waited ``program_max_wait_s`` goes first whatever
+  its program, oldest first: a long program's wait is bounded. What programs received is
+  remembered for the ``max_programs`` programs served last (the least recently served
+  forgotten: it starts over as new). ``by="tenant"`` (the default) keeps each tenant's
+  requests in arrival order, bent by locality (below); by program the cost replaces it.
 * **Locality** (in the spirit of DLPM, Cao et al. 2025): a slot frees on some replica; among the
   queued requests of tenants whose counter is within ``locality_bound_tokens`` of the lowest,
   the one whose prompt that replica holds most of goes first. No tenant falls more than the
@@ -41,7 +56,7 @@ counts the slots; it calls ``may_start``, ``sparse``, ``offer``, ``pick``, ``rem
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -80,6 +95,13 @@ class FairnessParams:
     sheddable_max_wait_s: float = 5.0
     locality_scan: int = 32  # queued requests at most looked at for locality per pick
     reserved_slots: int = 3  # above the admission limit, for requests next in fair order only
+    by: str = "tenant"  # "program": least attained service between programs within a tenant
+    program_max_wait_s: float = 300.0  # a request waiting this long goes first (by="program")
+    program_attained_weight: float = 0.05  # per token a program received, beside its cost
+    max_programs: int = 65536  # programs whose attained service is remembered
+
+
+BY = ("tenant", "program")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +120,7 @@ class Ticket:
     arrived: float = 0.0
     block_hashes: Sequence[int] = ()  # filled while it waits, for locality (may stay empty)
     charged: float = 0.0  # weighted service charged to the tenant's counter so far
+    program: str = ""  # its agent program ("" : none known; each such request on its own)
     seq: int = 0
     queued: bool = False
     running: bool = False
@@ -133,6 +156,9 @@ class FairQueue:
         self.queued = 0
         self._floor = 0.0  # the counter of the tenant admitted last
         self._seq = itertools.count()
+        self.by_program = params.by == "program"
+        # Weighted tokens each program received, least recently served first (by="program").
+        self.programs: OrderedDict[str, float] = OrderedDict()
 
     def tenant(self, name: str) -> _Tenant:
         t = self.tenants.get(name)
@@ -198,6 +224,15 @@ class FairQueue:
         share = tokens / t.limits.weight
         t.counter += share
         ticket.charged += share
+        if self.by_program and ticket.program:
+            programs = self.programs
+            programs[ticket.program] = programs.pop(ticket.program, 0.0) + tokens
+            if len(programs) > self.params.max_programs:
+                programs.popitem(last=False)
+
+    def attained(self, program: str) -> float:
+        """Weighted tokens ``program`` has received (0 for a new or forgotten one)."""
+        return self.programs.get(program, 0.0) if program else 0.0
 
     # -- the queue -------------------------------------------------------------------------
 
@@ -250,11 +285,19 @@ class FairQueue:
             return min(queue_timeout_s, self.params.sheddable_max_wait_s)
         return queue_timeout_s
 
-    def pick(self, locality: Callable[[Ticket], int] | None = None) -> Ticket | None:
+    def pick(
+        self,
+        locality: Callable[[Ticket], int] | None = None,
+        now: float | None = None,
+        cost: Callable[[Ticket], int] | None = None,
+    ) -> Ticket | None:
         """The queued ticket to admit next (taken out of the queue), or None when nothing
         queued may start (empty, or every waiting tenant is at its own cap).
 
-        ``locality(ticket)``: prompt tokens the replica that freed the slot holds of it."""
+        ``locality(ticket)``: prompt tokens the replica that freed the slot holds of it.
+        By program: ``now``, the clock ``Ticket.arrived`` is on (for ``program_max_wait_s``;
+        without it no wait counts as long), and ``cost(ticket)``, its prompt tokens no replica
+        holds (without it, all its prompt tokens)."""
         if not self.queued:
             return None
         for priority in reversed(Priority):
@@ -266,11 +309,30 @@ class FairQueue:
             # one before the flood. Then to the older request.
             lowest = min(heads, key=lambda t: (t.counter, _load(t), t.waiting[priority][0].seq))
             chosen = lowest.waiting[priority][0]
-            if locality is not None:
+            if self.by_program:
+                chosen = self._least_service(lowest.waiting[priority], now, cost)
+            elif locality is not None:
                 chosen = self._local(chosen, heads, priority, lowest.counter, locality)
             self.remove(chosen)
             return chosen
         return None
+
+    def _least_service(
+        self, waiting: deque[Ticket], now: float | None, cost: Callable[[Ticket], int] | None
+    ) -> Ticket:
+        """The ticket whose program will have received the least once it is served (ties: the
+        older), or the oldest when it has waited ``program_max_wait_s``."""
+        oldest = waiting[0]
+        if now is not None and now - oldest.arrived >= self.params.program_max_wait_s:
+            return oldest
+        weight, programs = self.params.program_attained_weight, self.programs
+
+        def service(ticket: Ticket) -> tuple[float, int]:
+            own = cost(ticket) if cost is not None else ticket.input_tokens
+            received = programs.get(ticket.program, 0.0) if ticket.program else 0.0
+            return weight * received + own, ticket.seq
+
+        return min(waiting, key=service)
 
     def _local(
         self,
@@ -301,6 +363,15 @@ class FairQueue:
 
     def counters(self) -> dict[str, float]:
         return {name: t.counter for name, t in self.tenants.items()}
+
+    def queued_programs(self) -> dict[str, int]:
+        """Requests waiting per program (by="program"; "" gathers those without one)."""
+        counts: dict[str, int] = {}
+        for t in self.tenants.values():
+            for waiting in t.waiting:
+                for ticket in waiting:
+                    counts[ticket.program] = counts.get(ticket.program, 0) + 1
+        return counts
 
     def oldest_arrival(self, above: Priority) -> float | None:
         """When the longest-waiting queued request of a class above ``above`` arrived (None:

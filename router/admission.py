@@ -13,6 +13,7 @@ to free then go unfilled until the count is back under the limit.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 from kvroute.kvcore.fair_queue import (
@@ -29,6 +30,8 @@ from . import errors
 
 # How a freed slot's replica scores a queued request: prompt tokens of it the replica holds.
 Locality = Callable[[str], Callable[[Ticket], int]]
+# What a queued request would cost now: its prompt tokens no replica holds (fairness.by program).
+Cost = Callable[[], Callable[[Ticket], int]]
 
 
 class AdmissionRefused(errors.ApiError):
@@ -58,6 +61,7 @@ class Admission:
         fairness: FairnessParams | None = None,
         tenant_limits: Callable[[str], TenantLimits] | None = None,
         locality: Locality | None = None,
+        cost: Cost | None = None,
     ) -> None:
         self.limit = limit
         self.queue = queue
@@ -68,6 +72,7 @@ class Admission:
         )
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
         self._locality = locality
+        self._cost = cost
 
     @property
     def queued(self) -> int:
@@ -90,7 +95,7 @@ class Admission:
         ``while_queued`` runs only when the request must wait (tokenizing it, so the queue
         can weigh its prefix): the unsaturated path never pays for it."""
         if ticket is None:
-            ticket = Ticket("default", Priority.STANDARD, 0)
+            ticket = Ticket("default", Priority.STANDARD, 0, time.monotonic())
         fair = self.fair
         if (not self.limit or self.active < self.limit) and fair.may_start(ticket):
             self._start(ticket)
@@ -149,8 +154,9 @@ class Admission:
         if not self.fair.queued:
             return
         locality = self._locality(replica) if replica and self._locality is not None else None
+        cost = self._cost() if self._cost is not None and self.fair.by_program else None
         while not self.limit or self.active < self.limit:
-            ticket = self.fair.pick(locality)
+            ticket = self.fair.pick(locality, time.monotonic(), cost)
             if ticket is None:
                 return
             self._start(ticket)
@@ -184,6 +190,30 @@ class Admission:
 
 def _no_limits(name: str) -> TenantLimits:
     return TenantLimits()
+
+
+def prefix_cost(
+    indexes: Callable[[], list[tuple[PrefixIndex, int]]], now: Callable[[], float]
+) -> Cost:
+    """A queued request's prompt tokens that no replica holds, by the prefix indexes (with their
+    block sizes) of the router's pools; all of them for one not tokenized yet."""
+
+    def at_now() -> Callable[[Ticket], int]:
+        at, pools = now(), indexes()
+
+        def uncached(ticket: Ticket) -> int:
+            if not ticket.block_hashes:
+                return ticket.input_tokens
+            held = 0
+            for index, tokens in pools:
+                found = index.match(ticket.block_hashes, at)
+                if found:
+                    held = max(held, max(m.blocks for m in found.values()) * tokens)
+            return max(0, ticket.input_tokens - held)
+
+        return uncached
+
+    return at_now
 
 
 def prefix_locality(

@@ -291,6 +291,18 @@ class FairnessConfig(_Section):
     reserved_slots: int = 3
     # x-gateway-inference-objective values (InferenceObjective names) -> priority class.
     objectives: dict[str, str] = msgspec.field(default_factory=dict)
+    # Order within a tenant: "tenant" (arrival order) or "program": the agent program (a session
+    # and its sub-agents, kvcore/agent_identity.py) that has received the least service goes
+    # first (least attained service), so short programs are not stuck behind long ones.
+    by: str = "tenant"
+    # by: program: a request that has waited this long goes first whatever its program's
+    # service (long programs are never starved).
+    program_max_wait_s: float = 300.0
+    # by: program: the order is this x the tokens a program has received, plus the request's own
+    # prompt tokens no replica holds (a running program's cached next turn is cheap to serve).
+    program_attained_weight: float = 0.05
+    # by: program: programs whose service is remembered (the least recently served forgotten).
+    max_programs: int = 65536
 
 
 class BatchConfig(_Section):
@@ -1055,6 +1067,7 @@ def _validate_auth(auth: AuthConfig) -> None:
 
 
 PRIORITY_CLASSES = ("critical", "standard", "sheddable")
+FAIRNESS_BY = ("tenant", "program")  # kvcore/fair_queue.BY
 
 
 def tenant_problems(config: Config) -> list[str]:
@@ -1094,6 +1107,24 @@ def tenant_problems(config: Config) -> list[str]:
         problems.append(f"fairness.locality_scan: must be >= 0, got {fairness.locality_scan}")
     if fairness.reserved_slots < 0:
         problems.append(f"fairness.reserved_slots: must be >= 0, got {fairness.reserved_slots}")
+    if fairness.by not in FAIRNESS_BY:
+        problems.append(
+            f"fairness.by: must be one of {', '.join(FAIRNESS_BY)}, got {fairness.by!r}"
+        )
+    if not (math.isfinite(fairness.program_max_wait_s) and fairness.program_max_wait_s > 0):
+        problems.append(
+            "fairness.program_max_wait_s: must be a number of seconds > 0, "
+            f"got {fairness.program_max_wait_s}"
+        )
+    if not (
+        math.isfinite(fairness.program_attained_weight) and fairness.program_attained_weight >= 0
+    ):
+        problems.append(
+            "fairness.program_attained_weight: must be a finite number >= 0, "
+            f"got {fairness.program_attained_weight}"
+        )
+    if fairness.max_programs < 1:
+        problems.append(f"fairness.max_programs: must be >= 1, got {fairness.max_programs}")
     for name, value in fairness.objectives.items():
         if value not in PRIORITY_CLASSES:
             problems.append(

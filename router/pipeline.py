@@ -225,9 +225,12 @@ class RequestPipeline:
         ticket = (
             tenants.ticket(tenant, priority, parsed.prompt_tokens, now)
             if tenants is not None
-            else None
+            else Ticket(tenant, priority, parsed.prompt_tokens, now)
         )
-        admitted = Admitted(body, parsed, ticket)
+        # Found before admission: the fair queue orders programs (fairness.by: program).
+        identity = self._identify(request, parsed)
+        ticket.program = identity.program or ""
+        admitted = Admitted(body, parsed, ticket, identity=identity)
         self._plan_token_path(admitted)
         try:
             admitted.ticket = await self.admission.acquire(
@@ -374,7 +377,11 @@ class RequestPipeline:
             blocks = await self._tokenize(parsed, keep_ids)
             if admitted is not None:
                 admitted.blocks = blocks
-        identity = self._identify(request, parsed)
+        identity = (
+            admitted.identity
+            if admitted is not None and admitted.identity is not None
+            else self._identify(request, parsed)
+        )
         route_request = RouteRequest(
             blocks.tokens if blocks is not None else parsed.prompt_tokens,
             parsed.max_tokens,
@@ -698,6 +705,7 @@ class Admitted:
     usage: dict[str, int] | None = None  # the replica's own counts
     output_tokens: int = 0  # without usage: the tokens streamed to the client
     outcome: str = "error"  # ok, error or cancelled
+    identity: Identity | None = None  # its session and program, found once
 
     def served(self, relayed: Relayed, transcript: Transcript | None) -> None:
         self.replica = relayed.replica

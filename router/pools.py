@@ -22,7 +22,7 @@ from kvroute.kvcore.ledger import DispatchLedger, SharedLoad
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy, ReplicaState, build_policy
 
-from .admission import Locality, prefix_locality
+from .admission import Cost, Locality, prefix_cost, prefix_locality
 from .config import ReplicaConfig
 from .kv_subscriber import KVEventSubscriber, KVEventSubscribers, SubscriberStats
 from .pool_config import PoolSpec
@@ -203,6 +203,11 @@ def pools_locality(pools: Pools, now: Callable[[], float]) -> Locality:
         return per_pool[pool.name](replica)
 
     return on
+
+
+def pools_cost(pools: Pools, now: Callable[[], float]) -> Cost:
+    """Admission's cost by program (``admission.prefix_cost``) over every pool's index."""
+    return prefix_cost(lambda: [(p.index, p.keys.block_size()) for p in pools], now)
 
 
 def _nothing(ticket: Ticket) -> int:

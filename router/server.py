@@ -48,7 +48,7 @@ from .metrics import RouterMetrics
 from .openai_request import parse_completion
 from .parity import ParityChecker
 from .pipeline import RequestPipeline
-from .pools import PoolMetrics, pools_locality
+from .pools import PoolMetrics, pools_cost, pools_locality
 from .prompt_keys import PromptKeys
 from .prompt_tokenizer import PromptTokenizer
 from .proxy import Timeouts
@@ -124,6 +124,7 @@ class Router:
             fairness_params(config),
             self.tenants.limits,
             pools_locality(core.pools, time.monotonic),
+            pools_cost(core.pools, time.monotonic),
         )
         # timeouts.total_s, checked on a tick of a tenth of it (at most 1 s): see deadlines.py.
         total_s = config.timeouts.total_s

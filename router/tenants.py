@@ -57,7 +57,8 @@ def fairness_params(config: Config) -> FairnessParams:
     f = config.fairness
     return FairnessParams(
         f.output_weight, f.locality_bound_tokens, f.sheddable_max_wait_s, f.locality_scan,
-        f.reserved_slots,
+        f.reserved_slots, f.by, f.program_max_wait_s, f.program_attained_weight,
+        f.max_programs,
     )  # fmt: skip
 
 

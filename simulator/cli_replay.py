@@ -52,12 +52,14 @@ from kvroute.simulator.fleet import (
     prepare,
     simulate,
 )
+from kvroute.simulator.fleet.admission import FAIRNESS, AdmissionSpec
 from kvroute.simulator.fleet.batch import BatchJob, batch_lines
 from kvroute.simulator.fleet.bounds import prefill_alone_s
 from kvroute.simulator.fleet.pd_outcome import format_pd
 from kvroute.simulator.fleet.pd_search import search_pd
 from kvroute.simulator.fleet.pd_setup import PD_MODES, PdSetup
 from kvroute.simulator.fleet.pd_table import PD_FLEETS, format_pd_plan
+from kvroute.simulator.fleet.programs import format_programs
 from kvroute.simulator.fleet.regret import comparison_lines, counterfactual
 from kvroute.simulator.fleet.report import markdown_report
 from kvroute.simulator.fleet.summary import (
@@ -273,6 +275,39 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--kv-link, and it decodes on its decode replica; the rest run there whole.",
     )
     _add_pd_args(replay, mode=True)
+    replay.add_argument(
+        "--max-in-flight",
+        type=positive_int,
+        metavar="N",
+        help="The router's admission limit (limits.max_concurrent_requests): at most N "
+        "requests in service, the rest wait in its fair queue in the order --fairness says; "
+        "TTFT counts the wait. summary.json's 'programs' gives TTFT and completion time for "
+        "short and long agent programs.",
+    )
+    replay.add_argument(
+        "--fairness",
+        choices=FAIRNESS,
+        help="With --max-in-flight: the queue's order: fcfs (arrival order, the default); "
+        "tenant (each program a tenant, token-fair shares: fairness.by tenant with the program "
+        "as X-Tenant-Id); program (least attained service first: fairness.by program).",
+    )
+    replay.add_argument(
+        "--closed-loop",
+        action="store_true",
+        help="Agents wait for their answers: a session's next request goes out its recorded "
+        "gap (the tool call or the user's think time) after its previous response ends, "
+        "instead of at its recorded time, so a slow fleet slows its agents as it would live "
+        "(claude-code traces record the gaps; a session's first request and a sub-agent's "
+        "first keep their recorded times).",
+    )
+    replay.add_argument(
+        "--program-max-wait-s",
+        type=positive_float,
+        default=300.0,
+        metavar="S",
+        help="With --fairness program: a request queued this long goes first whatever its "
+        "program's service (fairness.program_max_wait_s, default 300).",
+    )
     replay.add_argument(
         "--out", metavar="DIR", help="Directory for summary.json, report.md, plots."
     )
@@ -761,10 +796,23 @@ def _fleet_config(
             failures=tuple(failures),
             dip=getattr(args, "dip", None),
             pd=pd,
+            admission=_admission(args),
+            closed_loop=getattr(args, "closed_loop", False),
             **_autoscale_settings(getattr(args, "autoscale", None), replicas),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _admission(args: argparse.Namespace) -> AdmissionSpec | None:
+    """--max-in-flight's admission limit and --fairness's order; None without a limit."""
+    limit = getattr(args, "max_in_flight", None)
+    fairness = getattr(args, "fairness", None)
+    if limit is None:
+        if fairness is not None:
+            raise UsageError("--fairness orders the admission queue: give --max-in-flight N too")
+        return None
+    return AdmissionSpec(limit, fairness or "fcfs", getattr(args, "program_max_wait_s", 300.0))
 
 
 _AUTOSCALE_KEYS = {
@@ -985,6 +1033,11 @@ def run_replay(args: argparse.Namespace) -> int:
         line = format_loss(summary) or format_pd(summary)
         if line:
             print(line)
+    if config.admission is not None:
+        for summary in summaries:
+            programs = format_programs(summary)
+            if programs:
+                print(programs)
     for summary in summaries:
         for line in (summary["estimated_regret"] or {}).get("lines", []):
             print(line)

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvroute.backends.handle import ReplicaHandle
+from kvroute.kvcore.agent_identity import Identity
 from kvroute.kvcore.fair_queue import Ticket
 from kvroute.kvcore.ledger import Dispatch, Route
 from kvroute.kvcore.reuse import decompose
@@ -162,6 +163,11 @@ class EndpointPicker:
         # The gateway authenticates: the tenant is its fairness id (or X-Tenant-Id).
         tenant, priority = self.tenants.identify(headers, None)
         ticket = self.tenants.ticket(tenant, priority, estimate, arrived)
+        identity = None
+        if parsed is not None:  # before admission: the fair queue orders programs
+            identity = identify(headers, parsed, self.config.routing.session_header)
+            self.session_metrics.count(identity)
+            ticket.program = identity.program or ""
         try:
             await self.admission.acquire(ticket)
         except BaseException as exc:
@@ -170,7 +176,7 @@ class EndpointPicker:
             raise
         self.tenants.admitted(ticket, time.monotonic())
         try:
-            route = await self._route(parsed, body, headers, arrived)
+            route = await self._route(parsed, body, identity, arrived)
             ranked = self._eligible(route.ranked, subset, arrived)
             if not ranked:
                 raise _no_endpoint(subset)
@@ -205,20 +211,18 @@ class EndpointPicker:
         self,
         parsed: ParsedRequest | None,
         body: bytes,
-        headers: Mapping[str, str],
+        identity: Identity | None,
         now: float,
     ) -> Route:
         keys = self.core.keys
         blocks = await keys.blocks(parsed) if parsed is not None else None
         if parsed is not None:
             tokens = blocks.tokens if blocks is not None else parsed.prompt_tokens
-            identity = identify(headers, parsed, self.config.routing.session_header)
-            self.session_metrics.count(identity)
             request = RouteRequest(
                 tokens,
                 parsed.max_tokens,
                 parsed.model,
-                identity.session,
+                identity.session if identity is not None else None,
                 blocks.hashes if blocks is not None else [],
             )
         else:

@@ -9,6 +9,7 @@ from kvroute.kvcore.autoscale import AutoscaleSettings
 from kvroute.simulator.engine.config import EngineConfig
 from kvroute.simulator.engine.latency import LatencyModel
 
+from .admission import AdmissionSpec
 from .batch import CapacityDip
 from .pd_setup import PdSetup
 
@@ -70,6 +71,11 @@ class FleetConfig:
     # Part of the fleet gone for a while (its requests resume elsewhere), back with empty caches.
     dip: CapacityDip | None = None
     pd: PdSetup | None = None
+    # The router's admission limit and fair queue in front of the fleet (admission.py).
+    admission: AdmissionSpec | None = None
+    # Agents wait for their answers: a request with a recorded gap (TraceRequest.gap_s) is sent
+    # that long after its session's previous response ends, not at its recorded time.
+    closed_loop: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -137,6 +143,8 @@ class FleetConfig:
             ("an autoscaler", self.autoscale is not None),
             ("a capacity dip", self.dip is not None),
             ("replica failures", bool(self.failures)),
+            ("an admission limit", self.admission is not None),
+            ("closed-loop sessions", self.closed_loop),
         ):
             if present:
                 problems.append(f"{what}: not modelled with P/D disaggregation")

@@ -34,11 +34,13 @@ from collections import Counter
 from collections.abc import Callable
 
 from kvroute.kvcore.autoscale import Autoscaler, ReplicaSignal
+from kvroute.kvcore.fair_queue import Ticket
 from kvroute.kvcore.ledger import Dispatch, DispatchLedger, Route
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
 from kvroute.policies.regret import TtftEstimate
 
+from .admission import SimAdmission, program_of
 from .batch import BatchJob, BatchLane, split_batch
 from .bounds import pooled_lru_hits
 from .config import FleetConfig
@@ -122,6 +124,22 @@ def apply_ops(index: PrefixIndex, name: str, ops: list[IndexOp]) -> None:
             index.apply_removed(name, op[1])  # type: ignore[arg-type]
         else:
             index.clear_replica(name)
+
+
+def next_turns(requests: tuple[SimRequest, ...]) -> dict[int, int]:
+    """Per request index, the next request of its session that has a recorded gap (sent that
+    long after this one's response in a closed loop)."""
+    last: dict[str, int] = {}
+    following: dict[int, int] = {}
+    for request in requests:
+        session = request.session_id
+        if session is None:
+            continue
+        previous = last.get(session)
+        if previous is not None and request.gap_s is not None:
+            following[previous] = request.index
+        last[session] = request.index
+    return following
 
 
 def make_engine(
@@ -221,6 +239,18 @@ class _Fleet:
             share=config.share,
         )
         self._holdings = holdings
+        self.result.programs = [program_of(r.session_id, r.index) for r in trace.requests]
+        self.admission = SimAdmission(config.admission) if config.admission is not None else None
+        self.queued: dict[int, _Flight] = {}  # waiting for admission, by request index
+        # Closed loop: request index -> the next request of its session, sent its gap after
+        # this one's response ends (``held`` ones are not sent at their recorded time).
+        self.next_turn: dict[int, int] = next_turns(trace.requests) if config.closed_loop else {}
+        self.held = set(self.next_turn.values())
+        self.turns_due = 0  # next turns scheduled on the heap, not yet arrived
+        if config.admission is not None:
+            self.result.queue_wait_s = [NAN] * m
+            self.result.fairness = config.admission.fairness
+            self.result.max_in_flight = config.admission.max_in_flight
         self.phase = [_SERVING] * n
         self.on_since = [0.0] * n  # when each replica was last started (autoscaler)
         self.autoscaler = Autoscaler(config.autoscale) if config.autoscale is not None else None
@@ -277,7 +307,8 @@ class _Fleet:
                 request = reqs[i]
                 t = request.arrival_s
                 i += 1
-                self._arrive(request, t)
+                if request.index not in self.held:
+                    self._arrive(request, t)
                 if progress is not None and (i % report_every == 0 or i == total):
                     progress(i, total, t)
                 continue
@@ -296,12 +327,16 @@ class _Fleet:
             elif kind == _OPS:
                 if replica not in self.failed and self.phase[replica] != _OFF:
                     self._apply_ops(replica, payload)  # type: ignore[arg-type]
+            elif kind == _ARRIVAL:  # a session's next turn (closed loop)
+                self.turns_due -= 1
+                self.result.arrival_s[payload] = t  # type: ignore[index]
+                self._arrive(reqs[payload], t)  # type: ignore[index]
             elif kind == _SCRAPE:
                 self._scrape()
-                if i < total or self.flights or self._batch_waiting(t):
+                if i < total or self.flights or self._batch_waiting(t) or self.turns_due:
                     every = self.scrape_every
                     due = t + every
-                    if not self.flights and i < total and not any(self.busy):
+                    if not self.flights and i < total and not any(self.busy) and not self.turns_due:
                         # An idle fleet changes nothing before the next arrival: skip the
                         # scrapes up to it (they would read what this one read), on the same
                         # clock of sums (fast scrapes over a long idle trace cost minutes).
@@ -315,7 +350,7 @@ class _Fleet:
                 self._deliver(payload, t)  # type: ignore[arg-type]
             elif kind == _SCALE:
                 self._autoscale(t)
-                if i < total or self.flights:
+                if i < total or self.flights or self.turns_due:
                     assert self.config.autoscale is not None
                     self._push(t + self.config.autoscale.interval_s, _SCALE, -1)
             elif kind == _READY:
@@ -331,6 +366,10 @@ class _Fleet:
                 if phase != _OFF:
                     self._count_on(r, end)
         self._finish_stats()
+        if self.admission is not None:
+            assert self.result.queue_wait_s is not None
+            for index, waited in self.admission.waited_s.items():
+                self.result.queue_wait_s[index] = waited
         if self.lane is not None:
             self.result.batch = split_batch(self.result, self.online, self.lane)
         return self.result
@@ -342,9 +381,64 @@ class _Fleet:
         flight = _Flight(request, request.index % len(self.routers))
         if not self.config.engine.fits(request.input_tokens + request.output_tokens):
             self.result.rejected[request.index] = True
+            self._left(request.index, 0, 0, t)
             return
+        admission = self.admission
+        if admission is not None and request.index < self.online:
+            program = self.result.programs[request.index]  # type: ignore[index]
+            hashes = request.route_hashes
+            if not admission.arrive(request.index, program, request.input_tokens, t, hashes):
+                self.queued[request.index] = flight
+                return
         self.flights[request.index] = flight
         self._route(flight, t)
+
+    def _left(
+        self, index: int, input_tokens: int, output_tokens: int, t: float, replica: int = -1
+    ) -> None:
+        """Request ``index`` left the fleet (finished, failed or refused): its session's next turn
+        is sent (closed loop), and behind an admission limit its slot goes to the requests the
+        fair queue picks."""
+        following = self.next_turn.pop(index, None)
+        if following is not None:
+            gap = self.trace.requests[following].gap_s or 0.0
+            self.turns_due += 1
+            self._push(t + gap, _ARRIVAL, -1, following)
+        admission = self.admission
+        if admission is None or index >= self.online or index not in admission.tickets:
+            return
+        locality = self._locality(replica, t) if replica >= 0 else None
+        cost = self._uncached(t)
+        for started in admission.finished(index, input_tokens, output_tokens, t, locality, cost):
+            flight = self.queued.pop(started)
+            self.flights[started] = flight
+            self._route(flight, t)
+
+    def _locality(self, r: int, t: float) -> Callable[[Ticket], int]:
+        """The prompt tokens replica ``r`` holds of a queued request, as the first router's
+        prefix index says (router/admission.py's ``prefix_locality``)."""
+        index, name, unit = self.indexes[0], self.names[r], self.ibt
+
+        def held(ticket: Ticket) -> int:
+            if not ticket.block_hashes:
+                return 0
+            match = index.match(ticket.block_hashes, t).get(name)
+            return match.blocks * unit if match is not None else 0
+
+        return held
+
+    def _uncached(self, t: float) -> Callable[[Ticket], int]:
+        """The prompt tokens of a queued request no replica holds, as the first router's prefix
+        index says (router/admission.py's ``prefix_cost``)."""
+        index, unit = self.indexes[0], self.ibt
+
+        def cost(ticket: Ticket) -> int:
+            if not ticket.block_hashes:
+                return ticket.input_tokens
+            held = max((m.blocks for m in index.match(ticket.block_hashes, t).values()), default=0)
+            return max(0, ticket.input_tokens - held * unit)
+
+        return cost
 
     def _route(self, flight: _Flight, t: float) -> None:
         request = flight.request
@@ -362,6 +456,7 @@ class _Fleet:
             del self.flights[request.index]  # no replica left: the request fails
             if self.lane is not None and request.index >= self.online:
                 self.lane.lost(request)  # a batch line goes back to its queue
+            self._left(request.index, 0, 0, t)
             return
         self.result.reasons[route.reason] += 1
         if route.estimate is not None:
@@ -561,6 +656,8 @@ class _Fleet:
             self._finish(flight, at, flight.request.output_tokens - flight.delivered)
             res.finish_s[index] = at
             res.replica[index] = r
+            request = flight.request
+            self._left(index, request.input_tokens, request.output_tokens, at, r)
             if index >= self.online and self.lane is not None:
                 self.lane.finish(index)
                 self._kick_batch(at)

@@ -56,6 +56,12 @@ class SimResult:
     routers: int = 1  # pickers that routed the trace (FleetConfig.routers)
     share: str = "none"  # what they shared (FleetConfig.share)
     loss: LossBreakdown | None = None  # the shortfall against the pooled LRU, by cause
+    # Each request's program (admission.program_of) and, behind an admission limit, its time
+    # in the router's queue (NaN: never admitted); None where not recorded.
+    programs: list[str] | None = None
+    queue_wait_s: list[float] | None = None
+    fairness: str | None = None  # the admission's order (admission.FAIRNESS); None: no limit
+    max_in_flight: int | None = None
     # Per request, the policy's TTFT estimate (s) at its first decision, on its choice and on
     # round robin's / power of two's (policies/regret.py): choice -> list; None without one.
     estimated_ttft_s: dict[str, list[float]] | None = None

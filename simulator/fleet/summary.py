@@ -17,6 +17,7 @@ from typing import Any
 
 from kvroute.kvcore.stats import percentile
 
+from .programs import program_summary
 from .regret import estimate_summary
 from .results import SimResult, Slo
 
@@ -81,12 +82,20 @@ def summarize(
         # The policy's TTFT estimates on its choices and round robin's / power of two's
         # (regret.py); None for a policy that makes none. --compare adds the counterfactual.
         "estimated_regret": estimate_summary(result),
+        # Latency by agent program, short and long (programs.py); with --max-in-flight the
+        # admission's fairness and queue waits.
+        "programs": program_summary(result, len(result.arrival_s) - _batch_lines(result)),
     }
     if result.pd is not None:  # only then: an aggregated summary.json stays as it was
         summary["pd"] = result.pd.as_dict(result.arrival_s, result.first_token_s, result.finish_s)
     if extra:
         summary.update(extra)
     return summary
+
+
+def _batch_lines(result: SimResult) -> int:
+    """Batch lines at the end of the result's lists (the batch lane's), 0 without."""
+    return len(result.arrival_s) - len(result.programs) if result.programs else 0
 
 
 OVERLOAD_WAIT_FACTOR = 10.0

@@ -34,6 +34,7 @@ class SimRequest:
     full_units: int  # how many of unit_keys are whole blocks
     route_hashes: tuple[int, ...]  # router chain hashes of the full units (index block size 1)
     session_id: str | None = None
+    gap_s: float | None = None  # TraceRequest.gap_s: after the session's previous response
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,7 @@ def _prepare_one(
         full_units=full,
         route_hashes=tuple(hashes),
         session_id=request.session_id,
+        gap_s=request.gap_s,
     )
 
 

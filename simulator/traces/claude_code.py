@@ -11,6 +11,10 @@ What the loader adds, since the format has no absolute times:
   first at 0), in archive order (sorted names for a directory); the seed fixes the gaps.
 - Sub-agents are flattened: a request at ``parent start + sub-agent t + request t``, with session
   id ``<conversation>/<agent_id>`` (the parent's requests use ``<conversation>``).
+- Gaps: each request after the first of its list (the parent's, or one sub-agent's) records the
+  seconds from the previous response to it (``gap_s``): the file's ``think_time`` (tool calls and
+  the user), else its ``t`` less the previous request's ``t`` and ``api_time``. A closed-loop
+  replay (``kvroute replay --closed-loop``) sends it that long after that response.
 - Id scopes: "local" ids are made unique per conversation (sub-agents share their parent's
   namespace), so equal ids in different conversations never meet; "global" ids are shared by all
   conversations with that scope.
@@ -49,6 +53,8 @@ class _Request(msgspec.Struct):
     hash_ids: msgspec.Raw = msgspec.Raw(b"[]")  # decoded lazily: most of it repeats the last one
     agent_id: str = ""
     requests: list[_Request] | None = None
+    api_time: float | None = None  # seconds the API call took, as recorded
+    think_time: float | None = None  # seconds from the previous response to this request
 
 
 class _Conversation(msgspec.Struct):
@@ -158,6 +164,8 @@ class _Previous:
 
     raw: bytes = b"[]"
     kind: str = ""
+    t: float | None = None  # when the last request was sent (None: none yet)
+    api_time: float | None = None
     source_ids: list[int] | None = None
     block_ids: tuple[int, ...] = ()
 
@@ -230,11 +238,29 @@ def _flatten(
             block_ids = blocks.convert(raw, request.input_tokens, previous, here)
             out.append(
                 TraceRequest(
-                    offset + request.t, request.input_tokens, request.out, block_ids, session
+                    offset + request.t,
+                    request.input_tokens,
+                    request.out,
+                    block_ids,
+                    session,
+                    _gap(request, previous),
                 )
             )
             previous.kind = request.type
+            previous.t, previous.api_time = request.t, request.api_time
     return out
+
+
+def _gap(request: _Request, previous: _Previous) -> float | None:
+    """Seconds from the previous response of the same request list to ``request``: its
+    ``think_time`` (the tool call or the user), else the recorded send times less the previous
+    call's ``api_time``; None for the first request of a list."""
+    if previous.t is None:
+        return None
+    if request.think_time is not None and request.think_time >= 0:
+        return request.think_time
+    since = request.t - previous.t - (previous.api_time or 0.0)
+    return max(0.0, since)
 
 
 @dataclass

@@ -21,6 +21,10 @@ class TraceRequest:
     output_tokens: int
     block_ids: tuple[int, ...]  # ceil(input_tokens / block_tokens) ids; () = no prefix information
     session_id: str | None = None  # conversation / tenant / agent the request belongs to
+    # Seconds from the response to the session's previous request to this one (an agent's tool
+    # call, a user's thinking); None: the first of its session, or not recorded. A closed-loop
+    # replay sends it that long after that response ends instead of at ``arrival_s``.
+    gap_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,4 +108,5 @@ def diurnal_time(s: float, amplitude: float, period: float) -> float:
 
 
 def _shifted(request: TraceRequest, offset: float, factor: float) -> TraceRequest:
-    return replace(request, arrival_s=(request.arrival_s - offset) * factor)
+    gap = request.gap_s * factor if request.gap_s is not None else None
+    return replace(request, arrival_s=(request.arrival_s - offset) * factor, gap_s=gap)
