@@ -139,7 +139,14 @@ class DispatchLedger:
             prefix = {rid: m.blocks * block_tokens for rid, m in matches.items()}
             r = request
             request = RouteRequest(
-                r.prompt_tokens, r.max_tokens, r.model, r.routing_key, hashes, prefix, block_tokens
+                r.prompt_tokens,
+                r.max_tokens,
+                r.model,
+                r.routing_key,
+                hashes,
+                prefix,
+                block_tokens,
+                r.cache_ttl_s,
             )
         fleet = self.fleet
         if self._shared is not None:

@@ -72,10 +72,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from .gaps import GapLearner
 from .hash_ring import FleetRing, hash_key, load_bound
 from .latency import LatencyPrior, ReplicaLatency
 from .lora import AdapterSlots, adapter_of
-from .sessions import LiveSessions
+from .sessions import LiveSessions, Stages
 from .types import NO_HEALTHY_REPLICA, Decision, FleetView, Policy, ReplicaState, RouteRequest
 
 # Decision reasons (exported as the X-Kvroute-Reason header and a metric label).
@@ -88,6 +89,9 @@ NO_PREFIX = "kv_no_prefix"  # near tie, no block hashes nor session key: power o
 LEAST_COST = "kv_least_cost"  # a clear winner on load, no replica holds any of the prompt
 SESSION = "kv_session"  # a live session's next turn, back to the replica that served the last
 SLO_MISS = "kv_slo_miss"  # no replica is predicted to meet the SLO: the fastest one
+
+# Where a learnt session claim's weight steps down: its gaps' quantiles (KvAware._claim).
+_STAGE_QUANTILES = (0.5, 0.75, 0.9)
 
 
 class KvAware(Policy):
@@ -110,6 +114,9 @@ class KvAware(Policy):
         session_ttl_s: float = 60.0,
         session_eps: float = 1.5,
         session_evict_weight: float = 1.0,
+        session_horizon_quantile: float = 0.0,
+        session_horizon_min_s: float = 10.0,
+        session_horizon_max_s: float = 3600.0,
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
         slo_headroom: float = 0.5,
@@ -131,6 +138,8 @@ class KvAware(Policy):
             ("session_ttl_s", session_ttl_s),
             ("session_eps", session_eps),
             ("session_evict_weight", session_evict_weight),
+            ("session_horizon_min_s", session_horizon_min_s),
+            ("session_horizon_max_s", session_horizon_max_s),
             ("lora_busy_s", lora_busy_s),
         ):
             if not (math.isfinite(value) and value >= 0):
@@ -142,6 +151,12 @@ class KvAware(Policy):
                 "lora_load_tokens must be >= 0 and lora_swap_tokens >= lora_load_tokens, got "
                 f"{lora_load_tokens} and {lora_swap_tokens}"
             )
+        if not 0 <= session_horizon_quantile < 1:
+            raise ValueError(
+                f"session_horizon_quantile must be in [0, 1) (0: off), got {session_horizon_quantile}"
+            )
+        if session_horizon_min_s > session_horizon_max_s:
+            raise ValueError("session_horizon_min_s must be <= session_horizon_max_s")
         if warm_holders < 0:
             raise ValueError(f"warm_holders must be >= 0 (0: off), got {warm_holders}")
         if not 0 < kv_high <= 1:
@@ -167,6 +182,9 @@ class KvAware(Policy):
         self.session_ttl_s = session_ttl_s
         self.session_eps = session_eps
         self.session_evict_weight = session_evict_weight
+        self.session_horizon_quantile = session_horizon_quantile
+        self.session_horizon_min_s = session_horizon_min_s
+        self.session_horizon_max_s = session_horizon_max_s
         self.slo_ttft_s = slo_ttft_s
         self.slo_tpot_s = slo_tpot_s
         self.slo_headroom = slo_headroom
@@ -175,6 +193,9 @@ class KvAware(Policy):
         self.latency_prior = self.prior if self.has_slo else None
         self._prior_latency = ReplicaLatency(self.prior)  # for replicas not yet seen
         self._sessions = LiveSessions(session_ttl_s) if session_ttl_s > 0 else None
+        self._gaps = (
+            GapLearner() if self._sessions is not None and session_horizon_quantile > 0 else None
+        )
         self.lora_load_tokens = lora_load_tokens
         self.lora_swap_tokens = lora_swap_tokens
         self._adapters = AdapterSlots(lora_busy_s)
@@ -193,7 +214,7 @@ class KvAware(Policy):
         replica: ReplicaState,
         request: RouteRequest,
         held_elsewhere: int = 0,
-        own_session: int = 0,
+        own_session: float = 0,
         now: float = 0.0,
     ) -> float:
         """Expected time to first token on ``replica``, in prefill-token equivalents, plus the
@@ -260,7 +281,7 @@ class KvAware(Policy):
         total = sum(r.in_flight for r in eligible)
         bound = load_bound(total, len(eligible), self.eps)
         session = self._session(request, fleet.now)
-        home_id, own = session if session is not None else (None, 0)
+        home_id, own = session if session is not None else (None, 0.0)
         warm = self._warm(request, eligible)
         held = _held_with_room(warm, eligible, bound) if warm else 0
         cost = self.cost
@@ -288,8 +309,13 @@ class KvAware(Policy):
         if longest and prefix.get(chosen.replica_id, 0) < longest and reason != SLO_MISS:
             reason = LOAD_OVER_AFFINITY
         if self._sessions is not None and request.routing_key is not None:
+            key = request.routing_key
             self._sessions.touch(
-                request.routing_key, chosen.replica_id, request.prompt_tokens, fleet.now
+                key,
+                chosen.replica_id,
+                request.prompt_tokens,
+                now,
+                self._claim(key, now, request.cache_ttl_s),
             )
         adapter = adapter_of(chosen, request.model)
         if adapter is not None:
@@ -419,13 +445,50 @@ class KvAware(Policy):
 
     # -- sessions ----------------------------------------------------------------------
 
-    def _session(self, request: RouteRequest, now: float) -> tuple[str, int] | None:
+    def _session(self, request: RouteRequest, now: float) -> tuple[str, float] | None:
         sessions = self._sessions
         if sessions is None:
             return None
         sessions.expire(now)
         key = request.routing_key
         return sessions.home(key, now) if key is not None else None
+
+    def _claim(self, key: str, now: float, hint_s: float | None) -> Stages | None:
+        """How this turn's tokens are claimed (None: ``session_ttl_s`` at full weight).
+
+        Learnt (``session_horizon_quantile``): the weight of the claim is the chance the
+        session still comes back, given how long it has been away: with ``S`` the share of
+        its gaps longer than that (policies/gaps.py) and ``c`` the fleet's chance that a
+        session goes on at all, ``S c / (S c + 1 - c)``, read at its median, 75th and 90th
+        percentile gaps. The claim ends at its horizon, the ``session_horizon_quantile`` of
+        its gaps within ``session_horizon_min_s``..``session_horizon_max_s``. A client's
+        ``hint_s`` (its cache ttl) makes the horizon at least that, up to the same cap."""
+        cap = self.session_horizon_max_s
+        hint = hint_s if hint_s is not None and hint_s > 0 else 0.0
+        if hint > cap:
+            hint = cap
+        gaps = self._gaps
+        if gaps is None:
+            return ((hint, 1.0),) if hint > self.session_ttl_s else None
+        gaps.observe(key, now)
+        levels = _STAGE_QUANTILES
+        qs = gaps.quantiles(key, (*levels, self.session_horizon_quantile))
+        if qs is None:  # no gap seen yet, anywhere: the fixed ttl
+            return ((hint, 1.0),) if hint > self.session_ttl_s else None
+        horizon = min(max(qs[-1], self.session_horizon_min_s), cap)
+        if hint > horizon:
+            horizon = hint
+        c = gaps.continues()
+        stages: list[tuple[float, float]] = []
+        weight = 1.0
+        for level, end in zip(levels, qs, strict=False):
+            if end >= horizon:
+                break
+            stages.append((end, weight))
+            survive = (1.0 - level) * c
+            weight = survive / (survive + 1.0 - c) if survive + 1.0 - c > 0 else 1.0
+        stages.append((horizon, weight))
+        return stages
 
     def _live_home(
         self,
@@ -559,6 +622,9 @@ class KvAware(Policy):
             "session_ttl_s": self.session_ttl_s,
             "session_eps": self.session_eps,
             "session_evict_weight": self.session_evict_weight,
+            "session_horizon_quantile": self.session_horizon_quantile,
+            "session_horizon_min_s": self.session_horizon_min_s,
+            "session_horizon_max_s": self.session_horizon_max_s,
             "slo_ttft_s": self.slo_ttft_s,
             "slo_tpot_s": self.slo_tpot_s,
             "slo_headroom": self.slo_headroom,

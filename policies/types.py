@@ -69,6 +69,9 @@ class RouteRequest:
     prefix_tokens: Mapping[str, int] | None = None
     # Tokens per block of ``block_hashes`` (0: unknown).
     block_tokens: int = 0
+    # How long the client asked its prompt's cache to be kept, in seconds (Anthropic Messages'
+    # ``cache_control.ttl``; kvcore/cache_hints.py); None: no hint.
+    cache_ttl_s: float | None = None
 
     @property
     def token_cost(self) -> int:

@@ -22,6 +22,7 @@ from kvroute.kvcore.agent_apis import (
     messages_to_chat,
     responses_to_chat,
 )
+from kvroute.kvcore.cache_hints import cache_ttl_s
 
 from .errors import ApiError, bad_request
 from .openai_request import (
@@ -41,7 +42,11 @@ AGENT_APIS = frozenset((MESSAGES, COUNT_TOKENS, RESPONSES))
 def parse_messages(body: bytes) -> ParsedRequest:
     """A /v1/messages body: checked, and its conversation as vLLM renders it."""
     request = _checked(body, check_messages_request)
-    return _parsed(request, _converted(messages_to_chat, request), MESSAGES, request["max_tokens"])
+    parsed = _parsed(
+        request, _converted(messages_to_chat, request), MESSAGES, request["max_tokens"]
+    )
+    ttl = cache_ttl_s(request)
+    return replace(parsed, cache_ttl_s=ttl) if ttl is not None else parsed
 
 
 def parse_count_tokens(body: bytes) -> ParsedRequest:

@@ -105,6 +105,8 @@ class ParsedRequest:
     previous_response_id: str | None = None
     # The body's top-level fields the session is detected from (kvcore/agent_identity.py).
     fields: Mapping[str, Any] | None = None
+    # Messages: the longest ``cache_control`` ttl it names, in seconds (kvcore/cache_hints.py).
+    cache_ttl_s: float | None = None
 
 
 def _include_usage(options: dict[str, Any] | None) -> bool:

@@ -388,6 +388,7 @@ class RequestPipeline:
             parsed.model,
             identity.session,
             blocks.hashes if blocks is not None else [],
+            cache_ttl_s=parsed.cache_ttl_s,
         )
         route = self._decide(route_request)
         if parsed.previous_response_id is not None:

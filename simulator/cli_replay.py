@@ -62,6 +62,11 @@ from kvroute.simulator.fleet.pd_table import PD_FLEETS, format_pd_plan
 from kvroute.simulator.fleet.programs import format_programs
 from kvroute.simulator.fleet.regret import comparison_lines, counterfactual
 from kvroute.simulator.fleet.report import markdown_report
+from kvroute.simulator.fleet.returning import (
+    pooled_bound_hits,
+    returning_indices,
+    returning_summary,
+)
 from kvroute.simulator.fleet.summary import (
     format_loss,
     format_table,
@@ -988,6 +993,14 @@ def run_replay(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     own_prefill = prefill_alone_s(units, config.engine, cached=False)
+    returning = returning_indices(units)
+    bound_hits = (
+        pooled_bound_hits(
+            units, config.engine.num_blocks * config.replicas, config.engine.block_size
+        )
+        if returning
+        else []
+    )
     prefixes, notes = _prefix_source(args)
     results: list[SimResult] = []
     summaries: list[dict[str, Any]] = []
@@ -1019,6 +1032,7 @@ def run_replay(args: argparse.Namespace) -> int:
                     "notes": notes,
                     "warnings": replay_warnings(result, own_prefill),
                     "batch": batch_summary(alone, result) if alone is not None else None,
+                    "returning_turns": returning_summary(units, result, returning, bound_hits),
                 },
             )
         )
@@ -1029,6 +1043,14 @@ def run_replay(args: argparse.Namespace) -> int:
         f"bounds: infinite cache {percent(infinite)}, pooled LRU of the fleet's capacity "
         f"{percent(pooled)} (token-weighted hit rates)"
     )
+    for summary in summaries:
+        turns = summary["returning_turns"]
+        if turns is not None and turns["vs_pooled_lru"] is not None:
+            print(
+                f"returning turns ({summary['policy']}): {turns['requests']:,} served, hit rate "
+                f"{percent(turns['hit_rate'])}, pooled LRU on them "
+                f"{percent(turns['pooled_lru_hit_rate'])} ({turns['vs_pooled_lru']:.3f}x)"
+            )
     for summary in summaries:
         line = format_loss(summary) or format_pd(summary)
         if line:

@@ -224,6 +224,7 @@ class EndpointPicker:
                 parsed.model,
                 identity.session if identity is not None else None,
                 blocks.hashes if blocks is not None else [],
+                cache_ttl_s=parsed.cache_ttl_s,
             )
         else:
             request = RouteRequest(max(1, len(body) // CHARS_PER_TOKEN), 0)
