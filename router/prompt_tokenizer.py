@@ -6,6 +6,14 @@ loop responsive. Prompts longer than ``inline_chars`` are encoded in a small poo
 processes that each load the tokenizer once; the worker returns only the token count and the
 block hashes, so what crosses the process boundary is small. Short prompts are encoded inline:
 a round trip to another process costs more than encoding them.
+
+A long conversation seen for the first time (and cached by kvcore incremental) is the
+exception: it is cut into chunks at verified cut points and encoded in this process, no copy
+of the text and ids crossing to another one. With ``THREADS_OVER_ASCII`` cores or more, by the
+library's batch encoder (which does release the GIL) on a thread per core: its wall time falls
+with cores. With fewer, and a tokenizer served by the ASCII pre-token path (ascii_pieces.py,
+about 3x the library's speed on one core), chunk by chunk on the event loop, which runs other
+requests between chunks (~1 ms each): measured on a 2-core box, threads gained nothing there.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import os
 import signal
 from array import array
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from datetime import datetime
 from typing import Any, TypeVar
@@ -33,6 +41,7 @@ from kvroute.kvcore.tokenizer import (
     render_chat,
 )
 from kvroute.kvcore.tokenizer.incremental import (
+    Chunks,
     Pieces,
     Plan,
     PrefixTokenCache,
@@ -55,6 +64,10 @@ PARSE_SHARE = 3
 
 
 PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
+
+# Cores from which a new conversation's chunks go to threads (the library's encoder) rather
+# than the ASCII path on the loop: ascii_pieces does about 3 cores' worth of the library.
+THREADS_OVER_ASCII = 4
 
 
 def serial_tokenizers() -> bool:
@@ -136,6 +149,10 @@ class PromptTokenizer:
         self.inline_chars = inline_chars
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None
+        # Threads that encode a new conversation's chunks (one per core, up to 8).
+        self.threads = max(1, min(8, len(os.sched_getaffinity(0))))
+        self._threads: ThreadPoolExecutor | None = None
+        self.chunked = 0  # conversations encoded in chunks on the threads
         self.offloaded = 0  # prompts encoded in the pool
         self._system_first: bool | None = None
         # Long conversations: only each turn's new messages are tokenized (kvcore incremental).
@@ -146,8 +163,9 @@ class PromptTokenizer:
             # (chat_parse, which the router holds), the rest for token ids.
             render_bytes = cache_bytes // RENDER_SHARE
             ids_bytes = cache_bytes - render_bytes - cache_bytes // PARSE_SHARE
+            # A template that emits no special token is cut after verified newlines.
             self.prefix_cache, why = prefix_cache_for(
-                tok.split_tokens(), tok.encode_plain, ids_bytes
+                tok.cut_tokens(), tok.encode_plain, ids_bytes, line_cuts=True
             )
             if self.prefix_cache is None:
                 log.warning("conversations are tokenized whole each turn (%s): %s", spec, why)
@@ -224,13 +242,17 @@ class PromptTokenizer:
         keep_ids: bool = False,
     ) -> PromptBlocks | None:
         """Only what the cache does not hold is tokenized: on the loop when that is short (a
-        new turn), in the pool otherwise (a conversation seen for the first time). Rendering
-        stays on the loop: it is cheap next to tokenizing (0.4 ms for 220 KB)."""
+        new turn), in chunks on the threads otherwise (a conversation seen for the first
+        time), or whole in the pool if a chunk came out wrong. Rendering stays on the loop:
+        it is cheap next to tokenizing (0.4 ms for 220 KB)."""
         plan = cache.plan(self.render_chat(messages, options))
         pieces: Pieces | None
+        tok = self.tokenizer
+        assert isinstance(tok, HFTokenizerFiles)
         if plan.uncached_chars <= self.inline_chars or self.processes < 1:
-            assert isinstance(self.tokenizer, HFTokenizerFiles)
-            pieces = tokenize_plan(self.tokenizer.encode_plain, plan)
+            pieces = tokenize_plan(tok.encode_plain, plan)
+        elif (pieces := await self._in_chunks(tok, cache.chunks(plan))) is not None:
+            self.chunked += 1
         else:
             shipped = dataclasses.replace(plan, entry=None, data=b"")  # ids and bytes stay here
             pieces = await self._offload(_plan_in_worker, shipped)
@@ -238,6 +260,29 @@ class PromptTokenizer:
                 return None
         tokens, hashes, ids = cache.commit_ids(plan, pieces, block_size, extra_key, keep_ids)
         return PromptBlocks(tokens, hashes, ids)
+
+    async def _in_chunks(self, tok: HFTokenizerFiles, chunks: Chunks) -> Pieces | None:
+        """The chunks encoded on the threads (a share each, in order), or on the loop between
+        other requests (see the module docstring), joined; None if they do not join (the
+        caller tokenizes the plan whole)."""
+        if tok.ascii_pieces is not None and self.threads < THREADS_OVER_ASCII:
+            encoded_one: list[list[int]] = []
+            for text in chunks.texts:
+                encoded_one.append(tok.encode_plain(text))
+                await asyncio.sleep(0)
+            return chunks.join(encoded_one)
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(self.threads, thread_name_prefix="kvroute-tok")
+        texts = chunks.texts
+        share = -(-len(texts) // self.threads)  # ceiling
+        loop = asyncio.get_running_loop()
+        encoded = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._threads, tok.encode_batch_plain, texts[i : i + share])
+                for i in range(0, len(texts), share)
+            )
+        )
+        return chunks.join([ids for group in encoded for ids in group])
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T | None:
         pool = self._ensure_pool()
@@ -286,6 +331,9 @@ class PromptTokenizer:
             self._ensure_pool().submit(int)
 
     def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -26,9 +26,15 @@ from kvroute.backends.launcher import ensure_tiny_model
 from kvroute.kvcore.block_hashing import block_hashes
 from kvroute.kvcore.tokenizer import HFTokenizerFiles, load_tokenizer, render_chat
 from kvroute.kvcore.tokenizer.incremental import (
+    ALONE,
+    LINE,
+    Chunks,
     PrefixTokenCache,
     check_cuts,
+    check_line_cuts,
+    line_cut_ok,
     prefix_cache_for,
+    tokenize_plan,
 )
 from kvroute.simulator.traces import load_trace
 
@@ -268,9 +274,9 @@ async def test_the_routers_tokenizer_offloads_a_new_conversation_then_tokenizes_
             conversation.append({"role": "assistant", "content": filler(rng, 200)})
         cache = router_tok.prefix_cache
         assert cache is not None
-        # The first turn went to the worker process whole; the next three hit the cache and
-        # tokenized only their new messages, on the event loop.
-        assert router_tok.offloaded == 1
+        # The first turn was encoded in chunks in this process; the next three hit the cache
+        # and tokenized only their new messages, on the event loop.
+        assert (router_tok.chunked, router_tok.offloaded) == (1, 0)
         assert (cache.stats.misses, cache.stats.hits) == (1, 3)
     finally:
         router_tok.close()
@@ -323,3 +329,209 @@ def test_turns_that_branch_off_a_cached_prefix_keep_its_ids(tiny: HFTokenizerFil
     for conversation in (base, a, b, base, a, [*a, {"role": "assistant", "content": "z"}], b):
         for key in (None, "lora-a"):
             assert_exact(cache, tiny, render_chat(tiny, conversation, {}), key)
+
+
+# -- templates without special tokens: verified line cuts (issue 39) --------------------
+
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+def plain_copy(directory: Path, tokenizer_json: Path) -> HFTokenizerFiles:
+    (directory / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
+    config = {"bos_token": "<s>", "eos_token": "</s>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text(PLAIN_TEMPLATE)
+    return HFTokenizerFiles(directory, clock=datetime.now)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizerFiles:
+    """The tiny model's tokenizer with a template that emits no special token."""
+    tiny_json = Path(ensure_tiny_model()) / "tokenizer.json"
+    return plain_copy(tmp_path_factory.mktemp("plain"), tiny_json)
+
+
+@pytest.fixture(scope="module")
+def plain_qwen3(
+    tmp_path_factory: pytest.TempPathFactory, qwen3: HFTokenizerFiles
+) -> HFTokenizerFiles:
+    """Qwen3's tokenizer (real whitespace merges) with the same template."""
+    return plain_copy(tmp_path_factory.mktemp("plainq"), Path(qwen3.path) / "tokenizer.json")
+
+
+def line_cache(tok: HFTokenizerFiles, min_chars: int = 0) -> PrefixTokenCache:
+    cache, why = prefix_cache_for(tok.cut_tokens(), tok.encode_plain, 1 << 30, line_cuts=True)
+    assert cache is not None, why
+    cache.min_prefix_chars = min_chars
+    return cache
+
+
+def test_a_template_without_special_tokens_gets_line_cuts(
+    plain: HFTokenizerFiles, tiny: HFTokenizerFiles
+) -> None:
+    assert plain.split_tokens() and not plain.cut_tokens()  # bos/eos, but never in its text
+    assert line_cache(plain).line_cuts
+    # A template that emits special tokens keeps its special-token cuts.
+    assert tiny.cut_tokens() == tiny.split_tokens()
+    assert not line_cache(tiny).line_cuts
+
+
+# Line ends that a tokenizer does not split after (a space before the newline, blank lines,
+# a newline starting the next message) mixed with ordinary text.
+LINE_WORDS = [*WORDS, " \n", "\n\n", "\n ", "a\n", ":", "user: ", "  \n\n", "\r\n"]
+line_contents = st.lists(st.sampled_from(LINE_WORDS), max_size=14).map("".join)
+line_messages = st.lists(
+    st.tuples(st.sampled_from(["system", "user", "assistant"]), line_contents),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    turns=st.lists(line_messages, min_size=1, max_size=6),
+    branch=st.integers(0, 5),
+    generation=st.booleans(),
+    key=st.sampled_from([None, "lora-a"]),
+    which=st.sampled_from(["plain", "plain_qwen3"]),
+)
+def test_line_cut_conversations_tokenize_exactly(
+    request: pytest.FixtureRequest,
+    turns: list[list[tuple[str, str]]],
+    branch: int,
+    generation: bool,
+    key: str | None,
+    which: str,
+) -> None:
+    plain: HFTokenizerFiles = request.getfixturevalue(which)
+    cache = line_cache(plain)
+    conversation: list[dict[str, Any]] = []
+    history = []
+    for turn in turns:
+        conversation += [{"role": r, "content": c} for r, c in turn]
+        history.append(list(conversation))
+        text = render_chat(plain, conversation, {"add_generation_prompt": generation})
+        assert_exact(cache, plain, text, key)
+    back = list(history[branch % len(history)])
+    assert_exact(cache, plain, render_chat(plain, back, {}), key)
+    back.append({"role": "user", "content": "another way \n"})
+    assert_exact(cache, plain, render_chat(plain, back, {}), key)
+
+
+def test_line_cut_sessions_hit_the_cache(plain: HFTokenizerFiles) -> None:
+    cache = line_cache(plain, min_chars=2048)
+    rng = random.Random(5)
+    conversation: list[dict[str, Any]] = [{"role": "system", "content": filler(rng, 3000)}]
+    for _ in range(10):
+        conversation.append({"role": "user", "content": filler(rng, 400)})
+        assert_exact(cache, plain, render_chat(plain, conversation, {}), None)
+        conversation.append({"role": "assistant", "content": filler(rng, 300)})
+    assert (cache.stats.misses, cache.stats.hits) == (1, 19)  # two lookups a turn
+
+
+def test_line_cut_ok_rejects_a_cut_the_tokenizer_does_not_split_at(
+    plain_qwen3: HFTokenizerFiles,
+) -> None:
+    # "a\n\n\nb": whole, "\n\n" then "\n" (the last newline before "b" stands alone);
+    # "a\n" alone, then "\n\nb": the pieces' newlines merge otherwise.
+    encode = plain_qwen3.encode_plain
+    assert not line_cut_ok(encode, "a\n\n\nb", 2)
+    assert line_cut_ok(encode, "a\nb", 2)
+
+
+def test_a_tokenizer_that_merges_across_lines_gets_no_line_cuts() -> None:
+    def encode(text: str) -> list[int]:  # one id per text: nothing splits
+        return [len(text)]
+
+    problem = check_line_cuts(encode)
+    assert problem is not None and "does not split lines" in problem
+    cache, why = prefix_cache_for({}, encode, 1 << 20, line_cuts=True)
+    assert cache is None and why == problem
+
+
+def test_line_cuts_that_fail_verification_are_never_used() -> None:
+    """A tokenizer that splits at probe lines but not where a line starts with "!": those
+    cuts fail verification, and every answer is still the whole text's ids."""
+
+    def encode(text: str) -> list[int]:
+        out: list[int] = []
+        for part in text.replace("\n!", "\x00").split("\n"):
+            out.extend(ord(c) for c in part)
+            out.append(10)
+        return out[:-1]
+
+    cache, why = prefix_cache_for({}, encode, 1 << 20, line_cuts=True)
+    assert cache is not None, why
+    cache.min_prefix_chars = 0
+    text = ""
+    for turn in range(20):
+        text += f"user: q{turn}\n" + ("!" if turn % 2 else "") + f"answer {turn}\n"
+        assert cache.encode(text) == encode(text)
+        plan = cache.plan(text)
+        assert plan.last in (0, len(text)) or text[plan.last] != "!"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    turns=st.lists(line_messages, min_size=1, max_size=5),
+    chunk=st.integers(8, 200),
+    which=st.sampled_from(["plain", "plain_qwen3", "tiny", "qwen3"]),
+)
+def test_a_first_turn_in_chunks_is_the_whole_texts_tokenization(
+    request: pytest.FixtureRequest,
+    turns: list[list[tuple[str, str]]],
+    chunk: int,
+    which: str,
+) -> None:
+    """A conversation's first turn cut into chunks (the cold path), each encoded by the
+    library's batch encoder, joins into exactly what tokenize_plan and full tokenization
+    give; so does every later turn."""
+    tok: HFTokenizerFiles = request.getfixturevalue(which)
+    cache = line_cache(tok)
+    conversation: list[dict[str, Any]] = []
+    for turn in turns:
+        conversation += [{"role": r, "content": c} for r, c in turn]
+        text = render_chat(tok, conversation, {})
+        plan = cache.plan(text)
+        chunks = cache.chunks(plan, chunk)
+        pieces = chunks.join(tok.encode_batch_plain(chunks.texts))
+        assert pieces is not None
+        mid, tail = tokenize_plan(tok.encode_plain, plan)
+        assert (list(pieces[0]), list(pieces[1])) == (list(mid), list(tail))
+        full = tok.encode_plain(text)
+        assert cache.commit(plan, pieces, BS, None) == (len(full), block_hashes(full, BS, None))
+
+
+def test_chunks_that_do_not_start_with_their_special_token_do_not_join() -> None:
+    chunks = Chunks(["<s>a", "<s>b"], [7, 7], 1)
+    assert chunks.join([[7, 1], [7, 2]]) == ([1], [2])
+    assert chunks.join([[7, 1], [8, 2]]) is None
+    assert Chunks(["a", "b"], [-1, ALONE], 1).join([[1], [2]]) == ([1], [2])
+    assert LINE == "\n"
+
+
+async def test_the_routers_tokenizer_is_exact_on_plain_template_conversations(
+    plain: HFTokenizerFiles,
+) -> None:
+    from kvroute.kvcore.tokenizer import prompt_blocks
+    from kvroute.router.prompt_tokenizer import PromptTokenizer
+
+    router_tok = PromptTokenizer(plain.path, inline_chars=4096, processes=1, cache_bytes=64 << 20)
+    try:
+        rng = random.Random(8)
+        conversation: list[dict[str, Any]] = [{"role": "system", "content": filler(rng, 9000)}]
+        for _ in range(4):
+            conversation.append({"role": "user", "content": filler(rng, 300) + " \n"})
+            text = render_chat(plain, conversation, {})
+            got = await router_tok.chat_blocks(conversation, {}, len(text), False, BS, None)
+            assert got == prompt_blocks(plain, text, False, BS, None)
+            conversation.append({"role": "assistant", "content": filler(rng, 200)})
+        cache = router_tok.prefix_cache
+        assert cache is not None and cache.line_cuts
+        assert (router_tok.chunked, router_tok.offloaded) == (1, 0)
+        assert cache.stats.hits == 3
+    finally:
+        router_tok.close()

@@ -155,6 +155,31 @@ class HFTokenizerFiles:
         """Ids without special tokens added (how a rendered chat prompt is encoded)."""
         return self.encode(text, add_special_tokens=False)
 
+    def encode_batch_plain(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's ids without special tokens added, by the library's batch encoder: it
+        releases the GIL, so batches encoded on several threads run in parallel (the same ids
+        as ``encode_plain``)."""
+        tok = self._tok
+        batch = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
+        return [e.ids for e in batch(list(texts), add_special_tokens=False)]
+
+    def cut_tokens(self) -> dict[str, int]:
+        """``split_tokens`` if the chat template puts one of them in a conversation's text,
+        else {} (a template without special tokens: incremental.py cuts at lines instead)."""
+        found = self.split_tokens()
+        if not found or self.chat_template is None:
+            return found
+        probe = [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ]
+        try:
+            text = self.apply_chat_template(probe, add_generation_prompt=True, incremental=False)
+        except ChatTemplateError:
+            return found  # as before: special-token cuts, checked where they are found
+        return found if any(token in text for token in found) else {}
+
     def split_tokens(self) -> dict[str, int]:
         """Special tokens the chat template emits that split a text where they stand: matched
         as they are written (not normalized), taking no whitespace around them."""

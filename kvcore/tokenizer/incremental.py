@@ -21,6 +21,19 @@ are never cut at. ``check_cuts`` tests a tokenizer on probe texts when the cache
 that does not tokenize at its cut points as the pieces do gets no cache (full tokenization,
 and the reason says why). Exactness is property-tested against full tokenization with the
 tiny model's tokenizer and real ones (tests/test_incremental_tokenization.py).
+
+A chat template that emits no special token (``role: content`` lines) gets *line cuts*
+instead: right after a newline, where the piece after it is tokenized alone. Whether a
+tokenizer splits there depends on the text around it (a space before the newline, what starts
+the next line), so every line cut is verified on the text it is used in: the ids of a window of
+``WINDOW`` characters on each side must be the ids of its two halves (``line_cut_ok``); a
+cached prefix whose end fails that on the new text is not used, a last cut that fails gives
+way to an earlier newline. ``check_line_cuts`` tests the tokenizer on probe lines first (a
+SentencePiece-style tokenizer that marks the start of its input fails and gets no cache).
+
+A long uncached part (a conversation's first turn) is cut at the same verified points into
+``Chunks`` of about ``CHUNK_CHARS``, which the caller encodes as a batch, on threads if it
+likes (the library's batch encoders release the GIL), then joins.
 """
 
 from __future__ import annotations
@@ -36,6 +49,15 @@ from kvroute.kvcore.block_hashing import chain_hashes, root_seed
 
 # A prefix shorter than this is not worth an entry (its tokenization is cheap).
 MIN_PREFIX_CHARS = 2048
+# Line cuts (templates without special tokens): what a cut is after, the ``after_id`` that
+# marks a piece tokenized alone, the characters on each side a cut is verified on, and how
+# many newlines back from a text's end a last cut is looked for.
+LINE = "\n"
+ALONE = -2
+WINDOW = 256
+LINE_TRIES = 8
+# A long uncached part is encoded in chunks of about this many characters.
+CHUNK_CHARS = 16_384
 
 Encode = Callable[[str], Sequence[int]]  # text -> ids, without special tokens added
 HASH_BYTES = 48  # a 64-bit hash as an int object and a pointer to it
@@ -108,9 +130,13 @@ class PrefixTokenCache:
         split_tokens: dict[str, int],
         max_bytes: int,
         min_prefix_chars: int = MIN_PREFIX_CHARS,
+        *,
+        line_cuts: bool = False,
     ) -> None:
         self._encode = encode
         self._split = dict(split_tokens)
+        # Verified line cuts instead of special tokens (a template that emits none).
+        self.line_cuts = line_cuts and not self._split
         self.max_bytes = max_bytes
         self.min_prefix_chars = min_prefix_chars
         self._entries: OrderedDict[tuple[int, bytes], _Entry] = OrderedDict()
@@ -135,13 +161,62 @@ class PrefixTokenCache:
             text,
             start,
             after,
-            self._split.get(after, -1),
+            self._id(after),
             last,
             last_token,
-            self._split.get(last_token, -1),
+            self._id(last_token),
             entry,
             data,
         )
+
+    def _id(self, token: str) -> int:
+        return ALONE if token == LINE and self.line_cuts else self._split.get(token, -1)
+
+    def chunks(self, plan: Plan, chunk_chars: int = CHUNK_CHARS) -> Chunks:
+        """The plan's uncached text cut into chunks of about ``chunk_chars`` at cut points
+        (verified line cuts, or special tokens), to encode as a batch: ``Chunks.join`` gives
+        what ``tokenize_plan`` gives."""
+        text, start, last = plan.text, plan.start, plan.last
+        if not plan.last_token:  # no cut point: one piece
+            return Chunks([text], [-1], 1)
+        bounds = [(start, plan.after, plan.after_id)]
+        target = start + chunk_chars
+        while target < last - chunk_chars // 4:
+            cut = self._cut_after(text, target, last)
+            if cut is None:
+                break
+            bounds.append(cut)
+            target = cut[0] + chunk_chars
+        bounds.append((last, plan.last_token, plan.last_id))
+        texts, drop = [], []
+        ends = [b for b, _, _ in bounds[1:]] + [len(text)]
+        for (a, after, after_id), b in zip(bounds, ends, strict=True):
+            if after_id >= 0:  # behind its special token, whose id is dropped
+                texts.append(after + text[a:b])
+                drop.append(after_id)
+            else:  # alone, or from the start of the text
+                texts.append(text[a:b] if after else text[:b])
+                drop.append(-1)
+        return Chunks(texts, drop, len(texts) - 1)
+
+    def _cut_after(self, text: str, at: int, below: int) -> tuple[int, str, int] | None:
+        """The first cut point at or after ``at`` and before ``below``, or None."""
+        if self.line_cuts:
+            for _ in range(LINE_TRIES):
+                found = text.find(LINE, at, below - 1)
+                if found < 0:
+                    return None
+                at = found + 1
+                if line_cut_ok(self._encode, text, at):
+                    return at, LINE, ALONE
+            return None
+        best: tuple[int, str, int] | None = None
+        for token, token_id in self._split.items():
+            found = text.find(token, at, below)
+            end = found + len(token)
+            if found >= 0 and end < below and (best is None or end < best[0]):
+                best = (end, token, token_id)
+        return best
 
     def commit(
         self, plan: Plan, pieces: Pieces, block_size: int, extra_key: str | None
@@ -216,7 +291,9 @@ class PrefixTokenCache:
                     continue
                 key = (end, _digest(text, data, end))
                 entry = self._entries.get(key)
-                if entry is not None:
+                if entry is not None and (
+                    not self.line_cuts or line_cut_ok(self._encode, text, end)
+                ):
                     self._entries.move_to_end(key)
                     self.stats.hits += 1
                     self.stats.cached_tokens += entry.count
@@ -226,6 +303,12 @@ class PrefixTokenCache:
 
     def _cuts_from_end(self, text: str, lowest: int) -> Iterator[int]:
         """The text's cut points, last first, down to ``lowest``."""
+        if self.line_cuts:  # after each newline, unverified
+            at = text.rfind(LINE)
+            while at >= 0 and at + 1 >= lowest:
+                yield at + 1
+                at = text.rfind(LINE, 0, at)
+            return
         start = max(0, lowest - max(map(len, self._split)))
         nxt = {t: text.rfind(t, start) for t in self._split}  # each token's last occurrence
         while True:
@@ -239,7 +322,17 @@ class PrefixTokenCache:
 
     def _last_cut(self, text: str, start: int) -> tuple[int, str]:
         """The end of the text's last special token at or after ``start`` (a cut point), and
-        that token; (start, "") when there is none after ``start``."""
+        that token; (start, "") when there is none after ``start``. Line cuts: the last
+        newline after ``start`` (of the last few) where the tokenizer splits this text."""
+        if self.line_cuts:
+            at = len(text)
+            for _ in range(LINE_TRIES):
+                at = text.rfind(LINE, start, at)
+                if at < 0:
+                    break
+                if line_cut_ok(self._encode, text, at + 1):
+                    return at + 1, LINE
+            return start, ""
         best, best_token = start, ""
         for token in self._split:
             at = text.rfind(token, max(0, start - len(token)))
@@ -344,6 +437,8 @@ def encode_piece(
         return encode(text[:end])
     if start == end:
         return []
+    if after_id == ALONE:  # a verified line cut: the piece is tokenized alone
+        return encode(text[start:end])
     ids = encode(after + text[start:end])
     if not ids or ids[0] != after_id:
         raise AssertionError(f"special token {after!r} was not tokenized alone")
@@ -384,12 +479,66 @@ def check_cuts(encode: Encode, split_tokens: dict[str, int]) -> str | None:
     return None
 
 
+def line_cut_ok(encode: Encode, text: str, at: int, window: int = WINDOW) -> bool:
+    """Whether the tokenizer splits ``text`` at ``at``: the ids of up to ``window``
+    characters on each side are the ids of the part before it then those of the part after."""
+    left = text[max(0, at - window) : at]
+    right = text[at : at + window]
+    if not left or not right:
+        return True
+    return list(encode(left + right)) == [*encode(left), *encode(right)]
+
+
+# Probe lines for check_line_cuts: how plain templates' messages end and start.
+_LINE_ENDS = ("Hi", "a b.", "x = [1, 2]", "日本語", "end 42")
+_LINE_STARTS = ("user: Hello", "assistant: ok", "System: be brief", "x", "Tool 1: done", "😀 hi")
+
+
+def check_line_cuts(encode: Encode) -> str | None:
+    """Why cutting after newlines would differ from whole texts for this tokenizer, or None."""
+    for before in _LINE_ENDS:
+        for after in _LINE_STARTS:
+            text = before + LINE + after
+            if not line_cut_ok(encode, text, len(before) + 1):
+                return f"it does not split lines: {text!r} tokenizes differently as a whole"
+    return None
+
+
+@dataclass(slots=True)
+class Chunks:
+    """A plan's uncached text in pieces to encode as a batch (``PrefixTokenCache.chunks``)."""
+
+    texts: list[str]
+    drop: list[int]  # the special token id each text's ids start with (dropped), or -1
+    tail: int  # the chunk after the text's last cut point (the rest are its middle)
+
+    def join(self, encoded: Sequence[Sequence[int]]) -> Pieces | None:
+        """The pieces ``tokenize_plan`` gives, from each chunk's ids; None if a chunk did
+        not start with its special token (then tokenize the plan as a whole)."""
+        mid: list[int] = []
+        for i, (ids, first) in enumerate(zip(encoded, self.drop, strict=True)):
+            if first >= 0:
+                if not len(ids) or ids[0] != first:
+                    return None
+                ids = ids[1:]
+            if i == self.tail:
+                return mid, list(ids)
+            mid.extend(ids)
+        return None
+
+
 def prefix_cache_for(
-    split_tokens: dict[str, int], encode: Encode, max_bytes: int
+    split_tokens: dict[str, int], encode: Encode, max_bytes: int, *, line_cuts: bool = False
 ) -> tuple[PrefixTokenCache | None, str]:
-    """A cache for a tokenizer, or None and why not (its special tokens do not split texts)."""
+    """A cache for a tokenizer, or None and why not (its special tokens do not split texts).
+    ``line_cuts``: its chat template emits no special token; cut after newlines instead."""
     if not split_tokens:
-        return None, "its chat template emits no special token to cut at"
+        if not line_cuts:
+            return None, "its chat template emits no special token to cut at"
+        problem = check_line_cuts(encode)
+        if problem is not None:
+            return None, problem
+        return PrefixTokenCache(encode, {}, max_bytes, line_cuts=True), ""
     problem = check_cuts(encode, split_tokens)
     if problem is not None:
         return None, problem

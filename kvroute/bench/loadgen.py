@@ -223,6 +223,9 @@ class Conversations:
     start_chars: int = 220_000
     turn_chars: int = 2_000
     seed: int = 0
+    # Every request a conversation new to the router (its first turn: a system message of its
+    # own ahead of the same history), instead of the next turn of one it has seen.
+    cold: bool = False
 
 
 def _message(role: str, content: str) -> bytes:
@@ -240,13 +243,21 @@ class _Conversation:
         self.head = (
             b'{"model": ' + json.dumps(spec.model).encode() + b', "max_tokens": 8, "messages": ['
         )
+        self.cold = spec.cold
+        self.index = index
+        self.sent = 0
 
     def next_body(self) -> bytes:
+        if self.cold:  # a new conversation: nothing of it cached anywhere
+            self.sent += 1
+            new = _message("system", f"session {self.index}-{self.sent}")
+            return self.head + new + b"," + self.messages + b"]}"
         self.messages += b"," + _message("user", filler(self.rng, self.turn_chars // 2))
         return self.head + self.messages + b"]}"
 
     def replied(self) -> None:
-        self.messages += b"," + _message("assistant", filler(self.rng, self.turn_chars // 2))
+        if not self.cold:
+            self.messages += b"," + _message("assistant", filler(self.rng, self.turn_chars // 2))
 
 
 @dataclass(frozen=True)

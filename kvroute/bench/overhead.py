@@ -118,7 +118,9 @@ class Options:
     output_md: str = "BENCHMARKS.md"
     record: bool = True
     # "fixed": one small completion POSTed over and over (wrk); "agent": growing chat
-    # conversations (built-in client), kvroute tokenizing them with the tiny model's tokenizer.
+    # conversations (built-in client), kvroute tokenizing them with the tiny model's tokenizer;
+    # "agent-plain": the same with a chat template that emits no special token (``role:
+    # content`` lines); "agent-cold": every request a new conversation's first turn.
     workload: str = "fixed"
     conversations: int = 32
     start_kb: int = 220
@@ -211,7 +213,7 @@ def measure(
 
     viewers = StatusViewers(base_url, row.target.status_viewers)
     with sampler or contextlib.nullcontext(), viewers:
-        if options.workload == "agent":
+        if is_agent(options.workload):
             spec = Conversations(
                 base_url + "/v1/chat/completions",
                 options.model,
@@ -219,6 +221,7 @@ def measure(
                 options.concurrency,
                 options.start_kb * 1000,
                 int(options.turn_kb * 1000),
+                cold=options.workload == "agent-cold",
             )
             done = run_conversations(spec, options.warmup_s, options.duration_s, window_opens)
             row.result = done.load
@@ -316,13 +319,48 @@ def running_target(
         yield base, child.pid
 
 
-def agent_tokenizer(options: Options) -> str:
-    """kvroute tokenizes prompts exactly: with this tokenizer (the tiny model's by default)."""
-    if options.tokenizer:
-        return options.tokenizer
-    from kvroute.backends.launcher import ensure_tiny_model
+AGENT_WORKLOADS = ("agent", "agent-plain", "agent-cold")
+# agent-plain's chat template: one ``role: content`` line per message, no special token.
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
 
-    return str(ensure_tiny_model())
+
+def is_agent(workload: str) -> bool:
+    return workload in AGENT_WORKLOADS
+
+
+def agent_tokenizer(options: Options) -> str:
+    """kvroute tokenizes prompts exactly: with this tokenizer (the tiny model's by default);
+    agent-plain: its tokenizer files with PLAIN_TEMPLATE as the chat template."""
+    if options.tokenizer:
+        base = Path(options.tokenizer).expanduser()
+    else:
+        from kvroute.backends.launcher import ensure_tiny_model
+
+        base = Path(ensure_tiny_model())
+    if options.workload != "agent-plain":
+        return str(base)
+    return str(plain_template_copy(base))
+
+
+def plain_template_copy(base: Path) -> Path:
+    """``base``'s tokenizer files beside it with PLAIN_TEMPLATE (written once)."""
+    import shutil
+
+    out = base.parent / f"{base.name}-plain-template"
+    out.mkdir(exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (base / name).is_file():
+            shutil.copyfile(base / name, out / name)
+    config = out / "tokenizer_config.json"
+    if config.is_file():  # chat_template.jinja wins anyway; drop the other to be plain
+        data = json.loads(config.read_text(encoding="utf-8"))
+        data.pop("chat_template", None)
+        config.write_text(json.dumps(data), encoding="utf-8")
+    (out / "chat_template.jinja").write_text(PLAIN_TEMPLATE, encoding="utf-8")
+    return out
 
 
 def executable_for(target: Target, options: Options) -> str:
@@ -384,12 +422,24 @@ def versions_line(options: Options, wrk: str | None) -> str:
 
 
 def load_line(options: Options, wrk: str | None) -> str:
-    if options.workload == "agent":
+    if is_agent(options.workload):
+        turns = (
+            "each request a new conversation (its own system message ahead of the same history: "
+            "nothing cached)"
+            if options.workload == "agent-cold"
+            else f"each request adding {options.turn_kb:g} KB (a user message, then the reply "
+            "carried into the next turn)"
+        )
+        template = (
+            ", chat template without special tokens (role: content lines)"
+            if options.workload == "agent-plain"
+            else ""
+        )
         return (
             f"built-in, {options.concurrency} connections, {options.duration_s} s per target "
-            f"after {options.warmup_s} s warmup; agent workload: {options.conversations} chat "
-            f"conversations starting at {options.start_kb} KB of history, each request adding "
-            f"{options.turn_kb:g} KB (a user message, then the reply carried into the next turn), "
+            f"after {options.warmup_s} s warmup; {options.workload} workload: "
+            f"{options.conversations} chat conversations starting at {options.start_kb} KB of "
+            f"history{template}, {turns}, "
             f"POST /v1/chat/completions (max_tokens 8); each conversation's first request (its "
             f"whole history new to the router) before the warmup; kvroute tokenizes with "
             f"--tokenizer {shown_path(agent_tokenizer(options))}; {options.upstreams} stub "
@@ -582,7 +632,7 @@ def options_agent(rows: list[Row]) -> bool:
 
 def choose_loadgen(options: Options) -> str | None:
     """The wrk path to use, or None for the built-in generator."""
-    if options.loadgen == "builtin" or options.workload == "agent":
+    if options.loadgen == "builtin" or is_agent(options.workload):
         return None
     wrk = find_wrk()
     if wrk is None and options.loadgen == "wrk":
