@@ -52,6 +52,7 @@ from .pools import PoolMetrics, pools_cost, pools_locality
 from .prompt_keys import PromptKeys
 from .prompt_tokenizer import PromptTokenizer
 from .proxy import Timeouts
+from .sessions import agents_summary
 from .status import StatusFeed, page_html
 from .stored_response_api import PATH as STORED_RESPONSE_PATH
 from .stored_response_api import StoredResponseLookup
@@ -207,6 +208,7 @@ class Router:
             self._status_header,
             self._status_checks,
             lambda: self.tenants.summary(self.admission.fair, time.monotonic()),
+            agents=lambda: agents_summary(self.pipeline.session_metrics, self.admission.fair),
             fleet_fields=lambda name: self.fleet_control.row_fields(name),
             parity=lambda: self.parity.snapshot() if self.parity is not None else None,
             rollout=lambda: self.fleet_control.progress(),

@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvroute.kvcore.agent_identity import SOURCES, Identity, detect
+from kvroute.kvcore.fair_queue import FairQueue
 
 from .openai_request import ParsedRequest
 
@@ -18,6 +19,33 @@ def identify(
 ) -> Identity:
     """The request's identity from its headers and the top-level fields its parse kept."""
     return detect(headers, parsed.fields or {}, configured_header)
+
+
+# /status lists at most this many programs, and this much of each name (client-chosen ids).
+STATUS_PROGRAMS = 5
+STATUS_NAME_CHARS = 48
+
+
+def agents_summary(metrics: SessionMetrics, queue: FairQueue) -> dict[str, Any]:
+    """The /status page's agents line: requests by the rule that found their session, and by
+    program (fairness.by: program) how many programs are remembered, how many wait, and the
+    ones with the most requests waiting, with what each has received."""
+    queued = {name: n for name, n in queue.queued_programs().items() if name}
+    busiest = sorted(queued.items(), key=lambda item: (-item[1], item[0]))[:STATUS_PROGRAMS]
+    return {
+        "sessions_by_source": {k: v for k, v in metrics.detected.items() if v},
+        "fairness_by": queue.params.by,
+        "programs_remembered": len(queue.programs),
+        "programs_waiting": len(queued),
+        "waiting": [
+            {
+                "program": name[:STATUS_NAME_CHARS],
+                "queued": count,
+                "received_tokens": round(queue.attained(name)),
+            }
+            for name, count in busiest
+        ],
+    }
 
 
 class SessionMetrics:

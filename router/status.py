@@ -112,6 +112,7 @@ class StatusFeed:
         checks: Callable[[], dict[str, Any]] | None = None,
         tenants: Callable[[], Any] | None = None,
         *,
+        agents: Callable[[], dict[str, Any]] | None = None,
         fleet_fields: Callable[[str], dict[str, Any]] | None = None,
         parity: Callable[[], dict[str, Any] | None] | None = None,
         rollout: Callable[[], dict[str, Any] | None] | None = None,
@@ -125,6 +126,7 @@ class StatusFeed:
         self._rollout = rollout
         self._canary_enabled = canary_enabled
         self._tenants = tenants
+        self._agents = agents
         self._handles = handles
         self._reports = reports
         self._metrics = metrics
@@ -220,6 +222,8 @@ class StatusFeed:
             "checks": self._fleet_checks(handles),
             "rollout": self._rollout() if self._rollout is not None else None,
             "tenants": self._tenants() if self._tenants is not None else None,
+            # How requests' sessions were found, and the programs admission orders (sessions.py).
+            "agents": self._agents() if self._agents is not None else None,
         }
 
     def _fleet_checks(self, handles: Mapping[str, ReplicaHandle]) -> dict[str, Any]:

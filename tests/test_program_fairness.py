@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anthropic
 import pytest
 
@@ -165,6 +166,13 @@ async def test_a_saturated_router_serves_a_short_program_before_a_long_programs_
         await wait_until(lambda: r.router.admission.queued == 4, what="the long turns queued")
         short = turn(short_session, "first")
         await wait_until(lambda: r.router.admission.queued == 5, what="the short turn queued")
+        async with aiohttp.ClientSession() as http, http.get(r.url + "/status/events") as resp:
+            agents = (await resp.json())["agents"]
+        assert agents["sessions_by_source"] == {"claude_code": 9}  # 3 + the holder + 5 queued
+        assert agents["fairness_by"] == "program" and agents["programs_waiting"] == 2
+        assert [w["program"] for w in agents["waiting"]] == [long_session, short_session]
+        assert agents["waiting"][0]["queued"] == 4 and agents["waiting"][1]["received_tokens"] == 0
+        assert agents["waiting"][0]["received_tokens"] > 0
         a.gate.set()
         await asyncio.gather(holder, short, *backlog)
     finally:
