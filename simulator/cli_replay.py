@@ -303,7 +303,8 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "gap (the tool call or the user's think time) after its previous response ends, "
         "instead of at its recorded time, so a slow fleet slows its agents as it would live "
         "(claude-code traces record the gaps; a session's first request and a sub-agent's "
-        "first keep their recorded times).",
+        "first keep their recorded times). With --live too: real agents' pace, gaps scaled by "
+        "--time-scale.",
     )
     replay.add_argument(
         "--program-max-wait-s",
@@ -359,7 +360,9 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         default="completions",
         help="With --live: the API each request speaks (default completions): the same "
         "prompt as a chat's, Anthropic Messages' or OpenAI Responses' one user message, so "
-        "an agent API's routing can be compared with chat's on the same trace.",
+        "an agent API's routing can be compared with chat's on the same trace. messages "
+        "names each request's session as Claude Code does (metadata.user_id; a sub-agent "
+        "its parent's), so the router finds the agent programs.",
     )
     # A sweep's cell names its own command (report.md's); a replay's is its argv.
     replay.set_defaults(func=_cmd_replay, command=None)
@@ -974,6 +977,12 @@ def run_replay(args: argparse.Namespace) -> int:
                 "--routers and --share set up simulated routers; with --live the router at "
                 "the URL routes (run several and put a balancer in front to measure that)"
             )
+        if getattr(args, "max_in_flight", None) or getattr(args, "fairness", None):
+            raise UsageError(
+                "--max-in-flight and --fairness simulate the router's admission; with --live "
+                "the router at the URL admits (limits.max_concurrent_requests, fairness.by in "
+                "its config)"
+            )
         # The live replayer paces by --time-scale itself: load the trace unscaled in time.
         return _replay_live(args, _load_trace(args, 1.0))
     if not args.out:
@@ -1306,6 +1315,7 @@ def _replay_live(args: argparse.Namespace, trace: Any) -> int:
             max_output_tokens=args.max_output_tokens,
             concurrency=args.concurrency,
             api=args.api,
+            closed_loop=args.closed_loop,
         )
     except (ValueError, LiveReplayError) as exc:  # its one-line errors (no router, ...)
         raise UsageError(str(exc)) from None

@@ -8,6 +8,8 @@ The one load generator of kvroute's live measurements:
 * ``run_open_loop`` sends a plan of requests at their times (open loop: a request goes out when
   it is due, whatever the earlier ones are doing), optionally at most N in flight, recording
   how late each went out;
+* ``run_closed_loop`` sends chains of requests (agent sessions): a chain's first request when
+  it is due, each next one a gap after the previous one's answer ended;
 * ``run_conversations`` sends multi-turn chats (``simulator.workload``), each turn when the
   previous one is answered, several conversations at once.
 
@@ -345,6 +347,74 @@ async def run_open_loop(
             running.add(task)
             task.add_done_callback(running.discard)
             sent += 1
+        if running:
+            await asyncio.gather(*running)
+    finally:
+        for task in running:
+            task.cancel()
+    return sent
+
+
+async def run_closed_loop(
+    http: aiohttp.ClientSession,
+    starts: Iterable[tuple[int, float]],
+    following: Mapping[int, int],
+    gap_s: Callable[[int], float],
+    build: Callable[[int], tuple[str, Mapping[str, Any]]],
+    *,
+    started: float | None = None,
+    concurrency: int | None = None,
+    on_done: Callable[[int, Outcome], None] | None = None,
+) -> int:
+    """Send chains of requests, by index, in a closed loop; return how many were sent.
+
+    ``starts``: (index, seconds after ``started``) of each chain's first request, in time
+    order; ``following[i]``: the request sent ``gap_s(that one)`` seconds after request i's
+    answer ended (a chain ends at an index it does not name). ``build(i)``: request i's URL
+    and body, built just before it goes out. With ``concurrency`` at most that many are in
+    flight (``Outcome.late_s``: how long after it was due a request went out, waiting for a
+    slot included); ``on_done(i, outcome)`` as each one ends, before its follower is due.
+    """
+    start = time.monotonic() if started is None else started
+    slots = asyncio.Semaphore(concurrency) if concurrency else None
+    running: set[asyncio.Task[None]] = set()
+    sent = 0
+
+    async def chain(index: int, due: float) -> None:
+        nonlocal sent
+        while True:
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            url, body = build(index)
+            if slots is not None:
+                await slots.acquire()
+            now = time.monotonic()
+            outcome = Outcome(
+                stream=bool(body.get("stream")), sent_at=now - start, late_s=max(0.0, now - due)
+            )
+            sent += 1
+            try:
+                await send(http, url, body, outcome)
+            finally:
+                if slots is not None:
+                    slots.release()
+            if on_done is not None:
+                on_done(index, outcome)
+            if index not in following:
+                return
+            index = following[index]
+            due = time.monotonic() + max(0.0, gap_s(index))
+
+    try:
+        for index, at_s in starts:
+            due = start + at_s
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(chain(index, due))
+            running.add(task)
+            task.add_done_callback(running.discard)
         if running:
             await asyncio.gather(*running)
     finally:

@@ -39,6 +39,7 @@ from kvroute.kvcore.ledger import Dispatch, DispatchLedger, Route
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
 from kvroute.policies.regret import TtftEstimate
+from kvroute.simulator.traces.model import next_turns
 
 from .admission import SimAdmission, program_of
 from .batch import BatchJob, BatchLane, split_batch
@@ -124,22 +125,6 @@ def apply_ops(index: PrefixIndex, name: str, ops: list[IndexOp]) -> None:
             index.apply_removed(name, op[1])  # type: ignore[arg-type]
         else:
             index.clear_replica(name)
-
-
-def next_turns(requests: tuple[SimRequest, ...]) -> dict[int, int]:
-    """Per request index, the next request of its session that has a recorded gap (sent that
-    long after this one's response in a closed loop)."""
-    last: dict[str, int] = {}
-    following: dict[int, int] = {}
-    for request in requests:
-        session = request.session_id
-        if session is None:
-            continue
-        previous = last.get(session)
-        if previous is not None and request.gap_s is not None:
-            following[previous] = request.index
-        last[session] = request.index
-    return following
 
 
 def make_engine(

@@ -6,12 +6,14 @@ moved, prompt plus output over all its requests (what least attained service cou
 programs at or below the median size are *short*, the rest *long*. Per class: TTFT
 percentiles over the class's requests, the mean program completion time (the last finish less
 the first arrival, over programs whose every request finished), and the longest wait in the
-router's queue (behind an admission limit). Pure.
+router's queue (behind an admission limit). Pure: ``summarize`` works over plain per-request
+lists, so the live replay (simulator/traces/live.py) reports its requests the same way.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from kvroute.kvcore.stats import percentile
@@ -28,30 +30,59 @@ def program_summary(result: SimResult, online: int | None = None) -> dict[str, A
     if not programs:
         return None
     count = len(programs) if online is None else min(online, len(programs))
+    return summarize(
+        programs[:count],
+        [result.input_tokens[i] + result.output_tokens[i] for i in range(count)],
+        result.arrival_s,
+        result.first_token_s,
+        result.finish_s,
+        result.queue_wait_s,
+        fairness=result.fairness,
+        max_in_flight=result.max_in_flight,
+    )
+
+
+def summarize(
+    programs: Sequence[str],
+    tokens: Sequence[int],
+    arrival_s: Sequence[float],
+    first_token_s: Sequence[float],
+    finish_s: Sequence[float],
+    queue_wait_s: Sequence[float] | None = None,
+    *,
+    fairness: str | None = None,
+    max_in_flight: int | None = None,
+) -> dict[str, Any]:
+    """The per-class summary of requests ``0 .. len(programs) - 1``: request i belongs to
+    ``programs[i]``, moved ``tokens[i]`` (prompt plus output), arrived at ``arrival_s[i]``, had
+    its first token at ``first_token_s[i]`` and finished at ``finish_s[i]`` (NaN for both: it
+    failed); ``queue_wait_s[i]`` its wait in the router's queue (NaN or no list: unknown)."""
     members: dict[str, list[int]] = {}
-    for index in range(count):
-        members.setdefault(programs[index], []).append(index)
-    size = {
-        name: sum(result.input_tokens[i] + result.output_tokens[i] for i in indices)
-        for name, indices in members.items()
-    }
+    for index, name in enumerate(programs):
+        members.setdefault(name, []).append(index)
+    size = {name: sum(tokens[i] for i in indices) for name, indices in members.items()}
     ranked = sorted(size.values())
     threshold = ranked[(len(ranked) - 1) // 2] if ranked else 0
     classes: dict[str, list[str]] = {"all": list(members)}
     classes["short"] = [name for name in members if size[name] <= threshold]
     classes["long"] = [name for name in members if size[name] > threshold]
     out: dict[str, Any] = {
-        "fairness": result.fairness,
-        "max_in_flight": result.max_in_flight,
+        "fairness": fairness,
+        "max_in_flight": max_in_flight,
         "programs": len(members),
         "short_max_tokens": threshold,
     }
+    times = (arrival_s, first_token_s, finish_s, queue_wait_s)
     for label in CLASSES:
-        out[label] = _class_summary(result, [members[name] for name in classes[label]])
+        out[label] = _class_summary(times, [members[name] for name in classes[label]])
     return out
 
 
-def _class_summary(result: SimResult, groups: list[list[int]]) -> dict[str, Any]:
+_Times = tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float] | None]
+
+
+def _class_summary(times: _Times, groups: list[list[int]]) -> dict[str, Any]:
+    arrival_s, first_token_s, finish_s, queue_wait_s = times
     ttfts: list[float] = []
     completions: list[float] = []
     waits: list[float] = []
@@ -60,15 +91,15 @@ def _class_summary(result: SimResult, groups: list[list[int]]) -> dict[str, Any]
         requests += len(indices)
         finished = True
         for i in indices:
-            if math.isnan(result.finish_s[i]):
+            if math.isnan(finish_s[i]):
                 finished = False
                 continue
-            ttfts.append(result.first_token_s[i] - result.arrival_s[i])
-            if result.queue_wait_s is not None and not math.isnan(result.queue_wait_s[i]):
-                waits.append(result.queue_wait_s[i])
+            ttfts.append(first_token_s[i] - arrival_s[i])
+            if queue_wait_s is not None and not math.isnan(queue_wait_s[i]):
+                waits.append(queue_wait_s[i])
         if finished and indices:
-            first = min(result.arrival_s[i] for i in indices)
-            completions.append(max(result.finish_s[i] for i in indices) - first)
+            first = min(arrival_s[i] for i in indices)
+            completions.append(max(finish_s[i] for i in indices) - first)
     return {
         "programs": len(groups),
         "requests": requests,
@@ -96,7 +127,13 @@ def format_programs(summary: dict[str, Any]) -> str | None:
         f"max in flight {programs['max_in_flight'] or 'unlimited'}): {programs['programs']}, "
         f"short = up to {programs['short_max_tokens']:,} tokens"
     )
-    lines = [head]
+    return "\n".join([head, *class_lines(programs)])
+
+
+def class_lines(programs: dict[str, Any]) -> list[str]:
+    """One line per class of a ``summarize`` block: TTFT p99 and mean, completion and the
+    longest queue wait."""
+    lines = []
     for label in CLASSES:
         c = programs[label]
         lines.append(
@@ -104,7 +141,7 @@ def format_programs(summary: dict[str, Any]) -> str | None:
             f"mean {_s(c['ttft_mean_s'])}  completion mean {_s(c['completion_mean_s'])}  "
             f"longest queue wait {_s(c['queue_wait_max_s'])}"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def _s(value: float | None) -> str:

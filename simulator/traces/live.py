@@ -6,7 +6,18 @@ prompt reproduces the trace's prefix structure (``prompts.PromptBuilder``), with
 ``api`` chat, messages or responses the same prompt is the one user message of that API's
 request (``loadgen.request_body``). At most
 ``concurrency`` requests are in flight: a request due while all slots are busy waits, and the
-summary reports how late requests went out. Memory is bounded by the concurrency plus a few
+summary reports how late requests went out.
+
+With ``closed_loop`` the agents wait for their answers, as the simulated replay's
+``--closed-loop``: a session's next request goes out its recorded ``gap_s`` (time-scaled)
+after its previous response ends; a session's first request, and a sub-agent's first, at
+its recorded time (``model.next_turns``). With ``api`` messages each request names its
+session as Claude Code does (``metadata.user_id``, ``claude_code_user_id``): the session part
+a uuid of the trace's session up to its first "/", so a sub-agent sends its parent's, as
+Claude Code's do, and the router finds the program (kvcore/agent_identity.py). The summary's
+``programs`` gives TTFT and completion time of short and long programs
+(simulator/fleet/programs.py, as the simulated replay's ``summary.json``), each request's
+TTFT counted from when it was due. Memory is bounded by the concurrency plus a few
 floats per request. The sending is ``simulator.loadgen``'s (the drill and the demo's too): a
 request is ok when its answer is whole (status 200, no error event, a finish_reason and
 [DONE]) and carried tokens.
@@ -19,10 +30,12 @@ not reachable that way, from the router's /metrics copy of them (which lags by o
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import os
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,9 +44,17 @@ from typing import Any
 import aiohttp
 
 from kvroute.kvcore.stats import parse_metrics, percentile
-from kvroute.simulator.loadgen import Outcome, Planned, request_body, run_open_loop
+from kvroute.simulator.fleet.admission import program_of
+from kvroute.simulator.fleet.programs import class_lines, summarize
+from kvroute.simulator.loadgen import (
+    Outcome,
+    Planned,
+    request_body,
+    run_closed_loop,
+    run_open_loop,
+)
 
-from .model import Trace
+from .model import Trace, next_turns
 from .prompts import PromptBuilder
 
 Progress = Callable[[int, int], None]  # (requests finished, requests in the trace)
@@ -41,6 +62,17 @@ Progress = Callable[[int, int], None]  # (requests finished, requests in the tra
 
 class LiveReplayError(RuntimeError):
     """The replay could not start (router unreachable, no model): one readable line."""
+
+
+_SESSIONS = uuid.UUID("6f1c2a8e-3b0d-4c55-9a7e-2d4b8f0c1e93")  # the namespace of replayed ones
+
+
+def claude_code_user_id(program: str) -> str:
+    """Claude Code's ``metadata.user_id`` (the format before 2.1.78, cited in
+    kvcore/agent_identity.py: ``user_<sha256 hex>_account_<uuid or empty>_session_<uuid>``) for
+    a replayed program: one device, no account, the session a uuid derived from ``program``."""
+    device = hashlib.sha256(b"kvroute replay").hexdigest()
+    return f"user_{device}_account__session_{uuid.uuid5(_SESSIONS, program)}"
 
 
 @dataclass
@@ -55,10 +87,19 @@ class _Results:
     ok: int = 0
     prompt_words: int = 0
     output_tokens: int = 0
+    # Per request, seconds after the start: when it was due, its first token, its end (NaN:
+    # not sent, or failed).
+    due_s: list[float] = field(default_factory=list)
+    first_s: list[float] = field(default_factory=list)
+    end_s: list[float] = field(default_factory=list)
 
-    def record(self, outcome: Outcome) -> None:
+    def record(self, index: int, outcome: Outcome) -> None:
         """A few numbers of a finished request (the outcome itself is not kept)."""
         self.finished += 1
+        self.due_s[index] = outcome.sent_at - outcome.late_s
+        if outcome.ok and outcome.ttft_s is not None and outcome.latency_s is not None:
+            self.first_s[index] = outcome.sent_at + outcome.ttft_s
+            self.end_s[index] = outcome.sent_at + outcome.latency_s
         self.late_s.append(outcome.late_s)
         if not outcome.ok or outcome.ttft_s is None:
             self.errors[outcome.error_kind or "no tokens"] += 1
@@ -88,6 +129,7 @@ def replay_live(
     progress: Progress | None = None,
     echo: Callable[[str], None] | None = print,
     api: str = "completions",
+    closed_loop: bool = False,
 ) -> dict[str, Any]:
     """Replay ``trace`` against the router at ``url``; return (and echo) the summary."""
     return asyncio.run(
@@ -105,6 +147,7 @@ def replay_live(
             progress=progress,
             echo=echo,
             api=api,
+            closed_loop=closed_loop,
         )
     )
 
@@ -124,6 +167,7 @@ async def replay_live_async(
     progress: Progress | None = None,
     echo: Callable[[str], None] | None = print,
     api: str = "completions",
+    closed_loop: bool = False,
 ) -> dict[str, Any]:
     """``replay_live`` inside a running event loop.
 
@@ -162,11 +206,14 @@ async def replay_live_async(
             max_output_tokens,
             progress,
             api,
+            closed_loop,
         )
         wall_s = time.monotonic() - started
         counters_after = await _prefix_counters(http, base)
     summary = _summary(trace, results, builder, time_scale, wall_s, model, base)
+    summary["closed_loop"] = closed_loop
     summary.update(_hit_rate(counters_before, counters_after))
+    summary["programs"] = _programs(trace, results)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "live_summary.json"), "w") as file:
@@ -187,36 +234,63 @@ async def _replay(
     max_output_tokens: int | None,
     progress: Progress | None,
     api: str = "completions",
+    closed_loop: bool = False,
 ) -> _Results:
-    results = _Results()
-    first = trace.requests[0].arrival_s if trace.requests else 0.0
+    requests = trace.requests
+    nan = [math.nan] * len(requests)
+    results = _Results(due_s=list(nan), first_s=list(nan), end_s=list(nan))
+    first = requests[0].arrival_s if requests else 0.0
 
-    def plan() -> Iterator[Planned]:
-        # A generator: each prompt is built just before its request goes out.
-        for index, request in enumerate(trace.requests):
-            output_tokens = max(1, request.output_tokens)
-            if max_output_tokens:
-                output_tokens = min(output_tokens, max_output_tokens)
-            prompt = builder.prompt(request, salt=index)
-            if api == "completions":
-                path = "/v1/completions"
-                body = {"model": model, "prompt": prompt, "max_tokens": output_tokens,
-                        "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-            else:
-                turns = [{"role": "user", "content": prompt}]
-                path, body = request_body(api, model, None, turns, output_tokens)
-            if api in ("completions", "chat", "responses"):
-                body["ignore_eos"] = True  # a vLLM extra the Messages API does not take
-            if api == "chat":
-                body["stream_options"] = {"include_usage": True}
-            results.sent += 1
-            results.prompt_words += builder.words(request)
-            yield Planned((request.arrival_s - first) * time_scale, base + path, body)
+    def build(index: int) -> tuple[str, dict[str, Any]]:
+        # Each prompt is built just before its request goes out.
+        request = requests[index]
+        output_tokens = max(1, request.output_tokens)
+        if max_output_tokens:
+            output_tokens = min(output_tokens, max_output_tokens)
+        prompt = builder.prompt(request, salt=index)
+        if api == "completions":
+            path = "/v1/completions"
+            body = {"model": model, "prompt": prompt, "max_tokens": output_tokens,
+                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        else:
+            turns = [{"role": "user", "content": prompt}]
+            session = None
+            if api == "messages" and request.session_id:
+                session = claude_code_user_id(program_of(request.session_id, index))
+            path, body = request_body(api, model, None, turns, output_tokens, session=session)
+        if api in ("completions", "chat", "responses"):
+            body["ignore_eos"] = True  # a vLLM extra the Messages API does not take
+        if api == "chat":
+            body["stream_options"] = {"include_usage": True}
+        results.sent += 1
+        results.prompt_words += builder.words(request)
+        return base + path, body
+
+    def at(index: int) -> float:
+        return (requests[index].arrival_s - first) * time_scale
 
     def done(index: int, outcome: Outcome) -> None:
-        results.record(outcome)
+        results.record(index, outcome)
         if progress:
-            progress(results.finished, len(trace.requests))
+            progress(results.finished, len(requests))
+
+    if closed_loop:
+        following = next_turns(requests)
+        held = set(following.values())
+        starts = ((i, at(i)) for i in range(len(requests)) if i not in held)
+
+        def gap(index: int) -> float:
+            return (requests[index].gap_s or 0.0) * time_scale
+
+        await run_closed_loop(
+            http, starts, following, gap, build, concurrency=concurrency, on_done=done
+        )
+        return results
+
+    def plan() -> Iterator[Planned]:
+        for index in range(len(requests)):
+            url, body = build(index)
+            yield Planned(at(index), url, body)
 
     await run_open_loop(http, plan(), concurrency=concurrency, on_done=done)
     return results
@@ -343,6 +417,22 @@ def _summary(
     }
 
 
+def _programs(trace: Trace, results: _Results) -> dict[str, Any] | None:
+    """TTFT and completion per program class (simulator/fleet/programs.py), a program being
+    a session and its sub-agents; None for a trace without sessions. A request's size is the
+    trace's tokens (prompt plus output, before any scaling)."""
+    requests = trace.requests
+    if not any(r.session_id for r in requests):
+        return None
+    return summarize(
+        [program_of(r.session_id, i) for i, r in enumerate(requests)],
+        [r.input_tokens + r.output_tokens for r in requests],
+        results.due_s,
+        results.first_s,
+        results.end_s,
+    )
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a few readable lines."""
 
@@ -371,5 +461,18 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"TPOT p50 {seconds('tpot_p50_s')}, p99 {seconds('tpot_p99_s')}; "
             f"send lateness p99 {seconds('send_late_p99_s')}",
             f"replicas' prefix cache hit rate: {hit_text}",
+            *_program_lines(summary),
         ]
     )
+
+
+def _program_lines(summary: dict[str, Any]) -> list[str]:
+    programs = summary.get("programs")
+    if not programs:
+        return []
+    loop = "closed loop" if summary.get("closed_loop") else "open loop"
+    head = (
+        f"programs ({loop}): {programs['programs']}, short = up to "
+        f"{programs['short_max_tokens']:,} trace tokens"
+    )
+    return [head, *class_lines(programs)]

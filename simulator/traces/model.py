@@ -9,7 +9,9 @@ be partial (``input_tokens`` need not be a multiple of ``block_tokens``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,3 +40,27 @@ class Trace:
     @property
     def duration_s(self) -> float:
         return self.requests[-1].arrival_s - self.requests[0].arrival_s if self.requests else 0.0
+
+
+class _Turn(Protocol):
+    @property
+    def session_id(self) -> str | None: ...
+    @property
+    def gap_s(self) -> float | None: ...
+
+
+def next_turns(requests: Sequence[_Turn]) -> dict[int, int]:
+    """Per request position, the next request of its session that has a recorded gap: what a
+    closed loop sends that long after this one's response (the simulated fleet's and the live
+    replay's). A request without a session, or without a gap, keeps its recorded time."""
+    last: dict[str, int] = {}
+    following: dict[int, int] = {}
+    for index, request in enumerate(requests):
+        session = request.session_id
+        if session is None:
+            continue
+        previous = last.get(session)
+        if previous is not None and request.gap_s is not None:
+            following[previous] = index
+        last[session] = index
+    return following
