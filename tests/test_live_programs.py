@@ -67,7 +67,8 @@ def agent_trace() -> Trace:
 async def test_closed_loop_sends_each_turn_a_gap_after_the_previous_answer(
     start_router: StartRouter,
 ) -> None:
-    replica = await TimedReplica(name="r").start()
+    replica = TimedReplica(name="r")
+    await replica.start()
     try:
         router = await start_router([replica])
         trace = agent_trace()
@@ -134,6 +135,7 @@ async def _metrics(url: str) -> Any:
 def test_bench_programs_refuses_bad_arguments(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    code: object
     try:
         code = main(["bench", "programs", "--no-record", *args])
     except SystemExit as exited:  # argparse's own refusals
