@@ -314,8 +314,9 @@ class _Fleet:
                     self._apply_ops(replica, payload)  # type: ignore[arg-type]
             elif kind == _ARRIVAL:  # a session's next turn (closed loop)
                 self.turns_due -= 1
-                self.result.arrival_s[payload] = t  # type: ignore[index]
-                self._arrive(reqs[payload], t)  # type: ignore[index]
+                assert isinstance(payload, int)
+                self.result.arrival_s[payload] = t
+                self._arrive(reqs[payload], t)
             elif kind == _SCRAPE:
                 self._scrape()
                 if i < total or self.flights or self._batch_waiting(t) or self.turns_due:
