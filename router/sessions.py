@@ -63,12 +63,13 @@ class SessionMetrics:
     def families(self, peers: list[Any]) -> Iterable[Metric]:
         family = CounterMetricFamily(
             "kvroute_sessions_detected",
-            "Routed requests by the rule that found their session (kvcore/agent_identity.py): "
+            "Requests by the rule that found their session, counted as they reach admission "
+            "(kvcore/agent_identity.py): "
             "configured_header (routing.session_header), x_session_id, claude_code "
             "(X-Claude-Code-Session-Id or the session part of metadata.user_id), opencode "
             "(x-opencode-session, x-session-affinity), codex (the session_id header), vllm "
             "(the body's session_id or vllm_xargs.session_id), prompt_cache_key, user (the "
-            "body's user or metadata.user_id whole); none: routed without a session.",
+            "body's user or metadata.user_id whole); none: no session found.",
             labels=["source"],
         )
         merged = dict(self.detected)
