@@ -193,9 +193,13 @@ def test_bad_settings_are_refused() -> None:
 
 def test_learnt_retention_on_the_claude_code_excerpt() -> None:
     """10 Claude Code sessions on 4 replicas of 150,000 KV tokens (cache-bound: the pooled LRU
-    of the fleet keeps 92.6% of the returning turns' tokens). Learnt horizons keep the returning
-    turns' hit rate within the fixed ttl's and above 0.95 of that bound; measured, the two are
-    within 0.1 point here (docs/agents.md, "Cache kept warm across tool calls": not better)."""
+    of the fleet keeps 92.6% of the returning turns' tokens), replayed open loop (requests at
+    their recorded times) and closed loop (each session's next turn its recorded gap after its
+    previous answer). Both policies keep the returning turns above 0.95 of that bound either way.
+    Learnt horizons are not better than the fixed ttl: within 0.1 point open loop, and 0.6 point
+    below it closed loop (92.3% vs 91.7%). On the whole trace at 16 replicas, closed loop, the
+    gap widens as the cache fills (BENCHMARKS.md, "Closed loop at 16 replicas"), which is why
+    learnt retention stays off by default; this test pins that finding on the excerpt."""
     from kvroute.policies import build_policy
     from kvroute.simulator.engine.latency import latency_preset
     from kvroute.simulator.fleet import FleetConfig, engine_config, prepare, simulate
@@ -209,16 +213,21 @@ def test_learnt_retention_on_the_claude_code_excerpt() -> None:
     from .helpers import CLAUDE_CODE
 
     units = prepare(load_trace(str(CLAUDE_CODE), None, seed=0))
-    config = FleetConfig(
-        replicas=4, engine=engine_config(latency_preset("llama-3.1-8b-h100"), 150_000)
-    )
+    engine = engine_config(latency_preset("llama-3.1-8b-h100"), 150_000)
     returning = returning_indices(units)
-    bound = pooled_bound_hits(units, config.engine.num_blocks * 4, config.engine.block_size)
-    rates = {}
-    for name, params in (("fixed", {}), ("learnt", {"session_horizon_quantile": 0.9})):
-        result = simulate(units, build_policy("kv_aware", {"seed": 0, **params}), config)
-        summary = returning_summary(units, result, returning, bound)
-        assert summary is not None and summary["requests"] > 1000  # some too large for one
-        rates[name] = summary["hit_rate"]
-        assert summary["vs_pooled_lru"] >= 0.95, (name, summary)
-    assert rates["learnt"] >= rates["fixed"] - 0.002, rates
+    bound = pooled_bound_hits(units, engine.num_blocks * 4, engine.block_size)
+    for closed in (False, True):
+        config = FleetConfig(replicas=4, engine=engine, closed_loop=closed)
+        rates = {}
+        for name, params in (("fixed", {}), ("learnt", {"session_horizon_quantile": 0.9})):
+            result = simulate(units, build_policy("kv_aware", {"seed": 0, **params}), config)
+            summary = returning_summary(units, result, returning, bound)
+            assert summary is not None and summary["requests"] > 1000  # some too large for one
+            rates[name] = summary["hit_rate"]
+            assert summary["vs_pooled_lru"] >= 0.95, (closed, name, summary)
+        if closed:
+            # Not better closed loop: if learnt ever beats the fixed ttl here, revisit the
+            # default (session_horizon_quantile) with the 16-replica closed-loop runs.
+            assert rates["fixed"] - 0.01 <= rates["learnt"] <= rates["fixed"], rates
+        else:
+            assert rates["learnt"] >= rates["fixed"] - 0.002, rates
