@@ -14,6 +14,7 @@ library's batch encoder (which does release the GIL) on a thread per core: its w
 with cores. With fewer, and a tokenizer served by the ASCII pre-token path (ascii_pieces.py,
 about 3x the library's speed on one core), chunk by chunk on the event loop, which runs other
 requests between chunks (~1 ms each): measured on a 2-core box, threads gained nothing there.
+With fewer cores and no ASCII path, the pool encodes it whole, as for any long prompt.
 """
 
 from __future__ import annotations
@@ -251,7 +252,9 @@ class PromptTokenizer:
         assert isinstance(tok, HFTokenizerFiles)
         if plan.uncached_chars <= self.inline_chars or self.processes < 1:
             pieces = tokenize_plan(tok.encode_plain, plan)
-        elif (pieces := await self._in_chunks(tok, cache.chunks(plan))) is not None:
+        elif self._chunks_here(tok) and (
+            (pieces := await self._in_chunks(tok, cache.chunks(plan))) is not None
+        ):
             self.chunked += 1
         else:
             shipped = dataclasses.replace(plan, entry=None, data=b"")  # ids and bytes stay here
@@ -260,6 +263,14 @@ class PromptTokenizer:
                 return None
         tokens, hashes, ids = cache.commit_ids(plan, pieces, block_size, extra_key, keep_ids)
         return PromptBlocks(tokens, hashes, ids)
+
+    def _chunks_here(self, tok: HFTokenizerFiles) -> bool:
+        """Whether a new conversation is encoded in this process: on the threads from
+        ``THREADS_OVER_ASCII`` cores, or by the ASCII path on the loop. Otherwise (fewer cores,
+        the library's encoder) the pool encodes it whole, as before chunks: threads gained
+        nothing on 2 cores, and the text and its ids would then peak in the router's memory
+        (+33 MiB over the hostile-body fuzz test's examples, tests/test_hostile_requests.py)."""
+        return self.threads >= THREADS_OVER_ASCII or tok.ascii_pieces is not None
 
     async def _in_chunks(self, tok: HFTokenizerFiles, chunks: Chunks) -> Pieces | None:
         """The chunks encoded on the threads (a share each, in order), or on the loop between
