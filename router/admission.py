@@ -25,6 +25,7 @@ from kvroute.kvcore.fair_queue import (
     Ticket,
 )
 from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.kvcore.queue_prefix import held_on, uncached
 
 from . import errors
 
@@ -201,17 +202,7 @@ def prefix_cost(
     def at_now() -> Callable[[Ticket], int]:
         at, pools = now(), indexes()
 
-        def uncached(ticket: Ticket) -> int:
-            if not ticket.block_hashes:
-                return ticket.input_tokens
-            held = 0
-            for index, tokens in pools:
-                found = index.match(ticket.block_hashes, at)
-                if found:
-                    held = max(held, max(m.blocks for m in found.values()) * tokens)
-            return max(0, ticket.input_tokens - held)
-
-        return uncached
+        return lambda ticket: uncached(pools, ticket, at)
 
     return at_now
 
@@ -224,13 +215,6 @@ def prefix_locality(
 
     def on(replica: str) -> Callable[[Ticket], int]:
         at, tokens = now(), block_size()
-
-        def held(ticket: Ticket) -> int:
-            if not ticket.block_hashes:
-                return 0
-            match = index.match(ticket.block_hashes, at).get(replica)
-            return match.blocks * tokens if match is not None else 0
-
-        return held
+        return lambda ticket: held_on(index, replica, ticket, at, tokens)
 
     return on

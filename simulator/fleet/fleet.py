@@ -37,6 +37,7 @@ from kvroute.kvcore.autoscale import Autoscaler, ReplicaSignal
 from kvroute.kvcore.fair_queue import Ticket
 from kvroute.kvcore.ledger import Dispatch, DispatchLedger, Route
 from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.kvcore.queue_prefix import held_on, uncached
 from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
 from kvroute.policies.regret import TtftEstimate
 from kvroute.simulator.traces.model import next_turns
@@ -404,27 +405,13 @@ class _Fleet:
         """The prompt tokens replica ``r`` holds of a queued request, as the first router's
         prefix index says (router/admission.py's ``prefix_locality``)."""
         index, name, unit = self.indexes[0], self.names[r], self.ibt
-
-        def held(ticket: Ticket) -> int:
-            if not ticket.block_hashes:
-                return 0
-            match = index.match(ticket.block_hashes, t).get(name)
-            return match.blocks * unit if match is not None else 0
-
-        return held
+        return lambda ticket: held_on(index, name, ticket, t, unit)
 
     def _uncached(self, t: float) -> Callable[[Ticket], int]:
         """The prompt tokens of a queued request no replica holds, as the first router's prefix
         index says (router/admission.py's ``prefix_cost``)."""
-        index, unit = self.indexes[0], self.ibt
-
-        def cost(ticket: Ticket) -> int:
-            if not ticket.block_hashes:
-                return ticket.input_tokens
-            held = max((m.blocks for m in index.match(ticket.block_hashes, t).values()), default=0)
-            return max(0, ticket.input_tokens - held * unit)
-
-        return cost
+        pools = [(self.indexes[0], self.ibt)]
+        return lambda ticket: uncached(pools, ticket, t)
 
     def _route(self, flight: _Flight, t: float) -> None:
         request = flight.request
