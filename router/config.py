@@ -270,6 +270,12 @@ class TenantsConfig(_Section):
     # Tenant names from headers are the client's to choose: beyond this many distinct ones,
     # unknown names count as "default" (memory stays bounded).
     max_tracked: int = 1000
+    # Several routers behind one load balancer enforce one budget per tenant: each shares its
+    # charges over this NATS server (router/budget_bus.py). None: each process enforces its
+    # own (its share with listen.workers).
+    budget_bus: str | None = None
+    budget_bus_subject: str = "kvroute.budgets"
+    budget_bus_interval_s: float = 0.02
 
 
 class FairnessConfig(_Section):
@@ -1093,6 +1099,16 @@ def tenant_problems(config: Config) -> list[str]:
                 problems.append(f"{where}.{key}: must be >= 0 (0 means no limit), got {value}")
     if config.tenants.max_tracked < 1:
         problems.append(f"tenants.max_tracked: must be >= 1, got {config.tenants.max_tracked}")
+    tenants = config.tenants
+    if tenants.budget_bus is not None and not tenants.budget_bus.startswith(("nats://", "tls://")):
+        problems.append(f"tenants.budget_bus: expected a nats:// URL, got {tenants.budget_bus!r}")
+    if not tenants.budget_bus_subject.strip() or " " in tenants.budget_bus_subject:
+        problems.append("tenants.budget_bus_subject: must be a NATS subject without spaces")
+    interval = tenants.budget_bus_interval_s
+    if not (math.isfinite(interval) and 0 < interval <= 10):
+        problems.append(
+            f"tenants.budget_bus_interval_s: must be a number of seconds in (0, 10], got {interval}"
+        )
     fairness = config.fairness
     for key in ("output_weight", "locality_bound_tokens"):
         value = getattr(fairness, key)

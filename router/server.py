@@ -36,6 +36,7 @@ from .batch.api import off_routes
 from .batch.lane import BatchLane
 from .batch.messages_api import off_routes as messages_off_routes
 from .batch.metrics import BatchMetrics
+from .budget_bus import BudgetBus
 from .chat_parse import chat_parser_for
 from .config import Config
 from .core import RoutingCore
@@ -111,8 +112,18 @@ class Router:
         self._loop_lag = LoopLagMonitor(self.metrics.loop_lag)
         self._started_at = int(time.time())
         limits = config.limits
-        # Each worker process enforces its share of every tenant's budget.
-        self.tenants = Tenants(config, TenantMetrics(), 1 / max(1, config.listen.workers))
+        # Each worker process enforces its share of every tenant's budget, unless the budget
+        # bus shares every process's charges: then each enforces the whole of it.
+        shared_budgets = config.tenants.budget_bus is not None
+        share = 1.0 if shared_budgets else 1 / max(1, config.listen.workers)
+        self.tenants = Tenants(config, TenantMetrics(), share)
+        self._budget_bus: BudgetBus | None = None
+        if shared_budgets:
+            bus = config.tenants
+            assert bus.budget_bus is not None
+            self._budget_bus = BudgetBus(
+                bus.budget_bus, bus.budget_bus_subject, self.tenants, bus.budget_bus_interval_s
+            )
         self.metrics.parts["tenants"] = self.tenants.metrics
         self.chat_parser = chat_parser_for(config.routing)
         self.metrics.parts["tokenizer_caches"] = TokenizerCacheMetrics(
@@ -306,6 +317,8 @@ class Router:
             self.parity.start()
         if self._exchange is not None:
             self._exchange.start(self.metrics)
+        if self._budget_bus is not None:
+            await self._budget_bus.start()
         self.fleet_control.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
@@ -319,6 +332,8 @@ class Router:
         if self.parity is not None:
             await self.parity.close()
         await self.core.close()
+        if self._budget_bus is not None:
+            await self._budget_bus.close()
         if self._exchange is not None:
             await self._exchange.close(self.metrics)
         if self.forwarder.client is not None:
