@@ -464,6 +464,11 @@ class RoutingConfig(_Section):
     # output, logprobs, images, stored Responses) still go as text. Measured (docs/agents.md):
     # 3.1x less replica API-server CPU per 220 KB turn, TTFT p50 1.33x lower; so on.
     send_tokens: bool = True
+    # Several routers behind one load balancer: share every dispatch (in-flight load and
+    # predictions) over this NATS server, as epp.ledger_bus does for pickers (router/
+    # ledger_bus.py). null: each router knows its own traffic and the replicas' KV events.
+    ledger_bus: str | None = None
+    ledger_bus_subject: str = "kvroute.ledger"
     # A header that names the request's session (a gateway's or a client's own), read before
     # every other way of finding it (X-Session-ID, the agents' own headers and fields,
     # prompt_cache_key, user: kvcore/agent_identity.py); null: none.
@@ -831,6 +836,13 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         if not model:
             problems.append(f"models[{i}]: must not be empty")
     problems += _routing_problems(config.routing)
+    if config.routing.ledger_bus is not None and config.listen.workers > 1:
+        # Workers already share load through the host's load board; each would also count
+        # its siblings' dispatches again from the bus.
+        problems.append(
+            f"routing.ledger_bus: not with listen.workers {config.listen.workers}; run one "
+            "worker per router process when routers share a bus"
+        )
     for section, fields in (
         (
             "timeouts",
@@ -1193,6 +1205,11 @@ def _routing_problems(routing: RoutingConfig) -> list[str]:
         problems.append(
             f"routing.prediction_ttl_s: must be a finite number >= 0, got {routing.prediction_ttl_s}"
         )
+    bus = routing.ledger_bus
+    if bus is not None and not bus.startswith(("nats://", "tls://")):
+        problems.append(f"routing.ledger_bus: expected a nats:// URL, got {bus!r}")
+    if not routing.ledger_bus_subject.strip() or " " in routing.ledger_bus_subject:
+        problems.append("routing.ledger_bus_subject: must be a NATS subject without spaces")
     return problems
 
 

@@ -44,6 +44,7 @@ from .deadlines import Deadlines
 from .fleet_admin import FleetControl
 from .forward import Forwarder
 from .kv_subscriber import KVEventSubscribers
+from .ledger_bus import LedgerBus
 from .loop_lag import LoopLagMonitor
 from .metrics import RouterMetrics
 from .openai_request import parse_completion
@@ -319,6 +320,7 @@ class Router:
             self._exchange.start(self.metrics)
         if self._budget_bus is not None:
             await self._budget_bus.start()
+        await self._start_ledger_buses()
         self.fleet_control.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
@@ -331,6 +333,9 @@ class Router:
             await self._deadlines.close()
         if self.parity is not None:
             await self.parity.close()
+        for pool in self.core.pools:
+            if pool.bus is not None:
+                await pool.bus.close()
         await self.core.close()
         if self._budget_bus is not None:
             await self._budget_bus.close()
@@ -340,6 +345,21 @@ class Router:
             self.forwarder.client.close()
         if self.tracing is not None:
             await self.tracing.close()  # the last spans are exported before the router exits
+
+    async def _start_ledger_buses(self) -> None:
+        """routing.ledger_bus: each pool's dispatches shared with the other routers (a subject
+        per pool where there are several, so only the same model's ledgers meet)."""
+        routing = self.config.routing
+        if routing.ledger_bus is None:
+            return
+        pools = list(self.core.pools)
+        for pool in pools:
+            subject = routing.ledger_bus_subject
+            if len(pools) > 1:
+                subject = f"{subject}.{pool.name}"
+            bus = LedgerBus(routing.ledger_bus, subject, pool.ledger)
+            await bus.start()
+            pool.bus = bus
 
     # -- router endpoints --------------------------------------------------------------
 
