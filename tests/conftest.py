@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvroute.backends.process import free_ports
+from kvroute.backends.process import free_port_run, free_ports
 from kvroute.kvcore.tokenizer import SimpleTokenizer
 from kvroute.router.config import config_from_dict
 from kvroute.router.runner import app_runner
@@ -182,10 +182,17 @@ async def launch_emulated(
     kv_transfer: dict[str, Any] | None = None,
     preset: str = "tiny-cpu",
     enable_scale_out: bool = False,
+    data_parallel_size: int = 1,
 ) -> tuple[web.AppRunner, Running]:
     """An in-process emulated vLLM replica (built-in tokenizer) publishing KV events over ZMQ;
-    the caller cleans its runner up."""
+    the caller cleans its runner up. With ``data_parallel_size`` N, rank k publishes on the
+    event and replay ports + k (``events``/``replay`` are rank 0's)."""
     port, events_port, replay_port = free_ports(3)
+    if data_parallel_size > 1:
+        events_port, replay_port = (
+            free_port_run(data_parallel_size),
+            free_port_run(data_parallel_size),
+        )
     options = ReplicaOptions(
         served_model_name=model,
         engine=EngineConfig(
@@ -210,6 +217,7 @@ async def launch_emulated(
         allow_runtime_lora_updating=runtime_lora,
         kv_transfer=kv_transfer,
         enable_scale_out=enable_scale_out,
+        data_parallel_size=data_parallel_size,
     )
     emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
     runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)
