@@ -312,3 +312,28 @@ async def test_removing_a_data_parallel_replica_drains_all_its_ranks(
             assert resp.status == 400
             assert "data_parallel_size: must be 1-1024" in await resp.text()
     assert {"moe@dp0", "moe@dp1", "x@dp0", "x@dp1"} <= set(r.router.core.registry.handles)
+
+
+# -- kvroute bench dp's arithmetic --------------------------------------------------------
+
+
+def test_bench_dp_pools_rounds_and_judges_the_targets() -> None:
+    from kvroute.bench.chat_load import RunResult
+    from kvroute.bench.dp import Options, Outcome, Row, pooled, report
+
+    def run(hit: float, ttfts: list[float]) -> RunResult:
+        r = RunResult("x", requests=len(ttfts), hit_rate=hit, wall_s=1.0)
+        r.ttfts, r.latencies = list(ttfts), list(ttfts)
+        return r
+
+    single = pooled(pooled(None, run(0.8, [0.1] * 10)), run(0.6, [0.2] * 10))
+    assert single.requests == 20 and abs(single.hit_rate - 0.7) < 1e-9
+    ranks = run(0.7, [0.1] * 19 + [0.21])
+    vllm = run(0.4, [0.3] * 20)
+    outcome = Outcome([Row("single", single), Row("dp-ranks", ranks), Row("dp-vllm", vllm)])
+    text = report(outcome, Options())
+    assert "hit rate 1.000x (target >= 0.95: met)" in text
+    assert "TTFT p99 1.050x (target <= 1.1: met)" in text
+    assert "hit rate 0.700 vs 0.400 (+0.300)" in text
+    worse = Outcome([Row("single", single), Row("dp-ranks", run(0.6, [0.5] * 20))])
+    assert "MISSED" in report(worse, Options())
