@@ -337,3 +337,43 @@ def test_bench_dp_pools_rounds_and_judges_the_targets() -> None:
     assert "hit rate 0.700 vs 0.400 (+0.300)" in text
     worse = Outcome([Row("single", single), Row("dp-ranks", run(0.6, [0.5] * 20))])
     assert "MISSED" in report(worse, Options())
+
+
+# -- the simulator's ranks -----------------------------------------------------------------
+
+
+def test_simulated_ranks_picked_by_the_router_are_single_rank_replicas_and_vllm_loses_hits() -> (
+    None
+):
+    from kvroute.policies import build_policy
+    from kvroute.simulator.engine import latency_preset
+    from kvroute.simulator.fleet import FleetConfig, engine_config, prepare, simulate
+    from kvroute.simulator.traces.synthetic import generate
+
+    spec = (
+        "multi-tenant:tenants=12,rate=10,system_tokens=4096,prompt_tokens=256,"
+        "output_tokens=64,duration=60"
+    )
+    trace = prepare(generate(spec, seed=1))
+    engine = engine_config(latency_preset("llama-3.1-70b-4xh100"), 30_000)
+
+    def run(**dp: Any) -> Any:
+        return simulate(
+            trace, build_policy("kv_aware"), FleetConfig(replicas=8, engine=engine, **dp)
+        )
+
+    single = run()
+    ranks = run(data_parallel_size=4, rank_routing="router")
+    vllm = run(data_parallel_size=4, rank_routing="vllm")
+    hits = [sum(r.hit_tokens) / sum(r.queried_tokens) for r in (single, ranks, vllm)]
+    assert hits[0] == hits[1] and single.first_token_s == ranks.first_token_s
+    assert hits[2] < 0.95 * hits[0]  # vLLM's balancer spreads a tenant over ranks
+    # Each replica's ranks are engines of their own: both replicas' ranks served requests.
+    served = {r // 4 for r in vllm.replica if r >= 0}
+    assert served == {0, 1} and len(set(vllm.replica)) > 2
+    with pytest.raises(ValueError, match="multiple of data_parallel_size 3"):
+        FleetConfig(replicas=8, data_parallel_size=3)
+    with pytest.raises(ValueError, match="not modelled with failures"):
+        FleetConfig(replicas=8, data_parallel_size=4, rank_routing="vllm", failures=((0, 1.0),))
+    with pytest.raises(ValueError, match="rank_routing must be one of router, vllm"):
+        FleetConfig(replicas=8, rank_routing="engine")
