@@ -263,12 +263,15 @@ class FleetMembership:
             data_parallel_size=replica.data_parallel_size,
         )
         await self.core.add_replica(config, ready=False, pool=pool)
-        # A data-parallel replica joins as its ranks: rank 0 stands for the process.
-        handle = self.core.registry.handles[expand_ranks([config])[0].name or replica.name]
+        # A data-parallel replica joins as its ranks, all at once; rank 0 stands for the
+        # process (the canary asks its URL, whichever rank vLLM picks).
+        ranks = self.ranks_of(replica.name)
+        handle = ranks[0]
         gated = self.core.canary is not None
-        handle.state.draining = gated  # out of new routing until the canary has seen it
+        for rank in ranks:
+            rank.state.draining = gated  # out of new routing until the canary has seen it
         await self.core.prober.probe_all()
-        while not handle.state.healthy:
+        while not all(rank.state.healthy for rank in ranks):
             if time.monotonic() >= deadline:
                 raise FleetError(
                     504, f"replica {replica.name} did not pass its health probe in time"
@@ -276,7 +279,8 @@ class FleetMembership:
             await asyncio.sleep(POLL_S)
         if gated:
             await self._canary_passed(handle, joined_at, deadline)
-            handle.state.draining = False
+            for rank in ranks:
+                rank.state.draining = False
         log.info("replica %s (%s) is in rotation", replica.name, replica.url)
         return handle
 

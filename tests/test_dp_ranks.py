@@ -377,3 +377,53 @@ def test_simulated_ranks_picked_by_the_router_are_single_rank_replicas_and_vllm_
         FleetConfig(replicas=8, data_parallel_size=4, rank_routing="vllm", failures=((0, 1.0),))
     with pytest.raises(ValueError, match="rank_routing must be one of router, vllm"):
         FleetConfig(replicas=8, rank_routing="engine")
+
+
+# -- launched data-parallel replicas, added and removed while serving ----------------------
+
+
+async def test_a_launched_data_parallel_replica_joins_and_leaves_with_all_its_ranks(
+    tmp_path: Any,
+) -> None:
+    import dataclasses
+
+    from kvroute.backends.launcher import LaunchedFleet
+    from kvroute.router.server import Router
+
+    from .helpers import serve_router
+
+    spec = dataclasses.replace(dp_spec("emulated", "tcp"), count=1, data_parallel_size=2)
+    spec = dataclasses.replace(spec, log_dir=str(tmp_path), model="tiny", tokenizer=None)
+    launched = LaunchedFleet(spec)
+    await asyncio.to_thread(launched.start)
+    (first,) = launched.replicas
+    assert first.data_parallel_size == 2
+    raw = {
+        "replicas": [
+            {"url": r.url, "name": r.name, "kv_events": r.kv_events, "data_parallel_size": 2}
+            for r in launched.replicas
+        ],
+        "routing": {"tokenizer": "builtin", "block_size": 32},
+        "health": {"interval_s": 0.2, "timeout_s": 1.0},
+        "rollout": {"drain_timeout_s": 2.0, "readiness_timeout_s": 60.0},
+    }
+    router = Router(config_from_dict(raw), launched=launched)
+    runner, url = await serve_router(router)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/admin/replicas", json={"launch": True}) as resp:
+                body = await resp.json()
+                assert resp.status == 201, body
+            added = body["replica"]
+            assert body["data_parallel_rank"] == 0 and body["healthy"]
+            ranks = {n for n in router.core.registry.handles if replica_of(n) == added}
+            assert ranks == {f"{added}@dp0", f"{added}@dp1"}
+            assert all(router.core.registry.handles[n].state.healthy for n in ranks)
+            assert all(router.core.follows_events(n) for n in ranks)
+            async with http.delete(f"{url}/admin/replicas/{added}") as resp:
+                assert resp.status == 200, await resp.text()
+        assert not any(replica_of(n) == added for n in router.core.registry.handles)
+        assert [r.name for r in launched.replicas] == [first.name]
+    finally:
+        await runner.cleanup()
+        await asyncio.to_thread(launched.stop, 5.0)
