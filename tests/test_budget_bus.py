@@ -15,7 +15,6 @@ from kvroute.kvcore.budgets import ChargeLog, TenantBudget
 from kvroute.router.config import ConfigError, config_from_dict
 
 from .conftest import RunningRouter, StartReplica, StartRouter
-from .test_ledger_bus import nats_url  # noqa: F401 (the fixture)
 
 OUTPUT_PER_MINUTE = 300  # 5 tokens/s; the fake replica answers 3 output tokens a request
 ROUTERS = 4

@@ -13,7 +13,6 @@ from kvroute.router.config import ConfigError, config_from_dict
 
 from .conftest import RunningRouter, StartReplica, StartRouter
 from .helpers import wait_until
-from .test_ledger_bus import nats_url  # noqa: F401 (the fixture)
 
 
 async def _send(http: aiohttp.ClientSession, router: RunningRouter) -> tuple[int, str]:
