@@ -464,6 +464,18 @@ class RoutingConfig(_Section):
     session_header: str | None = None
 
 
+class WarmStartConfig(_Section):
+    """Several routers: a starting router loads a running one's prefix index (issue 36)."""
+
+    # Routers (base URLs; a load balancer in front of them will do) asked in turn, at start,
+    # for their index snapshot (GET /admin/index-snapshot); empty: start cold.
+    peers: list[str] = msgspec.field(default_factory=list)
+    # The peers' admin key ("env:NAME" reads it from the environment); null: auth.admin_api_key.
+    api_key: str | None = None
+    # Each peer's answer, connecting and reading a snapshot of millions of blocks included.
+    timeout_s: float = 10.0
+
+
 class MetricsConfig(_Section):
     enabled: bool = True
 
@@ -593,6 +605,7 @@ class Config(_Section):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     parity: ParityConfig = msgspec.field(default_factory=ParityConfig)
+    warm_start: WarmStartConfig = msgspec.field(default_factory=WarmStartConfig)
     epp: EppConfig = msgspec.field(default_factory=EppConfig)
     # Add X-Kvroute-Replica, X-Kvroute-Reason, X-Kvroute-Prefix-Hit-Tokens and
     # X-Kvroute-Prefix-Available-Tokens to every routed response.
@@ -825,6 +838,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         if not model:
             problems.append(f"models[{i}]: must not be empty")
     problems += _routing_problems(config.routing)
+    problems += _warm_start_problems(config.warm_start)
     for section, fields in (
         (
             "timeouts",
@@ -834,6 +848,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         ("health", ("interval_s", "timeout_s")),
         ("canary", ("interval_s", "timeout_s")),
         ("routing", ("scrape_interval_s",)),
+        ("warm_start", ("timeout_s",)),
         ("retry", ("budget_s", "backoff_max_s")),
         ("breaker", ("window_s", "cooldown_s", "max_cooldown_s")),
         ("limits", ("queue_timeout_s",)),
@@ -1131,6 +1146,21 @@ def tenant_problems(config: Config) -> list[str]:
                 f"fairness.objectives.{name}: must be one of {', '.join(PRIORITY_CLASSES)}, "
                 f"got {value!r}"
             )
+    return problems
+
+
+def _warm_start_problems(warm: WarmStartConfig) -> list[str]:
+    problems: list[str] = []
+    for i, peer in enumerate(warm.peers):
+        try:
+            check_replica_url(peer, f"warm_start.peers[{i}]")
+        except ConfigError as exc:
+            problems += exc.problems
+    if warm.api_key is not None:
+        try:
+            resolve_secret(warm.api_key, "warm_start.api_key")
+        except ConfigError as exc:
+            problems += exc.problems
     return problems
 
 

@@ -35,6 +35,7 @@ from .pools import OffsetLoad, PoolRouting, Pools
 from .prompt_keys import PromptKeys
 from .prompt_tokenizer import PromptTokenizer
 from .registry import RegistryHooks, ReplicaRegistry
+from .warm_start import warm_start
 from .workers import WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -141,12 +142,23 @@ class RoutingCore:
         return self.keys.block_size()
 
     async def start(self) -> None:
+        # A warm start loads the index before any KV event is followed, and after the first
+        # probes and scrapes have told this router its model, tokenizer and block size.
+        warm = bool(self.config.warm_start.peers)
         for pool in self.pools:
-            pool.start()
+            pool.keys.start()
+            if not warm:
+                pool.kv_events.start_all()
         await self.prober.probe_all()
         self.prober.start()
         await self.scraper.scrape_all()
         self.scraper.start()
+        if warm:
+            await warm_start(
+                list(self.pools), self.config.warm_start, self.config.auth.admin_api_key
+            )
+            for pool in self.pools:
+                pool.kv_events.start_all()
         if self.canary is not None:
             self.canary.start()
         if self.lora_spreader is not None:

@@ -182,6 +182,7 @@ async def launch_emulated(
     kv_transfer: dict[str, Any] | None = None,
     preset: str = "tiny-cpu",
     enable_scale_out: bool = False,
+    buffer_steps: int = 10_000,
 ) -> tuple[web.AppRunner, Running]:
     """An in-process emulated vLLM replica (built-in tokenizer) publishing KV events over ZMQ;
     the caller cleans its runner up."""
@@ -202,6 +203,7 @@ async def launch_emulated(
             "endpoint": f"tcp://*:{events_port}",
             "replay_endpoint": f"tcp://*:{replay_port}",
             "topic": "kv-events",
+            "buffer_steps": buffer_steps,  # the replay buffer (vLLM's default: 10,000)
         }
         if kv_events
         else None,

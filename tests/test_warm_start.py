@@ -1,0 +1,154 @@
+"""Warm start, live: a router that starts after the fleet's caches are warm (and after the
+replicas' replay buffers have moved on) loads a running router's index and routes the next
+request to the replica holding its prefix; a snapshot of another block size is refused."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvroute.kvcore.block_hashing import block_hashes
+from kvroute.kvcore.tokenizer import SimpleTokenizer
+from kvroute.router.config import config_from_dict
+from kvroute.router.runner import app_runner
+from kvroute.router.server import Router
+
+from .conftest import Running, launch_emulated
+from .helpers import wait_until
+
+BLOCK = 16
+# Distinct long prompts, one conversation each.
+PROMPTS = [f"Conversation {i} about topic {i * 7}: " + f"detail {i} " * 60 for i in range(6)]
+ADMIN_KEY = "warm-start-admin-key"
+
+
+class Fleet:
+    def __init__(self, replicas: list[Running]) -> None:
+        self.replicas = replicas
+        self.runners: list[web.AppRunner] = []
+
+    def sources(self) -> list[dict[str, Any]]:
+        return [
+            {"url": r.url, "name": f"emu{i}", "kv_events": r.events, "kv_replay": r.replay}
+            for i, r in enumerate(self.replicas)
+        ]
+
+    async def router(self, **overrides: Any) -> tuple[Router, str]:
+        raw: dict[str, Any] = {
+            "replicas": self.sources(),
+            "health": {"interval_s": 0.2, "timeout_s": 0.5},
+            "timeouts": {"connect_s": 1.0},
+            "routing": {"tokenizer": "builtin", "block_size": BLOCK},
+            "auth": {"admin_api_key": ADMIN_KEY},
+            **overrides,
+        }
+        router = Router(config_from_dict(raw))
+        runner = app_runner(router)
+        await runner.setup()  # the warm start runs here, before the port opens
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.runners.append(runner)
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return router, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+async def fleet() -> AsyncIterator[Fleet]:
+    """Three replicas with a replay buffer of 2 batches (vLLM's holds 10,000: a busy fleet
+    turns it over in minutes), warmed by one router: a router starting now cannot learn the
+    prompts' blocks from the replicas."""
+    runners, replicas = [], []
+    for _ in range(3):
+        runner, running = await launch_emulated(num_blocks=256, buffer_steps=2)
+        runners.append(runner)
+        replicas.append(running)
+    fleet = Fleet(replicas)
+    first, url = await fleet.router()
+    fleet.homes = {}  # type: ignore[attr-defined]
+    async with aiohttp.ClientSession() as http:
+        for prompt in PROMPTS:
+            fleet.homes[prompt] = (await _complete(http, url, prompt))[0]  # type: ignore[attr-defined]
+    hashes = [_hashes(p) for p in PROMPTS]
+    await wait_until(
+        lambda: all(
+            (m := first.index.match(h, 0.0).get(fleet.homes[p])) is not None  # type: ignore[attr-defined]
+            and m.confirmed == len(h)
+            for p, h in zip(PROMPTS, hashes, strict=True)
+        ),
+        what="the first router's index to hold every prompt",
+    )
+    fleet.first_url = url  # type: ignore[attr-defined]
+    yield fleet
+    for runner in [*fleet.runners, *runners]:
+        await runner.cleanup()
+
+
+def _hashes(prompt: str) -> list[int]:
+    return block_hashes(SimpleTokenizer().encode(prompt), BLOCK)
+
+
+async def _complete(http: aiohttp.ClientSession, url: str, prompt: str) -> tuple[str, int]:
+    """The replica the router chose and the tokens that replica found cached."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    async with http.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        data = await resp.json()
+        return resp.headers["X-Kvroute-Replica"], data["usage"]["prompt_tokens_details"][
+            "cached_tokens"
+        ]
+
+
+async def test_a_warm_started_router_sends_each_prompt_to_its_holder(fleet: Any) -> None:
+    router, url = await fleet.router(warm_start={"peers": [fleet.first_url]})
+    for prompt in PROMPTS:  # before any event: the snapshot alone
+        match = router.index.match(_hashes(prompt), 0.0)
+        assert match[fleet.homes[prompt]].confirmed == len(_hashes(prompt))
+    async with aiohttp.ClientSession() as http:
+        for prompt in PROMPTS:
+            replica, cached = await _complete(http, url, prompt + " and a follow-up question")
+            assert replica == fleet.homes[prompt]
+            assert cached >= BLOCK * (len(_hashes(prompt)) - 1)  # the replica's own count
+    # Live events follow on from the snapshot's sequence numbers: no resync was needed.
+    totals = router.kv_events.totals()
+    assert totals.resyncs == 0 and totals.batches >= 1
+
+
+async def test_a_cold_router_knows_none_of_it(fleet: Any) -> None:
+    """What the warm start is for: the replay buffers have moved on."""
+    router, _ = await fleet.router()
+    await wait_until(lambda: router.kv_events.totals().connected, what="the subscribers to connect")
+    for prompt in PROMPTS:
+        assert router.index.match(_hashes(prompt), 0.0) == {}
+
+
+async def test_a_snapshot_of_another_block_size_is_refused_and_the_router_starts_cold(
+    fleet: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvroute.router.warm_start")
+    router, _ = await fleet.router(
+        warm_start={"peers": [fleet.first_url]},
+        routing={"tokenizer": "builtin", "block_size": 2 * BLOCK},
+    )
+    assert "refused: block size 16, this router's is 32" in caplog.text
+    assert "starting cold" in caplog.text
+    assert router.index.entries == 0 or all(
+        router.index.match(_hashes(p), 0.0) == {} for p in PROMPTS
+    )
+
+
+async def test_the_snapshot_needs_the_admin_key(fleet: Any) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(fleet.first_url + "/admin/index-snapshot") as resp:
+            assert resp.status == 401
+        async with http.get(
+            fleet.first_url + "/admin/index-snapshot",
+            params={"pool": "nope"},
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        ) as resp:
+            assert resp.status == 400
+            assert "pool" in (await resp.json())["error"]["message"]
