@@ -103,6 +103,10 @@ class LaunchConfig(_Section):
     # replica holds; "tcp" on TCP ports (emulated replicas bind them on launch.host; vLLM binds
     # every interface) for subscribers elsewhere.
     kv_events_bind: str = "ipc"
+    # Batches each replica keeps for its replay socket (vLLM's --kv-events-config buffer_steps):
+    # how far back a router that missed events (a restart, a warm start from a snapshot this
+    # many engine steps old) can catch up; null: vLLM's 10,000.
+    kv_replay_buffer: int | None = None
     host: str = "127.0.0.1"
     log_dir: str = "kvroute-logs"
     startup_timeout_s: float = 300.0
@@ -1216,7 +1220,7 @@ def launch_problems(launch: LaunchConfig) -> list[str]:
         problems.append(
             f"launch.engine: must be one of {', '.join(ENGINES)}, got {launch.engine!r}"
         )
-    for key in ("count", "block_size", "num_gpu_blocks", "max_num_seqs"):
+    for key in ("count", "block_size", "num_gpu_blocks", "max_num_seqs", "kv_replay_buffer"):
         value = getattr(launch, key)
         if value is not None and value < 1:
             problems.append(f"launch.{key}: must be >= 1, got {value}")
