@@ -374,7 +374,7 @@ class Recovery:
     restart: Restart
     others: float | None  # the routers that stayed up, after the restart
     buckets: list[tuple[float, float]]  # (seconds after ready, hit rate) of the restarted one
-    back_after_s: float | None  # after ready; None: never back within the load
+    back_after_s: float | None  # the first second back, after ready; None: never
     dip: float | None  # the lowest bucket
 
     def line(self) -> str:
@@ -387,7 +387,7 @@ class Recovery:
         others = f"{self.others:.2f}" if self.others is not None else "-"
         dip = f"{self.dip:.2f}" if self.dip is not None else "-"
         back = (
-            f"back within {RECOVERED:g}x of the others {self.back_after_s:.0f} s after ready"
+            f"back within {RECOVERED:g}x of the others' {self.back_after_s:.0f} s after ready"
             if self.back_after_s is not None
             else "not back within the load"
         )
@@ -400,30 +400,27 @@ class Recovery:
 
 
 def recovery(report: RouterDrillReport, restart: Restart) -> Recovery:
+    """The restarted router's hit rate second by second from when it was ready, each second
+    against the routers that stayed up in that same second (the fleet's own ups and downs
+    cancel out); back: the first second at ``RECOVERED`` x theirs or more."""
     restarted = {r.router for r in report.restarts}
     ready = restart.spawned_at + (restart.ready_after_s or 0.0)
     after = [s for s in report.sent if s.ok and s.at >= ready]
-    others = _hit_rate([s for s in after if s.router not in restarted])
+    stayed = [s for s in after if s.router not in restarted]
     mine = [s for s in after if s.router == restart.router]
     buckets: list[tuple[float, float]] = []
+    back: float | None = None
     k = 0
-    while True:
-        lo = ready + k * BUCKET_S
-        if lo > report.options.duration_s:
-            break
+    while (lo := ready + k * BUCKET_S) <= report.options.duration_s:
         rate = _hit_rate([s for s in mine if lo <= s.at < lo + BUCKET_S])
+        theirs = _hit_rate([s for s in stayed if lo <= s.at < lo + BUCKET_S])
         if rate is not None:
             buckets.append((k * BUCKET_S, rate))
+            if back is None and theirs is not None and rate >= RECOVERED * theirs:
+                back = k * BUCKET_S
         k += 1
-    back: float | None = None
-    if others is not None and buckets:
-        low = [t for t, r in buckets if r < RECOVERED * others]
-        if not low:
-            back = buckets[0][0]
-        elif low[-1] < buckets[-1][0]:
-            back = low[-1] + BUCKET_S
     dip = min((r for _, r in buckets), default=None)
-    return Recovery(restart, others, buckets, back, dip)
+    return Recovery(restart, _hit_rate(stayed), buckets, back, dip)
 
 
 def format_router_report(report: RouterDrillReport) -> str:
