@@ -303,8 +303,10 @@ class PrefixIndex:
         block_size: int | None,
     ) -> int:
         """Hold blocks taken from a snapshot (``held_blocks`` of another index); returns the
-        blocks newly indexed. Stored in pieces of at most a run, each continuing the one before
-        it (held_blocks keeps the order chains were stored in, so runs stay chains mostly)."""
+        blocks newly indexed. Stored in pieces, each continuing the one before it (held_blocks
+        keeps the order chains were stored in, so runs stay chains mostly): a stretch that is
+        the next blocks of an indexed run (another replica's, restored before), or blocks new
+        to the index, so that most pieces take ingest's fast paths."""
         if len(engine_hashes) != len(router_hashes):
             raise ValueError("engine and router hashes differ in length")
         rep = self._replicas.get(replica) or self._replica(replica)
@@ -313,12 +315,22 @@ class PrefixIndex:
         emap = rep.maps.get(medium)
         if emap is None:
             emap = rep.maps[medium] = {}
+        seg = self._seg
         added = 0
         parent: int | None = None
-        for start in range(0, len(router_hashes), _MAX_RUN):
-            hashes = list(router_hashes[start : start + _MAX_RUN])
-            added += self._store(rep, emap, engine_hashes[start : start + _MAX_RUN], hashes, parent)
+        i, n = 0, len(router_hashes)
+        while i < n:
+            rid = seg.get(router_hashes[i])
+            if rid is not None:
+                k = max(1, packed_runs.follow(self._runs[rid], router_hashes, i, _MAX_RUN)[1])
+            else:
+                k = 1
+                while i + k < n and k < _MAX_RUN and router_hashes[i + k] not in seg:
+                    k += 1
+            hashes = list(router_hashes[i : i + k])
+            added += self._store(rep, emap, engine_hashes[i : i + k], hashes, parent)
             parent = hashes[-1]
+            i += k
         return added
 
     def _map_blocks(
