@@ -478,6 +478,15 @@ class WarmStartConfig(_Section):
     api_key: str | None = None
     # Each peer's answer, connecting and reading a snapshot of millions of blocks included.
     timeout_s: float = 10.0
+    # A NATS server with JetStream (nats-server -js): every router puts its snapshot in an
+    # object store there every publish_interval_s, and a starting router that got none from
+    # its peers loads the newest from it (null: off). Replay buffers must cover the interval.
+    nats_url: str | None = None
+    # The object store bucket (one object per model pool), made if missing.
+    nats_bucket: str = "kvroute-index"
+    publish_interval_s: float = 10.0
+    # Snapshots older than this are dropped by NATS (the bucket's ttl) and not loaded.
+    max_age_s: float = 300.0
 
 
 class MetricsConfig(_Section):
@@ -852,7 +861,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         ("health", ("interval_s", "timeout_s")),
         ("canary", ("interval_s", "timeout_s")),
         ("routing", ("scrape_interval_s",)),
-        ("warm_start", ("timeout_s",)),
+        ("warm_start", ("timeout_s", "publish_interval_s", "max_age_s")),
         ("retry", ("budget_s", "backoff_max_s")),
         ("breaker", ("window_s", "cooldown_s", "max_cooldown_s")),
         ("limits", ("queue_timeout_s",)),
@@ -1160,6 +1169,12 @@ def _warm_start_problems(warm: WarmStartConfig) -> list[str]:
             check_replica_url(peer, f"warm_start.peers[{i}]")
         except ConfigError as exc:
             problems += exc.problems
+    if warm.nats_url is not None and not warm.nats_url.startswith(("nats://", "tls://")):
+        problems.append(f"warm_start.nats_url: expected a nats:// URL, got {warm.nats_url!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", warm.nats_bucket):
+        problems.append(
+            f"warm_start.nats_bucket: letters, digits, '-' and '_' only, got {warm.nats_bucket!r}"
+        )
     if warm.api_key is not None:
         try:
             resolve_secret(warm.api_key, "warm_start.api_key")

@@ -13,6 +13,8 @@ none left, the router starts cold, learning from the replicas' replay buffers an
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -84,53 +86,99 @@ def snapshot_bytes(pool: PoolRouting) -> bytes:
 async def warm_start(
     pools: list[PoolRouting], settings: WarmStartConfig, admin_key: str | None
 ) -> None:
-    """Load each pool's index from the first peer that has a usable snapshot of it."""
+    """Load each pool's index from the first peer that has a usable snapshot of it, else from
+    NATS (``warm_start.nats_url``)."""
     key = settings.api_key or admin_key
     headers = (
         {"Authorization": f"Bearer {resolve_secret(key, 'warm_start.api_key')}"} if key else {}
     )
     timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
+    cold = list(pools)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as http:
         for pool in pools:
             for peer in settings.peers:
-                if await _load_from(http, peer, pool):
+                url = peer.rstrip("/") + PATH
+                data = await _from_peer(http, url, pool)
+                if data is not None and _load(data, url, pool):
+                    cold.remove(pool)
                     break
-            else:
-                log.warning(
-                    "warm start: no usable index snapshot of pool %s from %s; starting cold",
-                    pool.name,
-                    ", ".join(settings.peers),
-                )
+    if cold and settings.nats_url is not None:
+        cold = await _from_nats(cold, settings)
+    for pool in cold:
+        sources = [*settings.peers, *([settings.nats_url] if settings.nats_url else [])]
+        log.warning(
+            "warm start: no usable index snapshot of pool %s from %s; starting cold",
+            pool.name,
+            ", ".join(sources),
+        )
 
 
-async def _load_from(http: aiohttp.ClientSession, peer: str, pool: PoolRouting) -> bool:
-    url = peer.rstrip("/") + PATH
-    started = time.monotonic()
+async def _from_peer(http: aiohttp.ClientSession, url: str, pool: PoolRouting) -> bytes | None:
     try:
         async with http.get(url, params={"pool": pool.name}) as resp:
             if resp.status != 200:
-                log.warning(
-                    "warm start: %s answered HTTP %d: %s",
-                    url,
-                    resp.status,
-                    (await resp.text())[:200],
-                )
-                return False
-            data = await resp.read()
+                text = (await resp.text())[:200]
+                log.warning("warm start: %s answered HTTP %d: %s", url, resp.status, text)
+                return None
+            return await resp.read()
     except (aiohttp.ClientError, TimeoutError) as exc:
         log.warning("warm start: %s: %s", url, exc or type(exc).__name__)
-        return False
+        return None
+
+
+async def _from_nats(pools: list[PoolRouting], settings: WarmStartConfig) -> list[PoolRouting]:
+    """Load what the bucket holds for ``pools``; returns those still cold."""
+    import nats
+    from nats.js.errors import NotFoundError
+
+    cold = list(pools)
+    url = settings.nats_url
+    assert url is not None
+    try:
+        async with asyncio.timeout(settings.timeout_s):
+            client = await nats.connect(url, name="kvroute warm start")
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        log.warning("warm start: NATS %s: %s", settings.nats_url, exc or type(exc).__name__)
+        return cold
+    try:
+        async with asyncio.timeout(settings.timeout_s):
+            store = await client.jetstream().object_store(settings.nats_bucket)
+            for pool in pools:
+                try:
+                    result = await store.get(object_name(pool))
+                except NotFoundError:
+                    continue
+                where = f"{settings.nats_url} {settings.nats_bucket}/{object_name(pool)}"
+                if result.data and _load(result.data, where, pool, settings.max_age_s):
+                    cold.remove(pool)
+    except (TimeoutError, nats.errors.Error) as exc:
+        log.warning("warm start: NATS bucket %s: %r", settings.nats_bucket, exc)
+    finally:
+        await client.close()
+    return cold
+
+
+def object_name(pool: PoolRouting) -> str:
+    return f"pool-{pool.name}"
+
+
+def _load(data: bytes, source: str, pool: PoolRouting, max_age_s: float | None = None) -> bool:
+    """Restore ``data`` into ``pool`` if it is a snapshot this router can use."""
+    started = time.monotonic()
     try:
         snap = index_snapshot.decode(data)
     except SnapshotError as exc:
-        log.warning("warm start: the snapshot from %s is refused: %s", peer, exc)
+        log.warning("warm start: the snapshot from %s is refused: %s", source, exc)
         return False
     why = index_snapshot.refusal(snap.identity, identity(pool))
+    age = max(0.0, time.time() - snap.taken_at)
+    if why is None and max_age_s is not None and age > max_age_s:
+        why = f"taken {age:.0f} s ago, more than warm_start.max_age_s {max_age_s:g}"
     if why is not None:
         log.warning(
             "warm start: the index snapshot of pool %s from %s is refused: %s",
             pool.name,
-            peer,
+            source,
             why,
         )
         return False
@@ -145,9 +193,62 @@ async def _load_from(http: aiohttp.ClientSession, peer: str, pool: PoolRouting) 
         pool.name,
         sum(restored.values()),
         len(seqs),
-        peer,
+        source,
         len(data) / 1024,
-        max(0.0, time.time() - snap.taken_at),
+        age,
         time.monotonic() - started,
     )
     return True
+
+
+class SnapshotPublisher:
+    """Puts each pool's snapshot in the NATS object store every ``publish_interval_s``."""
+
+    def __init__(self, pools: list[PoolRouting], settings: WarmStartConfig) -> None:
+        assert settings.nats_url is not None
+        self.pools = pools
+        self.settings = settings
+        self.published = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvroute-snapshot-publisher")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        import nats
+        from nats.js.api import ObjectStoreConfig
+        from nats.js.errors import BucketNotFoundError
+
+        s = self.settings
+        assert s.nats_url is not None
+        client = await nats.connect(
+            s.nats_url, name="kvroute snapshot publisher", max_reconnect_attempts=-1
+        )
+        try:
+            js = client.jetstream()
+            while True:
+                try:
+                    try:
+                        store = await js.object_store(s.nats_bucket)
+                    except BucketNotFoundError:
+                        store = await js.create_object_store(
+                            s.nats_bucket, ObjectStoreConfig(bucket=s.nats_bucket, ttl=s.max_age_s)
+                        )
+                    while True:
+                        for pool in self.pools:
+                            if any(sub.last_seq is not None for sub in pool.subscribers.values()):
+                                await store.put(object_name(pool), snapshot_bytes(pool))
+                                self.published += 1
+                        await asyncio.sleep(s.publish_interval_s)
+                except nats.errors.Error as exc:  # NATS down or the bucket gone: try again
+                    log.warning("warm start: publishing to NATS failed: %s", exc)
+                    await asyncio.sleep(s.publish_interval_s)
+        finally:
+            with contextlib.suppress(Exception):  # NATS may be gone by now: nothing to flush
+                await client.close()

@@ -1,17 +1,22 @@
 """Warm start, live: a router that starts after the fleet's caches are warm (and after the
 replicas' replay buffers have moved on) loads a running router's index and routes the next
-request to the replica holding its prefix; a snapshot of another block size is refused."""
+request to the replica holding its prefix, from a peer or from NATS JetStream; a snapshot of
+another block size is refused."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import shutil
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from kvroute.backends.process import free_ports
 from kvroute.kvcore.block_hashing import block_hashes
 from kvroute.kvcore.tokenizer import SimpleTokenizer
 from kvroute.router.config import config_from_dict
@@ -19,7 +24,7 @@ from kvroute.router.runner import app_runner
 from kvroute.router.server import Router
 
 from .conftest import Running, launch_emulated
-from .helpers import wait_until
+from .helpers import wait_until, wait_until_sync
 
 BLOCK = 16
 # Distinct long prompts, one conversation each.
@@ -152,3 +157,54 @@ async def test_the_snapshot_needs_the_admin_key(fleet: Any) -> None:
         ) as resp:
             assert resp.status == 400
             assert "pool" in (await resp.json())["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def jetstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Debian's nats-server with JetStream on (-js), its store in a temporary directory."""
+    binary = shutil.which("nats-server")
+    assert binary, "nats-server is not installed: apt-get install nats-server (README tests)"
+    (port,) = free_ports(1)
+    store = tmp_path_factory.mktemp("jetstream")
+    process = subprocess.Popen(
+        [binary, "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until_sync(lambda: _accepts(port), 10, "nats-server to accept connections")
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+async def test_a_router_with_no_peer_up_loads_the_snapshot_others_put_in_nats(
+    fleet: Any, jetstream: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Routers put their index in a JetStream object store; one that starts when no peer
+    answers (here: none configured) loads it from there."""
+    nats = {"nats_url": jetstream, "publish_interval_s": 0.2}
+    publisher, _ = await fleet.router(warm_start={"peers": [fleet.first_url], **nats})
+    assert publisher.core.snapshot_publisher is not None
+    await wait_until(
+        lambda: publisher.core.snapshot_publisher.published >= 2,
+        what="the router to put its snapshot in NATS",
+    )
+    caplog.set_level(logging.INFO, logger="kvroute.router.warm_start")
+    router, url = await fleet.router(warm_start=nats)
+    assert f"from {jetstream} kvroute-index/pool-default" in caplog.text
+    for prompt in PROMPTS:
+        match = router.index.match(_hashes(prompt), 0.0)
+        assert match[fleet.homes[prompt]].confirmed == len(_hashes(prompt))
+    async with aiohttp.ClientSession() as http:
+        replica, cached = await _complete(http, url, PROMPTS[0] + " once more")
+    assert replica == fleet.homes[PROMPTS[0]] and cached > 0
