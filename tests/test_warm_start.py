@@ -19,7 +19,7 @@ from aiohttp import web
 from kvroute.backends.process import free_ports
 from kvroute.kvcore.block_hashing import block_hashes
 from kvroute.kvcore.tokenizer import SimpleTokenizer
-from kvroute.router.config import config_from_dict
+from kvroute.router.config import ConfigError, config_from_dict
 from kvroute.router.runner import app_runner
 from kvroute.router.server import Router
 
@@ -208,3 +208,22 @@ async def test_a_router_with_no_peer_up_loads_the_snapshot_others_put_in_nats(
     async with aiohttp.ClientSession() as http:
         replica, cached = await _complete(http, url, PROMPTS[0] + " once more")
     assert replica == fleet.homes[PROMPTS[0]] and cached > 0
+
+
+@pytest.mark.parametrize(
+    ("warm_start", "why"),
+    [
+        (
+            {"peers": ["router-a:8000"]},
+            "warm_start.peers[0]: 'router-a:8000' is not an http(s) URL",
+        ),
+        ({"nats_url": "http://nats:4222"}, "warm_start.nats_url: expected a nats:// URL"),
+        ({"nats_bucket": "a.b"}, "warm_start.nats_bucket: letters, digits"),
+        ({"publish_interval_s": 0}, "warm_start.publish_interval_s: must be a finite number > 0"),
+        ({"api_key": "env:KVROUTE_NO_SUCH_VARIABLE"}, "warm_start.api_key: environment variable"),
+    ],
+)
+def test_bad_warm_start_settings_name_the_key(warm_start: dict[str, Any], why: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        config_from_dict({"replicas": [{"url": "http://a:8000"}], "warm_start": warm_start})
+    assert why in str(raised.value)
