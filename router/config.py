@@ -274,6 +274,12 @@ class TenantsConfig(_Section):
     # Tenant names from headers are the client's to choose: beyond this many distinct ones,
     # unknown names count as "default" (memory stays bounded).
     max_tracked: int = 1000
+    # Several routers behind one load balancer enforce one budget per tenant: each shares its
+    # charges over this NATS server (router/budget_bus.py). None: each process enforces its
+    # own (its share with listen.workers).
+    budget_bus: str | None = None
+    budget_bus_subject: str = "kvroute.budgets"
+    budget_bus_interval_s: float = 0.02
 
 
 class FairnessConfig(_Section):
@@ -462,6 +468,11 @@ class RoutingConfig(_Section):
     # output, logprobs, images, stored Responses) still go as text. Measured (docs/agents.md):
     # 3.1x less replica API-server CPU per 220 KB turn, TTFT p50 1.33x lower; so on.
     send_tokens: bool = True
+    # Several routers behind one load balancer: share every dispatch (in-flight load and
+    # predictions) over this NATS server, as epp.ledger_bus does for pickers (router/
+    # ledger_bus.py). null: each router knows its own traffic and the replicas' KV events.
+    ledger_bus: str | None = None
+    ledger_bus_subject: str = "kvroute.ledger"
     # A header that names the request's session (a gateway's or a client's own), read before
     # every other way of finding it (X-Session-ID, the agents' own headers and fields,
     # prompt_cache_key, user: kvcore/agent_identity.py); null: none.
@@ -852,6 +863,13 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
             problems.append(f"models[{i}]: must not be empty")
     problems += _routing_problems(config.routing)
     problems += _warm_start_problems(config.warm_start)
+    if config.routing.ledger_bus is not None and config.listen.workers > 1:
+        # Workers already share load through the host's load board; each would also count
+        # its siblings' dispatches again from the bus.
+        problems.append(
+            f"routing.ledger_bus: not with listen.workers {config.listen.workers}; run one "
+            "worker per router process when routers share a bus"
+        )
     for section, fields in (
         (
             "timeouts",
@@ -1121,6 +1139,16 @@ def tenant_problems(config: Config) -> list[str]:
                 problems.append(f"{where}.{key}: must be >= 0 (0 means no limit), got {value}")
     if config.tenants.max_tracked < 1:
         problems.append(f"tenants.max_tracked: must be >= 1, got {config.tenants.max_tracked}")
+    tenants = config.tenants
+    if tenants.budget_bus is not None and not tenants.budget_bus.startswith(("nats://", "tls://")):
+        problems.append(f"tenants.budget_bus: expected a nats:// URL, got {tenants.budget_bus!r}")
+    if not tenants.budget_bus_subject.strip() or " " in tenants.budget_bus_subject:
+        problems.append("tenants.budget_bus_subject: must be a NATS subject without spaces")
+    interval = tenants.budget_bus_interval_s
+    if not (math.isfinite(interval) and 0 < interval <= 10):
+        problems.append(
+            f"tenants.budget_bus_interval_s: must be a number of seconds in (0, 10], got {interval}"
+        )
     fairness = config.fairness
     for key in ("output_weight", "locality_bound_tokens"):
         value = getattr(fairness, key)
@@ -1226,6 +1254,11 @@ def _routing_problems(routing: RoutingConfig) -> list[str]:
         problems.append(
             f"routing.prediction_ttl_s: must be a finite number >= 0, got {routing.prediction_ttl_s}"
         )
+    bus = routing.ledger_bus
+    if bus is not None and not bus.startswith(("nats://", "tls://")):
+        problems.append(f"routing.ledger_bus: expected a nats:// URL, got {bus!r}")
+    if not routing.ledger_bus_subject.strip() or " " in routing.ledger_bus_subject:
+        problems.append("routing.ledger_bus_subject: must be a NATS subject without spaces")
     return problems
 
 

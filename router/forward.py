@@ -57,8 +57,11 @@ class Forwarder:
     ) -> Relayed | None:
         """Relay to one replica; None when it failed before the first byte."""
         handle = self.registry.handles[replica_id]
-        ledger = self.pools.owner(replica_id).ledger
+        pool = self.pools.owner(replica_id)
+        ledger, bus = pool.ledger, pool.bus
         dispatch = ledger.dispatch(route, replica_id, time.monotonic(), attempt.reason)
+        if bus is not None:
+            bus.dispatched(dispatch)
         self.recent.append(dispatch)  # O(1), bounded: all /status costs the data path
         if route.estimate is not None:
             # Once per decision, not per try: a retry is not a second choice.
@@ -71,9 +74,12 @@ class Forwarder:
         def answered(status: int) -> None:
             ok = status < 400
             # A decode leg's prompt was routed (and counted) as its prefill leg.
-            if ledger.first_token(dispatch, time.monotonic(), ok) and ok and not transferred:
-                prompt = dispatch.request.prompt_tokens
-                metrics.observe_routed(replica_id, prompt, dispatch.cached_tokens)
+            if ledger.first_token(dispatch, time.monotonic(), ok):
+                if bus is not None:
+                    bus.first_token(dispatch, ok)
+                if ok and not transferred:
+                    prompt = dispatch.request.prompt_tokens
+                    metrics.observe_routed(replica_id, prompt, dispatch.cached_tokens)
 
         extra = [("X-Request-Id", attempt.request_id)]
         if self.decision_headers:
@@ -107,6 +113,8 @@ class Forwarder:
             return None
         finally:
             ledger.finish(dispatch, time.monotonic())
+            if bus is not None:
+                bus.finished(dispatch)
         if relayed.broken is not None and handle.state.draining:
             # Cut by a drain (router/drain.py) to continue elsewhere: not the replica's failure.
             metrics.observe_upstream_error(replica_id, "drained")
