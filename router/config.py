@@ -78,6 +78,12 @@ class ReplicaConfig(_Section):
     # The replica's ZMQ KV-event publisher and replay endpoints (vLLM --kv-events-config).
     kv_events: str | None = None
     kv_replay: str | None = None
+    # vLLM's --data-parallel-size: the replica runs this many engine cores, each with its own
+    # KV cache; the router routes to each rank (router/dp_ranks.py).
+    data_parallel_size: int = 1
+    # One rank of a data-parallel replica (set when the replica is expanded into its ranks;
+    # in a file: this entry routes to that rank only, with ``kv_events`` as that rank's own).
+    data_parallel_rank: int | None = None
 
 
 class LaunchConfig(_Section):
@@ -849,6 +855,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         if name in names:
             problems.append(f"{key}.name: duplicate replica name {name!r}")
         names.add(name)
+        problems += rank_problems(replica, key)
     if config.launch is not None:
         problems += launch_problems(config.launch)
         block_size = config.routing.block_size
@@ -1334,14 +1341,14 @@ def _gpu_problems(launch: LaunchConfig) -> list[str]:
         return problems + exc.problems
     if launch.gpus is not None and launch.count >= 1:
         problems += gpu_list_problems(launch.gpus, launch.count, layout)
-    if layout.data > 1 and launch.engine == "vllm" and launch.kv_events:
-        # vLLM publishes each data-parallel rank's KV events on an endpoint of its own (tcp
-        # port + rank, and ipc endpoints it refuses), while the router subscribes to one per
-        # replica: it would not hear what ranks 1+ cache.
+    vllm_events = launch.engine == "vllm" and launch.kv_events
+    if layout.data > 1 and vllm_events and launch.kv_events_bind == "ipc":
+        # vLLM offsets each rank's endpoint (ZmqEventPublisher.offset_endpoint_port): tcp
+        # ports by the rank; an ipc:// endpoint raises ValueError for ranks above 0.
         problems.append(
-            f"launch.data_parallel_size: {layout.data} with launch.kv_events on: the router "
-            "hears one KV-event endpoint per replica, vLLM publishes one per data-parallel "
-            "rank; launch more replicas (launch.count) instead, or set launch.kv_events: false"
+            f"launch.data_parallel_size: {layout.data} with launch.kv_events on needs "
+            "launch.kv_events_bind: tcp: vLLM publishes rank k's events on the configured "
+            "port + k and refuses ipc:// endpoints for ranks above 0"
         )
     return problems
 
@@ -1449,6 +1456,19 @@ def check_replica_url(url: str, key: str) -> None:
         raise ConfigError(f"{key}: {url!r} has port 0, which no replica can listen on")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ConfigError(f"{key}: {url!r} must be a base URL like http://host:port")
+
+
+def rank_problems(replica: ReplicaConfig, key: str) -> list[str]:
+    """What is wrong with a replica's data-parallel keys."""
+    size, rank = replica.data_parallel_size, replica.data_parallel_rank
+    if not 1 <= size <= 1024:
+        return [
+            f"{key}.data_parallel_size: must be 1-1024 (vLLM's --data-parallel-size), got {size}"
+        ]
+    if rank is not None and (rank < 0 or (size > 1 and rank >= size)):
+        top = f" below data_parallel_size {size}" if size > 1 else ""
+        return [f"{key}.data_parallel_rank: must be a rank 0 or above{top}, got {rank}"]
+    return []
 
 
 def replica_name_from_url(url: str) -> str:

@@ -27,6 +27,7 @@ from kvroute.kvcore.tokenizer import ChatTemplateError
 from kvroute.policies import FleetView, Policy, ReplicaState
 
 from .config import Config, ReplicaConfig, replica_name_from_url
+from .dp_ranks import expand_ranks, replica_of
 from .kv_subscriber import KVEventSubscribers
 from .lora_spread import LoraSpreader
 from .pipeline import ModelCatalog
@@ -206,7 +207,7 @@ class RoutingCore:
         take traffic at once; otherwise they join on their first passing probe.
         """
         target = self._pool(pool)
-        by_name = {r.name or replica_name_from_url(r.url): r for r in replicas}
+        by_name = {r.name or replica_name_from_url(r.url): r for r in expand_ranks(replicas)}
         others = {n: r for n, r in self.members.items() if self.pools.of_replica(n) is not target}
         clash = sorted(by_name.keys() & others.keys())
         if clash:
@@ -267,12 +268,16 @@ class RoutingCore:
         await self.set_replicas([*mine, replica], ready=ready, pool=target.name)
 
     async def remove_replica(self, name: str) -> None:
-        """``name`` leaves the fleet: its handle, index entries, probes and KV events."""
-        owner = self.pools.of_replica(name)
+        """``name`` leaves the fleet: its handle, index entries, probes and KV events (a
+        data-parallel replica's: every rank's)."""
+        gone = {n for n in self.members if n == name or replica_of(n) == name}
+        owner = next((self.pools.of_replica(n) for n in gone), None)
         if owner is None:
             return
         mine = [
-            r for n, r in self.members.items() if n != name and self.pools.of_replica(n) is owner
+            r
+            for n, r in self.members.items()
+            if n not in gone and self.pools.of_replica(n) is owner
         ]
         await self.set_replicas(mine, ready=False, pool=owner.name)
 

@@ -11,6 +11,7 @@ from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.reuse import available_tokens, decompose
 from kvroute.kvcore.token_path import Answer
 
+from .dp_ranks import RANK_HEADER
 from .metrics import RouterMetrics
 from .pools import Pools
 from .proxy import ClientExchange, Relayed, Timeouts, UpstreamCall, UpstreamUnavailable, relay
@@ -97,7 +98,7 @@ class Forwarder:
         call = UpstreamCall(
             handle.base_url,
             attempt.body,
-            self._upstream_headers(attempt),
+            self._upstream_headers(attempt, handle),
             extra,
             attempt.retry_status,
             attempt.resume,
@@ -141,9 +142,13 @@ class Forwarder:
         relayed.replica = replica_id
         return relayed
 
-    def _upstream_headers(self, attempt: Try) -> bytes:
-        """Header lines added to the client's on the way to the replica (tracing adds its own)."""
-        return b"X-Request-Id: " + attempt.request_id.encode() + b"\r\n"
+    def _upstream_headers(self, attempt: Try, handle: ReplicaHandle) -> bytes:
+        """Header lines added to the client's on the way to the replica (tracing adds its own):
+        the request id, and the data-parallel rank picked (router/dp_ranks.py)."""
+        lines = b"X-Request-Id: " + attempt.request_id.encode() + b"\r\n"
+        if handle.data_parallel_rank is not None:
+            lines += f"{RANK_HEADER}: {handle.data_parallel_rank}\r\n".encode()
+        return lines
 
     def _unavailable(self, handle: ReplicaHandle, exc: UpstreamUnavailable) -> None:
         """The replica failed before the first byte: count it, and may take it out of rotation."""

@@ -24,8 +24,9 @@ Bad frames and payloads are counted in :attr:`SubscriberStats.malformed` and ski
 but cancellation ends the task.
 
 Limits: a publisher restart is seen only when the seq goes backwards; a restarted publisher
-whose seq has already passed ours (a long disconnection) looks like a gap. Data-parallel ranks
-are separate sources of one replica, so a resync of one rank clears the whole replica.
+whose seq has already passed ours (a long disconnection) looks like a gap. A data-parallel
+replica's ranks are routing endpoints of their own (router/dp_ranks.py), each with its source: a
+resync of one rank clears that rank's entries only.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from .chat_parse import chat_parser_for
 from .config import Config
 from .core import RoutingCore
 from .deadlines import Deadlines
+from .dp_ranks import replica_of
 from .fleet_admin import FleetControl
 from .forward import Forwarder
 from .kv_subscriber import KVEventSubscribers
@@ -399,6 +400,9 @@ class Router:
                 {
                     "name": name,
                     "url": handle.base_url,
+                    # A data-parallel replica's ranks, one row each (router/dp_ranks.py).
+                    "replica": replica_of(name),
+                    "data_parallel_rank": handle.data_parallel_rank,
                     "healthy": state.healthy,
                     "ejected": state.ejected,
                     # Out of new routing while it drains (or until a replacement is checked).

@@ -15,7 +15,6 @@ from kvroute.kvcore.budgets import ChargeLog, TenantBudget
 from kvroute.router.config import ConfigError, config_from_dict
 
 from .conftest import RunningRouter, StartReplica, StartRouter
-from .test_ledger_bus import nats_url  # noqa: F401 (the fixture)
 
 OUTPUT_PER_MINUTE = 300  # 5 tokens/s; the fake replica answers 3 output tokens a request
 ROUTERS = 4
@@ -57,9 +56,7 @@ async def _spread_load(routers: list[RunningRouter], senders: int) -> tuple[int,
 
 
 async def test_a_budget_holds_over_four_routers_only_with_the_bus(
-    start_replica: StartReplica,
-    start_router: StartRouter,
-    nats_url: str,  # noqa: F811 (the fixture imported above)
+    start_replica: StartReplica, start_router: StartRouter, nats_url: str
 ) -> None:
     """The same load (8 requests at a time) through one router, through four sharing the bus,
     and through four that do not: the tenant's output tokens served in each case."""

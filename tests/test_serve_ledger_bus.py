@@ -13,7 +13,6 @@ from kvroute.router.config import ConfigError, config_from_dict
 
 from .conftest import RunningRouter, StartReplica, StartRouter
 from .helpers import wait_until
-from .test_ledger_bus import nats_url  # noqa: F401 (the fixture)
 
 
 async def _send(http: aiohttp.ClientSession, router: RunningRouter) -> tuple[int, str]:
@@ -29,10 +28,7 @@ def _in_flight(router: RunningRouter) -> dict[str, int]:
 
 @pytest.mark.parametrize("shared", [True, False], ids=["bus", "no-bus"])
 async def test_a_request_in_flight_on_one_router_counts_on_the_other(
-    start_replica: StartReplica,
-    start_router: StartRouter,
-    nats_url: str,  # noqa: F811 (the fixture imported above)
-    shared: bool,
+    start_replica: StartReplica, start_router: StartRouter, nats_url: str, shared: bool
 ) -> None:
     replicas = [await start_replica(name) for name in ("a", "b")]
     routing = {"ledger_bus": nats_url, "ledger_bus_subject": "kvroute.test.serve"} if shared else {}

@@ -12,6 +12,7 @@ from kvroute.bench.argtypes import (
     positive_int,
 )
 from kvroute.bench.batch_lane import add_batch_bench
+from kvroute.bench.dp import add_dp_bench
 from kvroute.bench.epp import add_epp_bench
 from kvroute.bench.fairness import add_fairness_bench
 from kvroute.bench.h2_attacks import add_h2_attacks_bench
@@ -32,6 +33,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_overhead(bench_sub)
     add_index_bench(bench_sub)
     add_prefix_bench(bench_sub)
+    add_dp_bench(bench_sub)
     add_tokenize_bench(bench_sub)
     add_epp_bench(bench_sub)
     add_h2_attacks_bench(bench_sub)

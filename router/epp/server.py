@@ -159,6 +159,7 @@ class PickerServer:
                         url=url_of_address(e.address),
                         name=e.name,
                         kv_events=e.kv_events[0] if e.kv_events else None,
+                        data_parallel_size=e.data_parallel_size,
                     )
                     for e in endpoints.values()
                 ]
