@@ -63,6 +63,8 @@ class LaunchSpec:
     # "ipc": KV events on Unix sockets in a private directory (this host, this user only);
     # "tcp": on TCP ports, for subscribers elsewhere.
     kv_events_bind: str = "ipc"
+    # Batches each replica's replay socket keeps (vLLM's buffer_steps); None: vLLM's 10,000.
+    kv_replay_buffer: int | None = None
     # Each replica's GPUs (nvidia-smi indices, see placement.py); () for none: no
     # CUDA_VISIBLE_DEVICES is set and vLLM runs as on CPU.
     gpu_groups: tuple[tuple[int, ...], ...] = ()
@@ -155,25 +157,30 @@ def emulated_command(spec: LaunchSpec, port: int, kv: KVEndpoints | None) -> lis
     if kv is not None:
         argv += [
             "--kv-events-config",
-            kv_events_config_json(kv.bind_events, kv.bind_replay, spec.kv_topic),
+            kv_events_config_json(
+                kv.bind_events, kv.bind_replay, spec.kv_topic, spec.kv_replay_buffer
+            ),
         ]
     if spec.kv_transfer_config is not None:
         argv += ["--kv-transfer-config", spec.kv_transfer_config]
     return argv + list(spec.extra_args)
 
 
-def kv_events_config_json(events: str, replay: str, topic: str = KV_TOPIC) -> str:
+def kv_events_config_json(
+    events: str, replay: str, topic: str = KV_TOPIC, buffer_steps: int | None = None
+) -> str:
     # vLLM binds an endpoint only when it is ipc:// or has a wildcard host ("tcp://*:P"); with
     # a concrete host it connects out instead. The replica binds; the router connects.
-    return json.dumps(
-        {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": events,
-            "replay_endpoint": replay,
-            "topic": topic,
-        }
-    )
+    config: dict[str, object] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": events,
+        "replay_endpoint": replay,
+        "topic": topic,
+    }
+    if buffer_steps is not None:
+        config["buffer_steps"] = buffer_steps
+    return json.dumps(config)
 
 
 def vllm_command(
@@ -201,6 +208,7 @@ def vllm_command(
         kv_events_endpoint=kv.bind_events if kv is not None else None,
         kv_replay_endpoint=kv.bind_replay if kv is not None else None,
         topic=spec.kv_topic,
+        kv_replay_buffer=spec.kv_replay_buffer,
         host=spec.host,
         extra_args=spec.extra_args,
         gpu=on_gpus,

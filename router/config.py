@@ -109,6 +109,10 @@ class LaunchConfig(_Section):
     # replica holds; "tcp" on TCP ports (emulated replicas bind them on launch.host; vLLM binds
     # every interface) for subscribers elsewhere.
     kv_events_bind: str = "ipc"
+    # Batches each replica keeps for its replay socket (vLLM's --kv-events-config buffer_steps):
+    # how far back a router that missed events (a restart, a warm start from a snapshot this
+    # many engine steps old) can catch up; null: vLLM's 10,000.
+    kv_replay_buffer: int | None = None
     host: str = "127.0.0.1"
     log_dir: str = "kvroute-logs"
     startup_timeout_s: float = 300.0
@@ -481,6 +485,27 @@ class RoutingConfig(_Section):
     session_header: str | None = None
 
 
+class WarmStartConfig(_Section):
+    """Several routers: a starting router loads a running one's prefix index (issue 36)."""
+
+    # Routers (base URLs; a load balancer in front of them will do) asked in turn, at start,
+    # for their index snapshot (GET /admin/index-snapshot); empty: start cold.
+    peers: list[str] = msgspec.field(default_factory=list)
+    # The peers' admin key ("env:NAME" reads it from the environment); null: auth.admin_api_key.
+    api_key: str | None = None
+    # Each peer's answer, connecting and reading a snapshot of millions of blocks included.
+    timeout_s: float = 10.0
+    # A NATS server with JetStream (nats-server -js): every router puts its snapshot in an
+    # object store there every publish_interval_s, and a starting router that got none from
+    # its peers loads the newest from it (null: off). Replay buffers must cover the interval.
+    nats_url: str | None = None
+    # The object store bucket (one object per model pool), made if missing.
+    nats_bucket: str = "kvroute-index"
+    publish_interval_s: float = 10.0
+    # Snapshots older than this are dropped by NATS (the bucket's ttl) and not loaded.
+    max_age_s: float = 300.0
+
+
 class MetricsConfig(_Section):
     enabled: bool = True
 
@@ -610,6 +635,7 @@ class Config(_Section):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     parity: ParityConfig = msgspec.field(default_factory=ParityConfig)
+    warm_start: WarmStartConfig = msgspec.field(default_factory=WarmStartConfig)
     epp: EppConfig = msgspec.field(default_factory=EppConfig)
     # Add X-Kvroute-Replica, X-Kvroute-Reason, X-Kvroute-Prefix-Hit-Tokens and
     # X-Kvroute-Prefix-Available-Tokens to every routed response.
@@ -843,6 +869,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         if not model:
             problems.append(f"models[{i}]: must not be empty")
     problems += _routing_problems(config.routing)
+    problems += _warm_start_problems(config.warm_start)
     if config.routing.ledger_bus is not None and config.listen.workers > 1:
         # Workers already share load through the host's load board; each would also count
         # its siblings' dispatches again from the bus.
@@ -859,6 +886,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         ("health", ("interval_s", "timeout_s")),
         ("canary", ("interval_s", "timeout_s")),
         ("routing", ("scrape_interval_s",)),
+        ("warm_start", ("timeout_s", "publish_interval_s", "max_age_s")),
         ("retry", ("budget_s", "backoff_max_s")),
         ("breaker", ("window_s", "cooldown_s", "max_cooldown_s")),
         ("limits", ("queue_timeout_s",)),
@@ -1169,6 +1197,27 @@ def tenant_problems(config: Config) -> list[str]:
     return problems
 
 
+def _warm_start_problems(warm: WarmStartConfig) -> list[str]:
+    problems: list[str] = []
+    for i, peer in enumerate(warm.peers):
+        try:
+            check_replica_url(peer, f"warm_start.peers[{i}]")
+        except ConfigError as exc:
+            problems += exc.problems
+    if warm.nats_url is not None and not warm.nats_url.startswith(("nats://", "tls://")):
+        problems.append(f"warm_start.nats_url: expected a nats:// URL, got {warm.nats_url!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", warm.nats_bucket):
+        problems.append(
+            f"warm_start.nats_bucket: letters, digits, '-' and '_' only, got {warm.nats_bucket!r}"
+        )
+    if warm.api_key is not None:
+        try:
+            resolve_secret(warm.api_key, "warm_start.api_key")
+        except ConfigError as exc:
+            problems += exc.problems
+    return problems
+
+
 def resolve_secret(value: str, key: str) -> str:
     """A key as written, or read from the environment when written as "env:NAME"."""
     if value.startswith("env:"):
@@ -1226,7 +1275,7 @@ def launch_problems(launch: LaunchConfig) -> list[str]:
         problems.append(
             f"launch.engine: must be one of {', '.join(ENGINES)}, got {launch.engine!r}"
         )
-    for key in ("count", "block_size", "num_gpu_blocks", "max_num_seqs"):
+    for key in ("count", "block_size", "num_gpu_blocks", "max_num_seqs", "kv_replay_buffer"):
         value = getattr(launch, key)
         if value is not None and value < 1:
             problems.append(f"launch.{key}: must be >= 1, got {value}")

@@ -90,10 +90,6 @@ class PoolRouting:
         if subscriber is not None:
             await self.kv_events.remove(subscriber)
 
-    def start(self) -> None:
-        self.kv_events.start_all()
-        self.keys.start()
-
     async def close(self) -> None:
         await self.kv_events.close_all()
         self.keys.close()

@@ -28,7 +28,7 @@ from kvroute.kvcore.ledger import DispatchLedger
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy
 
-from . import errors
+from . import errors, warm_start
 from .admission import Admission
 from .agent_request import parse_count_tokens, parse_messages, parse_responses
 from .auth import Auth
@@ -295,6 +295,7 @@ class Router:
             routes.add_get("/metrics", self.handle_metrics, expect_handler=expect)
         routes.add_get("/admin/replicas", self.handle_admin_replicas, expect_handler=expect)
         routes.add_get("/admin/tenants", self.handle_admin_tenants, expect_handler=expect)
+        routes.add_get(warm_start.PATH, self.handle_index_snapshot, expect_handler=expect)
         routes.add_post(
             "/admin/replicas/{name}/unquarantine", self.handle_unquarantine, expect_handler=expect
         )
@@ -435,6 +436,23 @@ class Router:
         except errors.ApiError as exc:
             return exc.response()
         return _json(self.tenants.snapshot(self.admission.fair, time.monotonic()))
+
+    async def handle_index_snapshot(self, request: web.Request) -> web.Response:
+        """A pool's prefix index for a starting router (router/warm_start.py); ?pool=NAME,
+        which a router of one pool may leave out."""
+        try:
+            self.auth.check_admin(request)
+            name = request.query.get("pool")
+            pool = self.pools.named(name) if name is not None else None
+            if pool is None and (name is not None or len(self.pools) != 1):
+                known = ", ".join(p.name for p in self.pools)
+                raise errors.bad_request(f"pool: name one of this router's pools ({known})", "pool")
+            pool = pool or self.pools.sole
+        except errors.ApiError as exc:
+            return exc.response()
+        return web.Response(
+            body=warm_start.snapshot_bytes(pool), content_type=warm_start.CONTENT_TYPE
+        )
 
     async def handle_unquarantine(self, request: web.Request) -> web.Response:
         """Back into rotation now (after fixing it, say); the next canary round judges it anew."""

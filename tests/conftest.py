@@ -184,6 +184,7 @@ async def launch_emulated(
     kv_transfer: dict[str, Any] | None = None,
     preset: str = "tiny-cpu",
     enable_scale_out: bool = False,
+    buffer_steps: int = 10_000,
     data_parallel_size: int = 1,
 ) -> tuple[web.AppRunner, Running]:
     """An in-process emulated vLLM replica (built-in tokenizer) publishing KV events over ZMQ;
@@ -211,6 +212,7 @@ async def launch_emulated(
             "endpoint": f"tcp://*:{events_port}",
             "replay_endpoint": f"tcp://*:{replay_port}",
             "topic": "kv-events",
+            "buffer_steps": buffer_steps,  # the replay buffer (vLLM's default: 10,000)
         }
         if kv_events
         else None,
