@@ -599,6 +599,10 @@ class EppConfig(_Section):
     # this NATS server (nats://host:4222) on this subject, so each decides as one would.
     ledger_bus: str | None = None
     ledger_bus_subject: str = "kvroute.ledger"
+    # On SIGTERM the picker reports NOT_SERVING, then keeps taking streams this long, so the
+    # gateway's health check moves new ones to another picker before it stops listening
+    # (the ext_proc stream is not retried elsewhere: one refused is a request failed).
+    unready_delay_s: float = 3.0
     # The gRPC server's HTTP/2 limits (streams, connections, headers, memory, timeouts).
     h2: EppH2Config = msgspec.field(default_factory=EppH2Config)
 
@@ -1364,6 +1368,10 @@ def _epp_problems(epp: EppConfig) -> list[str]:
         problems.append("epp: grpc_port, health_port and metrics_port must differ")
     if epp.destinations < 1:
         problems.append(f"epp.destinations: must be >= 1, got {epp.destinations}")
+    if not (math.isfinite(epp.unready_delay_s) and 0 <= epp.unready_delay_s <= 300):
+        problems.append(
+            f"epp.unready_delay_s: must be a number of seconds in [0, 300], got {epp.unready_delay_s}"
+        )
     if (epp.cert is None) != (epp.key is None):
         problems.append("epp.cert, epp.key: give both (or neither, for a self-signed one)")
     if epp.cert is not None and not epp.tls:

@@ -455,3 +455,82 @@ async def test_more_requests_in_flight_than_envoys_default_cluster_limit(tmp_pat
         envoy.stop()
         await picker.stop(0)
         await runner.cleanup()
+
+
+async def test_two_pickers_behind_one_envoy_keep_affinity_and_a_rolling_stop_loses_nothing(
+    tmp_path: Path, nats_url: str
+) -> None:
+    """The gateway's picker Service with two pickers (sharing dispatches over NATS): both take
+    streams, a prefix lands where it is cached whichever picker Envoy asks, and a picker
+    stopped as Kubernetes stops it (SIGTERM: not serving, then drained) loses no request."""
+    started = [await launch_emulated(num_blocks=256) for _ in range(3)]
+    replicas = [x for _, x in started]
+    bus = {"ledger_bus": nats_url, "ledger_bus_subject": "kvroute.test.pickers"}
+    pickers = [picker_config(replicas, **bus) for _ in range(2)]
+    ports = [await p.start() for p in pickers]
+    listen, admin, direct = free_ports(3)
+    spec = GatewaySpec(
+        pods=[("127.0.0.1", int(r.url.rsplit(":", 1)[1])) for r in replicas],
+        pickers=[("127.0.0.1", p.grpc) for p in ports],
+        listen_port=listen,
+        admin_port=admin,
+        direct_port=direct,
+    )
+    envoy = EnvoyProcess(spec, tmp_path)
+    envoy.start()
+    oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{listen}/v1", api_key="x", max_retries=0)
+    serving = [0]
+    try:
+        await asyncio.to_thread(envoy.wait_for_pickers, 2)
+        placed: dict[int, set[str]] = {doc: set() for doc in range(3)}
+        for turn in range(4):
+            for doc in placed:
+                raw = await oai.completions.with_raw_response.create(
+                    model="tiny", prompt=f"Pickers doc {doc}: {LONG} q{turn}", max_tokens=2
+                )
+                placed[doc].add(raw.headers["x-kvroute-replica"])
+        assert all(len(where) == 1 for where in placed.values()), placed
+        # Envoy 1.40's ext_proc client keeps its streams on one picker of the cluster (seen
+        # with round robin and random alike): the other is a hot standby, its index current
+        # from the replicas' events and its load from the bus.
+        serving = [i for i, p in enumerate(pickers) if _requests_answered(p) > 0]
+        assert serving, "no picker answered"
+
+        failures: list[object] = []
+        done = asyncio.Event()
+
+        async def keep_sending() -> int:
+            sent = 0
+            while not done.is_set():
+                try:
+                    await oai.completions.create(
+                        model="tiny", prompt=f"Pickers doc 0: {LONG} r{sent}", max_tokens=2
+                    )
+                except openai.APIError as exc:
+                    failures.append(exc)
+                sent += 1
+            return sent
+
+        senders = [asyncio.create_task(keep_sending()) for _ in range(4)]
+        await asyncio.sleep(0)  # the senders are running before the stop begins
+        await pickers[serving[0]].stop(grace_s=5.0, unready_s=3.0)  # as SIGTERM stops it
+        await asyncio.to_thread(envoy.wait_for_pickers, 1)
+        done.set()
+        sent = sum(await asyncio.gather(*senders))
+        assert sent > 0 and not failures, (sent, failures[:3])
+    finally:
+        envoy.stop()
+        for i, p in enumerate(pickers):
+            if i != serving[0]:
+                await p.stop(0)
+        for runner, _ in started:
+            await runner.cleanup()
+
+
+def _requests_answered(server: PickerServer) -> float:
+    from prometheus_client import generate_latest
+
+    from kvroute.kvcore.stats import parse_metrics
+
+    text = generate_latest(server.picker.metrics.registry).decode()
+    return float(parse_metrics(text).sum("kvroute_requests_total"))

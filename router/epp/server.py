@@ -167,8 +167,13 @@ class PickerServer:
             if watcher.synced.is_set() and not self.synced.is_set():
                 await self._now_synced()
 
-    async def stop(self, grace_s: float = 5.0) -> None:
+    async def stop(self, grace_s: float = 5.0, unready_s: float = 0.0) -> None:
+        """Stop: NOT_SERVING first; ``unready_s`` more of taking streams while the gateway's
+        health check notices (a delay for another process to act on, not a wait for this
+        one), then no new streams and ``grace_s`` for the open ones."""
         self._set_health(READINESS_SERVICES, serving=False)
+        if unready_s > 0:
+            await asyncio.sleep(unready_s)
         self.health.close_watches()
         task = self._apply_task
         if task is not None:
@@ -216,4 +221,4 @@ async def serve(config: Config) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop(config.shutdown.drain_timeout_s)
+    await server.stop(config.shutdown.drain_timeout_s, config.epp.unready_delay_s)
