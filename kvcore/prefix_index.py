@@ -66,6 +66,7 @@ from typing import NamedTuple, cast
 
 from kvroute.kvcore import packed_runs
 from kvroute.kvcore.block_hashing import chain_hashes, root_seed
+from kvroute.kvcore.kv_tiers import TierCapacity, TierHoldings, TierRun
 from kvroute.kvcore.packed_runs import Run, W, find, unpack, word
 
 DEFAULT_MEDIUM = "GPU"
@@ -109,7 +110,19 @@ class IndexStats:
 
 
 class _Replica:
-    __slots__ = ("bit", "both", "extra", "index", "last_new", "last_old", "maps", "name", "pbit")
+    __slots__ = (
+        "bit",
+        "both",
+        "capacity",
+        "extra",
+        "index",
+        "last_new",
+        "last_old",
+        "maps",
+        "name",
+        "pbit",
+        "tiers",
+    )
 
     def __init__(self, name: str, index: int, shift: int) -> None:
         self.name = name
@@ -123,6 +136,10 @@ class _Replica:
         # stores one event after another share one value object (fewer ints, and equal pieces
         # next to each other merge).
         self.last_old = self.last_new = 0
+        self.capacity = TierCapacity()
+        # Blocks per tier, kept from the first event of a tier other than the GPU on (a
+        # replica without offloading costs nothing more).
+        self.tiers: TierHoldings | None = None
 
 
 class PrefixIndex:
@@ -153,6 +170,8 @@ class PrefixIndex:
         self.stats = IndexStats()
         # The block size of the last BlockStored applied: how the router learns the replicas'.
         self.block_size: int | None = None
+        # Whether some replica announced a tier below its GPU (then ``tier_run`` answers).
+        self.tiered = False
 
     # --- replicas -------------------------------------------------------------------------
 
@@ -269,6 +288,17 @@ class PrefixIndex:
                     del emap[eh]
             added = self._map_blocks(rep, emap, ehs, hashes)
         self.stats.stored += len(added)
+        rep.capacity.update(med, len(emap))
+        tiers = rep.tiers
+        if tiers is None and med != DEFAULT_MEDIUM:
+            tiers = rep.tiers = TierHoldings()
+            self.tiered = True
+            gpu = rep.maps.get(DEFAULT_MEDIUM)
+            if gpu:
+                tiers.add(DEFAULT_MEDIUM, gpu.values())
+            tiers.add(med, emap.values())
+        elif tiers is not None and added:
+            tiers.add(med, added)
         if added:
             self._entries += self._hold(rep, added, parent)
         return len(added)
@@ -424,7 +454,8 @@ class PrefixIndex:
     ) -> int:
         """Apply one BlockRemoved event; returns the blocks removed (unknown ones are counted)."""
         rep = self._replicas.get(replica)
-        emap = rep.maps.get(medium or DEFAULT_MEDIUM) if rep is not None else None
+        med = medium or DEFAULT_MEDIUM
+        emap = rep.maps.get(med) if rep is not None else None
         if rep is None or emap is None:
             self.stats.unknown_removed += len(engine_hashes)
             return 0
@@ -435,6 +466,9 @@ class PrefixIndex:
                 self.stats.unknown_removed += 1
                 continue
             gone.append(rh)
+        rep.capacity.update(med, len(emap), removed=bool(gone))
+        if rep.tiers is not None:
+            rep.tiers.drop(med, gone)
         self._release(rep, gone)
         self.stats.removed += len(gone)
         return len(gone)
@@ -461,6 +495,9 @@ class PrefixIndex:
         self._apply(new)
         rep.maps = {}
         rep.extra = {}
+        rep.capacity.clear()
+        if rep.tiers is not None:
+            rep.tiers = TierHoldings()
 
     def _release(self, rep: _Replica, hashes: Iterable[int]) -> None:
         """Drop one reference of ``rep`` to each of these blocks (each it holds)."""
@@ -485,6 +522,23 @@ class PrefixIndex:
             new[rh] = new.get(rh, current[rh]) ^ both
         self._entries -= len(dropped)
         self._apply(new)
+
+    # --- tiers ----------------------------------------------------------------------------
+
+    def tier_run(
+        self, replica: str, router_hashes: Sequence[int], match: PrefixMatch
+    ) -> TierRun | None:
+        """How ``replica`` would serve the prompt its ``match`` covers, tier by tier
+        (kvcore/kv_tiers.py); None when it has announced no tier but its GPU."""
+        rep = self._replicas.get(replica)
+        if rep is None or rep.tiers is None:
+            return None
+        return rep.tiers.run(router_hashes, match.confirmed, match.blocks)
+
+    def tier_capacity(self) -> dict[str, dict[str, dict[str, int | bool]]]:
+        """Per replica and tier: blocks held, the capacity learnt from its events, and whether
+        that is its size (the tier has evicted) or a lower bound."""
+        return {rep.name: rep.capacity.describe() for rep in self._by_index}
 
     # --- predictions ----------------------------------------------------------------------
 

@@ -1,0 +1,226 @@
+"""KV tiers: events per medium into the index, the tier a prefix would load from, the capacity
+learnt from events, kv_aware's cost modes, and the fast engine's offload tiers."""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+
+import msgspec
+import pytest
+
+from kvroute.kvcore.block_hashing import block_hashes
+from kvroute.kvcore.kv_events import decode_event_batch, tier_of
+from kvroute.kvcore.prefix_index import PrefixIndex, PrefixMatch
+from kvroute.policies import FleetView, ReplicaState, RouteRequest
+from kvroute.policies.kv_aware import KvAware
+from kvroute.simulator.engine.config import EngineConfig, OffloadTier
+from kvroute.simulator.engine.latency import PRESETS
+from kvroute.simulator.engine.offload import offload_tiers
+from kvroute.simulator.fleet.fast_engine import FastEngine
+from kvroute.simulator.fleet.units import SimRequest
+
+BS = 4
+TOKENS = list(range(100, 100 + 8 * BS))  # 8 blocks
+ENGINE = [1000 + i for i in range(8)]
+
+
+def stored(index: PrefixIndex, medium: str, first: int, last: int, replica: str = "r") -> None:
+    parent = ENGINE[first - 1] if first else None
+    index.apply_stored(
+        replica, ENGINE[first:last], parent, TOKENS[first * BS : last * BS], BS, medium
+    )
+
+
+def run_of(index: PrefixIndex, replica: str = "r") -> tuple[int, tuple[tuple[str, int], ...]]:
+    hashes = block_hashes(TOKENS, BS)
+    match = index.match(hashes, 0.0)[replica]
+    tier_run = index.tier_run(replica, hashes, match)
+    assert tier_run is not None
+    return tier_run.gpu, tier_run.lower
+
+
+def test_a_gpu_eviction_leaves_the_cpu_copy_and_the_prefix_loads_from_there() -> None:
+    index = PrefixIndex()
+    stored(index, "GPU", 0, 8)
+    assert index.tier_run("r", block_hashes(TOKENS, BS), PrefixMatch(8, 8)) is None  # GPU only
+    assert not index.tiered
+    stored(index, "CPU", 0, 8)  # write-through: every computed block offloaded
+    assert run_of(index) == (8, ())
+    # The GPU evicts the tail (vLLM frees a request's blocks tail first): 5..7 load from CPU.
+    index.apply_removed("r", ENGINE[5:], "GPU")
+    assert run_of(index) == (5, (("CPU", 3),))
+    # The CPU evicting a block the GPU still holds changes nothing for the GPU run.
+    index.apply_removed("r", ENGINE[:2], "CPU")
+    assert run_of(index) == (5, (("CPU", 3),))
+    # A block on no tier ends the connector's lookup there.
+    index.apply_removed("r", ENGINE[6:7], "CPU")
+    assert run_of(index) == (5, (("CPU", 1),))
+
+
+def test_the_fastest_lower_tier_serves_each_block() -> None:
+    index = PrefixIndex()
+    stored(index, "GPU", 0, 2)
+    stored(index, "STORAGE", 0, 8)
+    stored(index, "CPU", 0, 5)
+    assert run_of(index) == (2, (("CPU", 3), ("STORAGE", 3)))
+
+
+def test_capacity_is_learnt_from_events_and_known_once_the_tier_evicts() -> None:
+    index = PrefixIndex()
+    stored(index, "GPU", 0, 8)
+    stored(index, "CPU", 0, 6)
+    seen = index.tier_capacity()["r"]
+    assert seen["GPU"] == {"held_blocks": 8, "capacity_blocks": 8, "capacity_known": False}
+    index.apply_removed("r", ENGINE[4:], "GPU")
+    seen = index.tier_capacity()["r"]
+    assert seen["GPU"] == {"held_blocks": 4, "capacity_blocks": 8, "capacity_known": True}
+    assert seen["CPU"]["capacity_blocks"] == 6 and not seen["CPU"]["capacity_known"]
+    index.clear_replica("r")
+    assert index.tier_capacity()["r"]["GPU"]["held_blocks"] == 0
+    assert index.tier_capacity()["r"]["GPU"]["capacity_blocks"] == 8
+
+
+def test_tier_names_keep_remote_copies_apart() -> None:
+    assert tier_of(None) == "GPU"
+    assert tier_of("CPU", "LOCAL") == "CPU"
+    assert tier_of("STORAGE", "REMOTE") == "STORAGE:REMOTE"
+
+
+@pytest.mark.skipif(find_spec("vllm") is None, reason="vllm is not installed")
+def test_offload_events_as_vllm_encodes_them_decode_with_their_medium() -> None:
+    from vllm.distributed import kv_events as v
+
+    batch = v.KVEventBatch(
+        ts=1.0,
+        events=[
+            v.BlockStored(
+                block_hashes=[7, 8],
+                parent_block_hash=None,
+                token_ids=list(range(8)),
+                block_size=4,
+                lora_id=None,
+                medium=v.MEDIUM_CPU,
+                lora_name=None,
+                group_idx=0,
+                locality="REMOTE",
+            ),
+            # vLLM's offloading connector without self-describing events: a placeholder.
+            v.BlockStored(
+                block_hashes=[9],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=0,
+                lora_id=None,
+                medium=v.MEDIUM_CPU,
+                lora_name=None,
+            ),
+            v.BlockRemoved(block_hashes=[7], medium=v.MEDIUM_STORAGE, group_idx=0),
+        ],
+    )
+    _, events, _ = decode_event_batch(msgspec.msgpack.Encoder().encode(batch))
+    assert len(events) == 2  # the placeholder is skipped, not the batch
+    first, removed = events
+    assert tier_of(first.medium, first.locality) == "CPU:REMOTE"  # type: ignore[union-attr]
+    assert tier_of(removed.medium, removed.locality) == "STORAGE"  # type: ignore[union-attr]
+
+
+def _decide(policy: KvAware, held: dict[str, tuple[tuple[str, int], ...]]) -> str:
+    fleet = FleetView([ReplicaState("gpu"), ReplicaState("cpu")])
+    # "gpu" holds 8k on its GPU but has 1k queued; "cpu" holds the same 8k on CPU, idle.
+    fleet.replicas[0].prefill_tokens = 1000
+    fleet.replicas[0].prefilling = 1
+    fleet.replicas[0].in_flight = 1
+    request = RouteRequest(
+        prompt_tokens=8192 + 256,
+        max_tokens=16,
+        block_hashes=(1, 2, 3),
+        prefix_tokens={"gpu": 8192, "cpu": 8192},
+        block_tokens=16,
+        prefix_tiers=held,
+    )
+    return policy.decide(request, fleet).chosen
+
+
+def test_fixed_weights_and_the_time_cost_differ_where_loading_is_cheap() -> None:
+    held = {"cpu": (("CPU", 8192),)}
+    # llm-d's weights: CPU tokens cost 0.2 of a computed one, 1.6k > the 1k queue.
+    assert _decide(KvAware(tier_mode="weights", session_ttl_s=0), held) == "gpu"
+    # In time: 8k tokens x 128 KiB over 51 GB/s = 21 ms, ~640 prefill tokens at 32 us.
+    assert _decide(KvAware(tier_mode="time", session_ttl_s=0), held) == "cpu"
+    # A slow tier in time costs more than the weights say.
+    slow = KvAware(tier_mode="time", storage_load_gbps=0.5, session_ttl_s=0)
+    assert _decide(slow, {"cpu": (("STORAGE", 8192),)}) == "gpu"
+
+
+def test_bad_tier_parameters_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="tier_mode must be one of time, weights, flat"):
+        KvAware(tier_mode="fast")
+    with pytest.raises(ValueError, match="cpu_weight"):
+        KvAware(cpu_weight=1.5)
+    with pytest.raises(ValueError, match="storage_load_gbps"):
+        KvAware(storage_load_gbps=0)
+
+
+def _request(index: int, keys: tuple[int, ...], arrival: float = 0.0) -> SimRequest:
+    return SimRequest(
+        index=index,
+        arrival_s=arrival,
+        input_tokens=len(keys) * 64,
+        output_tokens=2,
+        unit_keys=keys,
+        full_units=len(keys),
+        route_hashes=keys,
+    )
+
+
+def _drain(engine: FastEngine, now: float) -> tuple[float, list[tuple[object, ...]]]:
+    """Run the engine until idle; the time it ends and the index operations it sent."""
+    ops: list[tuple[object, ...]] = []
+    end = engine.start(now)
+    while end is not None:
+        now = end
+        report = engine.complete()
+        ops += report.index_ops
+        end = engine.start(now)
+    return now, ops
+
+
+def test_the_fast_engine_offloads_on_store_and_loads_a_gpu_miss_back_at_the_tier_speed() -> None:
+    latency = PRESETS["llama-3.1-8b-h100"]
+    cpu = OffloadTier("CPU", 1000, 1e9)  # 1 GB/s: 2 units (128 tokens) load in 16.8 ms
+    config = EngineConfig(block_size=16, num_blocks=16, latency=latency, offload=(cpu,))
+    engine = FastEngine(config, block_tokens=64)
+    engine.add(_request(0, (11, 12, 13)), 0, 2)
+    now, ops = _drain(engine, 0.0)
+    assert ops == [
+        ("stored", [11, 12, 13], None, [11, 12, 13], 1),  # GPU
+        ("stored", [11, 12, 13], None, [11, 12, 13], 1, "CPU"),  # offloaded on store
+    ]
+    # Another prompt needs the room: the GPU evicts all three (a request's tail first); the
+    # CPU keeps them.
+    engine.add(_request(1, (21, 22, 23)), 0, 2)
+    now, ops = _drain(engine, now)
+    assert [op for op in ops if op[0] == "removed"] == [("removed", [13, 12]), ("removed", [11])]
+    # 11 and 12 load from CPU at 1 GB/s before the request runs (13 holds the prompt's last
+    # token, which is always computed).
+    assert engine.cached_prompt_tokens(_request(2, (11, 12, 13))) == 0
+    engine.add(_request(2, (11, 12, 13)), 0, 2)
+    end = engine.start(now)
+    assert end == pytest.approx(now + 2 * 64 * latency.kv_bytes_per_token / 1e9)
+    assert engine.loaded_tokens == {"CPU": 2 * 64}
+    report = engine.complete()
+    assert report.lookups == [(2, 3 * 64, 2 * 64)]  # loaded tokens count as hits
+    assert ("stored", [11, 12], None, [11, 12], 1) in report.index_ops  # in the GPU cache again
+    now, _ = _drain(engine, end)
+    assert now > end
+
+
+def test_node_presets_give_a_replica_its_share_and_bad_names_are_refused() -> None:
+    qwen = PRESETS["qwen3-32b-2xh100"]
+    cpu, disk = offload_tiers("cpu+disk", qwen, 16)
+    assert cpu.medium == "CPU" and disk.medium == "STORAGE"
+    assert cpu.num_blocks * 16 * qwen.kv_bytes_per_token == pytest.approx(2e12 * 0.8 / 4, rel=1e-3)
+    assert disk.load_bytes_per_s < cpu.load_bytes_per_s
+    assert offload_tiers("cpu", qwen, 16, cpu_tokens=1600)[0].num_blocks == 100
+    with pytest.raises(ValueError, match="KV tiers must be one of none, cpu, cpu\\+disk"):
+        offload_tiers("ram", qwen, 16)
