@@ -224,3 +224,34 @@ def test_node_presets_give_a_replica_its_share_and_bad_names_are_refused() -> No
     assert offload_tiers("cpu", qwen, 16, cpu_tokens=1600)[0].num_blocks == 100
     with pytest.raises(ValueError, match="KV tiers must be one of none, cpu, cpu\\+disk"):
         offload_tiers("ram", qwen, 16)
+
+
+def test_the_router_exports_each_replica_tier_and_its_learnt_capacity() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.registry import Collector
+
+    from kvroute.router.pools import _tier_families
+
+    index = PrefixIndex()
+    stored(index, "GPU", 0, 8)
+    stored(index, "CPU", 0, 8)
+    index.apply_removed("r", ENGINE[6:], "GPU")
+
+    class Tiers(Collector):
+        def collect(self):  # type: ignore[no-untyped-def]
+            return _tier_families(index.tier_capacity())
+
+    registry = CollectorRegistry()
+    registry.register(Tiers())
+    text = generate_latest(registry).decode()
+    seen = {
+        (f.name, s.labels["tier"]): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert seen[("kvroute_kv_tier_blocks", "GPU")] == 6
+    assert seen[("kvroute_kv_tier_capacity_blocks", "GPU")] == 8
+    assert seen[("kvroute_kv_tier_capacity_known", "GPU")] == 1
+    assert seen[("kvroute_kv_tier_blocks", "CPU")] == 8
+    assert seen[("kvroute_kv_tier_capacity_known", "CPU")] == 0
