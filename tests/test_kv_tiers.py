@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from kvroute.kvcore.block_hashing import block_hashes
-from kvroute.kvcore.kv_events import decode_event_batch, tier_of
+from kvroute.kvcore.kv_events import BlockRemoved, BlockStored, decode_event_batch, tier_of
 from kvroute.kvcore.prefix_index import PrefixIndex, PrefixMatch
 from kvroute.policies import FleetView, ReplicaState, RouteRequest
 from kvroute.policies.kv_aware import KvAware
@@ -255,3 +255,72 @@ def test_the_router_exports_each_replica_tier_and_its_learnt_capacity() -> None:
     assert seen[("kvroute_kv_tier_capacity_known", "GPU")] == 1
     assert seen[("kvroute_kv_tier_blocks", "CPU")] == 8
     assert seen[("kvroute_kv_tier_capacity_known", "CPU")] == 0
+
+
+def _run_engine(engine: object, t: float = 0.0) -> tuple[float, list[object]]:
+    from kvroute.simulator.engine import Engine
+
+    assert isinstance(engine, Engine)
+    events: list[object] = []
+    while engine.has_unfinished_requests():
+        out = engine.step(t)
+        t += out.duration_s
+        events += out.events
+    return t, events
+
+
+@pytest.mark.skipif(find_spec("vllm") is None, reason="vllm is not installed")
+def test_the_emulated_engine_offloads_to_cpu_with_vllms_events_and_loads_back() -> None:
+    from vllm.distributed import kv_events as v
+
+    from kvroute.kvcore.kv_events import encode_event_batch
+    from kvroute.simulator.engine import Engine, EngineRequest
+
+    latency = PRESETS["llama-3.1-8b-h100"]
+    cpu = OffloadTier("CPU", 64, 1e9)
+    engine = Engine(EngineConfig(block_size=16, num_blocks=8, latency=latency, offload=(cpu,)))
+    a = list(range(1, 81))  # 5 blocks
+    engine.add_request(EngineRequest("a", a, 1, 0.0))
+    t, first = _run_engine(engine)
+    engine.add_request(EngineRequest("b", list(range(500, 580)), 1, t))  # evicts a on GPU
+    t, second = _run_engine(engine, t)
+    engine.add_request(EngineRequest("a2", [*a, 7, 7], 1, t))  # a's 5 blocks: loaded from CPU
+    before = engine.stats
+    t2, third = _run_engine(engine, t)
+    after = engine.stats
+
+    # vLLM's own decoder reads the events: stores on CPU carry the GPU's hashes and tokens.
+    wire = encode_event_batch(1.0, [*first, *second, *third], 0, "map")
+    batch = msgspec.msgpack.Decoder(v.KVEventBatch).decode(wire)
+    cpu_stored = [e for e in batch.events if isinstance(e, v.BlockStored) and e.medium == "CPU"]
+    gpu_stored = [e for e in batch.events if isinstance(e, v.BlockStored) and e.medium == "GPU"]
+    assert cpu_stored[0].block_hashes == gpu_stored[0].block_hashes
+    assert cpu_stored[0].token_ids == a[:80]
+    gpu_removed = [e for e in batch.events if isinstance(e, v.BlockRemoved) and e.medium == "GPU"]
+    assert gpu_removed and not any(
+        isinstance(e, v.BlockRemoved) and e.medium == "CPU" for e in batch.events
+    )
+    # The third request hit what the GPU kept of a and loaded the rest from CPU instead of
+    # computing it, which took the time of those tokens' KV at 1 GB/s on top of its step.
+    evicted = {h for e in gpu_removed for h in e.block_hashes}
+    loaded = 16 * sum(1 for h in gpu_stored[0].block_hashes if h in evicted)
+    assert loaded > 0
+    by_source = [
+        x - y
+        for x, y in zip(after.prompt_tokens_by_source, before.prompt_tokens_by_source, strict=True)
+    ]
+    assert by_source == [2, 80 - loaded, loaded]  # computed, local hit, loaded ("external")
+    load_bytes = loaded * latency.kv_bytes_per_token
+    assert after.offload_load_bytes - before.offload_load_bytes == load_bytes
+    assert t2 - t > load_bytes / 1e9
+
+    # The router's index, fed the same events, says where a2's prefix would come from.
+    index = PrefixIndex()
+    for e in [*first, *second]:
+        if isinstance(e, BlockStored):
+            index.apply_stored("r", e.block_hashes, e.parent_block_hash, e.token_ids, 16, e.medium)
+        elif isinstance(e, BlockRemoved):
+            index.apply_removed("r", e.block_hashes, e.medium)
+    hashes = block_hashes(a, 16)
+    run = index.tier_run("r", hashes, index.match(hashes, 0.0)["r"])
+    assert run == (5 - loaded // 16, (("CPU", loaded // 16),))

@@ -14,6 +14,8 @@ A replica of ``g`` GPUs gets ``g / 8`` of its node.
 
 from __future__ import annotations
 
+import math
+
 from .config import OffloadTier
 from .latency import LatencyModel
 
@@ -61,3 +63,18 @@ def _blocks(tokens: int | None, block_size: int, default: float) -> int:
             raise ValueError(f"a KV tier must hold at least one block ({block_size} tokens)")
         return tokens // block_size
     return max(1, int(default))
+
+
+def cpu_offload(
+    size_gib: float | None, latency: LatencyModel, block_size: int
+) -> tuple[OffloadTier, ...]:
+    """vLLM's ``--kv-offloading-size GIB`` (native CPU backend): a CPU tier of that many GiB
+    over all the replica's GPUs, loaded at the node preset's PCIe speed; None: no tier."""
+    if size_gib is None:
+        return ()
+    if not (math.isfinite(size_gib) and size_gib > 0):
+        raise ValueError(f"--kv-offloading-size must be a number of GiB > 0, got {size_gib}")
+    blocks = int(size_gib * 2**30 // (latency.kv_bytes_per_token * block_size))
+    if blocks < 1:
+        raise ValueError(f"--kv-offloading-size {size_gib} GiB holds not one KV block")
+    return (OffloadTier("CPU", blocks, PCIE_BYTES_PER_S * PCIE_EFFICIENCY * latency.num_gpus),)

@@ -37,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.kv_bytes_per_token = 0.0  # for offload loads' time (the engine sets it)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -101,6 +102,11 @@ class Scheduler:
                 # (whose blocks are allocated and cached now, as vLLM's once received); the
                 # prompt's last token is computed all the same, for its logits.
                 ready = num_hit_tokens
+                if kv.pool.offload and not seq.external_tokens and seq.num_preemptions == 0:
+                    # Loaded back from an offload tier (the connector's lookup after the GPU's).
+                    loaded = kv.offload_hits(seq, len(hits), self.kv_bytes_per_token)
+                    if loaded:
+                        seq.external_tokens = num_hit_tokens + loaded * bs
                 if seq.external_tokens:
                     ready = max(ready, min(seq.external_tokens, len(seq.token_ids) - 1))
                 n = min(len(seq.token_ids) - ready, budget)

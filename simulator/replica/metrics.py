@@ -105,6 +105,15 @@ class _EngineCollector(Collector):
             counter.add_metric(self._labels, value)
             yield counter
         yield from _prompt_sources(self._labels, s)
+        if s.offload:  # vLLM's OffloadingConnector metrics (its flat names, 0.32)
+            for name, doc, value in (
+                ("vllm:kv_offload_load_bytes", "Total bytes loaded from offload storage to GPU.", s.offload_load_bytes),
+                ("vllm:kv_offload_load_time", "Total load time from offload storage to GPU, in seconds.", s.offload_load_seconds),
+                ("vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage.", s.offload_store_bytes),
+            ):  # fmt: skip
+                counter = CounterMetricFamily(name, doc, labels=LABELS)
+                counter.add_metric(self._labels, value)
+                yield counter
         c = self._config
         info = {
             "block_size": str(c.block_size),
