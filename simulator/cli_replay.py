@@ -39,7 +39,12 @@ from kvroute.simulator.engine.latency import (
     PRESETS,
     latency_preset,
 )
-from kvroute.simulator.engine.offload import TIER_PRESETS, offload_tiers
+from kvroute.simulator.engine.offload import (
+    HOST_BYTES_PER_NODE,
+    PCIE_BYTES_PER_S,
+    TIER_PRESETS,
+    offload_tiers,
+)
 from kvroute.simulator.fleet import (
     ENGINE_MODELS,
     SHARE_MODES,
@@ -1512,8 +1517,8 @@ def _plan_kv(args: argparse.Namespace) -> int:
     print("\n".join(budget.lines))
     print(
         "assumptions: host offload over PCIe Gen5 x16 at "
-        f"{capacity.PCIE_BYTES_PER_S / 1e9:g} GB/s per GPU, "
-        f"{capacity.HOST_BYTES_PER_NODE / 1e12:g} TB host DRAM per node; context parallelism "
+        f"{PCIE_BYTES_PER_S / 1e9:g} GB/s per GPU, "
+        f"{HOST_BYTES_PER_NODE / 1e12:g} TB host DRAM per node; context parallelism "
         f"over {capacity.NETWORK_BYTES_PER_S / 1e9:g} GB/s per GPU, "
         f"{capacity.NETWORK_LATENCY_S * 1e6:g} us per collective"
     )

@@ -9,7 +9,9 @@ offloading semantics) four ways at each rate, on one trace:
 * ``gpu-only``: no offload tier (the baseline llm-d compares against);
 * ``cpu-flat``: a CPU tier, the router counting a block on CPU as on the GPU;
 * ``cpu-weights``: a CPU tier, fixed tier weights (llm-d's GPU 1.0 / CPU 0.8);
-* ``cpu-time``: a CPU tier, the cost in time (load at PCIe speed vs prefill, kvroute's default).
+* ``cpu-time``: a CPU tier, the cost in time (load at PCIe speed vs prefill, kvroute's default);
+* ``disk-weights``/``disk-time`` (on request): a CPU tier a quarter of llm-d's, under the working
+  set, then the node's NVMe: fixed weights (disk 0.25) against the cost in time.
 
 Throughput is output tokens per second over the makespan (llm-d's measure), its gain against
 ``gpu-only`` at the same rate; TTFT and the hit rate (tokens from any tier) beside it.
@@ -26,7 +28,6 @@ from pathlib import Path
 
 from kvroute.bench.argtypes import add_report_args, positive_int
 from kvroute.bench.harness.host import machine_line, record
-from kvroute.bench.harness.report import reproduce_command
 from kvroute.kvcore.stats import percentile
 from kvroute.simulator.fleet.results import SimResult
 
@@ -34,7 +35,11 @@ from kvroute.simulator.fleet.results import SimResult
 LLMD_GAINS = {5.0: 0.11, 10.0: 0.36, 20.0: 1.62, 40.0: 1.86}
 CPU_TOKENS_TOTAL = 10_500_000  # llm-d's CPU tier over the 8 replicas
 PRESET = "qwen3-32b-2xh100"
-ARMS = ("gpu-only", "cpu-flat", "cpu-weights", "cpu-time")
+ARMS = ("gpu-only", "cpu-flat", "cpu-weights", "cpu-time", "disk-weights", "disk-time")
+DEFAULT_ARMS = ARMS[:4]
+# The disk arms: a CPU tier a quarter of llm-d's (2.6M tokens, under the 4.64M working set),
+# then local NVMe (the node preset): part of the working set lives only on disk.
+DISK_CPU_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class Row:
     ttft_p50_s: float
     ttft_p99_s: float
     hit_rate: float
-    loaded_share: float  # of prompt tokens, loaded from the CPU tier
+    loaded_share: float  # of prompt tokens, loaded from an offload tier
 
 
 def workload(rate: float, duration_s: float) -> str:
@@ -65,12 +70,15 @@ def run_arm(rate: float, arm: str, duration_s: float, replicas: int, seed: int) 
     from kvroute.simulator.traces.loader import load_trace
 
     latency = latency_preset(PRESET)
-    tiers = "none" if arm == "gpu-only" else "cpu"
-    offload = offload_tiers(tiers, latency, 16, cpu_tokens=CPU_TOKENS_TOTAL // replicas)
+    tiers = "none" if arm == "gpu-only" else "cpu+disk" if arm.startswith("disk") else "cpu"
+    cpu_tokens = CPU_TOKENS_TOTAL // replicas
+    if arm.startswith("disk"):
+        cpu_tokens = int(cpu_tokens * DISK_CPU_SHARE)
+    offload = offload_tiers(tiers, latency, 16, cpu_tokens=cpu_tokens)
     config = FleetConfig(
         replicas=replicas, engine=engine_config(latency, seed=seed, offload=offload)
     )
-    mode = arm.removeprefix("cpu-") if arm != "gpu-only" else "time"
+    mode = arm.split("-", 1)[1] if arm != "gpu-only" else "time"
     # llm-d's load generator sends no session key: no live-session routing here either.
     params = [("tier_mode", mode), ("session_ttl_s", 0.0)]
     policy = policy_object("kv_aware", seed, params, fleet_defaults(config))
@@ -89,7 +97,7 @@ def _row(rate: float, arm: str, result: SimResult) -> Row:
         percentile(ttfts, 0.5),
         percentile(ttfts, 0.99),
         result.hit_rate(),
-        result.loaded_tokens.get("CPU", 0) / queried if queried else 0.0,
+        sum(result.loaded_tokens.values()) / queried if queried else 0.0,
     )
 
 
@@ -97,7 +105,7 @@ def table(rows: Sequence[Row]) -> list[str]:
     base = {r.rate: r.throughput for r in rows if r.arm == "gpu-only"}
     lines = [
         "| QPS | arm | output tok/s | vs gpu-only | llm-d's gain | TTFT p50 | TTFT p99 | hit rate "
-        "| loaded from CPU |",
+        "| loaded from tiers |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -112,6 +120,15 @@ def table(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
+def command(args: argparse.Namespace) -> str:
+    """The command that reproduces this run, every setting spelt out."""
+    return (
+        f"kvroute bench tiers --rates {','.join(f'{r:g}' for r in args.rates)} "
+        f"--arms {','.join(args.arms)} --duration {args.duration:g} --replicas {args.replicas} "
+        f"--seed {args.seed}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     machine = machine_line()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -124,10 +141,11 @@ def run(args: argparse.Namespace) -> int:
     lines = [
         f"## KV tiers: llm-d's tiered workload in the simulator ({started})",
         "",
-        f"Command: `{reproduce_command(sys.argv, 'tiers')}`",
+        f"Command: `{command(args)}`",
         f"Machine: {machine}; wall {time.perf_counter() - wall:,.0f} s. Simulated: {args.replicas} "
         f"replicas of {PRESET} (GPU KV from the preset), CPU tier {CPU_TOKENS_TOTAL:,} tokens "
-        f"over the fleet, loads at the node preset's PCIe speed; trace "
+        f"over the fleet (disk arms: {DISK_CPU_SHARE:g} of it, then the node preset's NVMe), "
+        "loads at the node preset's speeds; trace "
         f"`{workload(0, args.duration).replace('rate=0,', 'rate=R,')}`, seed {args.seed}.",
         "",
         *table(rows),
@@ -171,7 +189,10 @@ def add_tiers_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--rates", type=_float_list, default=[5.0, 10.0, 20.0, 40.0], help="QPS (5,10,20,40)."
     )
     p.add_argument(
-        "--arms", type=_arm_list, default=list(ARMS), help=f"Which to run ({','.join(ARMS)})."
+        "--arms",
+        type=_arm_list,
+        default=list(DEFAULT_ARMS),
+        help=f"Which to run (default {','.join(DEFAULT_ARMS)}; all: {','.join(ARMS)}).",
     )
     p.add_argument(
         "--duration", type=float, default=300.0, help="Seconds of arrivals per rate (300)."
