@@ -20,6 +20,7 @@ from kvroute.router.config import config_from_dict
 from kvroute.router.runner import app_runner
 from kvroute.router.server import Router
 from kvroute.simulator.engine import EngineConfig, latency_preset
+from kvroute.simulator.engine.config import OffloadTier
 from kvroute.simulator.replica.faults import Faults
 from kvroute.simulator.replica.server import EmulatedReplica, ReplicaOptions
 
@@ -182,6 +183,7 @@ async def launch_emulated(
     kv_transfer: dict[str, Any] | None = None,
     preset: str = "tiny-cpu",
     enable_scale_out: bool = False,
+    offload: tuple[OffloadTier, ...] = (),
 ) -> tuple[web.AppRunner, Running]:
     """An in-process emulated vLLM replica (built-in tokenizer) publishing KV events over ZMQ;
     the caller cleans its runner up."""
@@ -194,6 +196,7 @@ async def launch_emulated(
             max_num_seqs=8,
             latency=latency_preset(preset),
             max_loras=max_loras,
+            offload=offload,
         ),
         time_scale=time_scale,
         kv_events={

@@ -19,6 +19,8 @@ from kvroute.simulator.engine.offload import offload_tiers
 from kvroute.simulator.fleet.fast_engine import FastEngine
 from kvroute.simulator.fleet.units import SimRequest
 
+from .conftest import StartEmulated, StartRouter
+
 BS = 4
 TOKENS = list(range(100, 100 + 8 * BS))  # 8 blocks
 ENGINE = [1000 + i for i in range(8)]
@@ -324,3 +326,56 @@ def test_the_emulated_engine_offloads_to_cpu_with_vllms_events_and_loads_back() 
     hashes = block_hashes(a, 16)
     run = index.tier_run("r", hashes, index.match(hashes, 0.0)["r"])
     assert run == (5 - loaded // 16, (("CPU", loaded // 16),))
+
+
+async def test_a_live_router_follows_an_emulated_replicas_cpu_tier(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    import aiohttp
+    import openai
+
+    from kvroute.kvcore.stats import parse_metrics
+    from kvroute.kvcore.tokenizer import SimpleTokenizer
+
+    from .helpers import wait_until
+
+    replica = await start_emulated(num_blocks=16, offload=(OffloadTier("CPU", 256, 1e9),))
+    source = {
+        "url": replica.url,
+        "name": "emu",
+        "kv_events": replica.events,
+        "kv_replay": replica.replay,
+    }
+    r = await start_router([source])
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    first = "The first tenant's long system prompt, cached and then pushed out. " * 4
+    other = "Another tenant's prompt takes the whole GPU cache of this small replica. " * 8
+    await client.completions.create(model="tiny", prompt=first, max_tokens=2)
+    await client.completions.create(model="tiny", prompt=other, max_tokens=2)
+    hashes = block_hashes(SimpleTokenizer().encode(first), 16)
+
+    def lower() -> int:
+        match = r.router.index.match(hashes, now=0.0).get("emu")
+        run = r.router.index.tier_run("emu", hashes, match) if match else None
+        return sum(n for _, n in run.lower) if run else 0
+
+    # The GPU evicted the first prompt; the router sees its copy on the replica's CPU tier.
+    await wait_until(lambda: lower() > 0, what="the index to place the first prompt on CPU")
+    async with aiohttp.ClientSession() as http:
+        async with http.get(r.url + "/metrics") as resp:
+            samples = {
+                (s.name, s.labels.get("tier")): s.value
+                for s in parse_metrics(await resp.text()).samples
+                if s.labels.get("replica") == "emu"
+            }
+        assert samples[("kvroute_kv_tier_blocks", "CPU")] >= len(hashes)
+        assert samples[("kvroute_kv_tier_capacity_known", "GPU")] == 1  # the GPU has evicted
+        async with http.get(r.url + "/status/events") as resp:
+            status = await resp.json()
+        [row] = [row for row in status["replicas"] if row["name"] == "emu"]
+        assert row["kv_tiers"]["CPU"]["held_blocks"] >= len(hashes)
+        # The prompt again: the replica loads it from CPU instead of computing it.
+        await client.completions.create(model="tiny", prompt=first, max_tokens=2)
+        async with http.get(replica.url + "/metrics") as resp:
+            loaded = {s.name: s.value for s in parse_metrics(await resp.text()).samples}
+        assert loaded["vllm:kv_offload_load_bytes_total"] > 0
