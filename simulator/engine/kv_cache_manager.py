@@ -33,27 +33,33 @@ class KVCacheManager:
         self.load_seconds = 0.0
         self.pending_load_s = 0.0
 
-    def offload_hits(self, seq: Sequence, start: int, kv_bytes_per_token: float) -> int:
+    def offload_hits(self, seq: Sequence, start: int) -> int:
         """After ``start`` GPU-hit blocks, how many more the offload tiers hold in a row (the
-        connector's lookup), never the block of the prompt's last token; their load is
-        counted (tokens per medium, seconds pending for the engine's step)."""
+        connector's lookup), never the block of the prompt's last token."""
         stores = self.pool.offload
         if not stores or not self.enable_caching:
             return 0
-        bs = self.block_size
-        max_blocks = (len(seq.token_ids) - 1) // bs
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
         n = 0
         for block_hash in seq.block_hashes[start:max_blocks]:
-            store = next((s for s in stores if block_hash in s), None)
-            if store is None:
+            if not any(block_hash in s for s in stores):
                 break
+            n += 1
+        return n
+
+    def charge_load(self, seq: Sequence, start: int, n: int, kv_bytes_per_token: float) -> None:
+        """``seq`` loads its blocks ``start:start + n`` from the fastest tier holding each:
+        count the tokens per medium and the seconds (pending until the engine's step)."""
+        bs = self.block_size
+        for block_hash in seq.block_hashes[start : start + n]:
+            store = next((s for s in self.pool.offload if block_hash in s), None)
+            if store is None:  # evicted by the very store that cached it again: a tiny tier
+                continue
             store.touch((block_hash,))
             self.loaded_tokens[store.medium] = self.loaded_tokens.get(store.medium, 0) + bs
             seconds = bs * kv_bytes_per_token / store.tier.load_bytes_per_s
             self.load_seconds += seconds
             self.pending_load_s += seconds
-            n += 1
-        return n
 
     def get_computed_blocks(self, seq: Sequence) -> list[Block]:
         """The longest run of cached blocks that prefixes ``seq``.
