@@ -379,3 +379,12 @@ async def test_a_live_router_follows_an_emulated_replicas_cpu_tier(
         async with http.get(replica.url + "/metrics") as resp:
             loaded = {s.name: s.value for s in parse_metrics(await resp.text()).samples}
         assert loaded["vllm:kv_offload_load_bytes_total"] > 0
+
+
+def test_the_exact_fleet_engine_passes_each_events_tier_to_the_index() -> None:
+    from kvroute.simulator.fleet.exact_engine import _op
+
+    stored_op = _op(BlockStored([1], None, [0] * 16, 16, medium="CPU"))
+    assert stored_op == ("stored", [1], None, [0] * 16, 16, "CPU")
+    assert _op(BlockRemoved([1], "STORAGE", 0, "REMOTE")) == ("removed", [1], "STORAGE:REMOTE")
+    assert _op(BlockRemoved([1], None)) == ("removed", [1], "GPU")
