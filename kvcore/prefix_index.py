@@ -286,7 +286,7 @@ class PrefixIndex:
             for eh, rh in zip(ehs, hashes, strict=True):
                 if emap.get(eh) is rh:
                     del emap[eh]
-            added = self._map_blocks(rep, emap, ehs, hashes)
+            added = self._map_blocks(rep, emap, ehs, hashes, med)
         self.stats.stored += len(added)
         rep.capacity.update(med, len(emap))
         tiers = rep.tiers
@@ -309,6 +309,7 @@ class PrefixIndex:
         emap: dict[EngineHash, int],
         engine_hashes: Sequence[EngineHash],
         hashes: list[int],
+        medium: str,
     ) -> list[int]:
         """Map the engine hashes one by one; the router hashes newly mapped, in order."""
         added: list[int] = []
@@ -325,6 +326,8 @@ class PrefixIndex:
                     added.remove(old)
                 else:
                     self._release(rep, [old])  # an engine hash reused for other content
+                    if rep.tiers is not None:
+                        rep.tiers.drop(medium, [old])
                 emap[eh] = rh
             added.append(rh)
         return added

@@ -388,3 +388,18 @@ def test_the_exact_fleet_engine_passes_each_events_tier_to_the_index() -> None:
     assert stored_op == ("stored", [1], None, [0] * 16, 16, "CPU")
     assert _op(BlockRemoved([1], "STORAGE", 0, "REMOTE")) == ("removed", [1], "STORAGE:REMOTE")
     assert _op(BlockRemoved([1], None)) == ("removed", [1], "GPU")
+
+
+def test_an_engine_hash_reused_for_other_content_leaves_its_tier_too() -> None:
+    index = PrefixIndex()
+    stored(index, "GPU", 0, 2)
+    stored(index, "CPU", 0, 2)
+    # The CPU tier's engine hash of block 1 now names other content (a broken publisher).
+    other = [7] * BS
+    index.apply_stored("r", [ENGINE[1]], ENGINE[0], other, BS, "CPU")
+    index.apply_removed("r", ENGINE[:1], "GPU")
+    # Block 0 loads from CPU; block 1 is only on the GPU now, after a miss there: the
+    # connector's lookup ends at it (its old CPU copy is gone).
+    hashes = block_hashes(TOKENS, BS)
+    match = index.match(hashes, 0.0)["r"]
+    assert index.tier_run("r", hashes, match) == (0, (("CPU", 1),))
