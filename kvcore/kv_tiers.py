@@ -86,23 +86,23 @@ class TierHoldings:
         g = sum(1 for _ in takewhile(gpu_refs.__contains__, head))
         if g == confirmed:
             return TierRun(blocks)
-        lower: list[tuple[str, int]] = []
         order = self._order
-        i = g
-        while i < confirmed:
-            rh = head[i]
-            tier = next((t for t, refs in order if rh in refs), None)
-            if tier is None:
-                break  # on no lower tier: the connector's lookup ends here
-            if lower and lower[-1][0] == tier:
-                lower[-1] = (tier, lower[-1][1] + 1)
+        tail = head[g:]
+        if len(order) == 1:  # one tier below the GPU (the common case): counted in C
+            tier, refs = order[0]
+            n = sum(1 for _ in takewhile(refs.__contains__, tail))
+            return TierRun(g, ((tier, n),) if n else ())
+        # Several: each block from the fastest tier holding it, until one holds it on none.
+        held = [list(map(refs.__contains__, tail)) for _, refs in order]
+        counts = [0] * len(order)
+        for flags in zip(*held, strict=True):
+            for k, flag in enumerate(flags):
+                if flag:
+                    counts[k] += 1
+                    break
             else:
-                lower.append((tier, 1))
-            i += 1
-        merged: dict[str, int] = {}
-        for tier, n in lower:
-            merged[tier] = merged.get(tier, 0) + n
-        return TierRun(g, tuple(sorted(merged.items(), key=lambda item: tier_rank(item[0]))))
+                break  # on no lower tier: the connector's lookup ends here
+        return TierRun(g, tuple((order[k][0], n) for k, n in enumerate(counts) if n))
 
 
 class TierCapacity:
