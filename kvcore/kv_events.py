@@ -36,6 +36,9 @@ ExternalBlockHash: TypeAlias = int | bytes
 """A block hash as it appears in events: uint64/int64 or raw digest bytes (vLLM's alias)."""
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"  # vLLM's offloading connector: host memory
+MEDIUM_STORAGE = "STORAGE"  # vLLM's tiering secondaries: local disk, file or object stores
+LOCALITY_REMOTE = "REMOTE"
 EventLayout: TypeAlias = Literal["map", "array"]
 
 
@@ -59,15 +62,28 @@ class BlockStored:
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    # Where the offloaded copy lives relative to the publisher (LOCAL/REMOTE; None: local).
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks were evicted from the cache (vLLM sends one event per evicted block)."""
+    """Blocks were evicted from the cache (vLLM sends one event per evicted block).
+
+    A removal concerns its ``medium`` only: a block offloaded to CPU stays there when the GPU
+    evicts it, and the reverse (vLLM's offloading connector announces each medium apart)."""
 
     block_hashes: list[ExternalBlockHash]
     medium: str | None = MEDIUM_GPU
     group_idx: int | None = None
+    locality: str | None = None
+
+
+def tier_of(medium: str | None, locality: str | None = None) -> str:
+    """The index's name for where a block lives: its medium (GPU when unset), with
+    ``:REMOTE`` for a copy another host keeps (loaded over the network, not a local bus)."""
+    name = medium or MEDIUM_GPU
+    return f"{name}:{LOCALITY_REMOTE}" if locality == LOCALITY_REMOTE else name
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,9 +211,10 @@ def _to_map(e: KVEvent) -> _MapEvent:
             e.extra_keys,
             e.group_idx,
             e.kv_cache_spec_kind,
+            locality=e.locality,
         )
     if isinstance(e, BlockRemoved):
-        return _MapBlockRemoved(e.block_hashes, e.medium, e.group_idx)
+        return _MapBlockRemoved(e.block_hashes, e.medium, e.group_idx, locality=e.locality)
     return _MapAllBlocksCleared()
 
 
@@ -247,12 +264,14 @@ class _InMapBlockStored(_InMapEvent, tag="BlockStored"):
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    locality: str | None = None
 
 
 class _InMapBlockRemoved(_InMapEvent, tag="BlockRemoved"):
     block_hashes: list[ExternalBlockHash]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
 
 
 class _InMapAllBlocksCleared(_InMapEvent, tag="AllBlocksCleared"):
@@ -341,6 +360,10 @@ def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
             return None
         raise MalformedEventBatch(f"bad KV event: {exc}") from exc
     if isinstance(wire, _InMapBlockStored | _InArrayBlockStored):
+        if wire.block_size == 0 and not wire.token_ids and wire.medium not in (None, MEDIUM_GPU):
+            # vLLM's offloading connector without self-describing events: a placeholder with
+            # no tokens nor block size, which no consumer can index. Skipped, not the batch.
+            return None
         if wire.block_size <= 0:
             raise MalformedEventBatch(f"bad KV event: block_size {wire.block_size}")
         parent = wire.parent_block_hash
@@ -355,9 +378,12 @@ def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
             wire.extra_keys,
             wire.group_idx,
             wire.kv_cache_spec_kind,
+            getattr(wire, "locality", None),
         )
     if isinstance(wire, _InMapBlockRemoved | _InArrayBlockRemoved):
-        return BlockRemoved(wire.block_hashes, wire.medium, wire.group_idx)
+        return BlockRemoved(
+            wire.block_hashes, wire.medium, wire.group_idx, getattr(wire, "locality", None)
+        )
     return AllBlocksCleared()
 
 

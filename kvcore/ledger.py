@@ -137,6 +137,9 @@ class DispatchLedger:
         if hashes:
             matches = self.index.match(hashes, now)
             prefix = {rid: m.blocks * block_tokens for rid, m in matches.items()}
+            tiers = (
+                self._tiers(hashes, matches, prefix, block_tokens) if self.index.tiered else None
+            )
             r = request
             request = RouteRequest(
                 r.prompt_tokens,
@@ -147,6 +150,7 @@ class DispatchLedger:
                 prefix,
                 block_tokens,
                 r.cache_ttl_s,
+                tiers,
             )
         fleet = self.fleet
         if self._shared is not None:
@@ -158,6 +162,25 @@ class DispatchLedger:
             chosen = fleet.replicas[self._slots[decision.ranked[0]]]
             route.estimate = self._regret.estimate(request, fleet.replicas, chosen)
         return route
+
+    def _tiers(
+        self,
+        hashes: Sequence[int],
+        matches: dict[str, PrefixMatch],
+        prefix: dict[str, int],
+        block_tokens: int,
+    ) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Per replica with offload tiers: what of its match it would load from them (and its
+        ``prefix`` cut to what vLLM would not compute: the GPU run, then the lower tiers')."""
+        tiers: dict[str, tuple[tuple[str, int], ...]] = {}
+        for rid, m in matches.items():
+            run = self.index.tier_run(rid, hashes, m)
+            if run is None:
+                continue
+            prefix[rid] = run.blocks * block_tokens
+            if run.lower:
+                tiers[rid] = tuple((tier, n * block_tokens) for tier, n in run.lower)
+        return tiers
 
     def dispatch(
         self, route: Route, replica: str, now: float, reason: str = "", *, predict: bool = True

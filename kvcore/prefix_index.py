@@ -66,6 +66,7 @@ from typing import NamedTuple, cast
 
 from kvroute.kvcore import packed_runs
 from kvroute.kvcore.block_hashing import chain_hashes, root_seed
+from kvroute.kvcore.kv_tiers import TierCapacity, TierHoldings, TierRun
 from kvroute.kvcore.packed_runs import Run, W, find, unpack, word
 
 DEFAULT_MEDIUM = "GPU"
@@ -109,7 +110,19 @@ class IndexStats:
 
 
 class _Replica:
-    __slots__ = ("bit", "both", "extra", "index", "last_new", "last_old", "maps", "name", "pbit")
+    __slots__ = (
+        "bit",
+        "both",
+        "capacity",
+        "extra",
+        "index",
+        "last_new",
+        "last_old",
+        "maps",
+        "name",
+        "pbit",
+        "tiers",
+    )
 
     def __init__(self, name: str, index: int, shift: int) -> None:
         self.name = name
@@ -123,6 +136,10 @@ class _Replica:
         # stores one event after another share one value object (fewer ints, and equal pieces
         # next to each other merge).
         self.last_old = self.last_new = 0
+        self.capacity = TierCapacity()
+        # Blocks per tier, kept from the first event of a tier other than the GPU on (a
+        # replica without offloading costs nothing more).
+        self.tiers: TierHoldings | None = None
 
 
 class PrefixIndex:
@@ -153,6 +170,8 @@ class PrefixIndex:
         self.stats = IndexStats()
         # The block size of the last BlockStored applied: how the router learns the replicas'.
         self.block_size: int | None = None
+        # Whether some replica announced a tier below its GPU (then ``tier_run`` answers).
+        self.tiered = False
 
     # --- replicas -------------------------------------------------------------------------
 
@@ -257,7 +276,7 @@ class PrefixIndex:
         if n < len(hashes):
             hashes = hashes[:n]
         ehs = engine_hashes if len(engine_hashes) == n else engine_hashes[:n]
-        return self._store(rep, emap, ehs, hashes, parent)
+        return self._store(rep, emap, ehs, hashes, parent, med)
 
     def _store(
         self,
@@ -266,8 +285,10 @@ class PrefixIndex:
         ehs: Sequence[EngineHash],
         hashes: list[int],
         parent: int | None,
+        med: str,
     ) -> int:
-        """Map and hold blocks whose router hashes are known (an event's, a snapshot's)."""
+        """Map and hold blocks whose router hashes are known (an event's, a snapshot's), on
+        tier ``med``."""
         n = len(hashes)
         # The engine -> router map, and the blocks this event adds to the replica.
         before = len(emap)
@@ -278,8 +299,19 @@ class PrefixIndex:
             for eh, rh in zip(ehs, hashes, strict=True):
                 if emap.get(eh) is rh:
                     del emap[eh]
-            added = self._map_blocks(rep, emap, ehs, hashes)
+            added = self._map_blocks(rep, emap, ehs, hashes, med)
         self.stats.stored += len(added)
+        rep.capacity.update(med, len(emap))
+        tiers = rep.tiers
+        if tiers is None and med != DEFAULT_MEDIUM:
+            tiers = rep.tiers = TierHoldings()
+            self.tiered = True
+            gpu = rep.maps.get(DEFAULT_MEDIUM)
+            if gpu:
+                tiers.add(DEFAULT_MEDIUM, gpu.values())
+            tiers.add(med, emap.values())
+        elif tiers is not None and added:
+            tiers.add(med, added)
         if added:
             self._entries += self._hold(rep, added, parent)
         return len(added)
@@ -328,7 +360,7 @@ class PrefixIndex:
                 while i + k < n and k < _MAX_RUN and router_hashes[i + k] not in seg:
                     k += 1
             hashes = list(router_hashes[i : i + k])
-            added += self._store(rep, emap, engine_hashes[i : i + k], hashes, parent)
+            added += self._store(rep, emap, engine_hashes[i : i + k], hashes, parent, medium)
             parent = hashes[-1]
             i += k
         return added
@@ -339,6 +371,7 @@ class PrefixIndex:
         emap: dict[EngineHash, int],
         engine_hashes: Sequence[EngineHash],
         hashes: list[int],
+        medium: str,
     ) -> list[int]:
         """Map the engine hashes one by one; the router hashes newly mapped, in order."""
         added: list[int] = []
@@ -355,6 +388,8 @@ class PrefixIndex:
                     added.remove(old)
                 else:
                     self._release(rep, [old])  # an engine hash reused for other content
+                    if rep.tiers is not None:
+                        rep.tiers.drop(medium, [old])
                 emap[eh] = rh
             added.append(rh)
         return added
@@ -484,7 +519,8 @@ class PrefixIndex:
     ) -> int:
         """Apply one BlockRemoved event; returns the blocks removed (unknown ones are counted)."""
         rep = self._replicas.get(replica)
-        emap = rep.maps.get(medium or DEFAULT_MEDIUM) if rep is not None else None
+        med = medium or DEFAULT_MEDIUM
+        emap = rep.maps.get(med) if rep is not None else None
         if rep is None or emap is None:
             self.stats.unknown_removed += len(engine_hashes)
             return 0
@@ -495,6 +531,9 @@ class PrefixIndex:
                 self.stats.unknown_removed += 1
                 continue
             gone.append(rh)
+        rep.capacity.update(med, len(emap), removed=bool(gone))
+        if rep.tiers is not None:
+            rep.tiers.drop(med, gone)
         self._release(rep, gone)
         self.stats.removed += len(gone)
         return len(gone)
@@ -521,6 +560,9 @@ class PrefixIndex:
         self._apply(new)
         rep.maps = {}
         rep.extra = {}
+        rep.capacity.clear()
+        if rep.tiers is not None:
+            rep.tiers = TierHoldings()
 
     def _release(self, rep: _Replica, hashes: Iterable[int]) -> None:
         """Drop one reference of ``rep`` to each of these blocks (each it holds)."""
@@ -545,6 +587,23 @@ class PrefixIndex:
             new[rh] = new.get(rh, current[rh]) ^ both
         self._entries -= len(dropped)
         self._apply(new)
+
+    # --- tiers ----------------------------------------------------------------------------
+
+    def tier_run(
+        self, replica: str, router_hashes: Sequence[int], match: PrefixMatch
+    ) -> TierRun | None:
+        """How ``replica`` would serve the prompt its ``match`` covers, tier by tier
+        (kvcore/kv_tiers.py); None when it has announced no tier but its GPU."""
+        rep = self._replicas.get(replica)
+        if rep is None or rep.tiers is None:
+            return None
+        return rep.tiers.run(router_hashes, match.confirmed, match.blocks)
+
+    def tier_capacity(self) -> dict[str, dict[str, dict[str, int | bool]]]:
+        """Per replica and tier: blocks held, the capacity learnt from its events, and whether
+        that is its size (the tier has evicted) or a lower bound."""
+        return {rep.name: rep.capacity.describe() for rep in self._by_index}
 
     # --- predictions ----------------------------------------------------------------------
 

@@ -77,6 +77,7 @@ from .hash_ring import FleetRing, hash_key, load_bound
 from .latency import LatencyPrior, ReplicaLatency
 from .lora import AdapterSlots, adapter_of
 from .sessions import LiveSessions, Stages
+from .tier_cost import TierCost
 from .types import NO_HEALTHY_REPLICA, Decision, FleetView, Policy, ReplicaState, RouteRequest
 
 # Decision reasons (exported as the X-Kvroute-Reason header and a metric label).
@@ -127,6 +128,13 @@ class KvAware(Policy):
         lora_load_tokens: int = 256,
         lora_swap_tokens: int = 4096,
         lora_busy_s: float = 10.0,
+        tier_mode: str = "time",
+        cpu_weight: float = 0.8,
+        storage_weight: float = 0.25,
+        kv_bytes_per_token: int = 131072,
+        cpu_load_gbps: float = 51.2,
+        storage_load_gbps: float = 6.5,
+        remote_load_gbps: float = 5.0,
         seed: int | None = None,
     ) -> None:
         for label, value in (
@@ -141,6 +149,8 @@ class KvAware(Policy):
             ("session_horizon_min_s", session_horizon_min_s),
             ("session_horizon_max_s", session_horizon_max_s),
             ("lora_busy_s", lora_busy_s),
+            ("cpu_weight", cpu_weight),
+            ("storage_weight", storage_weight),
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{label} must be a finite number >= 0, got {value}")
@@ -202,6 +212,12 @@ class KvAware(Policy):
         self._seed = seed
         self._salt = _mix64(seed) if seed is not None else 0
         self._ring = FleetRing(vnodes)
+        self.tiers = TierCost(
+            tier_mode,
+            {"CPU": cpu_weight, "STORAGE": storage_weight},
+            kv_bytes_per_token,
+            {"CPU": cpu_load_gbps, "STORAGE": storage_load_gbps, "REMOTE": remote_load_gbps},
+        )
 
     @property
     def has_slo(self) -> bool:
@@ -258,6 +274,11 @@ class KvAware(Policy):
                 cost += self.session_evict_weight * (uncached - (free if free > 0 else 0))
         if replica.lora_adapters:
             cost += self.adapter_cost(replica, request.model, now)
+        tiers = request.prefix_tiers
+        if tiers:
+            held = tiers.get(replica.replica_id)
+            if held:
+                cost += self.tiers.tokens(held, replica.latency or self._prior_latency)
         return cost
 
     def adapter_cost(self, replica: ReplicaState, model: str | None, now: float) -> float:
@@ -377,7 +398,11 @@ class KvAware(Policy):
             work = 1
         work += self._queued_prefill(replica)
         latency = replica.latency or self._prior_latency
-        return latency.ttft(work), latency.tpot(replica.in_flight + 1)
+        ttft = latency.ttft(work)
+        held = request.prefix_tiers.get(replica.replica_id) if request.prefix_tiers else None
+        if held:
+            ttft += self.tiers.seconds(held)
+        return ttft, latency.tpot(replica.in_flight + 1)
 
     def meets_slo(self, ttft: float, tpot: float) -> bool:
         h = self.slo_headroom
@@ -635,6 +660,7 @@ class KvAware(Policy):
             "lora_load_tokens": self.lora_load_tokens,
             "lora_swap_tokens": self.lora_swap_tokens,
             "lora_busy_s": self._adapters.busy_s,
+            **self.tiers.describe(),
             "seed": self._seed,
         }
 

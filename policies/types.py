@@ -72,6 +72,9 @@ class RouteRequest:
     # How long the client asked its prompt's cache to be kept, in seconds (Anthropic Messages'
     # ``cache_control.ttl``; kvcore/cache_hints.py); None: no hint.
     cache_ttl_s: float | None = None
+    # Per replica, of its ``prefix_tokens``: those it would load from a tier below its GPU,
+    # as (tier, tokens), fastest tier first (kvcore/kv_tiers.py); replicas absent: all on GPU.
+    prefix_tiers: Mapping[str, tuple[tuple[str, int], ...]] | None = None
 
     @property
     def token_cost(self) -> int:

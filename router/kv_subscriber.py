@@ -49,6 +49,7 @@ from kvroute.kvcore.kv_events import (
     BlockStored,
     MalformedEventBatch,
     decode_event_batch,
+    tier_of,
 )
 
 log = logging.getLogger(__name__)
@@ -401,12 +402,15 @@ class KVEventSubscriber:
                     event.parent_block_hash,
                     event.token_ids,
                     event.block_size,
-                    event.medium,
+                    tier_of(event.medium, event.locality),
                     root_extra_key(event),
                 )
             elif isinstance(event, BlockRemoved):
                 self._call_sink(
-                    self.sink.apply_removed, self.replica, event.block_hashes, event.medium
+                    self.sink.apply_removed,
+                    self.replica,
+                    event.block_hashes,
+                    tier_of(event.medium, event.locality),
                 )
             elif isinstance(event, AllBlocksCleared):
                 self._call_sink(self.sink.clear_replica, self.replica)

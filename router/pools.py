@@ -11,7 +11,7 @@ and keeps their members current.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
@@ -173,6 +173,14 @@ class Pools:
     def index_entries(self) -> int:
         return sum(p.index.entries for p in self._pools)
 
+    def kv_tiers(self) -> dict[str, dict[str, dict[str, int | bool]]]:
+        """Per replica and KV tier (GPU, CPU, ...): blocks held and the capacity its events
+        showed (kvcore/kv_tiers.py), from its pool's index."""
+        tiers: dict[str, dict[str, dict[str, int | bool]]] = {}
+        for pool in self._pools:
+            tiers.update(pool.index.tier_capacity())
+        return tiers
+
     def tokenizer_cache_counts(self) -> list[Counts]:
         """Each pool tokenizer's cache counts (tokenizer_cache_metrics)."""
         return [p.keys.tokenizer.cache_counts() for p in self._pools if p.keys.tokenizer]
@@ -241,3 +249,33 @@ class PoolMetrics:
                 replicas.add_metric([name, pool.name], 1)
         yield pools
         yield replicas
+        yield from _tier_families(self._pools.kv_tiers())
+
+
+def _tier_families(tiers: Mapping[str, Mapping[str, Mapping[str, int | bool]]]) -> Iterable[Metric]:
+    """Each replica's KV tiers as its events show them (this worker's index)."""
+    held = GaugeMetricFamily(
+        "kvroute_kv_tier_blocks",
+        "KV blocks a replica holds on each tier (GPU, CPU, STORAGE, ...:REMOTE), from its KV "
+        "events.",
+        labels=["replica", "tier"],
+    )
+    capacity = GaugeMetricFamily(
+        "kvroute_kv_tier_capacity_blocks",
+        "The most KV blocks a replica's tier has held at once: its capacity once the tier has "
+        "evicted (kvroute_kv_tier_capacity_known 1), a lower bound before.",
+        labels=["replica", "tier"],
+    )
+    known = GaugeMetricFamily(
+        "kvroute_kv_tier_capacity_known",
+        "1 once the tier has evicted (an LRU evicts only when full): its capacity is known.",
+        labels=["replica", "tier"],
+    )
+    for replica, by_tier in sorted(tiers.items()):
+        for tier, row in by_tier.items():
+            held.add_metric([replica, tier], row["held_blocks"])
+            capacity.add_metric([replica, tier], row["capacity_blocks"])
+            known.add_metric([replica, tier], 1.0 if row["capacity_known"] else 0.0)
+    yield held
+    yield capacity
+    yield known

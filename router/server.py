@@ -226,6 +226,7 @@ class Router:
             parity=lambda: self.parity.snapshot() if self.parity is not None else None,
             rollout=lambda: self.fleet_control.progress(),
             canary_enabled=config.canary.enabled,
+            kv_tiers=core.pools.kv_tiers,
         )
         self._worker_index = worker.index if worker is not None else None
         # Fleet changes while serving: add/remove replicas, rollouts, the autoscaler.

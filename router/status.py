@@ -119,7 +119,10 @@ class StatusFeed:
         parity: Callable[[], dict[str, Any] | None] | None = None,
         rollout: Callable[[], dict[str, Any] | None] | None = None,
         canary_enabled: bool = False,
+        kv_tiers: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
+        # Per replica: blocks per KV tier and the capacity its events showed (pools.kv_tiers).
+        self._kv_tiers = kv_tiers
         self._checks = checks
         # A replica's rollout phase and pool (fleet_admin.FleetControl.row_fields).
         self._fleet_fields = fleet_fields
@@ -177,6 +180,7 @@ class StatusFeed:
             key=lambda k: (REUSE_ORDER.index(k) if k in REUSE_ORDER else len(REUSE_ORDER), k),
         )
         parity = self._parity() if self._parity is not None else None
+        tiers = self._kv_tiers() if self._kv_tiers is not None else {}
         replicas = []
         for name, handle in handles.items():
             w = window[name]
@@ -186,6 +190,7 @@ class StatusFeed:
             row["hit_rate"] = _ratio(w.get("hits", 0.0), w.get("queries", 0.0))
             row["predicted_hit_rate"] = _ratio(w.get("predicted", 0.0), w.get("routed", 0.0))
             row["reuse"] = {k: int(w.get("reuse:" + k, 0.0)) for k in kinds} if kinds else None
+            row["kv_tiers"] = tiers.get(name)
             replicas.append(row)
         reasons = {
             what[4:]: int(v) for what, v in sorted(totals.items()) if what.startswith("req:")

@@ -20,6 +20,14 @@ import math
 from dataclasses import dataclass
 
 from kvroute.simulator.engine.latency import PRESETS, LatencyModel
+from kvroute.simulator.engine.offload import (
+    HOST_BYTES_PER_NODE,
+    HOST_KV_SHARE,
+    NVME_BYTES_PER_NODE,
+    NVME_READ_BYTES_PER_S,
+    PCIE_BYTES_PER_S,
+    PCIE_EFFICIENCY,
+)
 
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 ACTIVATION_BYTES_PER_GPU = 2e9  # roofline.md: "minus ~2 GB activations per GPU"
@@ -136,7 +144,7 @@ class Quantity:
 
 # Figures the latency presets do not carry (reference/roofline.md): attention heads, HBM size,
 # FP8 peak, and 8 GPUs per HGX node.
-_HEADS = {"llama-3.1-8b": 32, "llama-3.1-70b": 64}
+_HEADS = {"llama-3.1-8b": 32, "llama-3.1-70b": 64, "qwen3-32b": 64}  # query heads
 _GPUS = {
     # fragment: (HBM bytes, BF16 FLOP/s, FP8 FLOP/s), dense
     "h100": (80e9, 989e12, 1979e12),
@@ -693,8 +701,7 @@ def _moe_note(m: ModelFigures) -> str:
 # -- the KV budget (`kvroute plan --kv`) ----------------------------------------------------
 
 # Assumptions, not reference figures, printed with the numbers they produce:
-PCIE_BYTES_PER_S = 64e9  # PCIe Gen5 x16, one direction, per GPU (each GPU has its own link)
-HOST_BYTES_PER_NODE = 2e12  # host DRAM of an 8-GPU HGX server, typically 2 TB
+# PCIe, host DRAM and NVMe per node: the offload tiers' presets (simulator/engine/offload.py).
 NETWORK_BYTES_PER_S = 50e9  # one 400 Gb/s NIC per GPU, between nodes
 NETWORK_LATENCY_S = 10e-6  # per collective across nodes
 PREFILL_MFU = 0.53  # the engine presets' calibration (reference/roofline.md)
@@ -937,7 +944,47 @@ def kv_budget(m: ModelFigures, hw: HardwareFigures, context: int, batch: int) ->
     for i, lv in enumerate(levers, 1):
         lines.append(f"{i}. {lv.name}: x{lv.factor:,.2f}: {lv.buys}")
         lines.append(f"   cost: {lv.cost}")
+    lines += prefix_tier_lines(m, hw, context, avail)
     return KvBudget(tuple(lines), need, avail, need <= avail, largest, levers)
+
+
+def prefix_tier_lines(
+    m: ModelFigures, hw: HardwareFigures, context: int, avail: float
+) -> list[str]:
+    """The prefix cache below the GPU (vLLM's OffloadingConnector: CPU, then disk): what each
+    tier holds per replica, and what a cached ``context``-token prefix costs to load back from it
+    against computing it again (kv_aware's ``tier_mode: time`` prices it the same way)."""
+    kv = kv_bytes_per_token(m).value
+    tp = hw.tensor_parallel
+    share = tp / hw.gpus_per_node
+    prefill = prefill_tokens_per_s(m, hw, (context + 1) / 2, PREFILL_MFU).value
+    compute_s = context / prefill
+    tiers = (
+        ("CPU (host DRAM)", HOST_BYTES_PER_NODE * HOST_KV_SHARE * share, tp * PCIE_BYTES_PER_S * PCIE_EFFICIENCY,
+         f"--kv-offloading-size {HOST_BYTES_PER_NODE * HOST_KV_SHARE * share / 2**30:,.0f} (GiB)"),
+        ("disk (local NVMe)", NVME_BYTES_PER_NODE * share, min(tp * PCIE_BYTES_PER_S * PCIE_EFFICIENCY, NVME_READ_BYTES_PER_S * share),
+         "a tiering kv_transfer_config with a file secondary"),
+    )  # fmt: skip
+    lines = [
+        f"prefix-cache tiers below the GPU (vLLM's OffloadingConnector; per replica, "
+        f"{tp} of {hw.gpus_per_node} GPUs of an assumed node: {_gb(HOST_BYTES_PER_NODE)} DRAM "
+        f"({HOST_KV_SHARE:.0%} for KV), {_gb(NVME_BYTES_PER_NODE)} NVMe at "
+        f"{_g(NVME_READ_BYTES_PER_S / 1e9)} GB/s, PCIe Gen5 x16 at {PCIE_EFFICIENCY:.0%}):",
+        f"- GPU: {_gb(avail)}, {avail / kv:,.0f} tokens; a {context:,}-token prefix hit costs "
+        f"nothing, recomputing it {compute_s:,.2f} s ({prefill:,.0f} tokens/s at MFU {PREFILL_MFU:g})",
+    ]
+    for name, size, speed, how in tiers:
+        load_s = context * kv / speed
+        lines.append(
+            f"- {name}: {_gb(size)}, {size / kv:,.0f} tokens (x{(avail + size) / avail:,.1f} the "
+            f"GPU's prefix cache); loading the prefix back at {_g(speed / 1e9)} GB/s takes "
+            f"{load_s:,.3f} s, {load_s / compute_s:.0%} of recomputing it ({how})"
+        )
+    lines.append(
+        "  kvroute prices each tier's hits by that load time (routing: tier_mode time; llm-d's "
+        "fixed weights are CPU 0.8, disk 0.25 of a GPU hit)"
+    )
+    return lines
 
 
 def tp_label(hw: HardwareFigures) -> str:

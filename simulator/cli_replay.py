@@ -39,6 +39,12 @@ from kvroute.simulator.engine.latency import (
     PRESETS,
     latency_preset,
 )
+from kvroute.simulator.engine.offload import (
+    HOST_BYTES_PER_NODE,
+    PCIE_BYTES_PER_S,
+    TIER_PRESETS,
+    offload_tiers,
+)
 from kvroute.simulator.fleet import (
     ENGINE_MODELS,
     RANK_ROUTINGS,
@@ -543,6 +549,26 @@ def _add_fleet_args(
             metavar="T",
             help="KV cache per replica in tokens (default: the preset's GPU memory less weights).",
         )
+    p.add_argument(
+        "--kv-tiers",
+        choices=TIER_PRESETS,
+        default="none",
+        help="KV offload tiers below each replica's GPU, as vLLM's OffloadingConnector keeps "
+        "them (default none): cpu, host DRAM; cpu+disk, then local NVMe (presets per 8-GPU "
+        "H100/H200 node, a replica's share by its GPUs; docs/simulator.md, KV tiers).",
+    )
+    p.add_argument(
+        "--cpu-kv-tokens",
+        type=positive_int,
+        metavar="T",
+        help="With --kv-tiers: the CPU tier per replica in tokens (default: the node preset's).",
+    )
+    p.add_argument(
+        "--disk-kv-tokens",
+        type=positive_int,
+        metavar="T",
+        help="With --kv-tiers cpu+disk: the disk tier per replica in tokens (default: preset).",
+    )
     p.add_argument("--block-size", type=positive_int, default=16, help="KV block size (16).")
     p.add_argument("--max-num-seqs", type=positive_int, default=256, help="Batch limit (256).")
     p.add_argument(
@@ -811,6 +837,13 @@ def _fleet_config(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed,
+            offload=offload_tiers(
+                getattr(args, "kv_tiers", "none"),
+                latency,
+                args.block_size,
+                getattr(args, "cpu_kv_tokens", None),
+                getattr(args, "disk_kv_tokens", None),
+            ),
         )
         return FleetConfig(
             replicas=replicas,
@@ -947,6 +980,9 @@ def fleet_defaults(config: FleetConfig, slo: Slo | None = None) -> dict[str, Any
     """Policy parameters the simulated fleet implies: the engine preset's latency lines as the
     prior, and ``slo`` as the routing target (what ``slo:`` in a router's config does)."""
     defaults: dict[str, Any] = dict(config.engine.latency.latency_prior())
+    defaults["kv_bytes_per_token"] = int(config.engine.latency.kv_bytes_per_token)
+    for tier in config.engine.offload:
+        defaults[f"{tier.medium.lower()}_load_gbps"] = tier.load_bytes_per_s / 1e9
     if slo is not None:
         defaults.update(slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
     return defaults
@@ -1500,8 +1536,8 @@ def _plan_kv(args: argparse.Namespace) -> int:
     print("\n".join(budget.lines))
     print(
         "assumptions: host offload over PCIe Gen5 x16 at "
-        f"{capacity.PCIE_BYTES_PER_S / 1e9:g} GB/s per GPU, "
-        f"{capacity.HOST_BYTES_PER_NODE / 1e12:g} TB host DRAM per node; context parallelism "
+        f"{PCIE_BYTES_PER_S / 1e9:g} GB/s per GPU, "
+        f"{HOST_BYTES_PER_NODE / 1e12:g} TB host DRAM per node; context parallelism "
         f"over {capacity.NETWORK_BYTES_PER_S / 1e9:g} GB/s per GPU, "
         f"{capacity.NETWORK_LATENCY_S * 1e6:g} us per collective"
     )

@@ -22,6 +22,7 @@ from kvroute.router.config import config_from_dict
 from kvroute.router.runner import app_runner
 from kvroute.router.server import Router
 from kvroute.simulator.engine import EngineConfig, latency_preset
+from kvroute.simulator.engine.config import OffloadTier
 from kvroute.simulator.replica.faults import Faults
 from kvroute.simulator.replica.server import EmulatedReplica, ReplicaOptions
 
@@ -186,6 +187,7 @@ async def launch_emulated(
     enable_scale_out: bool = False,
     buffer_steps: int = 10_000,
     data_parallel_size: int = 1,
+    offload: tuple[OffloadTier, ...] = (),
 ) -> tuple[web.AppRunner, Running]:
     """An in-process emulated vLLM replica (built-in tokenizer) publishing KV events over ZMQ;
     the caller cleans its runner up. With ``data_parallel_size`` N, rank k publishes on the
@@ -204,6 +206,7 @@ async def launch_emulated(
             max_num_seqs=8,
             latency=latency_preset(preset),
             max_loras=max_loras,
+            offload=offload,
         ),
         time_scale=time_scale,
         kv_events={

@@ -261,6 +261,20 @@ def test_kv_budget_70b_at_128k_batch_32_does_not_fit_and_ranks_the_levers(
     assert lines[-1].startswith("assumptions: host offload over PCIe Gen5 x16 at 64 GB/s per GPU")
 
 
+def test_kv_budget_lists_the_prefix_tiers_with_their_load_cost(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--kv", "--preset", "qwen3-32b-2xh100", "--context", "16384", "--batch", "8"]
+    out = "\n".join(_plan_out(capsys, argv))
+    # A TP2 replica has 2/8 of a node: 400 GB of its 2 TB DRAM at 80% for KV, 7,680 GB of NVMe.
+    kv = 2 * 64 * 8 * 128 * 2  # Qwen3-32B bf16: 262,144 B per token
+    assert f"- CPU (host DRAM): 400.0 GB, {400e9 / kv:,.0f} tokens" in out
+    # Loading 16,384 tokens back over 2 PCIe links at 80% of 64 GB/s: 4.2e9 B / 102.4e9 B/s.
+    assert f"loading the prefix back at 102.4 GB/s takes {16384 * kv / 102.4e9:,.3f} s" in out
+    assert f"- disk (local NVMe): 7,680.0 GB, {7680e9 / kv:,.0f} tokens" in out
+    assert f"at 13 GB/s takes {16384 * kv / 13e9:,.3f} s" in out
+
+
 def test_kv_budget_of_the_moe_preset_fits_with_mla(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--kv", "--preset", "deepseek-v3-8xh200", "--context", "131072", "--batch", "32"]
     lines = _plan_out(capsys, argv)

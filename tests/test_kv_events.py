@@ -213,7 +213,8 @@ def test_decoder_reads_every_version() -> None:
     ts, events, rank = decode_event_batch(v010)
     assert (ts, rank) == (1.0, 0)
     assert events == [BlockStored([-1, 2], None, [0] * 8, 4, None, None), BlockRemoved([3], None)]
-    # vLLM 0.33 map with fields this decoder does not know: ignored.
+    # vLLM 0.33 map with fields this decoder does not know: ignored (locality is read: where an
+    # offloaded copy lives).
     v033 = {
         "type": "BlockStored",
         "block_hashes": [5],
@@ -231,7 +232,9 @@ def test_decoder_reads_every_version() -> None:
         "lookahead_token_ids": [[1]],
     }
     [event] = decode_event_batch(enc([2, [v033]]))[1]
-    assert event == BlockStored([5], 4, [1, 2], 2, None, "GPU", None, [None], 0, "full_attention")
+    assert event == BlockStored(
+        [5], 4, [1, 2], 2, None, "GPU", None, [None], 0, "full_attention", "LOCAL"
+    )
     # Arrays longer than this decoder knows (0.22's sliding window, ...) are fine too.
     longer = ["BlockStored", [5], None, [1, 2], 2, None, "GPU", None, None, 0, "x", 128, "y"]
     [event] = decode_event_batch(enc([0.0, [longer], 1]))[1]

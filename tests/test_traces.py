@@ -514,6 +514,16 @@ def test_multi_tenant_shares_exactly_the_tenant_system_prompt() -> None:
     assert shared_prefix_blocks(same_tenant[1].block_ids, same_tenant[2].block_ids) == system_blocks
 
 
+def test_multi_tenant_questions_repeat_a_fixed_set_per_tenant() -> None:
+    trace = load_trace("multi-tenant:tenants=3,questions=2,rate=20,duration=60,block_tokens=64")
+    prompts: dict[str | None, set[tuple[int, ...]]] = defaultdict(set)
+    for request in trace.requests:
+        prompts[request.session_id].add(tuple(request.block_ids))
+    # ~400 requests, yet each tenant sends only its 2 prompts, again and again (identical).
+    assert len(trace.requests) > 300
+    assert sorted(len(p) for p in prompts.values()) == [2, 2, 2]
+
+
 def test_chat_turns_resend_the_whole_conversation() -> None:
     trace = load_trace("chat:rate=2,duration=120,turns=5,think_s=5")
     turns: dict[str | None, list[Any]] = defaultdict(list)

@@ -24,6 +24,7 @@ from kvroute.bench.send_tokens import add_send_tokens_bench
 from kvroute.bench.soak_cli import add_soak_bench
 from kvroute.bench.status_ab import add_status_bench
 from kvroute.bench.streams import add_streams_bench
+from kvroute.bench.tiers import add_tiers_bench
 from kvroute.bench.tokenize_bench import add_tokenize_bench
 
 
@@ -45,6 +46,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_status_bench(bench_sub)
     add_batch_bench(bench_sub)
     add_send_tokens_bench(bench_sub)
+    add_tiers_bench(bench_sub)
     from kvroute.bench.fidelity import add_fidelity_bench
     from kvroute.simulator.cli_replay import add_replay_bench
 

@@ -30,6 +30,9 @@ from kvroute.kvcore.kv_events import (
     KVEvent,
 )
 
+from .config import OffloadTier
+from .offload_store import OffloadStore
+
 KV_CACHE_SPEC_KIND = "full_attention"
 GROUP_IDX = 0
 
@@ -46,8 +49,16 @@ class Block:
 class BlockPool:
     """KV blocks, their free queue, the hash-to-block map and the event queue."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        offload: tuple[OffloadTier, ...] = (),
+    ) -> None:
         self.num_blocks = num_blocks
+        # Tiers below the GPU, fastest first, filled as blocks are cached (offload_store.py).
+        self.offload = [OffloadStore(t, GROUP_IDX, KV_CACHE_SPEC_KIND) for t in offload]
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -155,6 +166,11 @@ class BlockPool:
                 kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
             )
         )
+        if self.offload:
+            parent = block_hashes[num_cached - 1] if num_cached else None
+            tokens = token_ids[num_cached * bs : num_full * bs]
+            for store in self.offload:
+                store.store(new_hashes, parent, tokens, bs, lora_name, extra_keys, self.events)
 
     def _evict(self, block: Block) -> None:
         block_hash = block.block_hash
@@ -178,6 +194,8 @@ class BlockPool:
         self.cached = {}
         for block in self.blocks:
             block.block_hash = None
+        for store in self.offload:  # vLLM resets the connector's cache with the GPU's
+            store.clear()
         if self.enable_caching:
             self.events.append(AllBlocksCleared())
         return True

@@ -8,6 +8,27 @@ from .latency import DEFAULT_PRESET, PRESETS, LatencyModel
 
 
 @dataclass(frozen=True)
+class OffloadTier:
+    """A tier below the GPU that vLLM's offloading connector fills (``medium``: CPU, STORAGE):
+    its size in KV blocks of ``EngineConfig.block_size`` and the bytes per second a load from
+    it moves back to the GPUs (over all of the replica's GPUs)."""
+
+    medium: str
+    num_blocks: int
+    load_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if self.medium not in ("CPU", "STORAGE"):
+            raise ValueError(f"OffloadTier.medium must be CPU or STORAGE, got {self.medium!r}")
+        if not isinstance(self.num_blocks, int) or self.num_blocks < 1:
+            raise ValueError(f"OffloadTier.num_blocks must be >= 1, got {self.num_blocks!r}")
+        if not self.load_bytes_per_s > 0:
+            raise ValueError(
+                f"OffloadTier.load_bytes_per_s must be > 0, got {self.load_bytes_per_s}"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Capacity, batching limits and the hardware/model latency of one replica."""
 
@@ -22,6 +43,8 @@ class EngineConfig:
     seed: int = 0
     # Distinct LoRA adapters in one running batch (vLLM's --max-loras); 0: no limit.
     max_loras: int = 0
+    # KV offload tiers below the GPU, CPU first (vLLM's OffloadingConnector, then tiering).
+    offload: tuple[OffloadTier, ...] = ()
 
     def fits(self, tokens: int) -> bool:
         """Whether a sequence of ``tokens`` (prompt and output; the last output token needs no

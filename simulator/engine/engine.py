@@ -28,11 +28,12 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._kv = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.offload
         )
         self._scheduler = Scheduler(
             self._kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_loras
         )
+        self._scheduler.kv_bytes_per_token = config.latency.kv_bytes_per_token
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         # Finished requests whose blocks stay held for a remote reader (P/D prefill side).
@@ -182,6 +183,11 @@ class Engine:
         if any_finished:
             self._scheduler.drop_finished()
         duration = cfg.latency.step_time(num_tokens, attention_context, kv_read)
+        if self._kv.pending_load_s:
+            # Loads from offload tiers, charged to the step that admits their requests: vLLM
+            # loads asynchronously, overlapped with other requests' steps (pessimistic here).
+            duration += self._kv.pending_load_s
+            self._kv.pending_load_s = 0.0
         return StepOutput(duration, outputs, self._kv.pool.take_events())
 
     def _count_prompt(self, seq: Sequence) -> None:
@@ -259,6 +265,16 @@ class Engine:
                 self._prompt_by_source[2],
             ),
             prompt_tokens_cached=self._prompt_cached,
+            offload_load_bytes=int(
+                sum(kv.loaded_tokens.values()) * self.config.latency.kv_bytes_per_token
+            ),
+            offload_load_seconds=kv.load_seconds,
+            offload_store_bytes=int(
+                sum(s.stored_blocks for s in kv.pool.offload)
+                * self.config.block_size
+                * self.config.latency.kv_bytes_per_token
+            ),
+            offload=bool(kv.pool.offload),
         )
 
 

@@ -9,18 +9,57 @@ request's lookup on resume is not counted, like vLLM's ``PrefixCacheStats``).
 from __future__ import annotations
 
 from .block_pool import Block, BlockPool
+from .config import OffloadTier
 from .request import Sequence
 
 
 class KVCacheManager:
     """Block tables of the live requests, on one block pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        offload: tuple[OffloadTier, ...] = (),
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, block_size, enable_caching)
+        self.pool = BlockPool(num_blocks, block_size, enable_caching, offload)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Loads from offload tiers: KV tokens per medium, all time, and seconds not yet charged.
+        self.loaded_tokens: dict[str, int] = {}
+        self.load_seconds = 0.0
+        self.pending_load_s = 0.0
+
+    def offload_hits(self, seq: Sequence, start: int) -> int:
+        """After ``start`` GPU-hit blocks, how many more the offload tiers hold in a row (the
+        connector's lookup), never the block of the prompt's last token."""
+        stores = self.pool.offload
+        if not stores or not self.enable_caching:
+            return 0
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        n = 0
+        for block_hash in seq.block_hashes[start:max_blocks]:
+            if not any(block_hash in s for s in stores):
+                break
+            n += 1
+        return n
+
+    def charge_load(self, seq: Sequence, start: int, n: int, kv_bytes_per_token: float) -> None:
+        """``seq`` loads its blocks ``start:start + n`` from the fastest tier holding each:
+        count the tokens per medium and the seconds (pending until the engine's step)."""
+        bs = self.block_size
+        for block_hash in seq.block_hashes[start : start + n]:
+            store = next((s for s in self.pool.offload if block_hash in s), None)
+            if store is None:  # evicted by the very store that cached it again: a tiny tier
+                continue
+            store.touch((block_hash,))
+            self.loaded_tokens[store.medium] = self.loaded_tokens.get(store.medium, 0) + bs
+            seconds = bs * kv_bytes_per_token / store.tier.load_bytes_per_s
+            self.load_seconds += seconds
+            self.pending_load_s += seconds
 
     def get_computed_blocks(self, seq: Sequence) -> list[Block]:
         """The longest run of cached blocks that prefixes ``seq``.

@@ -21,6 +21,8 @@ of decoding sequences (memory-bound decode). Figures come from ``reference/roofl
 * Llama-3.1-8B: 32 layers, hidden 4096, 8 KV heads, head_dim 128, 8.03B params, 16.06 GB bf16;
   KV 2*32*8*128*2 = 131,072 B/token. Llama-3.1-70B: 80 layers, hidden 8192, 8 KV heads,
   head_dim 128, 70.56B params, 141.1 GB bf16; KV 2*80*8*128*2 = 327,680 B/token.
+  Qwen3-32B (the llm-d tiered-cache benchmark's model, TP2): 64 layers, hidden 5120, 8 KV heads,
+  head_dim 128, 32.8B params, 65.6 GB bf16; KV 2*64*8*128*2 = 262,144 B/token.
 * MFU 0.53 (the published Qwen3-32B TP2 H100 calibration); bandwidth efficiency 0.85 (measured
   ceilings sit 10-20% under the datasheet).
 * Decode floor, 8B: 16.06 GB / 3.35 TB/s = 4.8 ms on H100, 3.35 ms on H200 (before efficiency).
@@ -157,6 +159,15 @@ _LLAMA_70B = {
 }
 
 
+_QWEN3_32B = {  # Qwen3-32B: 64 layers, hidden 5120, 8 KV heads, head_dim 128 (its config.json)
+    "num_params": 32.8e9,
+    "num_layers": 64,
+    "hidden_size": 5120,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+}
+
+
 def _preset(
     name: str,
     model: dict[str, float],
@@ -215,6 +226,7 @@ PRESETS: dict[str, LatencyModel] = {
         _preset("llama-3.1-70b-4xh100", _LLAMA_70B, H100_FLOPS, H100_BANDWIDTH, 4),
         _preset("llama-3.1-70b-8xh100", _LLAMA_70B, H100_FLOPS, H100_BANDWIDTH, 8),
         _preset("llama-3.1-70b-2xh200", _LLAMA_70B, H200_FLOPS, H200_BANDWIDTH, 2),
+        _preset("qwen3-32b-2xh100", _QWEN3_32B, H100_FLOPS, H100_BANDWIDTH, 2),
         _fp8("llama-3.1-8b-h100-fp8", _LLAMA_8B, H100_BANDWIDTH, 1),
         _fp8("llama-3.1-70b-4xh100-fp8", _LLAMA_70B, H100_BANDWIDTH, 4),
         _fp8("llama-3.1-70b-8xh100-fp8", _LLAMA_70B, H100_BANDWIDTH, 8),

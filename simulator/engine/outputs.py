@@ -52,3 +52,8 @@ class EngineStats:
     # and vllm:prompt_tokens_cached, counted as vLLM's PromptTokenStats does.
     prompt_tokens_by_source: tuple[int, int, int] = (0, 0, 0)
     prompt_tokens_cached: int = 0
+    # KV offloading (vllm:kv_offload_load_bytes / _load_time / _store_bytes; only with tiers).
+    offload_load_bytes: int = 0
+    offload_load_seconds: float = 0.0
+    offload_store_bytes: int = 0
+    offload: bool = False

@@ -37,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.kv_bytes_per_token = 0.0  # for offload loads' time (the engine sets it)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -101,12 +102,20 @@ class Scheduler:
                 # (whose blocks are allocated and cached now, as vLLM's once received); the
                 # prompt's last token is computed all the same, for its logits.
                 ready = num_hit_tokens
+                loaded = 0
+                if kv.pool.offload and not seq.external_tokens and seq.num_preemptions == 0:
+                    # Loaded back from an offload tier (the connector's lookup after the GPU's).
+                    loaded = kv.offload_hits(seq, len(hits))
+                    ready += loaded * bs
                 if seq.external_tokens:
                     ready = max(ready, min(seq.external_tokens, len(seq.token_ids) - 1))
                 n = min(len(seq.token_ids) - ready, budget)
                 if not kv.allocate_slots(seq, ready - num_hit_tokens + n, hits):
                     break
                 waiting.popleft()
+                if loaded:
+                    kv.charge_load(seq, len(hits), loaded, self.kv_bytes_per_token)
+                    seq.num_external_tokens = loaded * bs  # vLLM counts them as external
                 kv.record_lookup(seq, num_hit_tokens)
                 seq.num_computed_tokens = ready
                 if seq.num_cached_tokens < 0:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvroute.kvcore.autoscale import AutoscaleSettings
-from kvroute.simulator.engine.config import EngineConfig
+from kvroute.simulator.engine.config import EngineConfig, OffloadTier
 from kvroute.simulator.engine.latency import LatencyModel
 
 from .admission import AdmissionSpec
@@ -205,6 +205,7 @@ def engine_config(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 8192,
     seed: int = 0,
+    offload: tuple[OffloadTier, ...] = (),
 ) -> EngineConfig:
     """One replica's engine: vLLM's defaults for online serving on a large GPU, unless given."""
     tokens = (
@@ -221,4 +222,5 @@ def engine_config(
         max_model_len=num_blocks * block_size,
         latency=latency,
         seed=seed,
+        offload=offload,
     )

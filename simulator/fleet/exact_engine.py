@@ -10,7 +10,7 @@ block-id prefixes give equal token prefixes and equal engine block hashes.
 from __future__ import annotations
 
 from kvroute.kvcore.block_hashing import block_hashes
-from kvroute.kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.kvcore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, tier_of
 from kvroute.simulator.engine import Engine, EngineRequest
 from kvroute.simulator.engine.config import EngineConfig
 from kvroute.simulator.engine.outputs import StepOutput
@@ -127,8 +127,9 @@ def _op(event: object) -> IndexOp:
             event.parent_block_hash,
             event.token_ids,
             event.block_size,
+            tier_of(event.medium, event.locality),
         )
     if isinstance(event, BlockRemoved):
-        return ("removed", event.block_hashes)
+        return ("removed", event.block_hashes, tier_of(event.medium, event.locality))
     assert isinstance(event, AllBlocksCleared)
     return ("cleared",)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from kvroute.simulator.engine.config import EngineConfig
 
-from .kv_units import Holdings, Unit, UnitPool
+from .kv_units import Holdings, IndexOp, Unit, UnitPool
+from .offload_units import OffloadUnits, lower_hits
 from .protocol import StepReport
 from .steptime import DecodeTimer
 from .units import SimRequest
@@ -48,6 +49,7 @@ class _Seq:
         "preempted",
         "prefilled",
         "private",
+        "ready_at",
         "request",
         "to_generate",
         "unit_blocks",
@@ -68,6 +70,7 @@ class _Seq:
         self.first_pending = True  # this engine's first token (the fleet knows the client's)
         self.preempted = False
         self.prefilled = False  # its prompt's KV arrives from a prefill replica (P/D)
+        self.ready_at = 0.0  # loading its prefix from an offload tier until then
 
 
 @dataclass(slots=True)
@@ -90,6 +93,10 @@ class FastEngine:
         self.block_tokens = block_tokens
         self.index_block_tokens = block_tokens
         self.pool = UnitPool(config.num_blocks, holdings)
+        self.offload = [OffloadUnits(tier) for tier in config.offload]
+        self.loading: list[_Seq] = []  # admitted, their prefix loading from an offload tier
+        self.loaded_tokens: dict[str, int] = {}  # per medium: prompt tokens loaded from it
+        self._now = 0.0
         self.timer = DecodeTimer(config.latency)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
@@ -133,9 +140,15 @@ class FastEngine:
         return min(len(hits) * self.block_tokens, n) // self.block_size * self.block_size
 
     def start(self, now: float) -> float | None:
+        self._now = now
         scheduled, admitted_or_preempted = self._schedule()
         if not scheduled:
-            return None
+            if not self.loading:
+                return None
+            # Nothing to run until a load lands: an empty step that ends there.
+            end = min(s.ready_at for s in self.loading)
+            self.plan = _Plan(now, end, [], 1, 0)
+            return end
         self.steps += 1
         run = 1
         context = 0
@@ -200,6 +213,7 @@ class FastEngine:
         self.seqs = {}
         self.waiting.clear()
         self.running = []
+        self.loading = []
         return report, left
 
     # -- scheduling -------------------------------------------------------------------
@@ -210,6 +224,13 @@ class FastEngine:
         As ``simulator.engine.Scheduler.schedule``; computed tokens include the step on return.
         """
         running = self.running
+        if self.loading:
+            # Loads that landed: those requests run from their next uncached token on.
+            now = self._now
+            landed = [s for s in self.loading if s.ready_at <= now]
+            if landed:
+                self.loading = [s for s in self.loading if s.ready_at > now]
+                running.extend(landed)
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[_Seq, int]] = []
         preempted = False
@@ -233,16 +254,20 @@ class FastEngine:
         admitted = False
         if not preempted:
             waiting = self.waiting
-            while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+            limit = self.config.max_num_seqs
+            while waiting and budget > 0 and len(running) + len(self.loading) < limit:
                 seq = waiting[0]
                 n = self._admit(seq, budget)
                 if n == 0:
                     break
                 waiting.popleft()
+                admitted = True
+                if n < 0:  # its prefix loads from an offload tier first
+                    self.loading.append(seq)
+                    continue
                 running.append(seq)
                 scheduled.append((seq, n))
                 budget -= n
-                admitted = True
         for seq, n in scheduled:
             seq.computed += n
         return scheduled, admitted or preempted
@@ -253,6 +278,10 @@ class FastEngine:
         pool = self.pool
         bs = self.block_size
         hits = pool.lookup(seq.request.unit_keys)
+        if self.offload and not seq.prefilled:
+            loaded = self._admit_loading(seq, hits)
+            if loaded is not None:
+                return loaded
         hit_blocks = seq.bounds[len(hits) - 1] if hits else 0
         # The last token is always computed (its logits give the next token).
         hit_tokens = min(hit_blocks * bs, (seq.length - 1) // bs * bs)
@@ -275,6 +304,55 @@ class FastEngine:
             self._lookups.append((seq.request.index, seq.length, hit_tokens))
         self._cache_full(seq, done + n)
         return n
+
+    def _admit_loading(self, seq: _Seq, hits: list[Unit]) -> int | None:
+        """Admit ``seq`` if offload tiers hold the units after its GPU hits: take GPU blocks
+        for them, cache them there (as vLLM does once they are loaded) and start the load; -1
+        then, 0 if the blocks do not suffice, None if no tier holds the next unit (admit as
+        usual)."""
+        request = seq.request
+        keys = request.unit_keys
+        bs = self.block_size
+        # Whole prompt units only, and never the last prompt token (its logits are needed).
+        limit = min(request.full_units, len(seq.bounds))
+        while limit and seq.bounds[limit - 1] * bs > seq.length - 1:
+            limit -= 1
+        start = len(hits)
+        if start >= limit:
+            return None
+        found = lower_hits(self.offload, keys[start:limit])
+        if not found:
+            return None
+        m = len(found)
+        gpu_blocks = seq.bounds[start - 1] if start else 0
+        total_blocks = seq.bounds[start + m - 1]
+        new_blocks = total_blocks - gpu_blocks
+        pool = self.pool
+        from_queue = sum(u.blocks for u in hits if u.ref == 0)
+        if new_blocks + from_queue > pool.free_blocks:
+            return 0
+        pool.touch(hits)
+        pool.allocate(new_blocks)
+        seq.units = list(hits)
+        seq.unit_blocks = gpu_blocks
+        seq.private = new_blocks
+        seq.next_unit = start
+        done = total_blocks * bs
+        seq.computed = done
+        if not seq.preempted:
+            self._lookups.append((request.index, seq.length, done))
+        self._cache_full(seq, done)  # the loaded units join the GPU cache, announced there
+        seconds = 0.0
+        per_token = self.config.latency.kv_bytes_per_token
+        previous = gpu_blocks
+        for i, tier in enumerate(found):
+            blocks = seq.bounds[start + i] - previous
+            previous = seq.bounds[start + i]
+            tier.touch((keys[start + i],))
+            seconds += blocks * bs * per_token / tier.tier.load_bytes_per_s
+            self.loaded_tokens[tier.medium] = self.loaded_tokens.get(tier.medium, 0) + blocks * bs
+        seq.ready_at = self._now + seconds
+        return -1
 
     def _allocate(self, seq: _Seq, n: int) -> bool:
         end = seq.computed + n
@@ -319,9 +397,21 @@ class FastEngine:
             if not announced:
                 parent = keys[i]
             i += 1
+        first = seq.next_unit
         seq.next_unit = i
         if announced:
             pool.stored(announced, parent)
+        if self.offload and first < whole:
+            # Write-through: each full unit computed (or loaded) is stored to every tier.
+            end_unit = min(i, whole)
+            units = [
+                (keys[k], bounds[k] - (bounds[k - 1] if k else 0)) for k in range(first, end_unit)
+            ]
+            ops: list[IndexOp] = []
+            before = keys[first - 1] if first else None
+            for tier in self.offload:
+                tier.store(units, before, ops)
+            pool.extend_ops(ops)
 
     def _preempt(self, seq: _Seq) -> None:
         self.pool.release(seq.units, 0, seq.private)

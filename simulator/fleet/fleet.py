@@ -120,10 +120,11 @@ def apply_ops(index: PrefixIndex, name: str, ops: list[IndexOp]) -> None:
     for op in ops:
         kind = op[0]
         if kind == "stored":
-            _, hashes, parent, tokens, block_size = op
-            index.apply_stored(name, hashes, parent, tokens, block_size)  # type: ignore[arg-type]
+            hashes, parent, tokens, block_size = op[1:5]
+            medium = op[5] if len(op) > 5 else "GPU"  # an offload tier's events name theirs
+            index.apply_stored(name, hashes, parent, tokens, block_size, medium)  # type: ignore[arg-type]
         elif kind == "removed":
-            index.apply_removed(name, op[1])  # type: ignore[arg-type]
+            index.apply_removed(name, op[1], op[2] if len(op) > 2 else "GPU")  # type: ignore[arg-type]
         else:
             index.clear_replica(name)
 
@@ -760,5 +761,7 @@ class _Fleet:
             res.engine_steps += getattr(engine, "steps", 0)
             res.decode_runs += getattr(engine, "runs", 0)
             res.preemptions += getattr(engine, "num_preemptions", 0)
+            for medium, tokens in getattr(engine, "loaded_tokens", {}).items():
+                res.loaded_tokens[medium] = res.loaded_tokens.get(medium, 0) + tokens
         if self.loss is not None:
             res.loss = self.loss.breakdown(res.hit_tokens[: self.online])

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Index operations, applied to the router's PrefixIndex in order (after the event lag):
-# ("stored", engine_hashes, parent_engine_hash, token_ids, block_size) | ("removed", hashes)
-# | ("cleared",)
+# ("stored", engine_hashes, parent_engine_hash, token_ids, block_size[, medium])
+# | ("removed", hashes[, medium]) | ("cleared",); no medium: the GPU
 IndexOp = tuple[object, ...]
 
 
@@ -171,6 +171,12 @@ class UnitPool:
         """Announce units (a chain after ``parent``): one token per unit, its key."""
         self._flush_removed()
         self.ops.append(("stored", keys, parent, keys, 1))
+
+    def extend_ops(self, ops: list[IndexOp]) -> None:
+        """Queue other tiers' operations after this pool's own so far."""
+        if ops:
+            self._flush_removed()
+            self.ops.extend(ops)
 
     def _flush_removed(self) -> None:
         if self._removed:

@@ -73,6 +73,8 @@ class SimResult:
     batch: BatchOutcome | None = None
     # A P/D fleet's splits and transfers (pd_fleet.py); None for an aggregated fleet.
     pd: PdOutcome | None = None
+    # Prompt tokens loaded from an offload tier instead of computed, per medium (in hit_tokens).
+    loaded_tokens: dict[str, int] = field(default_factory=dict)
 
     # -- derived ----------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from aiohttp import web
 from kvroute.kvcore import pd
 from kvroute.kvcore.tokenizer import load_tokenizer
 from kvroute.simulator.engine import PRESETS, EngineConfig, latency_preset
+from kvroute.simulator.engine.offload import cpu_offload
 
 from .faults import Faults, FaultSpec
 from .server import EmulatedReplica, ReplicaOptions
@@ -61,6 +62,14 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
     p.add_argument(
         "--num-gpu-blocks-override", type=int, default=2048, help="KV capacity in blocks."
+    )
+    p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        metavar="GIB",
+        help="vLLM's flag: offload KV to a CPU tier of this many GiB (native backend: every "
+        "cached block stored there too, GPU misses loaded back at PCIe speed, events with "
+        "medium CPU). Default: none.",
     )
     p.add_argument("--max-num-seqs", type=int, default=256, help="Largest running batch.")
     p.add_argument(
@@ -269,13 +278,15 @@ def run_replica_command(args: argparse.Namespace) -> int:
         hold_timeout_s = _hold_timeout_s(os.environ)
         store = args.responses_store or responses_store(os.environ)
         tokenizer = load_tokenizer(args.tokenizer, clock=datetime.now)
+        latency = latency_preset(args.preset)
         engine = EngineConfig(
             block_size=args.block_size,
             num_blocks=args.num_gpu_blocks_override,
+            offload=cpu_offload(args.kv_offloading_size, latency, args.block_size),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
-            latency=latency_preset(args.preset),
+            latency=latency,
             vocab_size=tokenizer.vocab_size,
             seed=args.seed,
             max_loras=args.max_loras if lora else 0,

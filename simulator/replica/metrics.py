@@ -129,6 +129,16 @@ class _EngineCollector(Collector):
                 counter.add_metric(labels, getattr(stats, value))
             yield counter
         yield from _prompt_sources(ranks)
+        if any(stats.offload for _, stats in ranks):  # vLLM's OffloadingConnector (0.32 names)
+            for name, doc, value in (
+                ("vllm:kv_offload_load_bytes", "Total bytes loaded from offload storage to GPU.", "offload_load_bytes"),
+                ("vllm:kv_offload_load_time", "Total load time from offload storage to GPU, in seconds.", "offload_load_seconds"),
+                ("vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage.", "offload_store_bytes"),
+            ):  # fmt: skip
+                counter = CounterMetricFamily(name, doc, labels=LABELS)
+                for labels, stats in ranks:
+                    counter.add_metric(labels, getattr(stats, value))
+                yield counter
         c = self._config
         info = {
             "block_size": str(c.block_size),

@@ -28,6 +28,8 @@ granularity, default 64; all generators in one spec must agree) and output_token
   multi-tenant  requests with a per-tenant system prompt and a unique question.
                 tenants=8 rate=4 (req/s) system_tokens=2048 prompt_tokens=256
                 output_tokens=128 zipf=1.0 (tenant popularity exponent, 0 = uniform)
+                questions=0 (each tenant's fixed set of questions, asked again and again;
+                0 = every question new; llm-d's tiered benchmark: tenants=250,questions=5)
   chat          multi-turn conversations: each turn resends the whole history plus a new
                 message. rate=0.5 (new conversations/s) turns=6 (mean, geometric)
                 think_s=20 (mean gap between turns) system_tokens=512 (shared by all)
@@ -110,10 +112,20 @@ def _multi_tenant(ctx: _Context) -> list[TraceRequest]:
     system = [
         ctx.prompt((ctx.key("system", t), ctx.tokens("system_tokens"))) for t in range(tenants)
     ]
+    questions = int(ctx.opts["questions"])
+    # With a fixed set of questions per tenant, each drawn once: its length stays the same.
+    asked: dict[tuple[int, int], int] = {}
     out: list[TraceRequest] = []
     for n, arrival in enumerate(ctx.arrivals(ctx.num("rate"))):
         tenant = ctx.rng.choices(range(tenants), weights)[0]
-        prompt = system[tenant].extend([(ctx.key("question", n), ctx.tokens("prompt_tokens"))])
+        if questions:
+            q = ctx.rng.randrange(questions)
+            if (tenant, q) not in asked:
+                asked[tenant, q] = ctx.tokens("prompt_tokens")
+            question = (ctx.key("question", tenant, q), asked[tenant, q])
+        else:
+            question = (ctx.key("question", n), ctx.tokens("prompt_tokens"))
+        prompt = system[tenant].extend([question])
         out.append(ctx.request(arrival, prompt, f"tenant-{tenant}"))
     return out
 
@@ -164,7 +176,7 @@ def _hot_burst(ctx: _Context) -> list[TraceRequest]:
 KINDS: dict[str, _Kind] = {
     "multi-tenant": _Kind(
         {"tenants": 8, "rate": 4.0, "system_tokens": 2048, "prompt_tokens": 256,
-         "output_tokens": 128, "zipf": 1.0},
+         "output_tokens": 128, "zipf": 1.0, "questions": 0},
         _multi_tenant,
     ),
     "chat": _Kind(
@@ -227,7 +239,7 @@ def _check(kind: str, opts: dict[str, OptionValue]) -> None:
         require(math.isfinite(value), f"{where}: option {key!r}", "must be finite")
         if key == "zipf":
             require(value >= 0, f"{where}: option 'zipf'", "must be >= 0")
-        elif key in ("system_tokens", "output_tokens"):
+        elif key in ("system_tokens", "output_tokens", "questions"):
             require(value >= 0, f"{where}: option {key!r}", "must be >= 0")
         elif key in ("turns", "steps"):
             require(value >= 1, f"{where}: option {key!r}", "must be >= 1 (a mean count)")
