@@ -35,6 +35,8 @@ MODELS = {
     ("apps/v1", "Deployment"): "V1Deployment",
     ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding",
+    ("v1", "ConfigMap"): "V1ConfigMap",
+    ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
 }
 
 
@@ -253,7 +255,7 @@ async def api() -> AsyncIterator[ApiClient]:
 
 def test_the_files_the_readme_names_are_there() -> None:
     names = {p.name for p in MANIFESTS}
-    assert names == {"epp.yaml", "inferencepool.yaml", "httproute.yaml", "vllm.yaml"}
+    assert names == {"epp.yaml", "inferencepool.yaml", "httproute.yaml", "vllm.yaml", "nats.yaml"}
     assert all(load(p) for p in MANIFESTS)
     readme = (DEPLOY / "README.md").read_text()
     assert all(name in readme for name in names)
@@ -337,6 +339,7 @@ def test_the_picker_runs_with_the_pool_ports_tls_tokenizer_and_model() -> None:
         "--tls": None,
         "--tokenizer": "/tokenizer",
         "--model": "Qwen/Qwen3-0.6B",
+        "--config": "/etc/kvroute/epp.yaml",
     }
     ports = {p["name"]: p["containerPort"] for p in epp["ports"]}
     assert ports == {"grpc": 9002, "grpc-health": 9003, "metrics": 9090}
@@ -345,11 +348,48 @@ def test_the_picker_runs_with_the_pool_ports_tls_tokenizer_and_model() -> None:
     from kvroute.cli import build_parser
     from kvroute.epp_cli import epp_config_from_args
 
-    args = ["builtin" if a == "/tokenizer" else a for a in epp["args"]]
+    local = {"/tokenizer": "builtin", "/etc/kvroute/epp.yaml": str(_picker_config_file())}
+    args = [local.get(a, a) for a in epp["args"]]
     config = epp_config_from_args(build_parser().parse_args(args))
     assert (config.epp.pool_name, config.epp.tls, config.epp.host) == ("vllm-pool", True, "0.0.0.0")
     # The tokenizer directory is mounted where --tokenizer points.
     assert any(m["mountPath"] == "/tokenizer" for m in epp["volumeMounts"])
+
+
+def _picker_config_file() -> Path:
+    """The ConfigMap's epp.yaml, where a test can read it (the pod mounts it)."""
+    import tempfile
+
+    data = one("ConfigMap", "kvroute-epp-config")["data"]["epp.yaml"]
+    path = Path(tempfile.mkdtemp(prefix="kvroute-manifest-")) / "epp.yaml"
+    path.write_text(data)
+    return path
+
+
+def test_several_pickers_share_over_nats_and_stop_one_at_a_time() -> None:
+    from kvroute.router.config import load_config
+
+    deployment = one("Deployment", "kvroute-epp")
+    assert deployment["spec"]["replicas"] >= 2
+    config = load_config(_picker_config_file())
+    nats = one("Service", "kvroute-nats")
+    url = f"nats://{nats['metadata']['name']}.{nats['metadata']['namespace']}.svc:4222"
+    assert {p["port"] for p in nats["spec"]["ports"]} == {4222}
+    assert config.epp.ledger_bus == config.tenants.budget_bus == config.warm_start.nats_url == url
+    server = container(one("Deployment", "kvroute-nats"), "nats")
+    assert "-js" in server["args"]  # the snapshots' object store needs JetStream
+    # SIGTERM: unready, then drained, within the pod's grace period.
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= config.epp.unready_delay_s + config.shutdown.drain_timeout_s
+    mounts = {m["name"]: m["mountPath"] for m in container(deployment, "epp")["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert mounts["config"] == "/etc/kvroute"
+    assert volumes["config"]["configMap"]["name"] == "kvroute-epp-config"
+    # A drain never takes the last picker.
+    pdb = one("PodDisruptionBudget", "kvroute-epp")
+    assert pdb["spec"]["minAvailable"] == 1
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
 def test_the_picker_probes_are_grpc_health_on_9003() -> None:
