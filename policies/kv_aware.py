@@ -62,6 +62,12 @@ terms, near ties on the ring as above); when none can, the plain cost decides as
 with reason ``kv_slo_miss`` (counted per reason, so an operator sees requests no replica could
 serve in time).
 
+In time (``cost_unit: time``): the uncached, queued and decoding terms are priced by each
+replica's own latency line (learnt online like the SLO's, ``_timed``) and counted back in
+tokens at the prior's seconds per token. In a mixed pool (H100 beside A100, TP4 beside TP2)
+a token queued on a replica twice as slow costs twice as much, so a fast replica takes more;
+in a pool of alike replicas at the prior it is the token cost exactly.
+
 Pure: the router (or the simulator) fills in ``RouteRequest.prefix_tokens`` from the prefix
 index and the load fields of ``ReplicaState``; nothing here does I/O or reads a clock.
 """
@@ -89,6 +95,10 @@ NO_PREFIX = "kv_no_prefix"  # near tie, no block hashes nor session key: power o
 LEAST_COST = "kv_least_cost"  # a clear winner on load, no replica holds any of the prompt
 SESSION = "kv_session"  # a live session's next turn, back to the replica that served the last
 SLO_MISS = "kv_slo_miss"  # no replica is predicted to meet the SLO: the fastest one
+
+# What the cost counts in: prefill tokens alike on every replica, or each replica's own
+# latency line's seconds (priced back into tokens at the prior's seconds per token).
+COST_UNITS = ("tokens", "time")
 
 # Where a learnt session claim's weight steps down: its gaps' quantiles (KvAware._claim).
 _STAGE_QUANTILES = (0.5, 0.75, 0.9)
@@ -127,6 +137,7 @@ class KvAware(Policy):
         lora_load_tokens: int = 256,
         lora_swap_tokens: int = 4096,
         lora_busy_s: float = 10.0,
+        cost_unit: str = "tokens",
         seed: int | None = None,
     ) -> None:
         for label, value in (
@@ -189,8 +200,14 @@ class KvAware(Policy):
         self.slo_tpot_s = slo_tpot_s
         self.slo_headroom = slo_headroom
         self.prior = LatencyPrior(ttft_base_s, prefill_s_per_token, tpot_base_s, tpot_per_seq_s)
-        # Latency lines per replica only when there is an SLO to hold them to.
-        self.latency_prior = self.prior if self.has_slo else None
+        if cost_unit not in COST_UNITS:
+            raise ValueError(f"cost_unit must be one of {', '.join(COST_UNITS)}, got {cost_unit!r}")
+        if cost_unit == "time" and not prefill_s_per_token > 0:
+            raise ValueError("cost_unit time needs prefill_s_per_token > 0 (the token's price)")
+        self.cost_unit = cost_unit
+        self.timed = cost_unit == "time"
+        # Latency lines per replica when the cost is in time, or there is an SLO to hold them to.
+        self.latency_prior = self.prior if self.has_slo or self.timed else None
         self._prior_latency = ReplicaLatency(self.prior)  # for replicas not yet seen
         self._sessions = LiveSessions(session_ttl_s) if session_ttl_s > 0 else None
         self._gaps = (
@@ -231,19 +248,19 @@ class KvAware(Policy):
         uncached = prompt - cached
         if uncached < 1:
             uncached = 1
-        cost = float(uncached + replica.prefill_tokens)
-        if held_elsewhere:
-            refill = (held_elsewhere if held_elsewhere < prompt else prompt) - cached
-            if refill > 0:
-                cost += self.refill_weight * refill
+        work = uncached + replica.prefill_tokens
         waiting = replica.reported_waiting
         if waiting:
             foreign_waiting = waiting - replica.prefilling
             if foreign_waiting > 0:
-                cost += foreign_waiting * self.waiting_request_tokens
+                work += foreign_waiting * self.waiting_request_tokens
         decoding = replica.in_flight - replica.prefilling
-        if decoding > 0:
-            cost += self.decode_weight * decoding
+        slowdown = self.decode_weight * decoding if decoding > 0 else 0.0
+        cost = self._timed(replica, work, slowdown) if self.timed else work + slowdown
+        if held_elsewhere:
+            refill = (held_elsewhere if held_elsewhere < prompt else prompt) - cached
+            if refill > 0:
+                cost += self.refill_weight * refill
         usage = replica.reported_kv_usage
         if usage is not None and usage >= self.kv_high:
             cost += self.kv_pressure_weight * uncached
@@ -259,6 +276,16 @@ class KvAware(Policy):
         if replica.lora_adapters:
             cost += self.adapter_cost(replica, request.model, now)
         return cost
+
+    def _timed(self, replica: ReplicaState, work: float, slowdown: float) -> float:
+        """``cost_unit: time``: the prefill ``work`` (uncached and queued tokens) and the
+        decoding ``slowdown`` (in tokens) as this replica's latency line prices them, in tokens
+        at the prior's price: a replica twice as slow per token costs twice as much, and one
+        still at the prior costs exactly what ``tokens`` says (its base is the prior's)."""
+        latency = replica.latency or self._prior_latency
+        price = self.prior.prefill_s_per_token
+        seconds = latency.ttft(work) - self.prior.ttft_base_s
+        return (seconds + slowdown * latency.prefill_s_per_token) / price
 
     def adapter_cost(self, replica: ReplicaState, model: str | None, now: float) -> float:
         """What ``model``'s LoRA adapter costs before prefill starts on ``replica``: nothing when
@@ -427,9 +454,15 @@ class KvAware(Policy):
         prefills again or evicts."""
         queued = float(self._queued_prefill(replica))
         decoding = replica.in_flight - replica.prefilling
-        if decoding > 0:
-            queued += self.decode_weight * decoding
-        return full_cost - queued
+        slowdown = self.decode_weight * decoding if decoding > 0 else 0.0
+        if not self.timed:
+            return full_cost - queued - slowdown
+        prefix = request.prefix_tokens
+        cached = prefix.get(replica.replica_id, 0) if prefix else 0
+        own = max(1, request.prompt_tokens - cached)
+        return full_cost - (
+            self._timed(replica, own + queued, slowdown) - self._timed(replica, own, 0.0)
+        )
 
     def _queued_prefill(self, replica: ReplicaState) -> int:
         """Prefill work ahead of a new request there: the router's own queued prompts, plus
@@ -635,6 +668,7 @@ class KvAware(Policy):
             "lora_load_tokens": self.lora_load_tokens,
             "lora_swap_tokens": self.lora_swap_tokens,
             "lora_busy_s": self._adapters.busy_s,
+            "cost_unit": self.cost_unit,
             "seed": self._seed,
         }
 

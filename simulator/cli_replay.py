@@ -55,6 +55,7 @@ from kvroute.simulator.fleet import (
 from kvroute.simulator.fleet.admission import FAIRNESS, AdmissionSpec
 from kvroute.simulator.fleet.batch import BatchJob, batch_lines
 from kvroute.simulator.fleet.bounds import prefill_alone_s
+from kvroute.simulator.fleet.mix import Mix, mix_models, mix_size, parse_mix
 from kvroute.simulator.fleet.pd_outcome import format_pd
 from kvroute.simulator.fleet.pd_search import search_pd
 from kvroute.simulator.fleet.pd_setup import PD_MODES, PdSetup
@@ -535,6 +536,15 @@ def _add_fleet_args(
         + (f"; capacity figures only (--kv, --explain): {', '.join(extra)}" if extra else "")
         + ". -fp8: FP8 weights and KV at the FP8 peak.",
     )
+    p.add_argument(
+        "--mix",
+        type=_mix_arg,
+        metavar="PRESET*N,...",
+        help="A mixed pool: replicas of several presets, e.g. llama-3.1-8b-h100*4,"
+        "llama-3.1-8b-a100*4 (PRESET@SPEED: that preset at SPEED times its pace, @0.5 half "
+        "as fast). --replicas defaults to the mix's size; other sizes keep its proportions, "
+        "kinds interleaved. KV capacity and batch limits stay --preset's for every replica.",
+    )
     if kv_capacity:
         p.add_argument(
             "--kv-capacity-tokens",
@@ -779,6 +789,13 @@ def _load(args: argparse.Namespace) -> tuple[Any, UnitTrace]:
     return trace, prepare(trace)
 
 
+def _mix_arg(text: str) -> Mix:
+    try:
+        return parse_mix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _fleet_config(
     args: argparse.Namespace,
     replicas: int,
@@ -786,6 +803,7 @@ def _fleet_config(
     pd: PdSetup | None = None,
 ) -> FleetConfig:
     latency = latency_preset(args.preset)
+    mix = getattr(args, "mix", None)
     try:
         engine = engine_config(
             latency,
@@ -806,6 +824,7 @@ def _fleet_config(
             pd=pd,
             admission=_admission(args),
             closed_loop=getattr(args, "closed_loop", False),
+            replica_latency=mix_models(mix, replicas) if mix else (),
             **_autoscale_settings(getattr(args, "autoscale", None), replicas),
         )
     except ValueError as exc:
@@ -1113,7 +1132,7 @@ def _simulated_replay(
             )
         args.replicas = pd.replicas
     elif args.replicas is None:
-        args.replicas = 4
+        args.replicas = mix_size(args.mix) if args.mix else 4
     trace, units = _load(args)
     for k, _ in args.fail:
         if k >= args.replicas:
