@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 
 from kvroute.backends.launcher import emulated_command
+from kvroute.bench.mixed import Measured, verdicts
+from kvroute.bench.mixed import Options as MixedOptions
+from kvroute.bench.mixed import Run as MixedRun
+from kvroute.bench.mixed import presets as mixed_presets
 from kvroute.policies import (
     Decision,
     FleetView,
@@ -266,3 +270,34 @@ def test_a_bad_presets_list_names_the_key(tmp_path: Path, launch: str, message: 
     with pytest.raises(ConfigError, match=message) as caught:
         load_config(path)
     assert "launch.presets" in str(caught.value)
+
+
+# -- kvroute bench mixed ---------------------------------------------------------------------
+
+
+def test_the_live_bench_pits_fast_and_slow_against_the_average_speed() -> None:
+    options = MixedOptions(replicas=2, preset="llama-3.1-8b-h100", slow_speed=0.5)
+    assert mixed_presets(options, "mixed") == [
+        "llama-3.1-8b-h100",
+        "llama-3.1-8b-h100@0.5",
+        "llama-3.1-8b-h100",
+        "llama-3.1-8b-h100@0.5",
+    ]
+    assert mixed_presets(options, "average") == ["llama-3.1-8b-h100@0.75"] * 4
+    for name in mixed_presets(options, "mixed") + mixed_presets(options, "average"):
+        latency_preset(name)  # every one a preset the replicas accept
+
+
+def test_the_live_bench_judges_the_time_cost_against_both_baselines() -> None:
+    def m(pool: str, policy: str, unit: str | None, p99: float) -> Measured:
+        return Measured(MixedRun(pool, policy, unit), frozenset(), {"ttft_p99_s": p99})
+
+    runs = [
+        m("mixed", "kv_aware", "time", 1.0),
+        m("mixed", "least_loaded", None, 1.5),
+        m("mixed", "power_of_two", None, 1.2),
+        m("average", "kv_aware", "tokens", 0.9),
+    ]
+    lines = verdicts(runs)
+    assert lines[0].endswith("1.11 (target <= 1): NOT met")
+    assert lines[1].endswith("0.83 (target < 1): met")
