@@ -66,7 +66,10 @@ In time (``cost_unit: time``): the uncached, queued and decoding terms are price
 replica's own latency line (learnt online like the SLO's, ``_timed``) and counted back in
 tokens at the prior's seconds per token. In a mixed pool (H100 beside A100, TP4 beside TP2)
 a token queued on a replica twice as slow costs twice as much, so a fast replica takes more;
-in a pool of alike replicas at the prior it is the token cost exactly.
+in a pool of alike replicas at the prior it is the token cost exactly. In speed
+(``cost_unit: speed``) only the lines' slopes count, against the fleet's mean: alike replicas
+cost their tokens whatever the prior or a noisy intercept says (10 ms between two learnt
+intercepts is 300 tokens at the default prior's price).
 
 Pure: the router (or the simulator) fills in ``RouteRequest.prefix_tokens`` from the prefix
 index and the load fields of ``ReplicaState``; nothing here does I/O or reads a clock.
@@ -98,7 +101,7 @@ SLO_MISS = "kv_slo_miss"  # no replica is predicted to meet the SLO: the fastest
 
 # What the cost counts in: prefill tokens alike on every replica, or each replica's own
 # latency line's seconds (priced back into tokens at the prior's seconds per token).
-COST_UNITS = ("tokens", "time")
+COST_UNITS = ("tokens", "time", "speed")
 
 # Where a learnt session claim's weight steps down: its gaps' quantiles (KvAware._claim).
 _STAGE_QUANTILES = (0.5, 0.75, 0.9)
@@ -202,10 +205,11 @@ class KvAware(Policy):
         self.prior = LatencyPrior(ttft_base_s, prefill_s_per_token, tpot_base_s, tpot_per_seq_s)
         if cost_unit not in COST_UNITS:
             raise ValueError(f"cost_unit must be one of {', '.join(COST_UNITS)}, got {cost_unit!r}")
-        if cost_unit == "time" and not prefill_s_per_token > 0:
-            raise ValueError("cost_unit time needs prefill_s_per_token > 0 (the token's price)")
+        if cost_unit != "tokens" and not prefill_s_per_token > 0:
+            raise ValueError(f"cost_unit {cost_unit} needs prefill_s_per_token > 0")
         self.cost_unit = cost_unit
-        self.timed = cost_unit == "time"
+        self.timed = cost_unit != "tokens"
+        self._fleet_slope = prefill_s_per_token  # speed: the fleet's mean, set per decision
         # Latency lines per replica when the cost is in time, or there is an SLO to hold them to.
         self.latency_prior = self.prior if self.has_slo or self.timed else None
         self._prior_latency = ReplicaLatency(self.prior)  # for replicas not yet seen
@@ -283,6 +287,10 @@ class KvAware(Policy):
         at the prior's price: a replica twice as slow per token costs twice as much, and one
         still at the prior costs exactly what ``tokens`` says (its base is the prior's)."""
         latency = replica.latency or self._prior_latency
+        if self.cost_unit == "speed":
+            # Only the slope, against the fleet's mean: the same tokens everywhere cost the
+            # same whatever the prior, and a noisy intercept moves nothing.
+            return (work + slowdown) * latency.prefill_s_per_token / self._fleet_slope
         price = self.prior.prefill_s_per_token
         seconds = latency.ttft(work) - self.prior.ttft_base_s
         return (seconds + slowdown * latency.prefill_s_per_token) / price
@@ -311,6 +319,8 @@ class KvAware(Policy):
         home_id, own = session if session is not None else (None, 0.0)
         warm = self._warm(request, eligible)
         held = _held_with_room(warm, eligible, bound) if warm else 0
+        if self.cost_unit == "speed":
+            self._fleet_slope = _mean_slope(eligible, self.prior.prefill_s_per_token)
         cost = self.cost
         now = fleet.now
         costs = [
@@ -691,6 +701,15 @@ def _warm_ties(
     if top <= floor:
         return ties
     return [r for r in room if prefix.get(r.replica_id, 0) == top]
+
+
+def _mean_slope(replicas: list[ReplicaState], prior: float) -> float:
+    """The replicas' mean seconds per prefill token (``prior`` for those without lines)."""
+    total = 0.0
+    for r in replicas:
+        total += r.latency.prefill_s_per_token if r.latency is not None else prior
+    mean = total / len(replicas)
+    return mean if mean > 0 else prior
 
 
 def _mix64(x: int) -> int:

@@ -301,3 +301,26 @@ def test_the_live_bench_judges_the_time_cost_against_both_baselines() -> None:
     lines = verdicts(runs)
     assert lines[0].endswith("1.11 (target <= 1): NOT met")
     assert lines[1].endswith("0.83 (target < 1): met")
+
+
+def test_in_speed_alike_replicas_cost_tokens_whatever_their_lines_say() -> None:
+    policy = KvAware(cost_unit="speed")
+    slow = LatencyPrior(prefill_s_per_token=1e-3, ttft_base_s=0.5)  # 30x the prior, a big base
+    a = ReplicaState("a", in_flight=2, prefilling=1, prefill_tokens=700)
+    b = ReplicaState("b", in_flight=1, prefilling=1, prefill_tokens=100)
+    a.latency, b.latency = ReplicaLatency(slow), ReplicaLatency(slow)
+    request = RouteRequest(1500, 64)
+    decision = policy.decide(request, FleetView([a, b], membership_version=1))
+    assert decision.chosen == "b"
+    assert policy.cost(a, request) == pytest.approx(KvAware().cost(a, request))
+
+
+def test_in_speed_a_replica_twice_as_slow_per_token_costs_twice_the_fast_ones() -> None:
+    policy = KvAware(cost_unit="speed")
+    fast = ReplicaState("fast", prefill_tokens=1000, prefilling=1, in_flight=1)
+    slow = ReplicaState("slow", prefill_tokens=1000, prefilling=1, in_flight=1)
+    fast.latency = ReplicaLatency(LatencyPrior(prefill_s_per_token=1e-4))
+    slow.latency = ReplicaLatency(LatencyPrior(prefill_s_per_token=2e-4))
+    request = RouteRequest(3000, 64)
+    assert policy.decide(request, FleetView([slow, fast], membership_version=1)).chosen == "fast"
+    assert policy.cost(slow, request) == pytest.approx(2 * policy.cost(fast, request))

@@ -97,6 +97,7 @@ TARGETS = {
         Target("oracle", "oracle", None),
         Target("kvroute-kv", "kvroute", "kv_aware"),
         Target("kvroute-kv-time", "kvroute", "kv_aware", (("cost_unit", "time"),)),
+        Target("kvroute-kv-speed", "kvroute", "kv_aware", (("cost_unit", "speed"),)),
         Target("kvroute-rr", "kvroute", "round_robin"),
         Target("vllm-router-rr", "vllm-router", "round_robin"),
         Target("vllm-router-ca", "vllm-router", "cache_aware"),
@@ -104,8 +105,9 @@ TARGETS = {
         Target("smg-ca", "smg", "cache_aware"),
     )
 }
-# kvroute-kv-time (kv_aware's cost in time) runs when asked for.
-DEFAULT_TARGETS = tuple(name for name in TARGETS if name != "kvroute-kv-time")
+# kv_aware's cost in time or relative speed (mixed pools) runs when asked for.
+OPTIONAL_TARGETS = ("kvroute-kv-time", "kvroute-kv-speed")
+DEFAULT_TARGETS = tuple(name for name in TARGETS if name not in OPTIONAL_TARGETS)
 
 # Targets: kv_aware vs the oracle and round robin, balance, and no cost without reuse.
 TARGET_VS_ORACLE = 0.9
@@ -492,13 +494,15 @@ def verdict_lines(outcome: Outcome) -> list[str]:
         lines.append(verdict("kv_aware hit rate vs round_robin", ratio, TARGET_VS_RR, ">="))
     if kv:
         lines.append(verdict("kv_aware load max/mean", kv.load_imbalance, TARGET_IMBALANCE, "<="))
-    timed = by_name.get("kvroute-kv-time")
-    if timed and oracle and oracle.hit_rate:
-        ratio = timed.hit_rate / oracle.hit_rate
-        lines.append(verdict("kv_aware (time) hit rate vs oracle", ratio, TARGET_VS_ORACLE, ">="))
-    if timed:
-        imbalance = timed.load_imbalance
-        lines.append(verdict("kv_aware (time) load max/mean", imbalance, TARGET_IMBALANCE, "<="))
+    for unit in ("time", "speed"):
+        timed = by_name.get(f"kvroute-kv-{unit}")
+        if timed and oracle and oracle.hit_rate:
+            ratio = timed.hit_rate / oracle.hit_rate
+            label = f"kv_aware ({unit}) hit rate vs oracle"
+            lines.append(verdict(label, ratio, TARGET_VS_ORACLE, ">="))
+        if timed:
+            label = f"kv_aware ({unit}) load max/mean"
+            lines.append(verdict(label, timed.load_imbalance, TARGET_IMBALANCE, "<="))
     for control, rows in outcome.controls.items():
         lines += control_verdicts(control, rows)
     return lines
