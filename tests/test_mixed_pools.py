@@ -7,6 +7,8 @@ so that a fast replica takes more."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import random
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from kvroute.bench.mixed import Measured, verdicts
 from kvroute.bench.mixed import Options as MixedOptions
 from kvroute.bench.mixed import Run as MixedRun
 from kvroute.bench.mixed import presets as mixed_presets
+from kvroute.cli import main
 from kvroute.policies import (
     Decision,
     FleetView,
@@ -35,6 +38,8 @@ from kvroute.simulator.fleet import FleetConfig, SimResult, engine_config, prepa
 from kvroute.simulator.fleet.mix import apportion, describe_counts, parse_mix
 from kvroute.simulator.replica.cli import add_replica_command
 from kvroute.simulator.traces.model import Trace, TraceRequest
+
+from .helpers import MOONCAKE
 
 H100 = latency_preset("llama-3.1-8b-h100")
 HALF = latency_preset("llama-3.1-8b-h100@0.5")
@@ -324,3 +329,40 @@ def test_in_speed_a_replica_twice_as_slow_per_token_costs_twice_the_fast_ones() 
     request = RouteRequest(3000, 64)
     assert policy.decide(request, FleetView([slow, fast], membership_version=1)).chosen == "fast"
     assert policy.cost(slow, request) == pytest.approx(2 * policy.cost(fast, request))
+
+
+# -- the commands ----------------------------------------------------------------------------
+
+
+def test_plan_sizes_a_mixed_fleet_and_says_how_many_of_each_kind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mix = "llama-3.1-8b-h100*1,llama-3.1-8b-a100*1"
+    argv = ["plan", "--trace", str(MOONCAKE), "--max-requests", "100", "--mix", mix, "--quiet"]
+    code = main([*argv, "--slo", "ttft=30", "--rate-multipliers", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"plan for kv_aware on a mix of {mix}" in out
+    rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    for row in rows:
+        n = row["replicas"]
+        assert row["kinds"] == describe_counts(apportion(parse_mix(mix), n))
+        assert f"of which {row['kinds']}" in " ".join(out.split())
+        assert row["gpus"] == n
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["replay", "--mix", "llama-3.1-8b-h100*x"], "expected PRESET*COUNT"),
+        (["plan", "--mix", "llama-3.1-8b-h100*2", "--explain", "--slo", "ttft=1"], "--explain"),
+    ],
+)
+def test_a_bad_mix_on_the_command_line_is_one_line_and_status_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with contextlib.suppress(SystemExit):
+        code = main([*argv, "--trace", str(MOONCAKE), "--out", "unused"])
+        assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
