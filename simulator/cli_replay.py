@@ -1006,6 +1006,11 @@ def run_replay(args: argparse.Namespace) -> int:
                 "--routers and --share set up simulated routers; with --live the router at "
                 "the URL routes (run several and put a balancer in front to measure that)"
             )
+        if args.mix:
+            raise UsageError(
+                "--mix simulates a mixed pool; with --live the router's replicas are what they "
+                "are (launch.presets gives emulated ones their speeds)"
+            )
         if getattr(args, "max_in_flight", None) or getattr(args, "fairness", None):
             raise UsageError(
                 "--max-in-flight and --fairness simulate the router's admission; with --live "

@@ -356,6 +356,7 @@ def test_plan_sizes_a_mixed_fleet_and_says_how_many_of_each_kind(
     [
         (["replay", "--mix", "llama-3.1-8b-h100*x"], "expected PRESET*COUNT"),
         (["plan", "--mix", "llama-3.1-8b-h100*2", "--explain", "--slo", "ttft=1"], "--explain"),
+        (["replay", "--mix", "llama-3.1-8b-h100*2", "--live", "http://127.0.0.1:9"], "--live"),
     ],
 )
 def test_a_bad_mix_on_the_command_line_is_one_line_and_status_2(
