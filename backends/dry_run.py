@@ -10,9 +10,10 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from .launcher import LaunchSpec, ReplicaPlan, plan_replica
+from kvroute.kvcore.kv_events import rank_endpoint
+
+from .launcher import LaunchSpec, ReplicaPlan, plan_replica, replica_ports
 from .placement import GpuPlan, format_indices
-from .process import free_ports
 
 # Stands for the private directory serve makes (mkdtemp) for the replicas' KV-event sockets.
 KV_DIR_PLACEHOLDER = "kvroute-kv-XXXXXXXX"
@@ -21,9 +22,8 @@ KV_DIR_PLACEHOLDER = "kvroute-kv-XXXXXXXX"
 def plan_fleet(spec: LaunchSpec) -> list[ReplicaPlan]:
     """Every replica ``LaunchedFleet(spec)`` would start, as it would start it."""
     kv_dir = Path(tempfile.gettempdir()) / KV_DIR_PLACEHOLDER
-    ports = free_ports(3 * spec.count)
     return [
-        plan_replica(spec, i, ports[3 * i : 3 * i + 3], kv_dir, build_model=False)
+        plan_replica(spec, i, replica_ports(spec), kv_dir, build_model=False)
         for i in range(spec.count)
     ]
 
@@ -44,6 +44,7 @@ def describe_plan(
         lines.append("")
         where = f", GPUs {','.join(map(str, replica.gpus))}" if replica.gpus else ""
         lines.append(f"{replica.name}: {replica.url}{where}, log {replica.log_path}")
+        lines += _rank_lines(spec, replica)
         lines.append("  environment kvroute sets (on top of the one it inherits):")
         lines += [f"    {key}={shlex.quote(replica.env[key])}" for key in sorted(replica.env)]
         if not replica.env:
@@ -53,6 +54,24 @@ def describe_plan(
     lines.append("")
     lines += _notes(spec, gpus, key)
     return "\n".join(lines)
+
+
+def _rank_lines(spec: LaunchSpec, replica: ReplicaPlan) -> list[str]:
+    """A data-parallel replica's ranks: the router routes to each (X-data-parallel-rank) and
+    hears each one's KV events where vLLM offsets them."""
+    size = spec.data_parallel_size
+    if size == 1:
+        return []
+    lines = [f"  {size} data-parallel ranks, each routed to as {replica.name}@dpK:"]
+    for rank in range(size):
+        events = ""
+        if replica.kv is not None:
+            events = (
+                f", KV events {rank_endpoint(replica.kv.events, rank)}"
+                f" (replay {rank_endpoint(replica.kv.replay, rank)})"
+            )
+        lines.append(f"    rank {rank}: header X-data-parallel-rank: {rank}{events}")
+    return lines
 
 
 def _gpu_map(replicas: list[ReplicaPlan], plan: GpuPlan, key: str) -> list[str]:

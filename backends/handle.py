@@ -16,6 +16,9 @@ class ReplicaHandle:
     # Position in the fleet; indexes shared per-replica tables such as the load board.
     index: int
     breaker_settings: BreakerSettings = field(default_factory=BreakerSettings)
+    # The data-parallel rank this endpoint sends to (X-data-parallel-rank), whose engine's
+    # metrics it reads (``engine="k"``); None: the whole replica.
+    data_parallel_rank: int | None = None
     state: ReplicaState = field(init=False)
     breaker: CircuitBreaker = field(init=False)
     # Unix time the replica left rotation (unhealthy or ejected); None while in rotation.

@@ -18,6 +18,12 @@ KV events (a kvroute convention, not part of the InferencePool API): the pod ann
 - Without the annotation (or with one that does not parse) a rank has no KV events, and the
   picker falls back to its own predictions for it.
 
+Data-parallel pods (vLLM ``--data-parallel-size N`` behind one port, a kvroute convention too):
+the pod annotation `kvroute.io/data-parallel-size: "N"` makes each target port N routing
+endpoints, one per rank (`PoolEndpoint.data_parallel_size`); the picker names the rank in the
+`x-data-parallel-rank` header it adds, and hears rank k's KV events on the port's KV-event port
++ k, as vLLM offsets them (give one KV-event port per target port).
+
 Both watches list first, then watch from the list's `resourceVersion` with bookmarks (which
 advance it). A `410 Gone` (the resourceVersion is too old) relists at once; other API errors
 relist after an exponential, jittered backoff. Bad input (a pool without target ports, a
@@ -46,6 +52,8 @@ POOL_VERSION = "v1"
 POOL_PLURAL = "inferencepools"
 ACTIVE_PORTS_ANNOTATION = "inference.networking.k8s.io/active-ports"
 KV_EVENTS_PORTS_ANNOTATION = "kvroute.io/kv-events-ports"
+DATA_PARALLEL_ANNOTATION = "kvroute.io/data-parallel-size"
+MAX_DATA_PARALLEL = 1024
 MAX_TARGET_PORTS = 8  # the CRD's limit
 
 LIST_TIMEOUT_S = 30.0
@@ -71,6 +79,8 @@ class PoolEndpoint:
     port: int
     # ZMQ endpoints of this rank's KV events, e.g. ("tcp://10.0.0.5:5557",); () when none.
     kv_events: tuple[str, ...] = ()
+    # vLLM data-parallel ranks behind this port (kvroute.io/data-parallel-size).
+    data_parallel_size: int = 1
 
     @property
     def address(self) -> str:
@@ -262,11 +272,31 @@ def endpoints_from_pod(pod: Json, pool: PoolSpec) -> tuple[PoolEndpoint, ...]:
     if isinstance(text, str) and pool.target_ports:
         kv = kv_event_endpoints(name, host, text, len(pool.target_ports))
 
+    ranks = _data_parallel_size(name, annotations.get(DATA_PARALLEL_ANNOTATION))
     return tuple(
-        PoolEndpoint(f"{name}-rank-{rank}", host, port, kv[rank : rank + 1])
+        PoolEndpoint(f"{name}-rank-{rank}", host, port, kv[rank : rank + 1], ranks)
         for rank, port in enumerate(pool.target_ports)
         if port is not None and (active is None or port in active)
     )
+
+
+def _data_parallel_size(pod: str, text: object) -> int:
+    """The `kvroute.io/data-parallel-size` annotation; 1 (with a warning) when it is not a
+    number of ranks."""
+    if text is None:
+        return 1
+    if isinstance(text, str) and text.strip().isdigit():
+        size = int(text)
+        if 1 <= size <= MAX_DATA_PARALLEL:
+            return size
+    log.warning(
+        "pod %s: annotation %s=%r is not a number of ranks 1-%d; routed as one rank",
+        pod,
+        DATA_PARALLEL_ANNOTATION,
+        text,
+        MAX_DATA_PARALLEL,
+    )
+    return 1
 
 
 class _StreamError(Exception):

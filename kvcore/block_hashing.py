@@ -32,6 +32,10 @@ from xxhash import xxh3_64_intdigest
 
 ChainHashes = Callable[[Sequence[int], int, int], list[int]]
 
+# Names this scheme in what carries router hashes beyond one process (index snapshots): change
+# it with any change to the hashes.
+HASH_SCHEME = "xxh3_64-chain-u32le-v1"
+
 _BIG_ENDIAN = sys.byteorder == "big"
 if array("I").itemsize != 4:  # pragma: no cover - every CPython platform we run on has 4
     raise ImportError("array('I') is not 4 bytes on this platform")

@@ -10,6 +10,11 @@ A request passes when the input bucket holds its estimate (at most the bucket's 
 larger than a minute's budget passes once the bucket is full, or it could never pass) and the
 output bucket holds at least a token (it is not spent, nor in debt). Otherwise ``wait_s`` says when it would: the Retry-After.
 
+Several routers (or workers) enforce one budget by sharing what they charge
+(router/budget_bus.py): each records its own charges in a :class:`ChargeLog`, publishes them,
+and applies the others' with :meth:`TenantBudget.apply_remote`, so every bucket drains at the
+fleet's rate, not one router's.
+
 Pure: no I/O, no clock (``now`` is passed in, monotonic seconds).
 """
 
@@ -92,6 +97,27 @@ class TenantBudget:
         if self.input is not None:
             self.input.take(-reserved, now)
 
+    def apply_remote(self, input_tokens: float, output_tokens: float, now: float) -> None:
+        """Another router's net charges (its reservations, corrections, output and refunds)."""
+        if self.input is not None and input_tokens:
+            self.input.take(input_tokens, now)
+        if self.output is not None and output_tokens:
+            self.output.take(output_tokens, now)
+
+    def adopt_level(self, input_level: float | None, output_level: float | None) -> None:
+        """Start no fuller than a peer that has been charging for a while: a router that
+        starts (or restarts) must not hand out a full minute on top of what was spent."""
+        if self.input is not None and input_level is not None:
+            self.input.level = min(self.input.level, input_level)
+        if self.output is not None and output_level is not None:
+            self.output.level = min(self.output.level, output_level)
+
+    def levels(self, now: float) -> tuple[float | None, float | None]:
+        return (
+            self.input.refill(now) if self.input is not None else None,
+            self.output.refill(now) if self.output is not None else None,
+        )
+
     def describe(self, now: float) -> dict[str, object]:
         out: dict[str, object] = {}
         for kind, bucket in (("input", self.input), ("output", self.output)):
@@ -104,3 +130,28 @@ class TenantBudget:
                 "exhausted": bucket.level < 1,
             }
         return out
+
+
+class ChargeLog:
+    """This router's net charges per tenant since the last :meth:`drain`: what it shares."""
+
+    __slots__ = ("_charges",)
+
+    def __init__(self) -> None:
+        self._charges: dict[str, list[float]] = {}
+
+    def add(self, tenant: str, input_tokens: float, output_tokens: float) -> None:
+        entry = self._charges.get(tenant)
+        if entry is None:
+            self._charges[tenant] = [input_tokens, output_tokens]
+        else:
+            entry[0] += input_tokens
+            entry[1] += output_tokens
+
+    def drain(self) -> dict[str, tuple[float, float]]:
+        """The charges since the last drain (net zero ones left out), and a fresh log."""
+        charges, self._charges = self._charges, {}
+        return {t: (i, o) for t, (i, o) in charges.items() if i or o}
+
+    def __len__(self) -> int:
+        return len(self._charges)

@@ -369,3 +369,17 @@ def _has_unknown_tag(view: memoryview) -> bool:
         return False
     tag = obj.get("type") if isinstance(obj, dict) else obj[0] if obj else None
     return isinstance(tag, str) and tag not in _KNOWN_TAGS
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Where data-parallel rank ``rank`` publishes, given the endpoint configured for the
+    replica: vLLM's ``ZmqEventPublisher.offset_endpoint_port``. Rank 0 and TCP port 0 are
+    unchanged, TCP ports move up by the rank, ``inproc://`` endpoints take a ``_dp{rank}``
+    suffix. vLLM refuses other schemes for ranks above 0; ``ipc://`` takes the suffix here
+    (the emulated replica's layout), as a path cannot be offset."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"

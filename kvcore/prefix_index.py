@@ -257,7 +257,18 @@ class PrefixIndex:
         if n < len(hashes):
             hashes = hashes[:n]
         ehs = engine_hashes if len(engine_hashes) == n else engine_hashes[:n]
+        return self._store(rep, emap, ehs, hashes, parent)
 
+    def _store(
+        self,
+        rep: _Replica,
+        emap: dict[EngineHash, int],
+        ehs: Sequence[EngineHash],
+        hashes: list[int],
+        parent: int | None,
+    ) -> int:
+        """Map and hold blocks whose router hashes are known (an event's, a snapshot's)."""
+        n = len(hashes)
         # The engine -> router map, and the blocks this event adds to the replica.
         before = len(emap)
         _consume(map(emap.setdefault, ehs, hashes))  # the common case: all new to this medium
@@ -272,6 +283,55 @@ class PrefixIndex:
         if added:
             self._entries += self._hold(rep, added, parent)
         return len(added)
+
+    # --- snapshots (kvcore/index_snapshot.py) ----------------------------------------------
+
+    def held_blocks(self, replica: str) -> dict[str, tuple[list[EngineHash], list[int]]]:
+        """One replica's engine -> router hash maps by medium, in the order they were stored:
+        what a snapshot needs to rebuild the replica's entries (predictions are not in it)."""
+        rep = self._replicas.get(replica)
+        if rep is None:
+            return {}
+        return {med: (list(emap), list(emap.values())) for med, emap in rep.maps.items() if emap}
+
+    def restore_blocks(
+        self,
+        replica: str,
+        medium: str,
+        engine_hashes: Sequence[EngineHash],
+        router_hashes: Sequence[int],
+        block_size: int | None,
+    ) -> int:
+        """Hold blocks taken from a snapshot (``held_blocks`` of another index); returns the
+        blocks newly indexed. Stored in pieces, each continuing the one before it (held_blocks
+        keeps the order chains were stored in, so runs stay chains mostly): a stretch that is
+        the next blocks of an indexed run (another replica's, restored before), or blocks new
+        to the index, so that most pieces take ingest's fast paths."""
+        if len(engine_hashes) != len(router_hashes):
+            raise ValueError("engine and router hashes differ in length")
+        rep = self._replicas.get(replica) or self._replica(replica)
+        if block_size is not None:
+            self.block_size = block_size
+        emap = rep.maps.get(medium)
+        if emap is None:
+            emap = rep.maps[medium] = {}
+        seg = self._seg
+        added = 0
+        parent: int | None = None
+        i, n = 0, len(router_hashes)
+        while i < n:
+            rid = seg.get(router_hashes[i])
+            if rid is not None:
+                k = max(1, packed_runs.follow(self._runs[rid], router_hashes, i, _MAX_RUN)[1])
+            else:
+                k = 1
+                while i + k < n and k < _MAX_RUN and router_hashes[i + k] not in seg:
+                    k += 1
+            hashes = list(router_hashes[i : i + k])
+            added += self._store(rep, emap, engine_hashes[i : i + k], hashes, parent)
+            parent = hashes[-1]
+            i += k
+        return added
 
     def _map_blocks(
         self,

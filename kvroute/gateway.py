@@ -228,6 +228,69 @@ def envoy_config(spec: GatewaySpec) -> dict[str, Any]:
     }
 
 
+def balancer_config(
+    routers: Sequence[tuple[str, int]], listen_port: int, admin_port: int, retries: int = 3
+) -> dict[str, Any]:
+    """Envoy round robin over several ``kvroute serve`` routers (README "Several routers").
+
+    A request goes again to another router when its router refused or reset it before any
+    byte of the answer came (a killed router); one whose answer had started (a stream it was
+    relaying) is not retried. Routers are checked on /ready every half second, so one that is
+    down or restarting gets no new requests. Each answer names the router that served it
+    (``x-kvroute-router``: its address), for drills.
+    """
+    route = {
+        "cluster": "routers",
+        "timeout": "0s",
+        "retry_policy": {
+            "retry_on": "connect-failure,refused-stream,reset",
+            "num_retries": retries,
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.retry.host."
+                        "previous_hosts.v3.PreviousHostsPredicate"
+                    },
+                }
+            ],
+            "host_selection_retry_max_attempts": 5,
+        },
+    }
+    listener = _listener("routers", "127.0.0.1", listen_port, "routers", [], retries)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["route_config"]["virtual_hosts"][0]["routes"] = [{"match": {"prefix": "/"}, "route": route}]
+    hcm["route_config"]["response_headers_to_add"] = [
+        {"header": {"key": "x-kvroute-router", "value": "%UPSTREAM_REMOTE_ADDRESS%"}}
+    ]
+    cluster = {
+        "name": "routers",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_balancing_policy": _round_robin_policy(),
+        "load_assignment": _endpoints("routers", routers),
+        "circuit_breakers": {
+            "thresholds": [
+                {"max_requests": 1 << 20, "max_pending_requests": 1 << 20, "max_retries": 1024}
+            ]
+        },
+        "health_checks": [
+            {
+                "timeout": "0.5s",
+                "interval": "0.5s",
+                "no_traffic_interval": "0.5s",
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "http_health_check": {"path": "/ready"},
+            }
+        ],
+    }
+    return {
+        "admin": {"address": _address("127.0.0.1", admin_port)},
+        "static_resources": {"listeners": [listener], "clusters": [cluster]},
+    }
+
+
 def _round_robin_policy() -> dict[str, Any]:
     return {
         "policies": [
@@ -268,8 +331,17 @@ def envoy_binary() -> str:
 class EnvoyProcess:
     """Envoy running ``spec``'s config; ``start`` waits until its admin says LIVE."""
 
-    def __init__(self, spec: GatewaySpec, workdir: Path, *, concurrency: int = 1) -> None:
+    def __init__(
+        self,
+        spec: GatewaySpec,
+        workdir: Path,
+        *,
+        concurrency: int = 1,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        """``config``: this bootstrap instead of ``spec``'s (its admin port still spec's)."""
         self.spec = spec
+        self.config = config
         self.config_path = workdir / "envoy.yaml"
         self.log_path = workdir / "envoy.log"
         self.concurrency = concurrency
@@ -277,7 +349,11 @@ class EnvoyProcess:
 
     def start(self, timeout_s: float = 30.0) -> None:
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(envoy_yaml(self.spec))
+        self.config_path.write_text(
+            envoy_yaml(self.spec)
+            if self.config is None
+            else yaml.safe_dump(self.config, sort_keys=False)
+        )
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 [

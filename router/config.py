@@ -78,6 +78,12 @@ class ReplicaConfig(_Section):
     # The replica's ZMQ KV-event publisher and replay endpoints (vLLM --kv-events-config).
     kv_events: str | None = None
     kv_replay: str | None = None
+    # vLLM's --data-parallel-size: the replica runs this many engine cores, each with its own
+    # KV cache; the router routes to each rank (router/dp_ranks.py).
+    data_parallel_size: int = 1
+    # One rank of a data-parallel replica (set when the replica is expanded into its ranks;
+    # in a file: this entry routes to that rank only, with ``kv_events`` as that rank's own).
+    data_parallel_rank: int | None = None
 
 
 class LaunchConfig(_Section):
@@ -105,6 +111,10 @@ class LaunchConfig(_Section):
     # replica holds; "tcp" on TCP ports (emulated replicas bind them on launch.host; vLLM binds
     # every interface) for subscribers elsewhere.
     kv_events_bind: str = "ipc"
+    # Batches each replica keeps for its replay socket (vLLM's --kv-events-config buffer_steps):
+    # how far back a router that missed events (a restart, a warm start from a snapshot this
+    # many engine steps old) can catch up; null: vLLM's 10,000.
+    kv_replay_buffer: int | None = None
     host: str = "127.0.0.1"
     log_dir: str = "kvroute-logs"
     startup_timeout_s: float = 300.0
@@ -272,6 +282,12 @@ class TenantsConfig(_Section):
     # Tenant names from headers are the client's to choose: beyond this many distinct ones,
     # unknown names count as "default" (memory stays bounded).
     max_tracked: int = 1000
+    # Several routers behind one load balancer enforce one budget per tenant: each shares its
+    # charges over this NATS server (router/budget_bus.py). None: each process enforces its
+    # own (its share with listen.workers).
+    budget_bus: str | None = None
+    budget_bus_subject: str = "kvroute.budgets"
+    budget_bus_interval_s: float = 0.02
 
 
 class FairnessConfig(_Section):
@@ -460,10 +476,36 @@ class RoutingConfig(_Section):
     # output, logprobs, images, stored Responses) still go as text. Measured (docs/agents.md):
     # 3.1x less replica API-server CPU per 220 KB turn, TTFT p50 1.33x lower; so on.
     send_tokens: bool = True
+    # Several routers behind one load balancer: share every dispatch (in-flight load and
+    # predictions) over this NATS server, as epp.ledger_bus does for pickers (router/
+    # ledger_bus.py). null: each router knows its own traffic and the replicas' KV events.
+    ledger_bus: str | None = None
+    ledger_bus_subject: str = "kvroute.ledger"
     # A header that names the request's session (a gateway's or a client's own), read before
     # every other way of finding it (X-Session-ID, the agents' own headers and fields,
     # prompt_cache_key, user: kvcore/agent_identity.py); null: none.
     session_header: str | None = None
+
+
+class WarmStartConfig(_Section):
+    """Several routers: a starting router loads a running one's prefix index (issue 36)."""
+
+    # Routers (base URLs; a load balancer in front of them will do) asked in turn, at start,
+    # for their index snapshot (GET /admin/index-snapshot); empty: start cold.
+    peers: list[str] = msgspec.field(default_factory=list)
+    # The peers' admin key ("env:NAME" reads it from the environment); null: auth.admin_api_key.
+    api_key: str | None = None
+    # Each peer's answer, connecting and reading a snapshot of millions of blocks included.
+    timeout_s: float = 10.0
+    # A NATS server with JetStream (nats-server -js): every router puts its snapshot in an
+    # object store there every publish_interval_s, and a starting router that got none from
+    # its peers loads the newest from it (null: off). Replay buffers must cover the interval.
+    nats_url: str | None = None
+    # The object store bucket (one object per model pool), made if missing.
+    nats_bucket: str = "kvroute-index"
+    publish_interval_s: float = 10.0
+    # Snapshots older than this are dropped by NATS (the bucket's ttl) and not loaded.
+    max_age_s: float = 300.0
 
 
 class MetricsConfig(_Section):
@@ -595,6 +637,7 @@ class Config(_Section):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     parity: ParityConfig = msgspec.field(default_factory=ParityConfig)
+    warm_start: WarmStartConfig = msgspec.field(default_factory=WarmStartConfig)
     epp: EppConfig = msgspec.field(default_factory=EppConfig)
     # Add X-Kvroute-Replica, X-Kvroute-Reason, X-Kvroute-Prefix-Hit-Tokens and
     # X-Kvroute-Prefix-Available-Tokens to every routed response.
@@ -814,6 +857,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         if name in names:
             problems.append(f"{key}.name: duplicate replica name {name!r}")
         names.add(name)
+        problems += rank_problems(replica, key)
     if config.launch is not None:
         problems += launch_problems(config.launch)
         block_size = config.routing.block_size
@@ -827,6 +871,14 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         if not model:
             problems.append(f"models[{i}]: must not be empty")
     problems += _routing_problems(config.routing)
+    problems += _warm_start_problems(config.warm_start)
+    if config.routing.ledger_bus is not None and config.listen.workers > 1:
+        # Workers already share load through the host's load board; each would also count
+        # its siblings' dispatches again from the bus.
+        problems.append(
+            f"routing.ledger_bus: not with listen.workers {config.listen.workers}; run one "
+            "worker per router process when routers share a bus"
+        )
     for section, fields in (
         (
             "timeouts",
@@ -836,6 +888,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         ("health", ("interval_s", "timeout_s")),
         ("canary", ("interval_s", "timeout_s")),
         ("routing", ("scrape_interval_s",)),
+        ("warm_start", ("timeout_s", "publish_interval_s", "max_age_s")),
         ("retry", ("budget_s", "backoff_max_s")),
         ("breaker", ("window_s", "cooldown_s", "max_cooldown_s")),
         ("limits", ("queue_timeout_s",)),
@@ -1095,6 +1148,16 @@ def tenant_problems(config: Config) -> list[str]:
                 problems.append(f"{where}.{key}: must be >= 0 (0 means no limit), got {value}")
     if config.tenants.max_tracked < 1:
         problems.append(f"tenants.max_tracked: must be >= 1, got {config.tenants.max_tracked}")
+    tenants = config.tenants
+    if tenants.budget_bus is not None and not tenants.budget_bus.startswith(("nats://", "tls://")):
+        problems.append(f"tenants.budget_bus: expected a nats:// URL, got {tenants.budget_bus!r}")
+    if not tenants.budget_bus_subject.strip() or " " in tenants.budget_bus_subject:
+        problems.append("tenants.budget_bus_subject: must be a NATS subject without spaces")
+    interval = tenants.budget_bus_interval_s
+    if not (math.isfinite(interval) and 0 < interval <= 10):
+        problems.append(
+            f"tenants.budget_bus_interval_s: must be a number of seconds in (0, 10], got {interval}"
+        )
     fairness = config.fairness
     for key in ("output_weight", "locality_bound_tokens"):
         value = getattr(fairness, key)
@@ -1133,6 +1196,27 @@ def tenant_problems(config: Config) -> list[str]:
                 f"fairness.objectives.{name}: must be one of {', '.join(PRIORITY_CLASSES)}, "
                 f"got {value!r}"
             )
+    return problems
+
+
+def _warm_start_problems(warm: WarmStartConfig) -> list[str]:
+    problems: list[str] = []
+    for i, peer in enumerate(warm.peers):
+        try:
+            check_replica_url(peer, f"warm_start.peers[{i}]")
+        except ConfigError as exc:
+            problems += exc.problems
+    if warm.nats_url is not None and not warm.nats_url.startswith(("nats://", "tls://")):
+        problems.append(f"warm_start.nats_url: expected a nats:// URL, got {warm.nats_url!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", warm.nats_bucket):
+        problems.append(
+            f"warm_start.nats_bucket: letters, digits, '-' and '_' only, got {warm.nats_bucket!r}"
+        )
+    if warm.api_key is not None:
+        try:
+            resolve_secret(warm.api_key, "warm_start.api_key")
+        except ConfigError as exc:
+            problems += exc.problems
     return problems
 
 
@@ -1179,6 +1263,11 @@ def _routing_problems(routing: RoutingConfig) -> list[str]:
         problems.append(
             f"routing.prediction_ttl_s: must be a finite number >= 0, got {routing.prediction_ttl_s}"
         )
+    bus = routing.ledger_bus
+    if bus is not None and not bus.startswith(("nats://", "tls://")):
+        problems.append(f"routing.ledger_bus: expected a nats:// URL, got {bus!r}")
+    if not routing.ledger_bus_subject.strip() or " " in routing.ledger_bus_subject:
+        problems.append("routing.ledger_bus_subject: must be a NATS subject without spaces")
     return problems
 
 
@@ -1188,7 +1277,7 @@ def launch_problems(launch: LaunchConfig) -> list[str]:
         problems.append(
             f"launch.engine: must be one of {', '.join(ENGINES)}, got {launch.engine!r}"
         )
-    for key in ("count", "block_size", "num_gpu_blocks", "max_num_seqs"):
+    for key in ("count", "block_size", "num_gpu_blocks", "max_num_seqs", "kv_replay_buffer"):
         value = getattr(launch, key)
         if value is not None and value < 1:
             problems.append(f"launch.{key}: must be >= 1, got {value}")
@@ -1273,14 +1362,14 @@ def _gpu_problems(launch: LaunchConfig) -> list[str]:
         return problems + exc.problems
     if launch.gpus is not None and launch.count >= 1:
         problems += gpu_list_problems(launch.gpus, launch.count, layout)
-    if layout.data > 1 and launch.engine == "vllm" and launch.kv_events:
-        # vLLM publishes each data-parallel rank's KV events on an endpoint of its own (tcp
-        # port + rank, and ipc endpoints it refuses), while the router subscribes to one per
-        # replica: it would not hear what ranks 1+ cache.
+    vllm_events = launch.engine == "vllm" and launch.kv_events
+    if layout.data > 1 and vllm_events and launch.kv_events_bind == "ipc":
+        # vLLM offsets each rank's endpoint (ZmqEventPublisher.offset_endpoint_port): tcp
+        # ports by the rank; an ipc:// endpoint raises ValueError for ranks above 0.
         problems.append(
-            f"launch.data_parallel_size: {layout.data} with launch.kv_events on: the router "
-            "hears one KV-event endpoint per replica, vLLM publishes one per data-parallel "
-            "rank; launch more replicas (launch.count) instead, or set launch.kv_events: false"
+            f"launch.data_parallel_size: {layout.data} with launch.kv_events on needs "
+            "launch.kv_events_bind: tcp: vLLM publishes rank k's events on the configured "
+            "port + k and refuses ipc:// endpoints for ranks above 0"
         )
     return problems
 
@@ -1388,6 +1477,19 @@ def check_replica_url(url: str, key: str) -> None:
         raise ConfigError(f"{key}: {url!r} has port 0, which no replica can listen on")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ConfigError(f"{key}: {url!r} must be a base URL like http://host:port")
+
+
+def rank_problems(replica: ReplicaConfig, key: str) -> list[str]:
+    """What is wrong with a replica's data-parallel keys."""
+    size, rank = replica.data_parallel_size, replica.data_parallel_rank
+    if not 1 <= size <= 1024:
+        return [
+            f"{key}.data_parallel_size: must be 1-1024 (vLLM's --data-parallel-size), got {size}"
+        ]
+    if rank is not None and (rank < 0 or (size > 1 and rank >= size)):
+        top = f" below data_parallel_size {size}" if size > 1 else ""
+        return [f"{key}.data_parallel_rank: must be a rank 0 or above{top}, got {rank}"]
+    return []
 
 
 def replica_name_from_url(url: str) -> str:

@@ -27,6 +27,7 @@ from kvroute.kvcore.tokenizer import ChatTemplateError
 from kvroute.policies import FleetView, Policy, ReplicaState
 
 from .config import Config, ReplicaConfig, replica_name_from_url
+from .dp_ranks import expand_ranks, replica_of
 from .kv_subscriber import KVEventSubscribers
 from .lora_spread import LoraSpreader
 from .pipeline import ModelCatalog
@@ -35,6 +36,7 @@ from .pools import OffsetLoad, PoolRouting, Pools
 from .prompt_keys import PromptKeys
 from .prompt_tokenizer import PromptTokenizer
 from .registry import RegistryHooks, ReplicaRegistry
+from .warm_start import SnapshotPublisher, warm_start
 from .workers import WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,8 @@ class RoutingCore:
         # Hot LoRA adapters loaded on more replicas (lora.spread), None when off.
         self.lora_spreader = _lora_spreader(config, self) if config.lora.spread else None
         self._expiry: asyncio.Task[None] | None = None
+        # Puts the index in NATS for routers that start later (warm_start.nats_url).
+        self.snapshot_publisher: SnapshotPublisher | None = None
 
     # The single pool's parts, for the endpoint picker (one InferencePool, one pool) and
     # tests; with several pools they raise: a request's pool is ``pools.for_model``.
@@ -141,12 +145,25 @@ class RoutingCore:
         return self.keys.block_size()
 
     async def start(self) -> None:
+        # A warm start loads the index before any KV event is followed, and after the first
+        # probes and scrapes have told this router its model, tokenizer and block size.
+        settings = self.config.warm_start
+        warm = bool(settings.peers or settings.nats_url)
         for pool in self.pools:
-            pool.start()
+            pool.keys.start()
+            if not warm:
+                pool.kv_events.start_all()
         await self.prober.probe_all()
         self.prober.start()
         await self.scraper.scrape_all()
         self.scraper.start()
+        if warm:
+            await warm_start(list(self.pools), settings, self.config.auth.admin_api_key)
+            for pool in self.pools:
+                pool.kv_events.start_all()
+        if settings.nats_url is not None:
+            self.snapshot_publisher = SnapshotPublisher(list(self.pools), settings)
+            self.snapshot_publisher.start()
         if self.canary is not None:
             self.canary.start()
         if self.lora_spreader is not None:
@@ -163,6 +180,8 @@ class RoutingCore:
                 pool.ledger.expire_predictions(now)
 
     async def close(self) -> None:
+        if self.snapshot_publisher is not None:
+            await self.snapshot_publisher.close()
         if self._expiry is not None:
             self._expiry.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -188,7 +207,7 @@ class RoutingCore:
         take traffic at once; otherwise they join on their first passing probe.
         """
         target = self._pool(pool)
-        by_name = {r.name or replica_name_from_url(r.url): r for r in replicas}
+        by_name = {r.name or replica_name_from_url(r.url): r for r in expand_ranks(replicas)}
         others = {n: r for n, r in self.members.items() if self.pools.of_replica(n) is not target}
         clash = sorted(by_name.keys() & others.keys())
         if clash:
@@ -249,12 +268,16 @@ class RoutingCore:
         await self.set_replicas([*mine, replica], ready=ready, pool=target.name)
 
     async def remove_replica(self, name: str) -> None:
-        """``name`` leaves the fleet: its handle, index entries, probes and KV events."""
-        owner = self.pools.of_replica(name)
+        """``name`` leaves the fleet: its handle, index entries, probes and KV events (a
+        data-parallel replica's: every rank's)."""
+        gone = {n for n in self.members if n == name or replica_of(n) == name}
+        owner = next((self.pools.of_replica(n) for n in gone), None)
         if owner is None:
             return
         mine = [
-            r for n, r in self.members.items() if n != name and self.pools.of_replica(n) is owner
+            r
+            for n, r in self.members.items()
+            if n not in gone and self.pools.of_replica(n) is owner
         ]
         await self.set_replicas(mine, ready=False, pool=owner.name)
 

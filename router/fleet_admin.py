@@ -1,6 +1,7 @@
 """The admin API that changes the fleet while the router serves, and its metrics.
 
-* ``POST /admin/replicas``: ``{"url": ..., "name"?, "kv_events"?, "kv_replay"?, "pool"?}``
+* ``POST /admin/replicas``: ``{"url": ..., "name"?, "kv_events"?, "kv_replay"?,
+  "data_parallel_size"?, "pool"?}`` (a data-parallel replica joins as one endpoint per rank)
   registers a static replica (in model pool ``pool``, which a router of several pools needs);
   ``{"launch": true, "pool"?}`` starts one more of a pool's launched replicas (``"wait": false``
   answers 202 at once instead of when it is in rotation; ``pool`` when several pools launch).
@@ -38,6 +39,7 @@ from .auth import Auth
 from .autoscaling import AutoscaleLoop
 from .config import Config, ReplicaConfig
 from .core import RoutingCore
+from .dp_ranks import replica_of
 from .drain import Drainer, DrainReport
 from .membership import FleetError, FleetMembership
 from .rollout import Rollout, RolloutPlan, new_spec
@@ -51,6 +53,7 @@ class AddReplicaBody(msgspec.Struct, forbid_unknown_fields=True):
     name: str | None = None
     kv_events: str | None = None
     kv_replay: str | None = None
+    data_parallel_size: int = 1
     pool: str | None = None
     launch: bool = False
     wait: bool = True
@@ -206,7 +209,13 @@ class FleetControl:
                 "more launched replica)"
             )
         if body.url is not None:
-            replica = ReplicaConfig(body.url, body.name, body.kv_events, body.kv_replay)
+            replica = ReplicaConfig(
+                url=body.url,
+                name=body.name,
+                kv_events=body.kv_events,
+                kv_replay=body.kv_replay,
+                data_parallel_size=body.data_parallel_size,
+            )
             handle = await membership.add_static(replica, body.pool)
             return _json(self._row(handle), 201)
         if body.name or body.kv_events or body.kv_replay:
@@ -311,6 +320,9 @@ class FleetControl:
         return {
             "name": handle.name,
             "url": handle.base_url,
+            # A data-parallel replica's ranks are listed one by one (router/dp_ranks.py).
+            "replica": replica_of(handle.name),
+            "data_parallel_rank": handle.data_parallel_rank,
             "healthy": handle.state.healthy,
             **self.row_fields(handle.name),
         }

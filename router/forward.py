@@ -11,6 +11,7 @@ from kvroute.kvcore.ledger import Route
 from kvroute.kvcore.reuse import available_tokens, decompose
 from kvroute.kvcore.token_path import Answer
 
+from .dp_ranks import RANK_HEADER
 from .metrics import RouterMetrics
 from .pools import Pools
 from .proxy import ClientExchange, Relayed, Timeouts, UpstreamCall, UpstreamUnavailable, relay
@@ -57,8 +58,11 @@ class Forwarder:
     ) -> Relayed | None:
         """Relay to one replica; None when it failed before the first byte."""
         handle = self.registry.handles[replica_id]
-        ledger = self.pools.owner(replica_id).ledger
+        pool = self.pools.owner(replica_id)
+        ledger, bus = pool.ledger, pool.bus
         dispatch = ledger.dispatch(route, replica_id, time.monotonic(), attempt.reason)
+        if bus is not None:
+            bus.dispatched(dispatch)
         self.recent.append(dispatch)  # O(1), bounded: all /status costs the data path
         if route.estimate is not None:
             # Once per decision, not per try: a retry is not a second choice.
@@ -71,9 +75,12 @@ class Forwarder:
         def answered(status: int) -> None:
             ok = status < 400
             # A decode leg's prompt was routed (and counted) as its prefill leg.
-            if ledger.first_token(dispatch, time.monotonic(), ok) and ok and not transferred:
-                prompt = dispatch.request.prompt_tokens
-                metrics.observe_routed(replica_id, prompt, dispatch.cached_tokens)
+            if ledger.first_token(dispatch, time.monotonic(), ok):
+                if bus is not None:
+                    bus.first_token(dispatch, ok)
+                if ok and not transferred:
+                    prompt = dispatch.request.prompt_tokens
+                    metrics.observe_routed(replica_id, prompt, dispatch.cached_tokens)
 
         extra = [("X-Request-Id", attempt.request_id)]
         if self.decision_headers:
@@ -91,7 +98,7 @@ class Forwarder:
         call = UpstreamCall(
             handle.base_url,
             attempt.body,
-            self._upstream_headers(attempt),
+            self._upstream_headers(attempt, handle),
             extra,
             attempt.retry_status,
             attempt.resume,
@@ -107,6 +114,8 @@ class Forwarder:
             return None
         finally:
             ledger.finish(dispatch, time.monotonic())
+            if bus is not None:
+                bus.finished(dispatch)
         if relayed.broken is not None and handle.state.draining:
             # Cut by a drain (router/drain.py) to continue elsewhere: not the replica's failure.
             metrics.observe_upstream_error(replica_id, "drained")
@@ -133,9 +142,13 @@ class Forwarder:
         relayed.replica = replica_id
         return relayed
 
-    def _upstream_headers(self, attempt: Try) -> bytes:
-        """Header lines added to the client's on the way to the replica (tracing adds its own)."""
-        return b"X-Request-Id: " + attempt.request_id.encode() + b"\r\n"
+    def _upstream_headers(self, attempt: Try, handle: ReplicaHandle) -> bytes:
+        """Header lines added to the client's on the way to the replica (tracing adds its own):
+        the request id, and the data-parallel rank picked (router/dp_ranks.py)."""
+        lines = b"X-Request-Id: " + attempt.request_id.encode() + b"\r\n"
+        if handle.data_parallel_rank is not None:
+            lines += f"{RANK_HEADER}: {handle.data_parallel_rank}\r\n".encode()
+        return lines
 
     def _unavailable(self, handle: ReplicaHandle, exc: UpstreamUnavailable) -> None:
         """The replica failed before the first byte: count it, and may take it out of rotation."""

@@ -24,8 +24,9 @@ Bad frames and payloads are counted in :attr:`SubscriberStats.malformed` and ski
 but cancellation ends the task.
 
 Limits: a publisher restart is seen only when the seq goes backwards; a restarted publisher
-whose seq has already passed ours (a long disconnection) looks like a gap. Data-parallel ranks
-are separate sources of one replica, so a resync of one rank clears the whole replica.
+whose seq has already passed ours (a long disconnection) looks like a gap. A data-parallel
+replica's ranks are routing endpoints of their own (router/dp_ranks.py), each with its source: a
+resync of one rank clears that rank's entries only.
 """
 
 from __future__ import annotations
@@ -160,9 +161,24 @@ class KVEventSubscriber:
         self._tasks: list[asyncio.Task[None]] = []
         self._last: int | None = None  # last seq applied (or skipped as malformed)
         self._live_last: int | None = None  # last seq seen on the live stream
+        # The seq a snapshot's blocks of this source reach (resume_from), until a live frame.
+        self._resumed_at: int | None = None
         self._closed = False
 
     # --- lifecycle ------------------------------------------------------------------------------
+
+    def resume_from(self, seq: int) -> None:
+        """The sink holds this source's blocks up to ``seq`` already (an index snapshot): take
+        live events after it, the missed ones replayed as for any gap. Before ``start``."""
+        if self._tasks:
+            raise RuntimeError("resume_from after start")
+        self._last = self._resumed_at = seq
+        self.stats.last_seq = seq
+
+    @property
+    def last_seq(self) -> int | None:
+        """The last seq whose blocks the sink holds (None: none yet, or since a resync)."""
+        return self._last
 
     def start(self) -> None:
         """Open the sockets and start following the source (needs a running event loop)."""
@@ -235,7 +251,18 @@ class KVEventSubscriber:
             log.warning("%s: skipping a KV event message of %d frames", self.replica, len(frames))
             return
         seq, payload = split
-        if self._live_last is not None and seq <= self._live_last:
+        resumed_at, self._resumed_at = self._resumed_at, None
+        if resumed_at is not None and seq <= resumed_at:
+            # Frames published after this router started cannot be older than the snapshot
+            # it loaded: the publisher started over since.
+            log.warning(
+                "%s: KV event seq %d is not past the snapshot's %d: publisher restarted, resyncing",
+                self.replica,
+                seq,
+                resumed_at,
+            )
+            self._resync()
+        elif self._live_last is not None and seq <= self._live_last:
             log.warning(
                 "%s: KV event seq went back from %d to %d: publisher restarted, resyncing",
                 self.replica,

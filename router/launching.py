@@ -137,7 +137,13 @@ def _start(spec: LaunchSpec, gpus: GpuPlan | None, pool: str) -> LaunchedFleet:
 def _as_listed(fleet: LaunchedFleet) -> list[ReplicaConfig]:
     """Launched replicas as the router sees them: listed ones, with their KV-event endpoints."""
     return [
-        ReplicaConfig(url=r.url, name=r.name, kv_events=r.kv_events, kv_replay=r.kv_replay)
+        ReplicaConfig(
+            url=r.url,
+            name=r.name,
+            kv_events=r.kv_events,
+            kv_replay=r.kv_replay,
+            data_parallel_size=r.data_parallel_size,
+        )
         for r in fleet.replicas
     ]
 

@@ -25,8 +25,15 @@ from kvroute.backends.launcher import LaunchedFleet, LaunchedReplica, LaunchSpec
 from kvroute.backends.process import LaunchError
 from kvroute.health.drift import DRIFT, ERROR
 
-from .config import ConfigError, ReplicaConfig, check_replica_url, replica_name_from_url
+from .config import (
+    ConfigError,
+    ReplicaConfig,
+    check_replica_url,
+    rank_problems,
+    replica_name_from_url,
+)
 from .core import RoutingCore
+from .dp_ranks import expand_ranks, replica_of
 from .drain import Drainer, DrainReport
 
 log = logging.getLogger(__name__)
@@ -57,6 +64,20 @@ class Replaced:
     @property
     def seconds(self) -> float:
         return self.drain.seconds + self.start_s
+
+
+def _merged(name: str, reports: Sequence[DrainReport]) -> DrainReport:
+    """One report for a replica drained rank by rank."""
+    if len(reports) == 1:
+        return reports[0]
+    return DrainReport(
+        name,
+        max(r.seconds for r in reports),
+        sum(r.finished for r in reports),
+        sum(r.moved for r in reports),
+        sum(r.lost for r in reports),
+        any(r.kept for r in reports),
+    )
 
 
 class FleetMembership:
@@ -171,15 +192,20 @@ class FleetMembership:
                 )
         if replica.kv_replay is not None and replica.kv_events is None:
             raise FleetError(400, "kv_replay: needs kv_events (the replay of which events?)")
+        problems = rank_problems(replica, "body")
+        if problems:
+            raise FleetError(400, "; ".join(p.removeprefix("body.") for p in problems))
         name = replica.name or replica_name_from_url(replica.url)
         if not name.strip():
             raise FleetError(400, "name: must not be empty")
-        if name in self.core.registry.handles or name in self.phases:
+        taken = {replica_of(n) for n in self.core.registry.handles} | set(self.phases)
+        if name in taken:
             raise FleetError(409, f"a replica named {name!r} is already in the fleet")
         await self.core.add_replica(replica, ready=False, pool=pool)
         await self.core.prober.probe_all()
         log.info("replica %s (%s) registered by an admin", name, replica.url)
-        return self.core.registry.handles[name]
+        # A data-parallel replica joins as its ranks: rank 0 stands for it.
+        return self.core.registry.handles[expand_ranks([replica])[0].name or name]
 
     async def add_launched(
         self, readiness_timeout_s: float, pool: str | None = None
@@ -234,13 +260,18 @@ class FleetMembership:
             name=replica.name,
             kv_events=replica.kv_events,
             kv_replay=replica.kv_replay,
+            data_parallel_size=replica.data_parallel_size,
         )
         await self.core.add_replica(config, ready=False, pool=pool)
-        handle = self.core.registry.handles[replica.name]
+        # A data-parallel replica joins as its ranks, all at once; rank 0 stands for the
+        # process (the canary asks its URL, whichever rank vLLM picks).
+        ranks = self.ranks_of(replica.name)
+        handle = ranks[0]
         gated = self.core.canary is not None
-        handle.state.draining = gated  # out of new routing until the canary has seen it
+        for rank in ranks:
+            rank.state.draining = gated  # out of new routing until the canary has seen it
         await self.core.prober.probe_all()
-        while not handle.state.healthy:
+        while not all(rank.state.healthy for rank in ranks):
             if time.monotonic() >= deadline:
                 raise FleetError(
                     504, f"replica {replica.name} did not pass its health probe in time"
@@ -248,7 +279,8 @@ class FleetMembership:
             await asyncio.sleep(POLL_S)
         if gated:
             await self._canary_passed(handle, joined_at, deadline)
-            handle.state.draining = False
+            for rank in ranks:
+                rank.state.draining = False
         log.info("replica %s (%s) is in rotation", replica.name, replica.url)
         return handle
 
@@ -288,16 +320,18 @@ class FleetMembership:
         self, name: str, drain_timeout_s: float, *, keep_unmovable: bool = False
     ) -> DrainReport:
         """Drain ``name``, then unregister it and stop its process if the router launched it.
-        With ``keep_unmovable``, a replica serving streams that cannot move stays (report.kept)."""
+        With ``keep_unmovable``, a replica serving streams that cannot move stays (report.kept).
+        A data-parallel replica (``name`` without ``@dpK``) drains all its ranks at once."""
         self.check_changeable()
-        handle = self.handle(name)
+        ranks = self.ranks_of(name)
         if name in self.phases:
             raise FleetError(409, f"replica {name} is already {self.phases[name]}")
-        owner = self.core.pools.of_replica(name)
+        owner = self.core.pools.of_replica(ranks[0].name)
+        leaving = {h.name for h in ranks}
         others = [
             h
             for n, h in self.core.registry.handles.items()
-            if n != name
+            if n not in leaving
             and self.core.pools.of_replica(n) is owner
             and self.core.registry.may_take(h, time.monotonic())
         ]
@@ -306,16 +340,32 @@ class FleetMembership:
             raise FleetError(409, f"removing {name} would leave no replica{where} in rotation")
         self.phases[name] = DRAINING
         try:
-            report = await self.drainer.drain(
-                handle, drain_timeout_s, keep_unmovable=keep_unmovable
+            reports = await asyncio.gather(
+                *(
+                    self.drainer.drain(h, drain_timeout_s, keep_unmovable=keep_unmovable)
+                    for h in ranks
+                )
             )
+            report = _merged(name, reports)
             self.on_drained(report)
             if report.kept:
+                for handle in ranks:
+                    handle.state.draining = False
                 return report
             await self._stop(name)
         finally:
             self.phases.pop(name, None)
         return report
+
+    def ranks_of(self, name: str) -> list[ReplicaHandle]:
+        """``name``'s handle, or a data-parallel replica's ranks' (404 when none)."""
+        handles = self.core.registry.handles
+        if name in handles:
+            return [handles[name]]
+        ranks = [h for n, h in handles.items() if replica_of(n) == name]
+        if not ranks:
+            raise FleetError(404, f"no replica named {name!r}")
+        return ranks
 
     async def _stop(self, name: str) -> LaunchedReplica | None:
         """Out of the core's fleet, and its process stopped when launched here."""
@@ -360,8 +410,9 @@ class FleetMembership:
     async def replace(
         self, name: str, spec: LaunchSpec, drain_timeout_s: float, readiness_timeout_s: float
     ) -> Replaced:
-        """One rollout step: drain ``name``, stop it, start its slot again with ``spec``."""
-        handle = self.handle(name)
+        """One rollout step: drain ``name`` (every rank of it), stop it, start its slot again
+        with ``spec``."""
+        ranks = self.ranks_of(name)
         pool = self._launched_by(name)
         if pool is None:
             raise FleetError(409, f"replica {name} was not launched by this router")
@@ -369,7 +420,9 @@ class FleetMembership:
         self.phases[name] = DRAINING
         self._slots_busy[pool].add(old.slot)
         try:
-            drain = await self.drainer.drain(handle, drain_timeout_s)
+            drain = _merged(
+                name, await asyncio.gather(*(self.drainer.drain(h, drain_timeout_s) for h in ranks))
+            )
             self.on_drained(drain)
             await self._stop(name)
             self.phases.pop(name, None)

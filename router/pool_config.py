@@ -35,6 +35,7 @@ from .config import (
     replica_name_from_url,
     tokenizer_problems,
 )
+from .dp_ranks import expand_ranks
 
 # The implicit pool of a config without ``pools:``.
 IMPLICIT_POOL = "default"
@@ -82,7 +83,7 @@ def pool_specs(config: Config) -> list[PoolSpec]:
                 IMPLICIT_POOL,
                 None,
                 0,
-                tuple(config.replicas),
+                tuple(expand_ranks(config.replicas)),
                 config.launch,
                 config.routing,
                 config.policy,
@@ -100,7 +101,7 @@ def pool_specs(config: Config) -> list[PoolSpec]:
                 pool.name,
                 pool.model,
                 i,
-                tuple(pool.replicas),
+                tuple(expand_ranks(pool.replicas)),
                 pool.launch,
                 routing,
                 policy,

@@ -25,6 +25,7 @@ from kvroute.policies import FleetView, Policy, ReplicaState, build_policy
 from .admission import Cost, Locality, prefix_cost, prefix_locality
 from .config import ReplicaConfig
 from .kv_subscriber import KVEventSubscriber, KVEventSubscribers, SubscriberStats
+from .ledger_bus import LedgerBus
 from .pool_config import PoolSpec
 from .prompt_keys import PromptKeys
 from .tokenizer_cache_metrics import Counts
@@ -66,6 +67,8 @@ class PoolRouting:
         self.ledger = DispatchLedger(
             self.policy, self.fleet, self.index, prediction_ttl_s=prediction_ttl_s, shared=shared
         )
+        # Other routers' dispatches, and this one's for them (routing.ledger_bus; off).
+        self.bus: LedgerBus | None = None
 
     def set_states(self, states: list[ReplicaState]) -> None:
         """Its replicas are now ``states`` (a fleet change): the ledger looks them up anew."""
@@ -86,10 +89,6 @@ class PoolRouting:
         subscriber = self.subscribers.pop(name, None)
         if subscriber is not None:
             await self.kv_events.remove(subscriber)
-
-    def start(self) -> None:
-        self.kv_events.start_all()
-        self.keys.start()
 
     async def close(self) -> None:
         await self.kv_events.close_all()

@@ -124,6 +124,10 @@ class PromptKeys:
             or FALLBACK_BLOCK_SIZE
         )
 
+    def known_block_size(self) -> int | None:
+        """``block_size`` without the fallback: None until configured, seen or scraped."""
+        return self._routing.block_size or self._index.block_size or self._scraped_block_size
+
     def on_scraped_block_size(self, replica_id: str, block_size: int) -> None:
         if self._scraped_block_size is None:
             self._scraped_block_size = block_size

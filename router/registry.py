@@ -77,7 +77,13 @@ class ReplicaRegistry:
     def _add(self, replica: ReplicaConfig) -> ReplicaHandle:
         name = replica.name or replica_name_from_url(replica.url)
         # Positions are never reused: they index the workers' shared load board.
-        handle = ReplicaHandle(name, replica_base_url(replica.url), self._positions, self._settings)
+        handle = ReplicaHandle(
+            name,
+            replica_base_url(replica.url),
+            self._positions,
+            self._settings,
+            replica.data_parallel_rank,
+        )
         self._positions += 1
         self.handles[name] = handle
         return handle

@@ -28,7 +28,7 @@ from kvroute.kvcore.ledger import DispatchLedger
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import FleetView, Policy
 
-from . import errors
+from . import errors, warm_start
 from .admission import Admission
 from .agent_request import parse_count_tokens, parse_messages, parse_responses
 from .auth import Auth
@@ -36,13 +36,16 @@ from .batch.api import off_routes
 from .batch.lane import BatchLane
 from .batch.messages_api import off_routes as messages_off_routes
 from .batch.metrics import BatchMetrics
+from .budget_bus import BudgetBus
 from .chat_parse import chat_parser_for
 from .config import Config
 from .core import RoutingCore
 from .deadlines import Deadlines
+from .dp_ranks import replica_of
 from .fleet_admin import FleetControl
 from .forward import Forwarder
 from .kv_subscriber import KVEventSubscribers
+from .ledger_bus import LedgerBus
 from .loop_lag import LoopLagMonitor
 from .metrics import RouterMetrics
 from .openai_request import parse_completion
@@ -111,8 +114,18 @@ class Router:
         self._loop_lag = LoopLagMonitor(self.metrics.loop_lag)
         self._started_at = int(time.time())
         limits = config.limits
-        # Each worker process enforces its share of every tenant's budget.
-        self.tenants = Tenants(config, TenantMetrics(), 1 / max(1, config.listen.workers))
+        # Each worker process enforces its share of every tenant's budget, unless the budget
+        # bus shares every process's charges: then each enforces the whole of it.
+        shared_budgets = config.tenants.budget_bus is not None
+        share = 1.0 if shared_budgets else 1 / max(1, config.listen.workers)
+        self.tenants = Tenants(config, TenantMetrics(), share)
+        self._budget_bus: BudgetBus | None = None
+        if shared_budgets:
+            bus = config.tenants
+            assert bus.budget_bus is not None
+            self._budget_bus = BudgetBus(
+                bus.budget_bus, bus.budget_bus_subject, self.tenants, bus.budget_bus_interval_s
+            )
         self.metrics.parts["tenants"] = self.tenants.metrics
         self.chat_parser = chat_parser_for(config.routing)
         self.metrics.parts["tokenizer_caches"] = TokenizerCacheMetrics(
@@ -282,6 +295,7 @@ class Router:
             routes.add_get("/metrics", self.handle_metrics, expect_handler=expect)
         routes.add_get("/admin/replicas", self.handle_admin_replicas, expect_handler=expect)
         routes.add_get("/admin/tenants", self.handle_admin_tenants, expect_handler=expect)
+        routes.add_get(warm_start.PATH, self.handle_index_snapshot, expect_handler=expect)
         routes.add_post(
             "/admin/replicas/{name}/unquarantine", self.handle_unquarantine, expect_handler=expect
         )
@@ -306,6 +320,9 @@ class Router:
             self.parity.start()
         if self._exchange is not None:
             self._exchange.start(self.metrics)
+        if self._budget_bus is not None:
+            await self._budget_bus.start()
+        await self._start_ledger_buses()
         self.fleet_control.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
@@ -318,13 +335,33 @@ class Router:
             await self._deadlines.close()
         if self.parity is not None:
             await self.parity.close()
+        for pool in self.core.pools:
+            if pool.bus is not None:
+                await pool.bus.close()
         await self.core.close()
+        if self._budget_bus is not None:
+            await self._budget_bus.close()
         if self._exchange is not None:
             await self._exchange.close(self.metrics)
         if self.forwarder.client is not None:
             self.forwarder.client.close()
         if self.tracing is not None:
             await self.tracing.close()  # the last spans are exported before the router exits
+
+    async def _start_ledger_buses(self) -> None:
+        """routing.ledger_bus: each pool's dispatches shared with the other routers (a subject
+        per pool where there are several, so only the same model's ledgers meet)."""
+        routing = self.config.routing
+        if routing.ledger_bus is None:
+            return
+        pools = list(self.core.pools)
+        for pool in pools:
+            subject = routing.ledger_bus_subject
+            if len(pools) > 1:
+                subject = f"{subject}.{pool.name}"
+            bus = LedgerBus(routing.ledger_bus, subject, pool.ledger)
+            await bus.start()
+            pool.bus = bus
 
     # -- router endpoints --------------------------------------------------------------
 
@@ -363,6 +400,9 @@ class Router:
                 {
                     "name": name,
                     "url": handle.base_url,
+                    # A data-parallel replica's ranks, one row each (router/dp_ranks.py).
+                    "replica": replica_of(name),
+                    "data_parallel_rank": handle.data_parallel_rank,
                     "healthy": state.healthy,
                     "ejected": state.ejected,
                     # Out of new routing while it drains (or until a replacement is checked).
@@ -396,6 +436,23 @@ class Router:
         except errors.ApiError as exc:
             return exc.response()
         return _json(self.tenants.snapshot(self.admission.fair, time.monotonic()))
+
+    async def handle_index_snapshot(self, request: web.Request) -> web.Response:
+        """A pool's prefix index for a starting router (router/warm_start.py); ?pool=NAME,
+        which a router of one pool may leave out."""
+        try:
+            self.auth.check_admin(request)
+            name = request.query.get("pool")
+            pool = self.pools.named(name) if name is not None else None
+            if pool is None and (name is not None or len(self.pools) != 1):
+                known = ", ".join(p.name for p in self.pools)
+                raise errors.bad_request(f"pool: name one of this router's pools ({known})", "pool")
+            pool = pool or self.pools.sole
+        except errors.ApiError as exc:
+            return exc.response()
+        return web.Response(
+            body=warm_start.snapshot_bytes(pool), content_type=warm_start.CONTENT_TYPE
+        )
 
     async def handle_unquarantine(self, request: web.Request) -> web.Response:
         """Back into rotation now (after fixing it, say); the next canary round judges it anew."""

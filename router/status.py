@@ -27,6 +27,8 @@ from kvroute.health.scrape import ReplicaReport
 from kvroute.kvcore.ledger import Dispatch
 from kvroute.policies import FleetView
 
+from .dp_ranks import replica_of
+
 # Recent routing decisions kept for the page: enough to read, small enough to hold (a Dispatch
 # keeps its request's block hashes alive: ~50 long prompts at most).
 KEPT_DECISIONS = 50
@@ -369,6 +371,8 @@ def _replica_row(
     return {
         "name": handle.name,
         "url": handle.base_url,
+        "replica": replica_of(handle.name),
+        "data_parallel_rank": handle.data_parallel_rank,
         "status": status,
         "why": "; ".join(r["why"] for r in reasons) or None,
         "reasons": reasons,

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute.kvcore.budgets import TenantBudget
+from kvroute.kvcore.budgets import ChargeLog, TenantBudget
 from kvroute.kvcore.fair_queue import (
     FairnessParams,
     FairQueue,
@@ -94,6 +94,10 @@ class Tenants:
         self._max_tracked = config.tenants.max_tracked
         self._share = budget_share
         self._budgets: dict[str, TenantBudget] = {}
+        # With tenants.budget_bus: this process's charges, shared with the other routers, and
+        # the tenants whose buckets took a peer's level already (router/budget_bus.py).
+        self.shared: ChargeLog | None = None
+        self._synced: set[str] = set()
         self.seen: set[str] = set()
         self.metrics = metrics
         self._warned = False
@@ -162,6 +166,7 @@ class Tenants:
                 wait = max(1, math.ceil(refusal.wait_s))
                 raise errors.over_budget(name, refusal.kind, limit, wait)
             budget.reserve(input_tokens, now)
+            self._charged(name, input_tokens, 0)
         return ticket
 
     def _budget(self, name: str, now: float) -> TenantBudget | None:
@@ -189,6 +194,7 @@ class Tenants:
         budget = self._budgets.get(ticket.tenant)
         if budget is not None:
             budget.refund(ticket.input_tokens, now)
+            self._charged(ticket.tenant, -ticket.input_tokens, 0)
         if reason == "cancelled":
             self.metrics.request(ticket.tenant, "cancelled")
             return
@@ -202,8 +208,43 @@ class Tenants:
         budget = self._budgets.get(ticket.tenant)
         if budget is not None:
             budget.settle(ticket.input_tokens, input_tokens, output_tokens, now)
+            self._charged(ticket.tenant, input_tokens - ticket.input_tokens, output_tokens)
         self.metrics.tokens_used(ticket.tenant, input_tokens, output_tokens)
         self.metrics.request(ticket.tenant, outcome)
+
+    # -- several routers, one budget ----------------------------------------------------
+
+    def _charged(self, tenant: str, input_tokens: float, output_tokens: float) -> None:
+        if self.shared is not None:
+            self.shared.add(tenant, input_tokens, output_tokens)
+
+    def levels(self, tenant: str, now: float) -> tuple[float | None, float | None]:
+        """What ``tenant``'s buckets hold now (None: no such budget), sent with its charges."""
+        budget = self._budgets.get(tenant)
+        return budget.levels(now) if budget is not None else (None, None)
+
+    def apply_remote(
+        self,
+        tenant: str,
+        charges: tuple[float, float],
+        levels: tuple[float | None, float | None] | None,
+        now: float,
+    ) -> None:
+        """Another router's charges to ``tenant``. ``levels``: that router's buckets, from a
+        router that ran long before this one started; the first time a bucket hears of such
+        a router it takes its level instead (no fuller than it): what was spent before this
+        one started is in it, and a router that just (re)started must not grant a whole
+        minute again."""
+        if tenant != self._tracked(tenant):
+            return  # one client-chosen name too many: its budget is the default tenant's
+        budget = self._budget(tenant, now)
+        if budget is None:
+            return
+        if levels is not None and tenant not in self._synced:
+            self._synced.add(tenant)
+            budget.adopt_level(*levels)
+            return
+        budget.apply_remote(charges[0], charges[1], now)
 
     # -- reading -------------------------------------------------------------------------
 

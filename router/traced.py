@@ -242,9 +242,9 @@ class TracedForwarder(Forwarder):
                 span.set_status(StatusCode.ERROR)
             return relayed
 
-    def _upstream_headers(self, attempt: Try) -> bytes:
+    def _upstream_headers(self, attempt: Try, handle: ReplicaHandle) -> bytes:
         # Called inside forward's span: the replica's parent is this attempt.
-        return super()._upstream_headers(attempt) + self._tracing.outgoing()
+        return super()._upstream_headers(attempt, handle) + self._tracing.outgoing()
 
     def _unavailable(self, handle: ReplicaHandle, exc: UpstreamUnavailable) -> None:
         span = trace.get_current_span()

@@ -58,7 +58,13 @@ HOP_BY_HOP = frozenset(
 # Content-Encoding: the server has already decoded the body the router passes on. Expect: the
 # router answered the client's 100-continue itself and sends the whole body at once; passed on,
 # it has the replica send an interim "100 Continue" the client would get as the answer.
-_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", b"content-encoding", b"expect"}
+# The rank of a data-parallel replica is the router's pick (router/dp_ranks.py), not the client's.
+_NOT_FORWARDED = HOP_BY_HOP | {
+    b"x-request-id",
+    b"content-encoding",
+    b"expect",
+    b"x-data-parallel-rank",
+}
 
 
 class UpstreamError(Exception):

@@ -15,6 +15,7 @@ context. Figures: the public H100 SXM5 / H200 SXM datasheets and the Llama-3.1-8
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -75,6 +76,10 @@ class HardwareFigures:
     gpus_per_node: int
     tensor_parallel: int  # GPUs per replica (with experts spread over them for a MoE)
     fp8_compute: bool = False  # matmuls at the FP8 peak (FP8 weights)
+    # Attention data-parallel ranks over those GPUs (vLLM --data-parallel-size with experts
+    # parallel): each rank attends over its own sequences with its own KV cache. 1: attention
+    # tensor-parallel over all of them.
+    attention_data_parallel: int = 1
 
     @property
     def flops(self) -> float:
@@ -88,6 +93,25 @@ class HardwareFigures:
     @property
     def replicas_per_node(self) -> int:
         return self.gpus_per_node // self.tensor_parallel
+
+    @property
+    def layout(self) -> str:
+        if self.attention_data_parallel > 1:
+            return (
+                f"attention DP {self.attention_data_parallel}, experts over "
+                f"{self.tensor_parallel} GPUs"
+            )
+        return f"TP {self.tensor_parallel}"
+
+
+def kv_copies(m: ModelFigures, hw: HardwareFigures) -> int:
+    """How many GPUs hold each token's KV. MLA caches one latent per layer, with no heads to
+    split, so tensor-parallel attention keeps it whole on every GPU of the group (vLLM does);
+    data-parallel attention gives each rank its own sequences instead. Per-head KV (MHA, GQA)
+    is split over tensor-parallel GPUs: one copy."""
+    if m.kv_elements_per_layer is None:
+        return 1
+    return max(1, hw.tensor_parallel // hw.attention_data_parallel)
 
 
 @dataclass(frozen=True)
@@ -184,6 +208,10 @@ DEEPSEEK_V3 = ModelFigures(
     attention_flops_per_layer=2 * 128 * (576 + 512),
     prefill_attention_flops_per_layer=2 * 128 * (192 + 128),
 )
+# Served as DeepSeek serves it: data-parallel attention (each of the 8 GPUs attends over its
+# own sequences with its own MLA cache; vLLM --data-parallel-size 8 --enable-expert-parallel,
+# kvroute routing to each rank) and the experts spread over the node. The -tp8 preset runs
+# attention tensor-parallel instead, where every GPU holds the same latent: 1/8 the KV.
 H200_NODE_EP8 = HardwareFigures(
     name="H200",
     hbm_bytes=141e9,
@@ -193,11 +221,14 @@ H200_NODE_EP8 = HardwareFigures(
     gpus_per_node=GPUS_PER_NODE,
     tensor_parallel=8,
     fp8_compute=True,
+    attention_data_parallel=8,
 )
+H200_NODE_TP8 = dataclasses.replace(H200_NODE_EP8, attention_data_parallel=1)
 # Presets with capacity figures but no engine latency model: `plan --explain` and `plan --kv`
 # take them; a simulation cannot (the engine model has no MoE or MLA).
 CAPACITY_PRESETS: dict[str, tuple[ModelFigures, HardwareFigures]] = {
     "deepseek-v3-8xh200": (DEEPSEEK_V3, H200_NODE_EP8),
+    "deepseek-v3-8xh200-tp8": (DEEPSEEK_V3, H200_NODE_TP8),
 }
 
 
@@ -256,11 +287,13 @@ def kv_capacity_tokens(m: ModelFigures, hw: HardwareFigures) -> Quantity:
     weights = m.params * m.bytes_per_weight
     free = kv_available_bytes(m, hw).value
     kv = kv_bytes_per_token(m).value
+    copies = kv_copies(m, hw)
+    held = f" / {copies} copies (MLA under TP)" if copies > 1 else ""
     return Quantity(
         "KV capacity per replica",
-        f"(TP x (HBM x {GPU_MEMORY_UTILIZATION:g} - activations) - weights) / KV per token = "
-        f"({hw.tensor_parallel} x ({_g(hw.hbm_bytes)} x {GPU_MEMORY_UTILIZATION:g} - "
-        f"{_g(ACTIVATION_BYTES_PER_GPU)}) - {_g(weights)}) B / {_g(kv)} B",
+        f"(TP x (HBM x {GPU_MEMORY_UTILIZATION:g} - activations) - weights){held} / KV per "
+        f"token = ({hw.tensor_parallel} x ({_g(hw.hbm_bytes)} x {GPU_MEMORY_UTILIZATION:g} - "
+        f"{_g(ACTIVATION_BYTES_PER_GPU)}) - {_g(weights)}) B{held} / {_g(kv)} B",
         float(max(0, math.floor(free / kv))),
         "tokens",
         1.0,
@@ -306,11 +339,13 @@ def weight_read_s(m: ModelFigures, hw: HardwareFigures) -> Quantity:
 
 def kv_read_s_per_token(m: ModelFigures, hw: HardwareFigures) -> Quantity:
     kv = kv_bytes_per_token(m).value
+    copies = kv_copies(m, hw)
+    held = f"{copies} copies x " if copies > 1 else ""
     return Quantity(
         "KV read per context token",
-        f"KV per token / (TP x HBM bandwidth) = {_g(kv)} B / ({hw.tensor_parallel} x "
+        f"{held}KV per token / (TP x HBM bandwidth) = {held}{_g(kv)} B / ({hw.tensor_parallel} x "
         f"{_g(hw.hbm_bandwidth)} B/s)",
-        kv / (hw.tensor_parallel * hw.hbm_bandwidth),
+        copies * kv / (hw.tensor_parallel * hw.hbm_bandwidth),
         "ns",
         1e-9,
         3,
@@ -353,7 +388,7 @@ def decode_step_s(m: ModelFigures, hw: HardwareFigures, batch: float, context: f
     """The module docstring's step(B, C): the larger of memory time and compute time."""
     tp, bw = hw.tensor_parallel, hw.hbm_bandwidth
     w = weights_read_bytes(m, batch) / tp
-    kv = kv_bytes_per_token(m).value
+    kv = kv_bytes_per_token(m).value * kv_copies(m, hw)  # read from every copy
     memory = w / bw + batch * context * kv / (tp * bw)
     compute = batch * decode_flops_per_token(m, context).value / (tp * hw.flops)
     bound = "memory" if memory >= compute else "compute"
@@ -372,7 +407,7 @@ def decode_intensity(
     m: ModelFigures, hw: HardwareFigures, batch: float, context: float
 ) -> Quantity:
     w = weights_read_bytes(m, batch)
-    kv = kv_bytes_per_token(m).value
+    kv = kv_bytes_per_token(m).value * kv_copies(m, hw)  # read from every copy
     flops = batch * decode_flops_per_token(m, context).value
     return Quantity(
         f"decode arithmetic intensity at B={_g(batch)}",
@@ -452,7 +487,7 @@ def tpot_batch_limit(
             0,
         )
     w = weight_bytes_per_gpu(m, hw).value
-    kv = kv_bytes_per_token(m).value
+    kv = kv_bytes_per_token(m).value * kv_copies(m, hw)  # read from every copy
     by_memory = (tpot_s - w / bw) * tp * bw / (context * kv)
     by_compute = tpot_s * tp * hw.flops / decode_flops_per_token(m, context).value
     return Quantity(
@@ -578,8 +613,12 @@ def explain(
         decode_tokens_per_s(m, hw, kv_limit.value, c, "max decode tokens/s per replica"),
         ceiling,
     ]
-    batch = min(kv_limit.value, float(max_num_seqs))
-    limits = [f"KV {kv_limit.value:,.0f}", f"--max-num-seqs {max_num_seqs}"]
+    # vLLM's --max-num-seqs bounds each engine core: every attention data-parallel rank.
+    ranks = hw.attention_data_parallel
+    seqs = max_num_seqs * ranks
+    per_rank = f" x {ranks} ranks" if ranks > 1 else ""
+    batch = min(kv_limit.value, float(seqs))
+    limits = [f"KV {kv_limit.value:,.0f}", f"--max-num-seqs {max_num_seqs}{per_rank}"]
     if tpot_s is not None:
         tpot_limit = tpot_batch_limit(m, hw, c, tpot_s)
         steps.append(tpot_limit)
@@ -617,7 +656,7 @@ def explain(
         f"B/weight, {_g(m.bytes_per_kv)} B/KV element" + _moe_note(m),
         f"hardware {hw.name}: {hw.hbm_bytes / 1e9:g} GB HBM at {hw.hbm_bandwidth / 1e12:g} TB/s, "
         f"BF16 {hw.bf16_flops / 1e12:,g} TFLOP/s, FP8 {hw.fp8_flops / 1e12:,g} TFLOP/s (dense); "
-        f"TP {hw.tensor_parallel}, {'matmuls at FP8, ' if hw.fp8_compute else ''}"
+        f"{hw.layout}, {'matmuls at FP8, ' if hw.fp8_compute else ''}"
         f"{hw.gpus_per_node} GPUs per node = {per_node} replica(s) per node",
         f"workload: {load.rate_rps:,.2f} req/s, mean input {load.mean_input_tokens:,.0f} tokens,"
         f" mean output {load.mean_output_tokens:,.0f} tokens; decode context C = "
@@ -695,16 +734,19 @@ def kv_needed_bytes(m: ModelFigures, context: float, batch: float) -> Quantity:
 
 
 def kv_available_bytes(m: ModelFigures, hw: HardwareFigures) -> Quantity:
+    """Memory for distinct tokens' KV: with MLA under TP, every GPU holds the same latent."""
     weights = m.params * m.bytes_per_weight
+    copies = kv_copies(m, hw)
     free = (
         hw.tensor_parallel * (hw.hbm_bytes * GPU_MEMORY_UTILIZATION - ACTIVATION_BYTES_PER_GPU)
         - weights
-    )
+    ) / copies
+    held = f" / {copies} copies (MLA under TP)" if copies > 1 else ""
     return Quantity(
         "KV available per replica",
-        f"TP x (HBM x {GPU_MEMORY_UTILIZATION:g} - activations) - weights = "
-        f"{hw.tensor_parallel} x ({_g(hw.hbm_bytes)} x {GPU_MEMORY_UTILIZATION:g} - "
-        f"{_g(ACTIVATION_BYTES_PER_GPU)}) - {_g(weights)} B",
+        f"(TP x (HBM x {GPU_MEMORY_UTILIZATION:g} - activations) - weights){held} = "
+        f"({hw.tensor_parallel} x ({_g(hw.hbm_bytes)} x {GPU_MEMORY_UTILIZATION:g} - "
+        f"{_g(ACTIVATION_BYTES_PER_GPU)}) - {_g(weights)}) B{held}",
         max(0.0, free),
         "GB",
         1e9,
@@ -800,6 +842,21 @@ def kv_levers(
             )
         )
 
+    copies = kv_copies(m, hw)
+    if copies > 1:
+        levers.append(
+            Lever(
+                "data-parallel attention",
+                float(copies),
+                f"each of {copies} ranks attends over its own sequences with its own cache, "
+                f"instead of every GPU holding the same MLA latent: {_gb(avail * copies)} "
+                f"available; largest batch {int(avail * copies // (context * kv))}",
+                "vLLM --data-parallel-size with --enable-expert-parallel: experts' all-to-all "
+                "between ranks each layer, and a prefix cached on one rank only: route per rank "
+                "(kvroute does: a replica's data_parallel_size) or lose most hits",
+            )
+        )
+
     prefill = prefill_tokens_per_s(m, hw, (context + 1) / 2, PREFILL_MFU).value
     levers.append(
         Lever(
@@ -884,7 +941,7 @@ def kv_budget(m: ModelFigures, hw: HardwareFigures, context: int, batch: int) ->
 
 
 def tp_label(hw: HardwareFigures) -> str:
-    return f"{hw.tensor_parallel}x{hw.name} (TP {hw.tensor_parallel})"
+    return f"{hw.tensor_parallel}x{hw.name} ({hw.layout})"
 
 
 def cost_per_million_tokens(

@@ -41,6 +41,7 @@ from kvroute.simulator.engine.latency import (
 )
 from kvroute.simulator.fleet import (
     ENGINE_MODELS,
+    RANK_ROUTINGS,
     SHARE_MODES,
     FleetConfig,
     SimResult,
@@ -586,6 +587,22 @@ def _add_fleet_args(
         help="fast (default): trace-block prefix cache, closed-form decode runs; exact: the "
         "16-token-block engine step by step (slow; for fidelity checks).",
     )
+    p.add_argument(
+        "--data-parallel-size",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="Data-parallel ranks per replica (default 1): --replicas counts ranks in all, N to "
+        "a replica, each with its own KV cache (see --rank-routing).",
+    )
+    p.add_argument(
+        "--rank-routing",
+        choices=RANK_ROUTINGS,
+        default="router",
+        help="Who picks a data-parallel replica's rank: router (default; kvroute routes to "
+        "each rank with its KV events, so ranks are single-rank replicas to it) or vllm (the "
+        "router picks the replica without KV events, vLLM's balancer the rank by load).",
+    )
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -832,6 +849,8 @@ def _fleet_config(
             admission=_admission(args),
             closed_loop=getattr(args, "closed_loop", False),
             replica_latency=mix_models(mix, replicas) if mix else (),
+            data_parallel_size=getattr(args, "data_parallel_size", 1),
+            rank_routing=getattr(args, "rank_routing", "router"),
             **_autoscale_settings(getattr(args, "autoscale", None), replicas),
         )
     except ValueError as exc:

@@ -6,15 +6,17 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from aiohttp import web
 
-from kvroute.backends.process import free_ports
+from kvroute.backends.process import free_port_run, free_ports
 from kvroute.kvcore.tokenizer import SimpleTokenizer
 from kvroute.router.config import config_from_dict
 from kvroute.router.runner import app_runner
@@ -182,10 +184,18 @@ async def launch_emulated(
     kv_transfer: dict[str, Any] | None = None,
     preset: str = "tiny-cpu",
     enable_scale_out: bool = False,
+    buffer_steps: int = 10_000,
+    data_parallel_size: int = 1,
 ) -> tuple[web.AppRunner, Running]:
     """An in-process emulated vLLM replica (built-in tokenizer) publishing KV events over ZMQ;
-    the caller cleans its runner up."""
+    the caller cleans its runner up. With ``data_parallel_size`` N, rank k publishes on the
+    event and replay ports + k (``events``/``replay`` are rank 0's)."""
     port, events_port, replay_port = free_ports(3)
+    if data_parallel_size > 1:
+        events_port, replay_port = (
+            free_port_run(data_parallel_size),
+            free_port_run(data_parallel_size),
+        )
     options = ReplicaOptions(
         served_model_name=model,
         engine=EngineConfig(
@@ -202,6 +212,7 @@ async def launch_emulated(
             "endpoint": f"tcp://*:{events_port}",
             "replay_endpoint": f"tcp://*:{replay_port}",
             "topic": "kv-events",
+            "buffer_steps": buffer_steps,  # the replay buffer (vLLM's default: 10,000)
         }
         if kv_events
         else None,
@@ -210,6 +221,7 @@ async def launch_emulated(
         allow_runtime_lora_updating=runtime_lora,
         kv_transfer=kv_transfer,
         enable_scale_out=enable_scale_out,
+        data_parallel_size=data_parallel_size,
     )
     emulated = EmulatedReplica(options, SimpleTokenizer(), Faults())
     runner = web.AppRunner(emulated.build_app(), handler_cancellation=True)
@@ -242,3 +254,32 @@ async def start_emulated() -> AsyncIterator[StartEmulated]:
 @pytest.fixture
 async def replica(start_emulated: StartEmulated) -> Running:
     return await start_emulated()
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    """A NATS server (Debian's nats-server) for the tests of what routers share over it."""
+    binary = shutil.which("nats-server")
+    assert binary, "nats-server is not installed: apt-get install nats-server (README tests)"
+    (port,) = free_ports(1)
+    process = subprocess.Popen(
+        [binary, "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        import socket
+        import time
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "nats-server did not start"
+                time.sleep(0.05)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)

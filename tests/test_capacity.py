@@ -297,6 +297,52 @@ def test_moe_and_fp8_figures() -> None:
     assert figures_by_name("tiny-cpu") is None
 
 
+def test_mla_under_tensor_parallel_attention_holds_one_eighth_of_data_parallel_s_kv() -> None:
+    """MLA's latent has no heads to split: TP attention keeps it whole on every GPU, so an
+    8-GPU node holds 1/8 the tokens it holds with each GPU a data-parallel attention rank, and
+    every GPU reads all of it each step; per-head KV (GQA) is unaffected."""
+    from kvroute.simulator.capacity import (
+        decode_step_s,
+        figures_by_name,
+        kv_capacity_tokens,
+        kv_copies,
+        kv_levers,
+    )
+
+    dp, tp = figures_by_name("deepseek-v3-8xh200"), figures_by_name("deepseek-v3-8xh200-tp8")
+    assert dp is not None and tp is not None
+    (model, dp_hw), (_, tp_hw) = dp, tp
+    assert (kv_copies(model, dp_hw), kv_copies(model, tp_hw)) == (1, 8)
+    dp_tokens = kv_capacity_tokens(model, dp_hw).value
+    assert kv_capacity_tokens(model, tp_hw).value == pytest.approx(dp_tokens / 8, abs=1)
+    assert decode_step_s(model, tp_hw, 32, 8192).value > decode_step_s(model, dp_hw, 32, 8192).value
+    gqa = figures_by_name("llama-3.1-70b-8xh100")
+    assert gqa is not None and kv_copies(*gqa) == 1
+    # Under TP, data-parallel attention is a lever worth the copies; with DP there is none.
+    assert any(lv.name == "data-parallel attention" and lv.factor == 8 for lv in
+               kv_levers(model, tp_hw, 131072, 32))  # fmt: skip
+    assert not any(lv.name == "data-parallel attention" for lv in
+                   kv_levers(model, dp_hw, 131072, 32))  # fmt: skip
+
+
+def test_plan_explain_sizes_a_data_parallel_attention_fleet_smaller(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    nodes = {}
+    for preset in ("deepseek-v3-8xh200", "deepseek-v3-8xh200-tp8"):
+        argv = ["plan", "--explain", "--preset", preset, "--trace", str(MOONCAKE)]
+        argv += ["--slo", "ttft=2,tpot=0.05", "--target-rps", "20"]
+        main(argv)
+        out = capsys.readouterr().out
+        (line,) = [ln for ln in out.splitlines() if ln.strip().startswith("nodes = ")]
+        nodes[preset] = int(line.rsplit("=", 1)[1])
+        if preset.endswith("tp8"):
+            assert "TP 8" in out and "8 copies (MLA under TP)" in out
+        else:
+            assert "attention DP 8" in out and "--max-num-seqs 256 x 8 ranks" in out
+    assert nodes["deepseek-v3-8xh200"] < nodes["deepseek-v3-8xh200-tp8"], nodes
+
+
 def test_plan_explain_of_the_moe_preset_prices_it_without_simulating(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -254,9 +254,19 @@ BAD_CONFIGS = [
         ["launch.gpu_memory_utilization", "at most 1, got 90.0"],
     ),
     (
-        "data_parallel_with_kv_events",
+        "data_parallel_with_ipc_kv_events",
         "launch:\n  engine: vllm\n  gpus: auto\n  data_parallel_size: 2\n",
-        ["launch.data_parallel_size: 2 with launch.kv_events on", "launch.kv_events: false"],
+        ["launch.data_parallel_size: 2 with launch.kv_events on", "launch.kv_events_bind: tcp"],
+    ),
+    (
+        "replica_data_parallel_size",
+        "replicas:\n  - url: http://h:1\n    data_parallel_size: 0\n",
+        ["replicas[0].data_parallel_size: must be 1-1024", "got 0"],
+    ),
+    (
+        "replica_data_parallel_rank",
+        "replicas:\n  - url: http://h:1\n    data_parallel_size: 4\n    data_parallel_rank: 4\n",
+        ["replicas[0].data_parallel_rank", "below data_parallel_size 4, got 4"],
     ),
     (
         "extra_args_owned_flag",

@@ -656,3 +656,44 @@ async def test_a_replay_that_never_ends_is_abandoned(subscribe, flood: str) -> N
         pub.close(linger=0)
         router.close(linger=0)
         context.term()
+
+
+async def _resumed(source: Source, sink: Recorder, seq: int) -> KVEventSubscriber:
+    sub = KVEventSubscriber("r1", source.endpoint, source.replay_endpoint, sink)
+    sub.resume_from(seq)
+    sub.start()
+    return sub
+
+
+async def test_resumed_from_a_snapshot_it_replays_only_what_came_after(sources) -> None:
+    """A warm start: the sink holds batches 0-2 already (a snapshot); 3 and 4 came before the
+    subscriber connected, and are replayed; none is applied twice, nothing is cleared."""
+    source = sources()
+    source.publish(5, 100)
+    sink = Recorder()
+    sub = await _resumed(source, sink, 2)
+    try:
+        await source.sync(sink)
+        ids = sink.stored_ids()
+        assert ids[:2] == [103, 104]
+        assert not {100, 101, 102} & set(ids)
+        assert ("clear", "r1") not in sink.calls
+        assert sub.stats.gaps == 1 and sub.stats.replayed_batches >= 2
+    finally:
+        await sub.close()
+
+
+async def test_a_publisher_restarted_since_the_snapshot_is_resynced(sources) -> None:
+    """The snapshot says seq 50, the live stream is below it: the replica started over, so
+    what the snapshot said of it is dropped and its history replayed from 0."""
+    source = sources()
+    source.publish(3, 100)
+    sink = Recorder()
+    sub = await _resumed(source, sink, 50)
+    try:
+        await source.sync(sink)
+        assert sink.calls[0] == ("clear", "r1")
+        assert sink.after_last_clear()[:3] == [100, 101, 102]
+        assert sub.stats.resyncs == 1
+    finally:
+        await sub.close()

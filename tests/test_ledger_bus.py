@@ -7,13 +7,10 @@ sends somewhere, the other learns only through the bus.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
-from kvroute.backends.process import free_ports
 from kvroute.router.config import config_from_dict
 from kvroute.router.epp.server import PickerServer
 from kvroute.router.ledger_bus import DISPATCH, LedgerEvent
@@ -21,34 +18,6 @@ from kvroute.router.ledger_bus import DISPATCH, LedgerEvent
 from .conftest import Running, StartEmulated
 from .helpers import wait_until
 from .test_epp_protocol import BODY, Stream, body_message, headers_message, set_headers
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    binary = shutil.which("nats-server")
-    assert binary, "nats-server is not installed: apt-get install nats-server (README tests)"
-    (port,) = free_ports(1)
-    process = subprocess.Popen(
-        [binary, "-a", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        import socket
-        import time
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "nats-server did not start"
-                time.sleep(0.05)
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def picker(replicas: list[Running], bus: str | None) -> PickerServer:

@@ -142,3 +142,47 @@ def test_bench_programs_refuses_bad_arguments(
         code = exited.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+async def test_requests_spread_over_several_routers_in_turn(start_router: StartRouter) -> None:
+    """``also``: request i goes to router i % N (as ``kvroute bench routers`` spreads them)."""
+    replica = FakeReplica(name="r")
+    await replica.start()
+    try:
+        routers = [await start_router([replica]) for _ in range(3)]
+        summary = await replay_live_async(
+            agent_trace(),
+            routers[0].url,
+            model="tiny",
+            time_scale=TIME_SCALE,
+            api="messages",
+            closed_loop=True,
+            echo=None,
+            also=[r.url for r in routers[1:]],
+        )
+        served = [(await _metrics(r.url)).sum("kvroute_requests_total") for r in routers]
+    finally:
+        await replica.stop()
+    assert summary["ok"] == 7
+    assert served == [3, 2, 2]  # requests 0, 3, 6; 1, 4; 2, 5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--routers", "0,2"], "at least 1"),
+        (["--routers", "two"], "expected numbers"),
+        (["--share", "gossip"], "--share takes none, bus"),
+        (["--trace", "no/such/trace.tar.xz"], "no trace at"),
+    ],
+)
+def test_bench_routers_refuses_bad_arguments(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code: object
+    try:
+        code = main(["bench", "routers", "--no-record", *args])
+    except SystemExit as exited:
+        code = exited.code
+    assert code == 2
+    assert message in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -736,6 +737,10 @@ def test_index_bench_small_run_records_a_section(
     assert "kvroute bench index --entries 3000 --replicas 8 --lookups 50" in text
     assert "| (block, replica) entries | 3,000 |" in text
     assert "- hashing and lookup loops: C (kvcore/_speedups.c)" in text
+    # A warm start's snapshot of the whole index restores to the same matches.
+    assert re.search(
+        r"\| warm start: decoded and restored, s \(matches equal\) \| [\d.]+ \(yes\) \|", text
+    )
     args = parser.parse_args([*argv, "--output-md", str(out), "--no-record"])
     assert args.func(args) == 0
     assert out.read_text() == text

@@ -416,6 +416,25 @@ async def _rendered(url: str, api: str, request: dict[str, Any]) -> int:
     return len(response.json()["token_ids"])
 
 
+async def _blocks_seen(router: Router, replica: str, served: int) -> None:
+    """The replica's KV events for every request served so far reached the router (its
+    parity check of blocks agreed), so the next turn's prefix is in the index by events,
+    whatever the prediction TTL: on a loaded machine a turn can outlast it."""
+    parity = router.parity
+    assert parity is not None
+    checks = parity.verdicts.checks
+    await wait_until(
+        lambda: checks.get((replica, BLOCKS, AGREE), 0) >= served,
+        timeout_s=30,
+        what=f"the KV events of {served} requests at the router: {dict(checks)}",
+    )
+
+
+def _events_of(router: Router) -> dict[str, Any]:
+    """What the router's KV-event subscribers saw (gaps, resyncs), for a failure message."""
+    return {name: vars(stats) for name, stats in router.kv_events.stats_by_source().items()}
+
+
 def _prefix_hit(headers: httpx.Headers) -> int:
     return int(headers["x-kvroute-prefix-hit-tokens"])
 
@@ -482,8 +501,9 @@ async def test_anthropic_client_through_kvroute_serve(
         assert message.stop_reason in STOP_REASONS and message.content
         assert _prompt_of(message.usage) == prompt_tokens
         if turn:
-            assert _prefix_hit(raw.headers) > 0, (turn, dict(raw.headers))
+            assert _prefix_hit(raw.headers) > 0, (turn, dict(raw.headers), _events_of(router))
             assert (message.usage.cache_read_input_tokens or 0) > 0, (turn, message.usage)
+        await _blocks_seen(router, replica.name, served)
 
     # count_tokens: the replica's own count, through the router.
     (body,) = _pick(corpus, "messages/fix-test/2")
@@ -565,8 +585,9 @@ async def test_openai_client_responses_through_kvroute_serve(
         usage = response.usage
         assert usage is not None and usage.input_tokens == prompt_tokens
         if turn:
-            assert _prefix_hit(raw.headers) > 0, (turn, dict(raw.headers))
+            assert _prefix_hit(raw.headers) > 0, (turn, dict(raw.headers), _events_of(router))
             assert usage.input_tokens_details.cached_tokens > 0, (turn, usage)
+        await _blocks_seen(router, replica.name, served)
 
     # Bad input: 400 in OpenAI's shape, whether the router or the replica finds it.
     bad_item: Any = [{"type": "hologram", "text": "hi"}]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvroute.backends.vllm_args import owned_flags_in, vllm_server_command
+from kvroute.router.config import LaunchConfig, launch_problems
 
 BASE: dict[str, object] = {
     "model_dir": "/models/m",
@@ -67,3 +70,29 @@ def test_extra_args_may_not_set_what_the_parameters_set_in_any_spelling() -> Non
     ]
     with pytest.raises(ValueError, match="must not set --gpu-memory-utilization"):
         command(gpu=True, extra_args=["--gpu-memory-utilization", "0.5"])
+
+
+EVENTS = {"kv_events_endpoint": "ipc:///tmp/e", "kv_replay_endpoint": "ipc:///tmp/r"}
+
+
+def _kv_events_config(**changes: object) -> dict[str, object]:
+    argv, _ = command(**EVENTS, **changes)
+    config: dict[str, object] = json.loads(argv[argv.index("--kv-events-config") + 1])
+    return config
+
+
+def test_the_replay_buffer_goes_into_the_kv_events_config() -> None:
+    """launch.kv_replay_buffer is vLLM's KVEventsConfig.buffer_steps; unset, vLLM's default."""
+    assert _kv_events_config(kv_replay_buffer=500)["buffer_steps"] == 500
+    assert "buffer_steps" not in _kv_events_config()
+
+
+@pytest.mark.vllm
+def test_vllm_takes_the_replay_buffer_as_configured() -> None:
+    kv_events = pytest.importorskip("vllm.config.kv_events")
+    assert kv_events.KVEventsConfig(**_kv_events_config(kv_replay_buffer=500)).buffer_steps == 500
+
+
+def test_a_replay_buffer_below_one_is_a_config_error() -> None:
+    problems = launch_problems(LaunchConfig(kv_replay_buffer=0))
+    assert "launch.kv_replay_buffer: must be >= 1, got 0" in problems

@@ -12,6 +12,7 @@ from kvroute.bench.argtypes import (
     positive_int,
 )
 from kvroute.bench.batch_lane import add_batch_bench
+from kvroute.bench.dp import add_dp_bench
 from kvroute.bench.epp import add_epp_bench
 from kvroute.bench.fairness import add_fairness_bench
 from kvroute.bench.h2_attacks import add_h2_attacks_bench
@@ -19,6 +20,7 @@ from kvroute.bench.index_bench import add_index_bench
 from kvroute.bench.mixed import add_mixed_bench
 from kvroute.bench.prefix import add_prefix_bench
 from kvroute.bench.programs import add_programs_bench
+from kvroute.bench.routers import add_routers_bench
 from kvroute.bench.send_tokens import add_send_tokens_bench
 from kvroute.bench.soak_cli import add_soak_bench
 from kvroute.bench.status_ab import add_status_bench
@@ -32,6 +34,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_overhead(bench_sub)
     add_index_bench(bench_sub)
     add_prefix_bench(bench_sub)
+    add_dp_bench(bench_sub)
     add_tokenize_bench(bench_sub)
     add_epp_bench(bench_sub)
     add_h2_attacks_bench(bench_sub)
@@ -40,6 +43,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_fairness_bench(bench_sub)
     add_programs_bench(bench_sub)
     add_mixed_bench(bench_sub)
+    add_routers_bench(bench_sub)
     add_status_bench(bench_sub)
     add_batch_bench(bench_sub)
     add_send_tokens_bench(bench_sub)

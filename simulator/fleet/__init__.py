@@ -9,6 +9,7 @@ pooled-LRU hit rates of the same trace.
 from .bounds import infinite_cache_hit_rate, pooled_lru_hit_rate
 from .config import (
     ENGINE_MODELS,
+    RANK_ROUTINGS,
     SHARE_MODES,
     FleetConfig,
     default_kv_capacity_tokens,
@@ -21,6 +22,7 @@ from .units import SimRequest, UnitTrace, prepare
 
 __all__ = [
     "ENGINE_MODELS",
+    "RANK_ROUTINGS",
     "SHARE_MODES",
     "FleetConfig",
     "PdSetup",

@@ -17,6 +17,7 @@ ENGINE_MODELS = ("fast", "exact")
 # What several routers (endpoint pickers behind one gateway) share beyond the KV events that
 # every one of them subscribes to (see FleetConfig.share).
 SHARE_MODES = ("none", "scrape", "bus", "load")
+RANK_ROUTINGS = ("router", "vllm")
 
 # GPU memory per device, for the default KV capacity of a preset (name fragment -> bytes).
 _GPU_MEMORY = {"h100": 80e9, "h200": 141e9, "a100": 80e9}
@@ -79,6 +80,12 @@ class FleetConfig:
     # A mixed pool: replica i steps at ``replica_latency[i]`` instead of ``engine.latency``
     # (one per replica, or () for all alike). KV capacity and batching stay ``engine``'s.
     replica_latency: tuple[LatencyModel, ...] = ()
+    # Data-parallel replicas (dp_fleet.py): ``replicas`` engines (ranks) in all, this many to a
+    # replica. ``rank_routing`` "router": the router picks the rank (each rank its own endpoint,
+    # as kvroute routes DP replicas: the same as single-rank replicas); "vllm": the router picks
+    # the replica only, without KV events (what DP got before ranks), vLLM's balancer the rank.
+    data_parallel_size: int = 1
+    rank_routing: str = "router"
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -90,6 +97,9 @@ class FleetConfig:
             )
         if self.replica_latency and self.pd is not None:
             raise ValueError("a mixed pool (replica_latency) is not modelled with P/D")
+        self._check_ranks()
+        if self.replica_latency and self.data_parallel_size > 1:
+            raise ValueError("a mixed pool (replica_latency) is not modelled with DP ranks")
         if isinstance(self.routers, bool) or not isinstance(self.routers, int):
             raise ValueError(f"routers must be an integer >= 1, got {self.routers!r}")
         if self.routers < 1:
@@ -139,6 +149,34 @@ class FleetConfig:
                 )
             if not (math.isfinite(at) and at >= 0):
                 raise ValueError(f"failure time must be a finite number >= 0, got {at}")
+
+    def _check_ranks(self) -> None:
+        size = self.data_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {size!r}")
+        if self.replicas % size:
+            raise ValueError(
+                f"replicas ({self.replicas}, ranks in all) must be a multiple of "
+                f"data_parallel_size {size}"
+            )
+        if self.rank_routing not in RANK_ROUTINGS:
+            raise ValueError(
+                f"rank_routing must be one of {', '.join(RANK_ROUTINGS)}, got {self.rank_routing!r}"
+            )
+        if size > 1 and self.rank_routing == "vllm":
+            unmodelled = [
+                name
+                for name, on in (
+                    ("failures", bool(self.failures)),
+                    ("a capacity dip", self.dip is not None),
+                    ("an autoscaler", self.autoscale is not None),
+                    ("P/D", self.pd is not None),
+                    ("several routers", self.routers > 1),
+                )
+                if on
+            ]
+            if unmodelled:
+                raise ValueError(f"rank_routing vllm is not modelled with {', '.join(unmodelled)}")
 
     def _check_pd(self, pd: PdSetup) -> None:
         problems = pd.problems()

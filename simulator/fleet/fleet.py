@@ -154,6 +154,10 @@ def simulate(
         from .pd_fleet import PdFleet  # imported here: pd_fleet builds on _Fleet below
 
         return PdFleet(trace, policy, config).run(progress)
+    if config.data_parallel_size > 1 and config.rank_routing == "vllm":
+        from .dp_fleet import VllmRankFleet  # imported here: dp_fleet builds on _Fleet below
+
+        return VllmRankFleet(trace, policy, config, batch).run(progress)
     return _Fleet(trace, policy, config, batch).run(progress)
 
 
@@ -436,7 +440,7 @@ class _Fleet:
         if route.estimate is not None:
             self._estimated(request.index, route.estimate)
         chosen = route.ranked[0]
-        r = self.number[chosen]
+        r = self._engine_for(chosen)
         flight.dispatch = ledger.dispatch(route, chosen, t)
         if self.loss is not None and request.index < self.online:
             prefix = route.request.prefix_tokens
@@ -448,6 +452,10 @@ class _Fleet:
         self.result.routed_requests[r] += 1
         self.result.routed_tokens[r] += route_request.prompt_tokens
         self._enqueue(r, request, extra, t)
+
+    def _engine_for(self, chosen: str) -> int:
+        """The engine serving a request routed to ``chosen`` (dp_fleet.py: a rank of it)."""
+        return self.number[chosen]
 
     def _estimated(self, index: int, estimate: TtftEstimate) -> None:
         """The first decision's estimates (a reroute after a failure is not a fresh choice)."""

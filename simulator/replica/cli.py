@@ -64,6 +64,17 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     p.add_argument("--max-num-seqs", type=int, default=256, help="Largest running batch.")
     p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="As vLLM: this many engines (ranks) behind the one HTTP port, each with its own KV "
+        "cache (--num-gpu-blocks-override blocks each), KV events on the configured endpoint "
+        "offset by its rank (tcp: port + rank, ipc: path + _dpK) and metrics labelled "
+        'engine="K". A request goes to the rank in its X-data-parallel-rank header, else to '
+        "the least loaded rank as vLLM's own balancer picks it (default 1).",
+    )
+    p.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="Per-step token budget."
     )
     p.add_argument(
@@ -303,8 +314,13 @@ def run_replica_command(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         responses_store=store,
         enable_scale_out=args.enable_scale_out,
+        data_parallel_size=args.data_parallel_size,
     )
-    replica = EmulatedReplica(options, tokenizer, faults)
+    try:
+        replica = EmulatedReplica(options, tokenizer, faults)
+    except ValueError as exc:
+        print(f"kvroute replica: {exc}", file=sys.stderr)
+        return 2
     try:
         uvloop.run(_serve(replica, args.host, args.port))
     except OSError as exc:  # the port is taken, the address is not ours, ...

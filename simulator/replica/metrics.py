@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,37 +28,56 @@ E2E_BUCKETS = (
 LABELS = ["model_name", "engine"]
 
 
+@dataclass(frozen=True, slots=True)
+class RankSeries:
+    """One engine's (data-parallel rank's) histograms."""
+
+    ttft: Any
+    itl: Any
+    e2e: Any
+
+
 class ReplicaMetrics:
     def __init__(
         self,
         model_name: str,
         config: EngineConfig,
-        stats: Callable[[], EngineStats],
+        stats: Callable[[], Sequence[EngineStats]],
         lora: bool = False,
     ) -> None:
+        """``stats``: each engine's, in rank order (one per data-parallel rank), labelled
+        ``engine="k"`` as vLLM labels them."""
         self.registry = CollectorRegistry()
-        labels = (model_name, "0")
-        self.ttft = Histogram(
+        ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
             LABELS, buckets=TTFT_BUCKETS, registry=self.registry,
-        ).labels(*labels)  # fmt: skip
-        self.itl = Histogram(
+        )  # fmt: skip
+        itl = Histogram(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
             LABELS, buckets=ITL_BUCKETS, registry=self.registry,
-        ).labels(*labels)  # fmt: skip
-        self.e2e = Histogram(
+        )  # fmt: skip
+        e2e = Histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
             LABELS, buckets=E2E_BUCKETS, registry=self.registry,
-        ).labels(*labels)  # fmt: skip
+        )  # fmt: skip
         self._success = Counter(
             "vllm:request_success", "Count of successfully processed requests.",
             [*LABELS, "finished_reason"], registry=self.registry,
         )  # fmt: skip
-        self._labels = labels
+        self._model = model_name
+        self.ranks = [
+            RankSeries(
+                ttft.labels(model_name, str(k)),
+                itl.labels(model_name, str(k)),
+                e2e.labels(model_name, str(k)),
+            )
+            for k in range(len(stats()))
+        ]
+        self.ttft, self.itl, self.e2e = self.ranks[0].ttft, self.ranks[0].itl, self.ranks[0].e2e
         self.registry.register(_EngineCollector(model_name, config, stats, lora))
 
-    def finished(self, reason: str) -> None:
-        self._success.labels(*self._labels, reason).inc()
+    def finished(self, reason: str, rank: int = 0) -> None:
+        self._success.labels(self._model, str(rank), reason).inc()
 
 
 class _EngineCollector(Collector):
@@ -64,58 +85,63 @@ class _EngineCollector(Collector):
         self,
         model_name: str,
         config: EngineConfig,
-        stats: Callable[[], EngineStats],
+        stats: Callable[[], Sequence[EngineStats]],
         lora: bool,
     ) -> None:
-        self._labels = [model_name, "0"]
+        self._model = model_name
         self._config = config
         self._stats = stats
         self._lora = lora  # vLLM exports lora_requests_info only with LoRA enabled
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        s = self._stats()
+        ranks = [([self._model, str(k)], s) for k, s in enumerate(self._stats())]
+        s = ranks[0][1]  # LoRA info: one engine's (LoRA with data parallelism is not emulated)
         for name, doc, value in (
             (
                 "vllm:num_requests_running",
                 "Number of requests in model execution batches.",
-                s.num_running,
+                "num_running",
             ),
             (
                 "vllm:num_requests_waiting",
                 "Number of requests waiting to be processed.",
-                s.num_waiting,
+                "num_waiting",
             ),
             (
                 "vllm:kv_cache_usage_perc",
                 "KV-cache usage. 1 means 100 percent usage.",
-                s.kv_cache_usage,
+                "kv_cache_usage",
             ),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=LABELS)
-            gauge.add_metric(self._labels, value)
+            for labels, stats in ranks:
+                gauge.add_metric(labels, getattr(stats, value))
             yield gauge
         for name, doc, value in (
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", s.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits),
-            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions),
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens),
-            ("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens),
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", "prefix_cache_queries"),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions"),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
         ):  # fmt: skip
             counter = CounterMetricFamily(name, doc, labels=LABELS)
-            counter.add_metric(self._labels, value)
+            for labels, stats in ranks:
+                counter.add_metric(labels, getattr(stats, value))
             yield counter
-        yield from _prompt_sources(self._labels, s)
+        yield from _prompt_sources(ranks)
         c = self._config
         info = {
             "block_size": str(c.block_size),
             "num_gpu_blocks": str(c.num_blocks),
             "enable_prefix_caching": str(c.enable_prefix_caching),
-            "engine": "0",
         }
         gauge = GaugeMetricFamily(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=[*info, "engine"],
         )
-        gauge.add_metric(list(info.values()), 1.0)
+        for k in range(len(ranks)):
+            gauge.add_metric([*info.values(), str(k)], 1.0)
         yield gauge
         if self._lora:
             # vLLM sets a label set to the current time at every stats update (and keeps the
@@ -132,7 +158,7 @@ class _EngineCollector(Collector):
             yield lora
 
 
-def _prompt_sources(labels: list[str], s: EngineStats) -> Iterable[CounterMetricFamily]:
+def _prompt_sources(ranks: list[tuple[list[str], EngineStats]]) -> Iterable[CounterMetricFamily]:
     """vllm:prompt_tokens_by_source (computed here, local prefix hits, moved in from a prefill
     replica) and vllm:prompt_tokens_cached (the two last, as vLLM counts them)."""
     by_source = CounterMetricFamily(
@@ -140,13 +166,15 @@ def _prompt_sources(labels: list[str], s: EngineStats) -> Iterable[CounterMetric
         "Number of prompt tokens by source.",
         labels=[*LABELS, "source"],
     )
-    for source, value in zip(PROMPT_SOURCES, s.prompt_tokens_by_source, strict=True):
-        by_source.add_metric([*labels, source], value)
+    for labels, s in ranks:
+        for source, value in zip(PROMPT_SOURCES, s.prompt_tokens_by_source, strict=True):
+            by_source.add_metric([*labels, source], value)
     yield by_source
     cached = CounterMetricFamily(
         "vllm:prompt_tokens_cached",
         "Number of cached prompt tokens (local + external).",
         labels=LABELS,
     )
-    cached.add_metric(labels, s.prompt_tokens_cached)
+    for labels, s in ranks:
+        cached.add_metric(labels, s.prompt_tokens_cached)
     yield cached

@@ -30,8 +30,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from xxhash import xxh3_64_intdigest
 
 from kvroute.kvcore import pd
+from kvroute.kvcore.kv_events import rank_endpoint
 from kvroute.kvcore.tokenizer import ChatTemplateError, Tokenizer, render_chat
 from kvroute.simulator.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from kvroute.simulator.engine.dp_balance import DPBalancer, RankLoad
 
 from .faults import Faults, FaultSpec
 from .kv_connector import KV_READ_PATH, KVConnector, KVRead
@@ -64,6 +66,7 @@ class Run:
     request_id: str
     queue: asyncio.Queue[RequestOutput]
     arrival: float
+    rank: int = 0  # the data-parallel rank (engine) serving it
 
 
 class Frames(Protocol):
@@ -120,10 +123,22 @@ class ReplicaOptions:
     # vLLM's --enable-scale-out: /v1/chat/completions/render and the token-in
     # /inference/v1/generate (simulator/replica/scale_out.py).
     enable_scale_out: bool = False
+    # vLLM's --data-parallel-size: this many engines (ranks) behind the one HTTP port, each
+    # with its own KV cache, KV-event publisher (the endpoint offset by its rank) and metrics.
+    data_parallel_size: int = 1
 
     @property
     def lora(self) -> bool:
         return self.enable_lora or bool(self.lora_modules) or self.allow_runtime_lora_updating
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRank:
+    """One data-parallel rank: its engine, the runner that drives it, its event publisher."""
+
+    engine: Engine
+    runner: EngineRunner
+    publisher: KVEventPublisher | None
 
 
 class BadRequest(Exception):
@@ -151,29 +166,29 @@ class EmulatedReplica:
         self.options = options
         self.tokenizer = tokenizer
         self.faults = faults or Faults()
-        self.engine = Engine(options.engine)
+        size = options.data_parallel_size
+        if size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {size}")
+        if size > 1 and options.kv_transfer is not None:
+            raise ValueError(
+                "--data-parallel-size above 1 with --kv-transfer-config is not emulated"
+            )
+        self.ranks = [self._rank(options, k) for k in range(size)]
+        self.balancer = DPBalancer()
+        # Rank 0's parts, for what has one engine (P/D transfers, the load endpoint).
+        self.engine, self.runner, self.publisher = (
+            self.ranks[0].engine,
+            self.ranks[0].runner,
+            self.ranks[0].publisher,
+        )
         self.metrics = ReplicaMetrics(
-            options.served_model_name, options.engine, lambda: self.engine.stats, options.lora
+            options.served_model_name,
+            options.engine,
+            lambda: [r.engine.stats for r in self.ranks],
+            options.lora,
         )
         # Adapters served now: name -> path (--lora-modules, then runtime loads and unloads).
         self.lora_modules = dict(options.lora_modules)
-        self.publisher: KVEventPublisher | None = None
-        kv = options.kv_events or {}
-        if kv.get("enable_kv_cache_events") and kv.get("publisher", "zmq") == "zmq":
-            self.publisher = KVEventPublisher(
-                kv.get("endpoint", "tcp://*:5557"),
-                kv.get("replay_endpoint"),
-                topic=kv.get("topic", ""),
-                layout=options.event_layout,
-                buffer_steps=int(kv.get("buffer_steps", 10_000)),
-                bind_host=options.kv_bind_host,
-            )
-        self.runner = EngineRunner(
-            self.engine,
-            options.time_scale,
-            self.publisher.publish if self.publisher else lambda events: None,
-            slowdown=lambda: self.faults.spec.slowdown,
-        )
         self.connector: KVConnector | None = None
         if options.kv_transfer is not None:
             pd.check_kv_transfer_config(options.kv_transfer)
@@ -187,6 +202,53 @@ class EmulatedReplica:
             )
         self._ids = itertools.count()
         self._created = int(time.time())
+
+    def _rank(self, options: ReplicaOptions, rank: int) -> EngineRank:
+        engine = Engine(options.engine)
+        publisher = None
+        kv = options.kv_events or {}
+        if kv.get("enable_kv_cache_events") and kv.get("publisher", "zmq") == "zmq":
+            replay = kv.get("replay_endpoint")
+            publisher = KVEventPublisher(
+                rank_endpoint(kv.get("endpoint", "tcp://*:5557"), rank),
+                rank_endpoint(replay, rank) if replay else None,
+                topic=kv.get("topic", ""),
+                layout=options.event_layout,
+                buffer_steps=int(kv.get("buffer_steps", 10_000)),
+                data_parallel_rank=rank,
+                bind_host=options.kv_bind_host,
+            )
+        runner = EngineRunner(
+            engine,
+            options.time_scale,
+            publisher.publish if publisher else lambda events: None,
+            slowdown=lambda: self.faults.spec.slowdown,
+        )
+        return EngineRank(engine, runner, publisher)
+
+    def pick_rank(self, request: web.Request | None) -> int:
+        """The rank named by the X-data-parallel-rank header (vLLM reads it as an int and ignores
+        one that is not), else vLLM's own balancing (simulator/engine/dp_balance.py). A rank
+        beyond the replica's is a 400, as vLLM's engine client refuses it."""
+        text = request.headers.get("X-data-parallel-rank") if request is not None else None
+        if text is not None:
+            try:
+                rank = int(text)
+            except ValueError:
+                rank = None
+            if rank is not None:
+                if not 0 <= rank < len(self.ranks):
+                    raise BadRequest(
+                        f"data_parallel_rank {rank} is out of range [0, {len(self.ranks)})."
+                    )
+                return rank
+        if len(self.ranks) == 1:
+            return 0
+        loads = [
+            RankLoad(s.num_waiting, s.num_running, s.kv_cache_usage)
+            for s in (r.engine.stats for r in self.ranks)
+        ]
+        return self.balancer.pick(loads)
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -220,15 +282,17 @@ class EmulatedReplica:
         return app
 
     async def _startup(self, app: web.Application) -> None:
-        self.runner.start()
-        if self.publisher is not None:
-            self.publisher.start()
+        for rank in self.ranks:
+            rank.runner.start()
+            if rank.publisher is not None:
+                rank.publisher.start()
         self._schedule_exit()
 
     async def _cleanup(self, app: web.Application) -> None:
-        await self.runner.close()
-        if self.publisher is not None:
-            await self.publisher.close()
+        for rank in self.ranks:
+            await rank.runner.close()
+            if rank.publisher is not None:
+                await rank.publisher.close()
         if self.connector is not None:
             await self.connector.close()
 
@@ -251,13 +315,16 @@ class EmulatedReplica:
             prompt_ids, max_tokens = self._prepare(body, chat)
             lora_name = self.lora_name(body)
             transfer = self._transfer(request, body)
+            rank = self.pick_rank(request)
         except BadRequest as exc:
             return _error(str(exc), exc.status, exc.error_type, exc.param)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = self.request_id(prefix, request)
         params = transfer.params if transfer is not None else None
         try:
-            run = await self.start(request_id, prompt_ids, max_tokens, body, lora_name, params)
+            run = await self.start(
+                request_id, prompt_ids, max_tokens, body, lora_name, params, rank=rank
+            )
         except ValueError as exc:
             return _error(str(exc), 400, "BadRequestError")
         stream = bool(body.get("stream"))
@@ -291,8 +358,13 @@ class EmulatedReplica:
         body: dict[str, Any],
         lora_name: str | None,
         params: pd.KVTransferParams | None = None,
+        *,
+        rank: int | None = None,
     ) -> Run:
-        """Submit a prepared request to the engine (ValueError: the engine refuses it)."""
+        """Submit a prepared request to the engine of ``rank`` (None: vLLM's balancing);
+        ValueError: the engine refuses it."""
+        if rank is None:
+            rank = self.pick_rank(None)
         arrival = time.monotonic()
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
@@ -311,14 +383,14 @@ class EmulatedReplica:
             self.engine.check_request(engine_request)  # before a transfer, not after it
             external = await self.connector.pull(params, engine_request)
             engine_request.external_computed_tokens = external
-        return Run(request_id, self.runner.submit(engine_request), arrival)
+        return Run(request_id, self.ranks[rank].runner.submit(engine_request), arrival, rank)
 
     async def answer(self, run: Run, reply: Awaitable[web.StreamResponse]) -> web.StreamResponse:
         """``reply``'s response; a client that goes away aborts the request, as in vLLM."""
         try:
             return await reply
         except (asyncio.CancelledError, ConnectionResetError):
-            self.runner.abort(run.request_id)
+            self.ranks[run.rank].runner.abort(run.request_id)
             if self.connector is not None:
                 self.connector.release(run.request_id)  # no decode replica will learn of it
             raise
@@ -332,9 +404,9 @@ class EmulatedReplica:
             last = await run.queue.get()
             if first is None and last.new_token_ids:
                 first = last
-                self.metrics.ttft.observe(time.monotonic() - run.arrival)
+                self.metrics.ranks[run.rank].ttft.observe(time.monotonic() - run.arrival)
             token_ids += last.new_token_ids
-        self._finished(last, run.arrival)
+        self._finished(last, run.arrival, run.rank)
         # Drift rewrites what is sent, not the engine's cache: a fault, not a model.
         return last, self.faults.drifted(token_ids, 0, self.options.engine.vocab_size)
 
@@ -357,9 +429,9 @@ class EmulatedReplica:
             now = time.monotonic()
             if output.new_token_ids:
                 if last_time is None:
-                    self.metrics.ttft.observe(now - run.arrival)
+                    self.metrics.ranks[run.rank].ttft.observe(now - run.arrival)
                 else:
-                    self.metrics.itl.observe(now - last_time)
+                    self.metrics.ranks[run.rank].itl.observe(now - last_time)
                 last_time = now
             if chunks == 0 and (opening := frames.opening(output)):
                 await response.write(opening)
@@ -372,13 +444,13 @@ class EmulatedReplica:
                 await response.write(frame)
                 chunks += 1
             if drop_after and chunks >= drop_after and not output.finished:
-                self.runner.abort(run.request_id)
+                self.ranks[run.rank].runner.abort(run.request_id)
                 assert request.transport is not None
                 request.transport.close()  # injected fault: the connection breaks mid-stream
                 return response
             if output.finished:
                 break
-        self._finished(output, run.arrival)
+        self._finished(output, run.arrival, run.rank)
         await response.write(frames.closing(output, generated))
         await response.write_eof()
         return response
@@ -579,9 +651,9 @@ class EmulatedReplica:
             "text_offset": text_offset,
         }
 
-    def _finished(self, output: RequestOutput, arrival: float) -> None:
-        self.metrics.e2e.observe(time.monotonic() - arrival)
-        self.metrics.finished(output.finish_reason or "length")
+    def _finished(self, output: RequestOutput, arrival: float, rank: int = 0) -> None:
+        self.metrics.ranks[rank].e2e.observe(time.monotonic() - arrival)
+        self.metrics.finished(output.finish_reason or "length", rank)
 
     # -- the rest of vLLM's surface ----------------------------------------------------
 
@@ -676,11 +748,20 @@ class EmulatedReplica:
         return web.json_response({"prompt": self.tokenizer.decode(tokens)})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        ok = self.runner.reset_prefix_cache()
+        ok = all([r.runner.reset_prefix_cache() for r in self.ranks])
         return web.json_response({"success": ok}, status=200 if ok else 409)
 
     async def kv_event_sources(self, request: web.Request) -> web.Response:
-        return web.json_response({"0": self.options.kv_events or {}})
+        # vLLM >= 0.32: each rank's publisher config, its endpoints offset by the rank.
+        kv = self.options.kv_events or {}
+        sources = {}
+        for rank in range(len(self.ranks)):
+            config = dict(kv)
+            for key in ("endpoint", "replay_endpoint"):
+                if config.get(key):
+                    config[key] = rank_endpoint(config[key], rank)
+            sources[str(rank)] = config
+        return web.json_response(sources)
 
     async def load(self, request: web.Request) -> web.Response:
         stats = self.engine.stats

@@ -37,7 +37,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,12 +168,14 @@ async def replay_live_async(
     echo: Callable[[str], None] | None = print,
     api: str = "completions",
     closed_loop: bool = False,
+    also: Sequence[str] = (),
 ) -> dict[str, Any]:
     """``replay_live`` inside a running event loop.
 
     ``tokens_per_block`` (default: the trace's block size) scales prompts down for small models,
     ``max_prompt_tokens`` and ``max_output_tokens`` cap them; see ``prompts`` for how the text
-    keeps the prefix structure.
+    keeps the prefix structure. ``also``: more routers in front of the same fleet; request i
+    goes to router i % (1 + len(also)), ``url`` first (several routers, spread evenly).
     """
     if not (0 < time_scale < math.inf):
         raise LiveReplayError(f"time_scale must be a positive number, got {time_scale!r}")
@@ -188,6 +190,7 @@ async def replay_live_async(
     except ValueError as error:
         raise LiveReplayError(str(error)) from None
     base = url.rstrip("/")
+    bases = [base, *(u.rstrip("/") for u in also)]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -197,7 +200,7 @@ async def replay_live_async(
         started = time.monotonic()
         results = await _replay(
             http,
-            base,
+            bases,
             model,
             trace,
             builder,
@@ -225,7 +228,7 @@ async def replay_live_async(
 
 async def _replay(
     http: aiohttp.ClientSession,
-    base: str,
+    bases: Sequence[str],
     model: str,
     trace: Trace,
     builder: PromptBuilder,
@@ -264,7 +267,7 @@ async def _replay(
             body["stream_options"] = {"include_usage": True}
         results.sent += 1
         results.prompt_words += builder.words(request)
-        return base + path, body
+        return bases[index % len(bases)] + path, body
 
     def at(index: int) -> float:
         return (requests[index].arrival_s - first) * time_scale

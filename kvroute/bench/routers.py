@@ -1,0 +1,324 @@
+"""``kvroute bench routers``: the cost of several routers, live, and what sharing wins back.
+
+N ``kvroute serve`` routers in front of the same emulated replicas (``kvroute replica``: the
+roofline latency model, KV events on), request i of the trace sent to router i % N (spread
+evenly, as a round-robin load balancer does; a session's turns land on different routers).
+Every router follows every replica's KV events, so they agree on the prefix index; what each
+lacks without a bus is the others' in-flight requests and predictions. With ``--share bus``
+they publish them over NATS (``routing.ledger_bus``; ``nats-server`` on PATH) and replay each
+other's. The simulator's ``kvroute replay --routers N --share bus`` models the same.
+
+Each (N, share) runs on a fleet started for it, so no run inherits another's cache. Reported:
+the fleet's prefix-cache hit rate (the replicas' own counters), TTFT p50 and p99, each against
+one router's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvroute.backends.process import free_ports
+from kvroute.bench.argtypes import add_report_args, add_startup_timeout, positive_float
+from kvroute.bench.harness import processes
+from kvroute.bench.harness.fleet import (
+    HOST,
+    Launch,
+    kvroute_cli,
+    replica_argv,
+    serve_argv,
+    start_all,
+    start_router,
+)
+from kvroute.bench.harness.host import machine_line, record
+from kvroute.bench.harness.report import reproduce_command
+from kvroute.bench.programs import EXCERPT, MODEL
+
+SHARES = ("none", "bus")
+
+
+@dataclass
+class Options:
+    trace: str = str(EXCERPT)
+    replicas: int = 4
+    routers: tuple[int, ...] = (1, 2, 4)
+    shares: tuple[str, ...] = SHARES
+    time_scale: float = 2e-4
+    tokens_per_block: int = 8
+    max_prompt_tokens: int = 4096
+    max_output_tokens: int = 16
+    max_requests: int | None = None
+    preset: str = "llama-3.1-8b-h100"
+    num_blocks: int = 2048
+    startup_timeout_s: float = 60.0
+    output_md: str = "BENCHMARKS.md"
+    no_record: bool = False
+
+
+@dataclass(frozen=True)
+class Run:
+    routers: int
+    share: str  # "none" or "bus"; one router shares nothing
+
+
+def runs(options: Options) -> list[Run]:
+    out = []
+    for n in options.routers:
+        for share in options.shares if n > 1 else ("none",):
+            out.append(Run(n, share))
+    return out
+
+
+@contextlib.contextmanager
+def nats_server(log_dir: Path, timeout_s: float = 10.0) -> Iterator[str]:
+    """A NATS server (Debian's nats-server) for the routers' bus: its URL once it listens."""
+    binary = shutil.which("nats-server")
+    if binary is None:
+        raise processes.StartError("nats-server is not on PATH (apt-get install nats-server)")
+    (port,) = free_ports(1)
+    with processes.managed("nats", [binary, "-a", HOST, "-p", str(port)], log_dir):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                socket.create_connection((HOST, port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise processes.StartError(f"nats-server did not listen on {port}") from None
+                time.sleep(0.05)
+        yield f"nats://{HOST}:{port}"
+
+
+@contextlib.contextmanager
+def fleet(options: Options, run: Run, log_dir: Path) -> Iterator[list[str]]:
+    """The replicas, a NATS server for a bus, and the routers: the routers' URLs."""
+    cli, timeout_s = kvroute_cli(), options.startup_timeout_s
+    with contextlib.ExitStack() as stack:
+        bus = stack.enter_context(nats_server(log_dir)) if run.share == "bus" else None
+        router_ports = free_ports(run.routers)
+        ports = free_ports(3 * options.replicas)
+        kv = {ports[k]: (ports[k + 1], ports[k + 2]) for k in range(0, len(ports), 3)}
+
+        def replica(p: int) -> list[str]:
+            events, replay = kv[p]
+            config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{events}",
+                "replay_endpoint": f"tcp://*:{replay}",
+                "topic": "kv-events",
+            }
+            flags = [
+                "--preset", options.preset, "--block-size", "16",
+                "--num-gpu-blocks-override", str(options.num_blocks), "--max-num-seqs", "64",
+                "--kv-events-config", json.dumps(config),
+            ]  # fmt: skip
+            return replica_argv(p, MODEL, *flags, cli=cli)
+
+        urls = start_all(stack, "replica", replica, list(kv), log_dir, timeout_s)
+        entries = [
+            {
+                "url": url,
+                "name": f"r{i}",
+                "kv_events": f"tcp://{HOST}:{events}",
+                "kv_replay": f"tcp://{HOST}:{replay}",
+            }
+            for i, (url, (events, replay)) in enumerate(zip(urls, kv.values(), strict=True))
+        ]
+        routing: dict[str, Any] = {"tokenizer": "builtin", "block_size": 16}
+        if bus is not None:
+            routing["ledger_bus"] = bus
+        config = log_dir / f"router-{run.routers}-{run.share}.yaml"
+        body = {"replicas": entries, "routing": routing, "health": {"interval_s": 0.5}}
+        config.write_text(json.dumps(body))  # JSON is YAML
+        routers = []
+        for k, port in enumerate(router_ports):
+            serve = Launch(serve_argv(port, (), "--config", str(config), cli=cli), "/ready")
+            url, _ = start_router(stack, f"router-{k}", serve, port, log_dir, timeout_s)
+            routers.append(url)
+        yield routers
+
+
+@dataclass
+class Measured:
+    run: Run
+    summary: dict[str, Any]
+
+
+def measure(options: Options, echo: Any = print) -> list[Measured]:
+    from kvroute.simulator.traces import load_trace
+    from kvroute.simulator.traces.live import replay_live_async
+
+    trace = load_trace(options.trace, "claude-code", max_requests=options.max_requests, seed=0)
+    measured = []
+    with processes.session("kvroute-bench-routers-") as logs:
+        for run in runs(options):
+            with fleet(options, run, logs) as routers:
+                summary = asyncio.run(
+                    replay_live_async(
+                        trace,
+                        routers[0],
+                        model=MODEL,
+                        time_scale=options.time_scale,
+                        tokens_per_block=options.tokens_per_block,
+                        max_prompt_tokens=options.max_prompt_tokens,
+                        max_output_tokens=options.max_output_tokens,
+                        concurrency=4096,
+                        api="messages",
+                        closed_loop=True,
+                        echo=None,
+                        also=routers[1:],
+                    )
+                )
+            measured.append(Measured(run, summary))
+            if echo:
+                echo(
+                    f"{run.routers} routers, share {run.share}: {summary['ok']} ok, "
+                    f"{summary['failed']} failed, hit rate {summary.get('prefix_hit_rate')}, "
+                    f"{summary['wall_s']:.0f} s"
+                )
+    return measured
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    if value is None or not base:
+        return "-"
+    return f"{value / base:.2f}x"
+
+
+def report(measured: list[Measured], options: Options, command: str) -> str:
+    one = next((m.summary for m in measured if m.run.routers == 1), None)
+    first = measured[0].summary
+    lines = [
+        f"## Several routers, live on emulated replicas ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"`{command}`",
+        "",
+        f"{first['trace']} ({first['requests']:,} requests) replayed in closed loop (each "
+        f"session's next turn its recorded tool-call gap after the last answer, time "
+        f"x{options.time_scale:g}) as Anthropic Messages requests, request i to router i % N; "
+        f"prompts at {options.tokens_per_block} tokens per {first['trace_block_tokens']}-token "
+        f"block capped at {options.max_prompt_tokens}, at most {options.max_output_tokens} "
+        f"output tokens; {options.replicas} emulated replicas ({options.preset} latency model, "
+        f"{options.num_blocks} KV blocks of 16 tokens each), `kvroute serve` routers with "
+        f"kv_aware; share bus = routing.ledger_bus on one nats-server. Each run on a fleet of "
+        f"its own. {machine_line()}.",
+        "",
+        "| routers | share | hit rate | vs 1 router | TTFT p50 s | TTFT p99 s | p99 vs 1 router "
+        "| failed |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for m in measured:
+        s = m.summary
+        hit, p50, p99 = s.get("prefix_hit_rate"), s.get("ttft_p50_s"), s.get("ttft_p99_s")
+        base_hit = one.get("prefix_hit_rate") if one else None
+        base_p99 = one.get("ttft_p99_s") if one else None
+        lines.append(
+            f"| {m.run.routers} | {m.run.share if m.run.routers > 1 else '-'} | "
+            f"{'-' if hit is None else f'{hit * 100:.1f}%'} | {_ratio(hit, base_hit)} | "
+            f"{'-' if p50 is None else f'{p50:.3f}'} | {'-' if p99 is None else f'{p99:.3f}'} | "
+            f"{_ratio(p99, base_p99)} | {s['failed']} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"router counts must be at least 1, got {text!r}")
+    return counts
+
+
+def _shares(text: str) -> tuple[str, ...]:
+    shares = tuple(part.strip() for part in text.split(","))
+    bad = [s for s in shares if s not in SHARES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--share takes {', '.join(SHARES)}; got {bad[0]!r}")
+    return shares
+
+
+def add_routers_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "routers",
+        help="Several kvroute serve routers in front of one fleet, requests spread evenly: "
+        "hit rate and TTFT against one router, sharing nothing or over a NATS bus.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--trace",
+        metavar="PATH",
+        default=str(EXCERPT),
+        help="Claude Code sessions in the kv-cache-tester (WEKA) format (default: the committed "
+        "10-session excerpt).",
+    )
+    p.add_argument("--max-requests", type=int, metavar="N", help="The trace's first N requests.")
+    p.add_argument("--replicas", type=int, default=4, help="Emulated replicas (default 4).")
+    p.add_argument(
+        "--routers",
+        type=_counts,
+        default=(1, 2, 4),
+        metavar="N,N,...",
+        help="Router counts to measure (default 1,2,4).",
+    )
+    p.add_argument(
+        "--share",
+        type=_shares,
+        default=SHARES,
+        metavar="MODE,...",
+        help="What several routers share: none, bus (default both).",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=positive_float,
+        default=2e-4,
+        metavar="X",
+        help="Multiply the trace's session starts and tool-call gaps by X (default 0.0002).",
+    )
+    add_startup_timeout(p)
+    add_report_args(p)
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    if not Path(args.trace).exists():
+        print(f"kvroute bench routers: no trace at {args.trace} (give --trace)", file=sys.stderr)
+        return 2
+    if args.replicas < 1:
+        print("kvroute bench routers: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    options = Options(
+        trace=args.trace,
+        replicas=args.replicas,
+        routers=args.routers,
+        shares=args.share,
+        time_scale=args.time_scale,
+        max_requests=args.max_requests,
+        startup_timeout_s=args.startup_timeout,
+        output_md=args.output_md,
+        no_record=args.no_record,
+    )
+    try:
+        measured = measure(options, echo=lambda line: print(line, flush=True))
+    except processes.StartError as exc:
+        print(f"kvroute bench routers: {exc}", file=sys.stderr)
+        return 1
+    text = report(measured, options, reproduce_command(sys.argv, "routers"))
+    print(text)
+    if not options.no_record:
+        record(Path(options.output_md), text)
+    return 0

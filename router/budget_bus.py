@@ -1,0 +1,129 @@
+"""Several routers, one token budget per tenant: charges shared over NATS (optional).
+
+Behind a load balancer, each ``kvroute serve`` (and each of its workers) would otherwise
+enforce the whole budget on its own, and a tenant spreading requests over N routers would get
+N times it. With ``tenants.budget_bus``, each process publishes its net charges per tenant
+(reservations, corrections to the replica's count, output, refunds) every ``interval_s`` with
+its buckets' levels, and applies the others' to its own buckets (router/tenants.py), so every
+bucket drains at the fleet's rate. What can overshoot is what the routers admit in one interval
+before hearing of each other: BENCHMARKS.md measures it.
+
+NATS core pub/sub, at most once: a lost message lets a tenant a little over its budget for a
+moment, never blocks it. Budgets only; load and predictions are router/ledger_bus.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kvroute.kvcore.budgets import ChargeLog
+
+from .tenants import Tenants
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+
+log = logging.getLogger(__name__)
+
+# Routers that started within this of each other share every charge from the start.
+JOINED_LATE_S = 1.0
+
+
+class TenantCharge(msgspec.Struct, array_like=True):
+    tenant: str
+    input_tokens: float
+    output_tokens: float
+    input_level: float | None
+    output_level: float | None
+
+
+class Charges(msgspec.Struct, array_like=True):
+    origin: str
+    started: float  # the sender's start, wall-clock seconds
+    charges: list[TenantCharge]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Charges)
+
+
+class BudgetBus:
+    def __init__(self, url: str, subject: str, tenants: Tenants, interval_s: float) -> None:
+        self.url = url
+        self.subject = subject
+        self.tenants = tenants
+        self.interval_s = interval_s
+        self.origin = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
+        self.started = time.time()
+        self._client: Client | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.published = 0
+        self.applied = 0
+
+    async def start(self) -> None:
+        import nats
+
+        if self.tenants.shared is None:
+            self.tenants.shared = ChargeLog()
+        self._client = await nats.connect(
+            self.url, name=f"kvroute-budgets {self.origin}", max_reconnect_attempts=-1
+        )
+        await self._client.subscribe(self.subject, cb=self._on_message)
+        self._task = asyncio.create_task(self._publish_loop(), name="kvroute-budget-bus")
+        log.info("sharing tenants' budget charges on %s %s", self.url, self.subject)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._client is not None:
+            await self.flush()  # what this router charged last is not lost to the others
+            await self._client.drain()
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.flush()
+
+    async def flush(self) -> None:
+        shared = self.tenants.shared
+        if self._client is None or shared is None or not len(shared):
+            return
+        now = time.monotonic()
+        charges = [
+            TenantCharge(tenant, i, o, *self.tenants.levels(tenant, now))
+            for tenant, (i, o) in shared.drain().items()
+        ]
+        if not charges:
+            return
+        try:
+            await self._client.publish(
+                self.subject, _encoder.encode(Charges(self.origin, self.started, charges))
+            )
+            self.published += 1
+        except Exception as exc:  # at most once: the others miss this interval's charges
+            log.debug("budget bus publish failed: %s", exc)
+
+    async def _on_message(self, message: Msg) -> None:
+        try:
+            batch = _decoder.decode(message.data)
+        except msgspec.DecodeError:
+            log.warning("budget bus: undecodable message on %s", self.subject)
+            return
+        if batch.origin == self.origin:
+            return
+        now = time.monotonic()
+        # A router that started well before this one has been charging all along: this one's
+        # buckets, full at its start, take that router's levels the first time they hear it.
+        older = batch.started < self.started - JOINED_LATE_S
+        for c in batch.charges:
+            levels = (c.input_level, c.output_level) if older else None
+            self.tenants.apply_remote(c.tenant, (c.input_tokens, c.output_tokens), levels, now)
+        self.applied += 1
