@@ -79,9 +79,16 @@ class LaunchSpec:
     # Starts every replica's name: a model pool's name and '-' (router/pool_config.py), so
     # that names stay unique across pools; '' for a config without pools.
     name_prefix: str = ""
+    # Emulated: one latency preset per slot (a mixed pool); () for ``preset`` everywhere.
+    presets: tuple[str, ...] = ()
 
     def replica_name(self, slot: int) -> str:
         return f"{self.name_prefix}{self.engine}-{slot}"
+
+    def preset_for(self, slot: int) -> str:
+        """Slot ``slot``'s latency preset: its own in a mixed pool (slots past the list, added
+        later, take the list's in turn), else the fleet's."""
+        return self.presets[slot % len(self.presets)] if self.presets else self.preset
 
     def __post_init__(self) -> None:
         if self.gpu_groups and len(self.gpu_groups) != self.count:
@@ -138,7 +145,9 @@ class KVEndpoints:
 _MAX_IPC_PATH = 107
 
 
-def emulated_command(spec: LaunchSpec, port: int, kv: KVEndpoints | None) -> list[str]:
+def emulated_command(
+    spec: LaunchSpec, port: int, kv: KVEndpoints | None, slot: int = 0
+) -> list[str]:
     argv = [
         sys.executable, "-m", "kvroute.cli", "replica",
         "--host", spec.host,
@@ -147,7 +156,7 @@ def emulated_command(spec: LaunchSpec, port: int, kv: KVEndpoints | None) -> lis
         "--block-size", str(spec.block_size),
         "--num-gpu-blocks-override", str(spec.kv_blocks(on_gpus=False)),
         "--max-num-seqs", str(spec.max_num_seqs),
-        "--preset", spec.preset,
+        "--preset", spec.preset_for(slot),
         "--time-scale", str(spec.time_scale),
     ]  # fmt: skip
     if spec.tokenizer:
@@ -245,7 +254,7 @@ def plan_replica(
     else:
         # The emulator uses no GPU, but takes its share like vLLM would: placement is then
         # visible (and testable) without GPUs.
-        argv = emulated_command(spec, port, kv)
+        argv = emulated_command(spec, port, kv, i)
     return ReplicaPlan(
         name=name,
         url=f"http://{spec.host}:{port}",

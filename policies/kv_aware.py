@@ -62,6 +62,15 @@ terms, near ties on the ring as above); when none can, the plain cost decides as
 with reason ``kv_slo_miss`` (counted per reason, so an operator sees requests no replica could
 serve in time).
 
+In time (``cost_unit: time``): the uncached, queued and decoding terms are priced by each
+replica's own latency line (learnt online like the SLO's, ``_timed``) and counted back in
+tokens at the prior's seconds per token. In a mixed pool (H100 beside A100, TP4 beside TP2)
+a token queued on a replica twice as slow costs twice as much, so a fast replica takes more;
+in a pool of alike replicas at the prior it is the token cost exactly. In speed
+(``cost_unit: speed``) only the lines' slopes count, against the fleet's mean: alike replicas
+cost their tokens whatever the prior or a noisy intercept says (10 ms between two learnt
+intercepts is 300 tokens at the default prior's price).
+
 Pure: the router (or the simulator) fills in ``RouteRequest.prefix_tokens`` from the prefix
 index and the load fields of ``ReplicaState``; nothing here does I/O or reads a clock.
 """
@@ -90,6 +99,10 @@ NO_PREFIX = "kv_no_prefix"  # near tie, no block hashes nor session key: power o
 LEAST_COST = "kv_least_cost"  # a clear winner on load, no replica holds any of the prompt
 SESSION = "kv_session"  # a live session's next turn, back to the replica that served the last
 SLO_MISS = "kv_slo_miss"  # no replica is predicted to meet the SLO: the fastest one
+
+# What the cost counts in: prefill tokens alike on every replica, or each replica's own
+# latency line's seconds (priced back into tokens at the prior's seconds per token).
+COST_UNITS = ("tokens", "time", "speed")
 
 # Where a learnt session claim's weight steps down: its gaps' quantiles (KvAware._claim).
 _STAGE_QUANTILES = (0.5, 0.75, 0.9)
@@ -135,6 +148,7 @@ class KvAware(Policy):
         cpu_load_gbps: float = 51.2,
         storage_load_gbps: float = 6.5,
         remote_load_gbps: float = 5.0,
+        cost_unit: str = "tokens",
         seed: int | None = None,
     ) -> None:
         for label, value in (
@@ -199,8 +213,15 @@ class KvAware(Policy):
         self.slo_tpot_s = slo_tpot_s
         self.slo_headroom = slo_headroom
         self.prior = LatencyPrior(ttft_base_s, prefill_s_per_token, tpot_base_s, tpot_per_seq_s)
-        # Latency lines per replica only when there is an SLO to hold them to.
-        self.latency_prior = self.prior if self.has_slo else None
+        if cost_unit not in COST_UNITS:
+            raise ValueError(f"cost_unit must be one of {', '.join(COST_UNITS)}, got {cost_unit!r}")
+        if cost_unit != "tokens" and not prefill_s_per_token > 0:
+            raise ValueError(f"cost_unit {cost_unit} needs prefill_s_per_token > 0")
+        self.cost_unit = cost_unit
+        self.timed = cost_unit != "tokens"
+        self._fleet_slope = prefill_s_per_token  # speed: the fleet's mean, set per decision
+        # Latency lines per replica when the cost is in time, or there is an SLO to hold them to.
+        self.latency_prior = self.prior if self.has_slo or self.timed else None
         self._prior_latency = ReplicaLatency(self.prior)  # for replicas not yet seen
         self._sessions = LiveSessions(session_ttl_s) if session_ttl_s > 0 else None
         self._gaps = (
@@ -247,19 +268,19 @@ class KvAware(Policy):
         uncached = prompt - cached
         if uncached < 1:
             uncached = 1
-        cost = float(uncached + replica.prefill_tokens)
-        if held_elsewhere:
-            refill = (held_elsewhere if held_elsewhere < prompt else prompt) - cached
-            if refill > 0:
-                cost += self.refill_weight * refill
+        work = uncached + replica.prefill_tokens
         waiting = replica.reported_waiting
         if waiting:
             foreign_waiting = waiting - replica.prefilling
             if foreign_waiting > 0:
-                cost += foreign_waiting * self.waiting_request_tokens
+                work += foreign_waiting * self.waiting_request_tokens
         decoding = replica.in_flight - replica.prefilling
-        if decoding > 0:
-            cost += self.decode_weight * decoding
+        slowdown = self.decode_weight * decoding if decoding > 0 else 0.0
+        cost = self._timed(replica, work, slowdown) if self.timed else work + slowdown
+        if held_elsewhere:
+            refill = (held_elsewhere if held_elsewhere < prompt else prompt) - cached
+            if refill > 0:
+                cost += self.refill_weight * refill
         usage = replica.reported_kv_usage
         if usage is not None and usage >= self.kv_high:
             cost += self.kv_pressure_weight * uncached
@@ -280,6 +301,20 @@ class KvAware(Policy):
             if held:
                 cost += self.tiers.tokens(held, replica.latency or self._prior_latency)
         return cost
+
+    def _timed(self, replica: ReplicaState, work: float, slowdown: float) -> float:
+        """``cost_unit: time``: the prefill ``work`` (uncached and queued tokens) and the
+        decoding ``slowdown`` (in tokens) as this replica's latency line prices them, in tokens
+        at the prior's price: a replica twice as slow per token costs twice as much, and one
+        still at the prior costs exactly what ``tokens`` says (its base is the prior's)."""
+        latency = replica.latency or self._prior_latency
+        if self.cost_unit == "speed":
+            # Only the slope, against the fleet's mean: the same tokens everywhere cost the
+            # same whatever the prior, and a noisy intercept moves nothing.
+            return (work + slowdown) * latency.prefill_s_per_token / self._fleet_slope
+        price = self.prior.prefill_s_per_token
+        seconds = latency.ttft(work) - self.prior.ttft_base_s
+        return (seconds + slowdown * latency.prefill_s_per_token) / price
 
     def adapter_cost(self, replica: ReplicaState, model: str | None, now: float) -> float:
         """What ``model``'s LoRA adapter costs before prefill starts on ``replica``: nothing when
@@ -305,6 +340,8 @@ class KvAware(Policy):
         home_id, own = session if session is not None else (None, 0.0)
         warm = self._warm(request, eligible)
         held = _held_with_room(warm, eligible, bound) if warm else 0
+        if self.cost_unit == "speed":
+            self._fleet_slope = _mean_slope(eligible, self.prior.prefill_s_per_token)
         cost = self.cost
         now = fleet.now
         costs = [
@@ -452,9 +489,15 @@ class KvAware(Policy):
         prefills again or evicts."""
         queued = float(self._queued_prefill(replica))
         decoding = replica.in_flight - replica.prefilling
-        if decoding > 0:
-            queued += self.decode_weight * decoding
-        return full_cost - queued
+        slowdown = self.decode_weight * decoding if decoding > 0 else 0.0
+        if not self.timed:
+            return full_cost - queued - slowdown
+        prefix = request.prefix_tokens
+        cached = prefix.get(replica.replica_id, 0) if prefix else 0
+        own = max(1, request.prompt_tokens - cached)
+        return full_cost - (
+            self._timed(replica, own + queued, slowdown) - self._timed(replica, own, 0.0)
+        )
 
     def _queued_prefill(self, replica: ReplicaState) -> int:
         """Prefill work ahead of a new request there: the router's own queued prompts, plus
@@ -661,6 +704,7 @@ class KvAware(Policy):
             "lora_swap_tokens": self.lora_swap_tokens,
             "lora_busy_s": self._adapters.busy_s,
             **self.tiers.describe(),
+            "cost_unit": self.cost_unit,
             "seed": self._seed,
         }
 
@@ -683,6 +727,15 @@ def _warm_ties(
     if top <= floor:
         return ties
     return [r for r in room if prefix.get(r.replica_id, 0) == top]
+
+
+def _mean_slope(replicas: list[ReplicaState], prior: float) -> float:
+    """The replicas' mean seconds per prefill token (``prior`` for those without lines)."""
+    total = 0.0
+    for r in replicas:
+        total += r.latency.prefill_s_per_token if r.latency is not None else prior
+    mean = total / len(replicas)
+    return mean if mean > 0 else prior
 
 
 def _mix64(x: int) -> int:

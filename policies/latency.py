@@ -115,6 +115,11 @@ class ReplicaLatency:
     def tpot(self, batch: float) -> float:
         return self._decode(batch)
 
+    @property
+    def prefill_s_per_token(self) -> float:
+        """The prefill line's slope: what one more queued token adds to TTFT."""
+        return self._prefill.b
+
     def describe(self) -> dict[str, float | int]:
         """The fitted lines, for /admin/replicas."""
         return {

@@ -102,6 +102,8 @@ class LaunchConfig(_Section):
     num_gpu_blocks: int | None = None
     max_num_seqs: int = 64
     preset: str = "llama-3.1-8b-h100"  # emulated: latency model
+    # emulated: one latency preset per replica (a mixed pool: count entries), over preset.
+    presets: list[str] = msgspec.field(default_factory=list)
     time_scale: float = 1.0  # emulated: >1 runs slower than the modelled hardware
     kv_events: bool = True
     # Where launched replicas publish KV events: "ipc" (default) on Unix sockets in a directory
@@ -1301,10 +1303,29 @@ def launch_problems(launch: LaunchConfig) -> list[str]:
             problems.append(f"launch.{key}: must be a finite number > 0, got {value}")
     if not launch.model:
         problems.append("launch.model: must not be empty")
+    problems += _preset_problems(launch)
     if launch.kv_events_bind not in KV_EVENTS_BINDS:
         problems.append(
             f"launch.kv_events_bind: must be one of {', '.join(KV_EVENTS_BINDS)}, "
             f"got {launch.kv_events_bind!r}"
+        )
+    return problems
+
+
+def _preset_problems(launch: LaunchConfig) -> list[str]:
+    """``presets``: one latency preset per replica, for emulated ones only. The names
+    themselves are the emulator's to check (``kvroute replica --preset``, which says which
+    exist): the router does not import the simulator."""
+    problems = []
+    if launch.presets and len(launch.presets) != launch.count:
+        problems.append(
+            f"launch.presets: one preset per replica, {launch.count} (launch.count), got "
+            f"{len(launch.presets)}"
+        )
+    if launch.presets and launch.engine != "emulated":
+        problems.append(
+            "launch.presets: only emulated replicas have a latency preset (a real vLLM "
+            "replica is as fast as its GPUs); leave it out"
         )
     return problems
 

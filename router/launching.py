@@ -91,6 +91,7 @@ def launch_spec(
     if send_tokens and launch.engine == "vllm" and SCALE_OUT_FLAG not in extra:
         extra.append(SCALE_OUT_FLAG)
     fields["extra_args"] = tuple(extra)
+    fields["presets"] = tuple(fields["presets"])
     fields["name_prefix"] = name_prefix
     if model is not None:
         fields["model"] = model

@@ -62,6 +62,14 @@ from kvroute.simulator.fleet import (
 from kvroute.simulator.fleet.admission import FAIRNESS, AdmissionSpec
 from kvroute.simulator.fleet.batch import BatchJob, batch_lines
 from kvroute.simulator.fleet.bounds import prefill_alone_s
+from kvroute.simulator.fleet.mix import (
+    Mix,
+    apportion,
+    describe_counts,
+    mix_models,
+    mix_size,
+    parse_mix,
+)
 from kvroute.simulator.fleet.pd_outcome import format_pd
 from kvroute.simulator.fleet.pd_search import search_pd
 from kvroute.simulator.fleet.pd_setup import PD_MODES, PdSetup
@@ -542,6 +550,15 @@ def _add_fleet_args(
         + (f"; capacity figures only (--kv, --explain): {', '.join(extra)}" if extra else "")
         + ". -fp8: FP8 weights and KV at the FP8 peak.",
     )
+    p.add_argument(
+        "--mix",
+        type=_mix_arg,
+        metavar="PRESET*N,...",
+        help="A mixed pool: replicas of several presets, e.g. llama-3.1-8b-h100*4,"
+        "llama-3.1-8b-a100*4 (PRESET@SPEED: that preset at SPEED times its pace, @0.5 half "
+        "as fast). --replicas defaults to the mix's size; other sizes keep its proportions, "
+        "kinds interleaved. KV capacity and batch limits stay --preset's for every replica.",
+    )
     if kv_capacity:
         p.add_argument(
             "--kv-capacity-tokens",
@@ -822,6 +839,13 @@ def _load(args: argparse.Namespace) -> tuple[Any, UnitTrace]:
     return trace, prepare(trace)
 
 
+def _mix_arg(text: str) -> Mix:
+    try:
+        return parse_mix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _fleet_config(
     args: argparse.Namespace,
     replicas: int,
@@ -829,6 +853,7 @@ def _fleet_config(
     pd: PdSetup | None = None,
 ) -> FleetConfig:
     latency = latency_preset(args.preset)
+    mix = getattr(args, "mix", None)
     try:
         engine = engine_config(
             latency,
@@ -856,6 +881,7 @@ def _fleet_config(
             pd=pd,
             admission=_admission(args),
             closed_loop=getattr(args, "closed_loop", False),
+            replica_latency=mix_models(mix, replicas) if mix else (),
             data_parallel_size=getattr(args, "data_parallel_size", 1),
             rank_routing=getattr(args, "rank_routing", "router"),
             **_autoscale_settings(getattr(args, "autoscale", None), replicas),
@@ -983,6 +1009,9 @@ def fleet_defaults(config: FleetConfig, slo: Slo | None = None) -> dict[str, Any
     defaults["kv_bytes_per_token"] = int(config.engine.latency.kv_bytes_per_token)
     for tier in config.engine.offload:
         defaults[f"{tier.medium.lower()}_load_gbps"] = tier.load_bytes_per_s / 1e9
+    if config.mixed:
+        # Replicas of different speeds: kv_aware prices each one's work by its own line.
+        defaults["cost_unit"] = "time"
     if slo is not None:
         defaults.update(slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
     return defaults
@@ -1031,6 +1060,11 @@ def run_replay(args: argparse.Namespace) -> int:
             raise UsageError(
                 "--routers and --share set up simulated routers; with --live the router at "
                 "the URL routes (run several and put a balancer in front to measure that)"
+            )
+        if args.mix:
+            raise UsageError(
+                "--mix simulates a mixed pool; with --live the router's replicas are what they "
+                "are (launch.presets gives emulated ones their speeds)"
             )
         if getattr(args, "max_in_flight", None) or getattr(args, "fairness", None):
             raise UsageError(
@@ -1168,7 +1202,7 @@ def _simulated_replay(
             )
         args.replicas = pd.replicas
     elif args.replicas is None:
-        args.replicas = 4
+        args.replicas = mix_size(args.mix) if args.mix else 4
     trace, units = _load(args)
     for k, _ in args.fail:
         if k >= args.replicas:
@@ -1410,6 +1444,8 @@ def _plan(args: argparse.Namespace) -> int:
     _, units = _load(args)
     latency = latency_preset(args.preset)
     figures = capacity.figures_for_preset(latency)
+    if args.mix and args.explain:
+        raise UsageError("--explain sizes one preset analytically; leave out --mix (or --explain)")
     if args.explain and figures is None:
         raise UsageError(
             f"--explain needs a GPU preset with model and hardware figures; {args.preset} has "
@@ -1449,7 +1485,9 @@ def _plan(args: argparse.Namespace) -> int:
         rows.append(row)
         row["gpus"] = row["replicas"] * gpus if row["replicas"] else None
         row["nodes"] = _nodes(row["replicas"], gpus) if figures else None
-        row["cost_per_million_tokens_usd"] = _cost(args.gpu_price, row, gpus)
+        if args.mix and row["replicas"]:
+            _mixed_sizes(row, apportion(args.mix, row["replicas"]))
+        row["cost_per_million_tokens_usd"] = _cost(args.gpu_price, row)
         if analytic:
             row["analytic_replicas"] = analytic.replicas
             row["analytic_nodes"] = analytic.nodes
@@ -1468,6 +1506,7 @@ def _plan(args: argparse.Namespace) -> int:
                 {
                     "slo": vars(args.slo),
                     "preset": args.preset,
+                    "mix": _mix_text(args.mix) if args.mix else None,
                     "target_rps": args.target_rps,
                     "explain": explained,
                     "rows": rows,
@@ -1976,17 +2015,30 @@ def _saturated(before: dict[str, Any], after: dict[str, Any]) -> bool:
     return bool(after["completed"] == before["completed"])
 
 
-def _cost(price: float | None, row: dict[str, Any], gpus_per_replica: int) -> float | None:
+def _mixed_sizes(row: dict[str, Any], names: list[str]) -> None:
+    """A mixed fleet's row: how many of each kind, their GPUs, and the nodes that hold them
+    (a node holds one kind: a GPU generation per node)."""
+    row["kinds"] = describe_counts(names)
+    row["gpus"] = sum(latency_preset(name).num_gpus for name in names)
+    row["nodes"] = sum(
+        _nodes(names.count(name), latency_preset(name).num_gpus) or 0
+        for name in dict.fromkeys(names)
+    )
+
+
+def _cost(price: float | None, row: dict[str, Any]) -> float | None:
     if price is None or not row["replicas"] or not row["tokens"] or not row["duration_s"]:
         return None
-    gpu_hours = float(row["replicas"] * gpus_per_replica * row["duration_s"]) / 3600.0
+    gpu_hours = float(row["gpus"] * row["duration_s"]) / 3600.0
     return price * gpu_hours / (float(row["tokens"]) / 1e6)
 
 
 def _plan_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     q = f"p{args.slo_quantile * 100:g}"
     lines = [
-        f"plan for {args.policy} on {args.preset}, SLO {q}: "
+        f"plan for {args.policy} on "
+        + (f"a mix of {_mix_text(args.mix)}" if args.mix else args.preset)
+        + f", SLO {q}: "
         + ", ".join(
             f"{k} <= {v:g} s"
             for k, v in (("TTFT", args.slo.ttft_s), ("TPOT", args.slo.tpot_s))
@@ -2008,6 +2060,8 @@ def _plan_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
             f"{_opt(shown['ttft_s'], 1, 's'):>12}{_opt(shown['tpot_s'], 1000, 'ms'):>12}"
             f"{_opt(shown['hit_rate'], 100, '%'):>10}{('-' if cost is None else f'{cost:.4f}'):>12}"
         )
+        if r.get("kinds"):
+            lines.append(_indented(f"of which {r['kinds']}"))
         if r["unreachable"]:
             notes = True
             lines.append(_indented(r["unreachable"]))
@@ -2015,6 +2069,10 @@ def _plan_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     if notes:
         lines.append("(miss): no fleet met the SLO; the row shows the largest one simulated")
     return "\n".join(lines)
+
+
+def _mix_text(mix: Mix) -> str:
+    return ",".join(f"{name}*{count}" for name, count in mix)
 
 
 def _indented(text: str) -> str:

@@ -17,6 +17,7 @@ from kvroute.bench.epp import add_epp_bench
 from kvroute.bench.fairness import add_fairness_bench
 from kvroute.bench.h2_attacks import add_h2_attacks_bench
 from kvroute.bench.index_bench import add_index_bench
+from kvroute.bench.mixed import add_mixed_bench
 from kvroute.bench.prefix import add_prefix_bench
 from kvroute.bench.programs import add_programs_bench
 from kvroute.bench.routers import add_routers_bench
@@ -42,6 +43,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_streams_bench(bench_sub)
     add_fairness_bench(bench_sub)
     add_programs_bench(bench_sub)
+    add_mixed_bench(bench_sub)
     add_routers_bench(bench_sub)
     add_status_bench(bench_sub)
     add_batch_bench(bench_sub)

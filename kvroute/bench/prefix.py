@@ -87,6 +87,8 @@ class Target:
     name: str
     router: str  # oracle | kvroute | vllm-router | smg
     policy: str | None
+    # kvroute: the policy's parameters (a config file's policy.params), e.g. the time cost.
+    params: tuple[tuple[str, str], ...] = ()
 
 
 TARGETS = {
@@ -94,6 +96,8 @@ TARGETS = {
     for t in (
         Target("oracle", "oracle", None),
         Target("kvroute-kv", "kvroute", "kv_aware"),
+        Target("kvroute-kv-time", "kvroute", "kv_aware", (("cost_unit", "time"),)),
+        Target("kvroute-kv-speed", "kvroute", "kv_aware", (("cost_unit", "speed"),)),
         Target("kvroute-rr", "kvroute", "round_robin"),
         Target("vllm-router-rr", "vllm-router", "round_robin"),
         Target("vllm-router-ca", "vllm-router", "cache_aware"),
@@ -101,7 +105,9 @@ TARGETS = {
         Target("smg-ca", "smg", "cache_aware"),
     )
 }
-DEFAULT_TARGETS = tuple(TARGETS)
+# kv_aware's cost in time or relative speed (mixed pools) runs when asked for.
+OPTIONAL_TARGETS = ("kvroute-kv-time", "kvroute-kv-speed")
+DEFAULT_TARGETS = tuple(name for name in TARGETS if name not in OPTIONAL_TARGETS)
 
 # Targets: kv_aware vs the oracle and round robin, balance, and no cost without reuse.
 TARGET_VS_ORACLE = 0.9
@@ -227,9 +233,15 @@ def running_fleet(
 
 
 def router_launch(
-    target: Target, replicas: list[LaunchedReplica], port: int, metrics_port: int, exe: str
+    target: Target,
+    replicas: list[LaunchedReplica],
+    port: int,
+    metrics_port: int,
+    exe: str,
+    log_dir: Path | None = None,
 ) -> Launch:
-    """The command line that starts ``target`` in front of the replicas, and its ready path."""
+    """The command line that starts ``target`` in front of the replicas, and its ready path
+    (a kvroute target with parameters gets a config file in ``log_dir`` for them)."""
     if target.router == "kvroute":
         flags = [
             "--policy",
@@ -237,6 +249,11 @@ def router_launch(
             "--tokenizer",
             str(DEFAULT_TINY_MODEL_DIR),
         ]
+        if target.params and log_dir is not None:
+            config = log_dir / f"{target.name}.yaml"
+            params = "".join(f"    {k}: {v}\n" for k, v in target.params)
+            config.write_text(f"policy:\n  name: {target.policy}\n  params:\n{params}")
+            flags += ["--config", str(config)]
         for r in replicas:
             flags += ["--replica", r.url, "--kv-events", f"{r.url}={r.kv_events},{r.kv_replay}"]
         return Launch(serve_argv(port, (), *flags), "/ready")
@@ -270,7 +287,7 @@ def running_router(
             )
         exe = found
     port, metrics_port = free_ports(2)
-    launch = router_launch(target, replicas, port, metrics_port, exe)
+    launch = router_launch(target, replicas, port, metrics_port, exe, log_dir)
     with contextlib.ExitStack() as stack:
         yield start_router(stack, target.name, launch, port, log_dir, 120.0)[0]
 
@@ -477,6 +494,15 @@ def verdict_lines(outcome: Outcome) -> list[str]:
         lines.append(verdict("kv_aware hit rate vs round_robin", ratio, TARGET_VS_RR, ">="))
     if kv:
         lines.append(verdict("kv_aware load max/mean", kv.load_imbalance, TARGET_IMBALANCE, "<="))
+    for unit in ("time", "speed"):
+        timed = by_name.get(f"kvroute-kv-{unit}")
+        if timed and oracle and oracle.hit_rate:
+            ratio = timed.hit_rate / oracle.hit_rate
+            label = f"kv_aware ({unit}) hit rate vs oracle"
+            lines.append(verdict(label, ratio, TARGET_VS_ORACLE, ">="))
+        if timed:
+            label = f"kv_aware ({unit}) load max/mean"
+            lines.append(verdict(label, timed.load_imbalance, TARGET_IMBALANCE, "<="))
     for control, rows in outcome.controls.items():
         lines += control_verdicts(control, rows)
     return lines

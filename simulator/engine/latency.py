@@ -17,7 +17,9 @@ so a step grows with uncached prompt tokens (compute-bound prefill) and with the
 of decoding sequences (memory-bound decode). Figures come from ``reference/roofline.md``:
 
 * H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; H200 SXM: 989 TFLOP/s, 4.8 TB/s HBM3e;
-  NVLink 900 GB/s bidirectional (450 GB/s each way).
+  NVLink 900 GB/s bidirectional (450 GB/s each way). A100 SXM4 80GB (NVIDIA's datasheet, not in
+  the reference): 312 TFLOP/s bf16 dense, 2.039 TB/s HBM2e, NVLink 600 GB/s (300 each way);
+  no FP8 tensor cores, so no -fp8 presets for it.
 * Llama-3.1-8B: 32 layers, hidden 4096, 8 KV heads, head_dim 128, 8.03B params, 16.06 GB bf16;
   KV 2*32*8*128*2 = 131,072 B/token. Llama-3.1-70B: 80 layers, hidden 8192, 8 KV heads,
   head_dim 128, 70.56B params, 141.1 GB bf16; KV 2*80*8*128*2 = 327,680 B/token.
@@ -38,7 +40,8 @@ not reference figures: typical of vLLM with CUDA graphs and custom all-reduce.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,9 @@ H100_FLOPS = 989e12
 H100_BANDWIDTH = 3.35e12
 H200_FLOPS = 989e12
 H200_BANDWIDTH = 4.8e12
+A100_FLOPS = 312e12
+A100_BANDWIDTH = 2.039e12
+A100_NVLINK = 300e9  # per direction
 FP8_FLOPS = 1979e12  # H100 and H200 alike: FP8 tensor, dense
 
 _LLAMA_8B = {
@@ -175,6 +181,7 @@ def _preset(
     bandwidth: float,
     gpus: int,
     bytes_per_element: float = 2.0,
+    interconnect: float = 450e9,
 ) -> LatencyModel:
     return LatencyModel(
         name=name,
@@ -188,6 +195,7 @@ def _preset(
         num_gpus=gpus,
         bytes_per_param=bytes_per_element,
         kv_bytes_per_element=bytes_per_element,
+        interconnect_bandwidth=interconnect,
     )
 
 
@@ -227,6 +235,14 @@ PRESETS: dict[str, LatencyModel] = {
         _preset("llama-3.1-70b-8xh100", _LLAMA_70B, H100_FLOPS, H100_BANDWIDTH, 8),
         _preset("llama-3.1-70b-2xh200", _LLAMA_70B, H200_FLOPS, H200_BANDWIDTH, 2),
         _preset("qwen3-32b-2xh100", _QWEN3_32B, H100_FLOPS, H100_BANDWIDTH, 2),
+        _preset("llama-3.1-8b-a100", _LLAMA_8B, A100_FLOPS, A100_BANDWIDTH, 1),
+        _preset("llama-3.1-8b-2xa100", _LLAMA_8B, A100_FLOPS, A100_BANDWIDTH, 2, 2.0, A100_NVLINK),
+        _preset(
+            "llama-3.1-70b-4xa100", _LLAMA_70B, A100_FLOPS, A100_BANDWIDTH, 4, 2.0, A100_NVLINK
+        ),
+        _preset(
+            "llama-3.1-70b-8xa100", _LLAMA_70B, A100_FLOPS, A100_BANDWIDTH, 8, 2.0, A100_NVLINK
+        ),
         _fp8("llama-3.1-8b-h100-fp8", _LLAMA_8B, H100_BANDWIDTH, 1),
         _fp8("llama-3.1-70b-4xh100-fp8", _LLAMA_70B, H100_BANDWIDTH, 4),
         _fp8("llama-3.1-70b-8xh100-fp8", _LLAMA_70B, H100_BANDWIDTH, 8),
@@ -238,9 +254,39 @@ DEFAULT_PRESET = "llama-3.1-8b-h100"
 
 
 def latency_preset(name: str) -> LatencyModel:
-    """The preset called ``name``; a ValueError that lists the known names otherwise."""
+    """The preset called ``name``, or ``NAME@SPEED`` (that preset's hardware at SPEED times its
+    speed: ``@0.5`` takes twice as long for every step); a ValueError that says why otherwise."""
+    base, at, speed_text = name.partition("@")
     try:
-        return PRESETS[name]
+        model = PRESETS[base]
     except KeyError:
         known = ", ".join(sorted(PRESETS))
-        raise ValueError(f"unknown latency preset {name!r}; known presets: {known}") from None
+        raise ValueError(f"unknown latency preset {base!r}; known presets: {known}") from None
+    if not at:
+        return model
+    try:
+        speed = float(speed_text)
+    except ValueError:
+        speed = math.nan
+    if not (math.isfinite(speed) and speed > 0):
+        raise ValueError(
+            f"latency preset {name!r}: the speed after @ must be a number > 0 (0.5: half as "
+            f"fast), got {speed_text!r}"
+        )
+    return scaled(model, speed)
+
+
+def scaled(model: LatencyModel, speed: float) -> LatencyModel:
+    """``model`` at ``speed`` times its pace: every step, fixed costs included, takes 1/speed
+    as long (a slower or faster card running the same model and batch)."""
+    if speed == 1.0:
+        return model
+    return replace(
+        model,
+        name=f"{model.name}@{speed:g}",
+        peak_flops=model.peak_flops * speed,
+        mem_bandwidth=model.mem_bandwidth * speed,
+        interconnect_bandwidth=model.interconnect_bandwidth * speed,
+        step_overhead_s=model.step_overhead_s / speed,
+        allreduce_latency_s=model.allreduce_latency_s / speed,
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvroute.kvcore.autoscale import AutoscaleSettings
 from kvroute.simulator.engine.config import EngineConfig, OffloadTier
@@ -20,7 +20,7 @@ SHARE_MODES = ("none", "scrape", "bus", "load")
 RANK_ROUTINGS = ("router", "vllm")
 
 # GPU memory per device, for the default KV capacity of a preset (name fragment -> bytes).
-_GPU_MEMORY = {"h100": 80e9, "h200": 141e9}
+_GPU_MEMORY = {"h100": 80e9, "h200": 141e9, "a100": 80e9}
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 TINY_CPU_KV_TOKENS = 64 * 32  # what the real-vLLM tests give the tiny model (64 blocks of 32)
 
@@ -77,6 +77,9 @@ class FleetConfig:
     # Agents wait for their answers: a request with a recorded gap (TraceRequest.gap_s) is sent
     # that long after its session's previous response ends, not at its recorded time.
     closed_loop: bool = False
+    # A mixed pool: replica i steps at ``replica_latency[i]`` instead of ``engine.latency``
+    # (one per replica, or () for all alike). KV capacity and batching stay ``engine``'s.
+    replica_latency: tuple[LatencyModel, ...] = ()
     # Data-parallel replicas (dp_fleet.py): ``replicas`` engines (ranks) in all, this many to a
     # replica. ``rank_routing`` "router": the router picks the rank (each rank its own endpoint,
     # as kvroute routes DP replicas: the same as single-rank replicas); "vllm": the router picks
@@ -87,7 +90,16 @@ class FleetConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replica_latency and len(self.replica_latency) != self.replicas:
+            raise ValueError(
+                f"replica_latency: one latency model per replica ({self.replicas}), got "
+                f"{len(self.replica_latency)}"
+            )
+        if self.replica_latency and self.pd is not None:
+            raise ValueError("a mixed pool (replica_latency) is not modelled with P/D")
         self._check_ranks()
+        if self.replica_latency and self.data_parallel_size > 1:
+            raise ValueError("a mixed pool (replica_latency) is not modelled with DP ranks")
         if isinstance(self.routers, bool) or not isinstance(self.routers, int):
             raise ValueError(f"routers must be an integer >= 1, got {self.routers!r}")
         if self.routers < 1:
@@ -191,6 +203,16 @@ class FleetConfig:
     def scrape_every_s(self) -> float:
         """How often the routers read the replicas' queue depth and KV usage."""
         return self.share_scrape_interval_s if self.share == "scrape" else self.scrape_interval_s
+
+    def engine_of(self, replica: int) -> EngineConfig:
+        """Replica ``replica``'s engine: ``engine`` at its own latency in a mixed pool."""
+        if not self.replica_latency:
+            return self.engine
+        return replace(self.engine, latency=self.replica_latency[replica])
+
+    @property
+    def mixed(self) -> bool:
+        return len({m.name for m in self.replica_latency}) > 1
 
     @property
     def kv_capacity_tokens(self) -> int:

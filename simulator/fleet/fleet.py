@@ -130,11 +130,12 @@ def apply_ops(index: PrefixIndex, name: str, ops: list[IndexOp]) -> None:
 
 
 def make_engine(
-    config: FleetConfig, block_tokens: int, holdings: Holdings | None = None
+    config: FleetConfig, block_tokens: int, holdings: Holdings | None = None, replica: int = 0
 ) -> SimEngine:
+    engine = config.engine_of(replica)
     if config.engine_model == "exact":
-        return ExactEngine(config.engine, block_tokens)
-    return FastEngine(config.engine, block_tokens, holdings)
+        return ExactEngine(engine, block_tokens)
+    return FastEngine(engine, block_tokens, holdings)
 
 
 def simulate(
@@ -185,7 +186,7 @@ class _Fleet:
         # The loss decomposition (loss.py) needs the fast engine's unit pools (and one pool of
         # replicas: none for a P/D fleet).
         holdings = Holdings() if config.engine_model == "fast" and config.pd is None else None
-        self.engines = [make_engine(config, trace.block_tokens, holdings) for _ in range(n)]
+        self.engines = [make_engine(config, trace.block_tokens, holdings, r) for r in range(n)]
         self.pools = [e.pool for e in self.engines if isinstance(e, FastEngine)]
         self.loss: LossTracker | None = None
         if holdings is not None:
@@ -580,7 +581,7 @@ class _Fleet:
         self.phase[r] = _STARTING
         self.on_since[r] = t
         self.result.scale_actions.append((t, "up", r))
-        engine = make_engine(self.config, self.trace.block_tokens, self._holdings)
+        engine = make_engine(self.config, self.trace.block_tokens, self._holdings, r)
         self.engines[r] = engine
         if self.pools and isinstance(engine, FastEngine):
             self.pools[r] = engine.pool
@@ -719,7 +720,7 @@ class _Fleet:
         if r not in self.failed:
             return
         self.failed.discard(r)
-        engine = make_engine(self.config, self.trace.block_tokens, self._holdings)
+        engine = make_engine(self.config, self.trace.block_tokens, self._holdings, r)
         self.engines[r] = engine
         if self.pools and isinstance(engine, FastEngine):
             self.pools[r] = engine.pool

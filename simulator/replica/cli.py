@@ -128,7 +128,12 @@ def add_replica_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "nvlink (450 GB/s), rdma (50 GB/s per GPU of the preset, default) or GB/s as a number.",
     )
     p.add_argument(
-        "--preset", default="llama-3.1-8b-h100", choices=sorted(PRESETS), help="Latency model."
+        "--preset",
+        default="llama-3.1-8b-h100",
+        type=_preset_name,
+        metavar="NAME[@SPEED]",
+        help=f"Latency model: {', '.join(sorted(PRESETS))}; NAME@SPEED runs it at SPEED times "
+        "its pace (@0.5: every step twice as long), for mixed pools.",
     )
     p.add_argument(
         "--time-scale",
@@ -206,6 +211,14 @@ def _kv_transfer_config(text: str) -> dict[str, Any]:
         return pd.parse_kv_transfer_config(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _preset_name(text: str) -> str:
+    try:
+        latency_preset(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _kv_link(text: str) -> str:
