@@ -105,14 +105,16 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--stream", action="store_true", help="Send streaming requests (SSE).")
     p.add_argument(
         "--workload",
-        choices=["fixed", "agent", "agent-plain", "agent-cold"],
+        choices=["fixed", "agent", "agent-plain", "agent-cold", "chat-1k"],
         default="fixed",
         help="fixed (default): one small completion, over and over. agent: chat conversations "
         "that start with --start-kb of history and grow by --turn-kb a request, like a coding "
         "agent's; kvroute tokenizes them exactly (--tokenizer, default the tiny test model's), "
         "the built-in client sends them. agent-plain: the same with a chat template that emits "
         "no special token (role: content lines, over --tokenizer's files). agent-cold: every "
-        "request a new conversation of --start-kb (nothing cached: a first turn each time).",
+        "request a new conversation of --start-kb (nothing cached: a first turn each time). "
+        "chat-1k: short chat completions, a ~1 KB user message each request's own, through wrk "
+        "like fixed; kvroute renders the chat template and tokenizes each.",
     )
     p.add_argument(
         "--conversations",
