@@ -19,6 +19,7 @@ from kvroute.bench.index_bench import add_index_bench
 from kvroute.bench.prefix import add_prefix_bench
 from kvroute.bench.programs import add_programs_bench
 from kvroute.bench.send_tokens import add_send_tokens_bench
+from kvroute.bench.servers import add_servers_bench
 from kvroute.bench.soak_cli import add_soak_bench
 from kvroute.bench.status_ab import add_status_bench
 from kvroute.bench.streams import add_streams_bench
@@ -36,6 +37,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_h2_attacks_bench(bench_sub)
     add_soak_bench(bench_sub)
     add_streams_bench(bench_sub)
+    add_servers_bench(bench_sub)
     add_fairness_bench(bench_sub)
     add_programs_bench(bench_sub)
     add_status_bench(bench_sub)
