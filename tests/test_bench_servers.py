@@ -81,17 +81,25 @@ def test_report_tables() -> None:
 
     rows = [
         servers.ServerRow(
-            "aiohttp", t(1000), t(500), [servers.Held(2000, 2000, 50 << 20, 80 << 20, 4100)]
+            "aiohttp", t(1000), t(500), [servers.Held(2000, 2000, 50 << 20, 80 << 20, 20, 4020)]
         ),
-        servers.ServerRow("uvicorn", t(1500), None, notes=["x"]),
+        servers.ServerRow(
+            "uvicorn",
+            t(1500),
+            None,
+            [servers.Held(3000, 2990, 50 << 20, 60 << 20, 20, 1020, {"timed out": 10})],
+        ),
     ]
     table = servers.throughput_table(rows).splitlines()
     assert table[2] == "| aiohttp | 1000 | 4.00 | 0.250 | 1.00x | 500 | 4.00 | 0.250 | 1.00x |"
     assert table[3] == "| uvicorn | 1500 | 4.00 | 0.250 | 1.50x | - | - | - | - |"
     streams = servers.streams_table(rows).splitlines()
-    # (80 - 50) MiB over 2,000 streams: 15.4 KiB each
-    assert streams[2] == "| aiohttp | 2,000 | 2,000 | 0 | 50.0 | 80.0 | 15.4 | 4,100 |"
-    assert len(streams) == 3
+    # (80 - 50) MiB over the 2,000 streams open at the peak (4,000 more sockets): 15.4 KiB each
+    assert streams[2] == "| aiohttp | 2,000 | 2,000 | 0 | 2,000 | 50.0 | 80.0 | 15.4 |"
+    # Only 500 open at once: the growth is theirs, and why the others were cut is said.
+    assert streams[3] == (
+        "| uvicorn | 3,000 | 2,990 | 10 (timed out 10) | 500 | 50.0 | 60.0 | 20.5 |"
+    )
 
 
 def test_options_are_checked() -> None:

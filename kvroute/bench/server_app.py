@@ -226,6 +226,8 @@ def serve(server: str, host: str, port: int) -> None:
             address=host, port=port, interface=Interfaces.ASGI if asgi else Interfaces.RSGI,
             workers=1, loop=Loops.uvloop, http=HTTPModes.http1, websockets=False,
             backlog=2048, log_enabled=False,
+            # Its default (the backlog) holds connections past 2,048 unserved until others end.
+            backpressure=1 << 16,
         ).serve()  # fmt: skip
 
 

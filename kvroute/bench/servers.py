@@ -27,6 +27,7 @@ import resource
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
@@ -72,9 +73,9 @@ class Options:
     warmup_s: int = 2
     threads: int = 2
     streams: tuple[int, ...] = (2_000, 10_000)
-    tokens: int = 30
+    tokens: int = 60
     token_interval_s: float = 1.0
-    ramp_s: float = 10.0
+    ramp_s: float = 20.0
     clients: int = 4
     startup_timeout_s: float = 60.0
     output_md: str = "BENCHMARKS.md"
@@ -95,15 +96,24 @@ class Held:
     completed: int
     idle_rss: int
     peak_rss: int
+    idle_fds: int
     peak_fds: int
+    failures: dict[str, int] = field(default_factory=dict)  # why the others were cut
 
     @property
     def cut(self) -> int:
         return self.streams - self.completed
 
     @property
+    def peak_open(self) -> int:
+        """Streams open at once at the peak: two sockets each in the server."""
+        return max(0, self.peak_fds - self.idle_fds) // 2
+
+    @property
     def kib_per_stream(self) -> float:
-        return (self.peak_rss - self.idle_rss) / self.streams / 1024
+        """The server's growth over the streams open at its peak (not those asked for: a box
+        that cannot keep up opens the last before the first end)."""
+        return (self.peak_rss - self.idle_rss) / max(1, self.peak_open) / 1024
 
 
 @dataclass
@@ -206,8 +216,10 @@ def stream_complete(data: bytes, tokens: int) -> bool:
     )
 
 
-async def _hold(port: int, count: int, ramp_s: float, tokens: int, timeout_s: float) -> int:
-    async def one(delay: float) -> bool:
+async def _hold(
+    port: int, count: int, ramp_s: float, tokens: int, timeout_s: float
+) -> dict[str, int]:
+    async def one(delay: float) -> str:
         await asyncio.sleep(delay)
         try:
             async with asyncio.timeout(timeout_s):
@@ -215,16 +227,18 @@ async def _hold(port: int, count: int, ramp_s: float, tokens: int, timeout_s: fl
                 writer.write(STREAM_REQUEST)
                 data = await reader.read()  # Connection: close: the server ends it
                 writer.close()
-        except (OSError, TimeoutError):
-            return False
-        return stream_complete(data, tokens)
+        except TimeoutError:
+            return "timed out"
+        except OSError as exc:
+            return f"connection error ({type(exc).__name__})"
+        return "complete" if stream_complete(data, tokens) else "incomplete"
 
-    done = await asyncio.gather(*(one(ramp_s * i / count) for i in range(count)))
-    return sum(done)
+    outcomes = await asyncio.gather(*(one(ramp_s * i / count) for i in range(count)))
+    return dict(Counter(outcomes))
 
 
 def client_main(
-    port: int, count: int, ramp_s: float, tokens: int, timeout_s: float, out: Queue[int]
+    port: int, count: int, ramp_s: float, tokens: int, timeout_s: float, out: Queue[dict[str, int]]
 ) -> None:
     import uvloop
 
@@ -234,7 +248,7 @@ def client_main(
 def hold_streams(url: str, pid: int, streams: int, options: Options) -> Held:
     """Open ``streams`` streams through the server over the ramp; its peak RSS and fds."""
     time.sleep(1.0)  # the warm-up's connections closed, its garbage collected
-    idle = tree_rss(pid)
+    idle, idle_fds = tree_rss(pid), tree_fds(pid)
     port = int(url.rsplit(":", 1)[1])
     lasts = options.tokens * options.token_interval_s
     timeout = options.ramp_s + lasts + 60
@@ -262,12 +276,15 @@ def hold_streams(url: str, pid: int, streams: int, options: Options) -> Held:
     sampler.start()
     for proc in procs:
         proc.start()
-    completed = sum(out.get(timeout=timeout + 30) for _ in procs)
+    outcomes: Counter[str] = Counter()
+    for _ in procs:
+        outcomes.update(out.get(timeout=timeout + 30))
     for proc in procs:
         proc.join(timeout=10)
     stop.set()
     sampler.join()
-    return Held(streams, completed, idle, peak["rss"], peak["fds"])
+    completed = outcomes.pop("complete", 0)
+    return Held(streams, completed, idle, peak["rss"], idle_fds, peak["fds"], dict(outcomes))
 
 
 # ------------------------------------------------------------------ report
@@ -309,16 +326,17 @@ def throughput_table(rows: list[ServerRow]) -> str:
 
 def streams_table(rows: list[ServerRow]) -> str:
     lines = [
-        "| server | streams | complete | cut | idle RSS MiB | peak RSS MiB | KiB per stream "
-        "| peak fds |",
+        "| server | streams | complete | cut | open at the peak | idle RSS MiB | peak RSS MiB "
+        "| KiB per open stream |",
         "|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for row in rows:
         for h in row.held:
+            why = ", ".join(f"{kind} {n:,}" for kind, n in sorted(h.failures.items()))
             lines.append(
-                f"| {row.server} | {h.streams:,} | {h.completed:,} | {h.cut:,} "
-                f"| {h.idle_rss / 2**20:.1f} | {h.peak_rss / 2**20:.1f} "
-                f"| {h.kib_per_stream:.1f} | {h.peak_fds:,} |"
+                f"| {row.server} | {h.streams:,} | {h.completed:,} | {h.cut:,}"
+                f"{f' ({why})' if why else ''} | {h.peak_open:,} | {h.idle_rss / 2**20:.1f} "
+                f"| {h.peak_rss / 2**20:.1f} | {h.kib_per_stream:.1f} |"
             )
     return "\n".join(lines)
 
@@ -456,12 +474,12 @@ def add_servers_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--streams", type=_stream_counts, default=(2_000, 10_000),
         help="Comma list of open-stream counts to hold, one run each (default 2000,10000).",
     )  # fmt: skip
-    p.add_argument("--tokens", type=positive_int, default=30, help="Events per stream (30).")
+    p.add_argument("--tokens", type=positive_int, default=60, help="Events per stream (60).")
     p.add_argument(
         "--token-interval", type=positive_float, default=1.0, help="Seconds between events (1)."
     )
     p.add_argument(
-        "--ramp", type=positive_float, default=10.0, help="Seconds to open the streams over (10)."
+        "--ramp", type=positive_float, default=20.0, help="Seconds to open the streams over (20)."
     )
     p.add_argument("--clients", type=positive_int, default=4, help="Client processes (4).")
     add_startup_timeout(p, float)
