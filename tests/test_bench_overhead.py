@@ -4,7 +4,10 @@ process helper's clean-up. Nothing here measures or asserts timings."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import itertools
+import json
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +15,17 @@ import pytest
 
 from kvroute.bench import overhead
 from kvroute.bench.harness import host, processes, report
-from kvroute.bench.loadgen import LoadError, LoadResult, parse_wrk, wrk_script
+from kvroute.bench.loadgen import (
+    MARKER,
+    Load,
+    LoadError,
+    LoadResult,
+    find_wrk,
+    numbered,
+    parse_wrk,
+    run_wrk,
+    wrk_script,
+)
 from kvroute.bench.overhead import TARGETS, Row
 from kvroute.cli import build_parser
 
@@ -308,3 +321,56 @@ async def test_status_viewers_hold_the_status_page_open_while_measured(
         # its next document arrives (the bench's router is another process).
         await asyncio.to_thread(viewers.__exit__, None, None, None)
     assert all(not t.is_alive() for t in viewers._threads)
+
+
+def test_chat_1k_sends_each_request_its_own_chat_of_about_a_kilobyte() -> None:
+    options = overhead.Options(workload="chat-1k")
+    path, body = overhead.fixed_request(options)
+    assert path == "/v1/chat/completions"
+    first, second = (json.loads(numbered(body, n)) for n in (7, 8))
+    user = first["messages"][-1]
+    assert user["role"] == "user" and user["content"].startswith("7 ")
+    assert 1000 <= len(user["content"]) < 1100
+    assert first["messages"][:-1] == second["messages"][:-1]
+    assert first != second  # no prompt repeats: nothing for a text cache to reuse
+    args = build_parser().parse_args(["bench", "overhead", "--workload", "chat-1k"])
+    assert args.workload == "chat-1k"
+    assert "chat-1k workload" in overhead.load_line(options, "wrk")
+
+
+def test_wrk_script_numbers_each_request_where_the_body_says() -> None:
+    script = wrk_script(b'{"x": "' + MARKER + b' a]]b"}')
+    assert "function request()" in script and "thread:set('tid', made)" in script
+    assert 'wrk.format(nil, nil, nil, [[{"x": "]] .. tid .. \'-\' .. count .. [=[ a]]b"}]=])' in (
+        script
+    )
+
+
+@pytest.mark.skipif(find_wrk() is None, reason="wrk not installed")
+def test_wrk_sends_distinct_numbered_bodies(tmp_path: Path) -> None:
+    seen: list[bytes] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+        body = overhead.chat_body("m", stream=False)
+        result = run_wrk(find_wrk() or "", Load(url, body, concurrency=2, duration_s=1, threads=2))
+    finally:
+        server.shutdown()
+    assert result.requests > 10 and result.errors == 0
+    users = [json.loads(b)["messages"][-1]["content"] for b in seen]
+    numbers = [u.split(" ", 1)[0] for u in users]
+    assert len(set(numbers)) == len(numbers)  # every request its own prompt
+    assert {n.split("-")[0] for n in numbers} == {"1", "2"}  # both wrk threads numbered

@@ -22,6 +22,7 @@ from kvroute.bench.prefix import add_prefix_bench
 from kvroute.bench.programs import add_programs_bench
 from kvroute.bench.routers import add_routers_bench
 from kvroute.bench.send_tokens import add_send_tokens_bench
+from kvroute.bench.servers import add_servers_bench
 from kvroute.bench.soak_cli import add_soak_bench
 from kvroute.bench.status_ab import add_status_bench
 from kvroute.bench.streams import add_streams_bench
@@ -41,6 +42,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_h2_attacks_bench(bench_sub)
     add_soak_bench(bench_sub)
     add_streams_bench(bench_sub)
+    add_servers_bench(bench_sub)
     add_fairness_bench(bench_sub)
     add_programs_bench(bench_sub)
     add_mixed_bench(bench_sub)
@@ -113,14 +115,16 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--stream", action="store_true", help="Send streaming requests (SSE).")
     p.add_argument(
         "--workload",
-        choices=["fixed", "agent", "agent-plain", "agent-cold"],
+        choices=["fixed", "agent", "agent-plain", "agent-cold", "chat-1k"],
         default="fixed",
         help="fixed (default): one small completion, over and over. agent: chat conversations "
         "that start with --start-kb of history and grow by --turn-kb a request, like a coding "
         "agent's; kvroute tokenizes them exactly (--tokenizer, default the tiny test model's), "
         "the built-in client sends them. agent-plain: the same with a chat template that emits "
         "no special token (role: content lines, over --tokenizer's files). agent-cold: every "
-        "request a new conversation of --start-kb (nothing cached: a first turn each time).",
+        "request a new conversation of --start-kb (nothing cached: a first turn each time). "
+        "chat-1k: short chat completions, a ~1 KB user message each request's own, through wrk "
+        "like fixed; kvroute renders the chat template and tokenizes each.",
     )
     p.add_argument(
         "--conversations",

@@ -10,6 +10,7 @@ reads and judges answers (the live replay, the drill, the demo) is ``kvroute.sim
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -46,10 +47,15 @@ class LoadResult:
         return self.non_2xx + self.socket_errors
 
 
+# Where a body's bytes say so, each request puts its own number (so no two bodies are the same:
+# a router that caches a prompt's tokens by its text finds nothing to reuse).
+MARKER = b"@REQ@"
+
+
 @dataclass(frozen=True)
 class Load:
     url: str
-    body: bytes
+    body: bytes  # MARKER in it: each request's number there
     concurrency: int
     duration_s: int
     threads: int = 2
@@ -72,18 +78,34 @@ def wrk_version(wrk: str) -> str:
     return " ".join(first[0].split()[:2]) if first else "wrk"
 
 
-def wrk_script(body: bytes) -> str:
-    """A Lua script that makes every wrk request ``POST`` the given JSON body."""
-    text = body.decode()
+def _lua_string(text: str) -> str:
+    """``text`` as a Lua long string, its level above any ``]]`` inside."""
     level = 0
     while f"]{'=' * level}]" in text:
         level += 1
     eq = "=" * level
-    return (
-        'wrk.method = "POST"\n'
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = [{eq}[{text}]{eq}]\n"
+    return f"[{eq}[{text}]{eq}]"
+
+
+def wrk_script(body: bytes) -> str:
+    """A Lua script that makes every wrk request ``POST`` the given JSON body; where the body
+    holds MARKER, each request its own number there (``<wrk thread>-<count>``)."""
+    head = 'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+    if MARKER not in body:
+        return head + f"wrk.body = {_lua_string(body.decode())}\n"
+    before, after = (_lua_string(part.decode()) for part in body.split(MARKER, 1))
+    return head + (
+        "local made = 0\n"
+        "function setup(thread)\n  made = made + 1\n  thread:set('tid', made)\nend\n"
+        "local count = 0\n"
+        "function request()\n  count = count + 1\n"
+        f"  return wrk.format(nil, nil, nil, {before} .. tid .. '-' .. count .. {after})\nend\n"
     )
+
+
+def numbered(body: bytes, number: int) -> bytes:
+    """``body`` with MARKER (if any) replaced by ``number``: what wrk's script sends."""
+    return body.replace(MARKER, str(number).encode(), 1)
 
 
 _UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3, "h": 3600e3}
@@ -167,12 +189,14 @@ async def _builtin(load: Load) -> LoadResult:
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         deadline = time.monotonic() + load.duration_s
+        sent_count = itertools.count()
 
         async def connection() -> None:
             while time.monotonic() < deadline:
+                body = numbered(load.body, next(sent_count))
                 sent = time.perf_counter()
                 try:
-                    async with session.post(load.url, data=load.body, headers=HEADERS) as resp:
+                    async with session.post(load.url, data=body, headers=HEADERS) as resp:
                         await resp.read()
                         if resp.status >= 400:
                             counts["non_2xx"] += 1

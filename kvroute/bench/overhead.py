@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import sys
 import threading
 import time
@@ -48,17 +49,20 @@ from kvroute.bench.harness.report import (
 )
 from kvroute.bench.harness.sampling import CpuSampler
 from kvroute.bench.loadgen import (
+    MARKER,
     Conversations,
     Load,
     LoadError,
     LoadResult,
     find_wrk,
+    numbered,
     run_conversations,
     run_load,
     wrk_version,
 )
 from kvroute.bench.profiling import Frame, PySpy, frames_table, top_frames
 from kvroute.policies import DEFAULT_POLICY
+from kvroute.simulator.workload import filler
 
 INSTALL_HINT = "install with: pip install -e '.[bench]'"
 
@@ -120,7 +124,8 @@ class Options:
     # "fixed": one small completion POSTed over and over (wrk); "agent": growing chat
     # conversations (built-in client), kvroute tokenizing them with the tiny model's tokenizer;
     # "agent-plain": the same with a chat template that emits no special token (``role:
-    # content`` lines); "agent-cold": every request a new conversation's first turn.
+    # content`` lines); "agent-cold": every request a new conversation's first turn; "chat-1k":
+    # short chat completions (a ~1 KB user message, each request its own; wrk).
     workload: str = "fixed"
     conversations: int = 32
     start_kb: int = 220
@@ -178,6 +183,33 @@ def request_body(model: str, stream: bool) -> bytes:
     return json.dumps(body).encode()
 
 
+CHAT_USER_CHARS = 1000  # chat-1k's user message
+
+
+def chat_body(model: str, stream: bool) -> bytes:
+    """chat-1k's request: a short system message and a ~1 KB user message that starts with the
+    request's own number (MARKER), so no two prompts are the same."""
+    rng = random.Random(1)
+    body: dict[str, object] = {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": MARKER.decode() + " " + filler(rng, CHAT_USER_CHARS)},
+        ],
+        "max_tokens": 8,
+    }
+    if stream:
+        body["stream"] = True
+    return json.dumps(body).encode()
+
+
+def fixed_request(options: Options) -> tuple[str, bytes]:
+    """The path and body wrk sends over and over (fixed and chat-1k)."""
+    if options.workload == "chat-1k":
+        return "/v1/chat/completions", chat_body(options.model, options.stream)
+    return "/v1/completions", request_body(options.model, options.stream)
+
+
 # ---------------------------------------------------------------------- running
 
 
@@ -229,9 +261,9 @@ def measure(
             row.first_turn_ms = done.first_turn_ms
             window = done.window
         else:
-            url = base_url + "/v1/completions"
-            body = request_body(options.model, options.stream)
-            problem = smoke_check(url, body)
+            path, body = fixed_request(options)
+            url = base_url + path
+            problem = smoke_check(url, numbered(body, 0))
             if problem:
                 row.notes.append(f"first request failed ({problem})")
             load = Load(url, body, options.concurrency, options.duration_s, options.threads)
@@ -447,9 +479,16 @@ def load_line(options: Options, wrk: str | None) -> str:
         )
     gen = f"wrk, {min(options.threads, options.concurrency)} threads" if wrk else "built-in"
     kind = "streaming" if options.stream else "non-streaming"
+    what = (
+        f"chat-1k workload: {kind} POST /v1/chat/completions (max_tokens 8), a system message "
+        f"and a {CHAT_USER_CHARS // 1000} KB user message, each request's its own (its number "
+        "first), kvroute rendering the chat template"
+        if options.workload == "chat-1k"
+        else f"{kind} POST /v1/completions (max_tokens 8)"
+    )
     return (
         f"{gen}, {options.concurrency} connections, {options.duration_s} s per target after "
-        f"{options.warmup_s} s warmup; {kind} POST /v1/completions (max_tokens 8); "
+        f"{options.warmup_s} s warmup; {what}; "
         f"kvroute tokenizes with --tokenizer {shown_path(agent_tokenizer(options))}; "
         f"{options.upstreams} stub upstreams"
     )

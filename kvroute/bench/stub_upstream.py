@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from dataclasses import dataclass
 
 import msgspec
 import uvloop
@@ -99,6 +100,9 @@ class _Answers:
             b"Transfer-Encoding: chunked\r\n\r\n" + _stream(model)
         )
         self.not_found = _response("404 Not Found", b'{"detail":"Not Found"}')
+        event = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": model,
+                 "choices": [{"index": 0, "text": " ok", "finish_reason": None}]}  # fmt: skip
+        self.stream_event = _chunk(b"data: " + msgspec.json.encode(event) + b"\n\n")
 
 
 def _dechunk(buffer: bytes, start: int) -> tuple[bytes, int] | None:
@@ -120,9 +124,23 @@ def _dechunk(buffer: bytes, start: int) -> tuple[bytes, int] | None:
         pos = data + size + 2
 
 
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+@dataclass(frozen=True)
+class Pace:
+    """Streams at a steady pace instead of at once: ``tokens`` events, one every ``interval_s``
+    (what ``kvroute bench servers`` holds open to measure memory per stream)."""
+
+    tokens: int
+    interval_s: float
+
+
 class _Protocol(asyncio.Protocol):
-    def __init__(self, answers: _Answers) -> None:
+    def __init__(self, answers: _Answers, pace: Pace | None = None) -> None:
         self._answers = answers
+        self._pace = pace
         self._buffer = b""
         self._transport: asyncio.Transport | None = None
 
@@ -159,7 +177,24 @@ class _Protocol(asyncio.Protocol):
                 body = self._buffer[end + 4 : total]
             self._buffer = self._buffer[total:]
             assert self._transport is not None
-            self._transport.write(self._answer(head.split(b" ", 2), body))
+            answer = self._answer(head.split(b" ", 2), body)
+            if answer is self._answers.stream and self._pace is not None:
+                self._transport.write(answer[: answer.index(b"\r\n\r\n") + 4])
+                self._paced(self._pace.tokens)
+            else:
+                self._transport.write(answer)
+
+    def _paced(self, left: int) -> None:
+        """The next event of a paced stream, the rest scheduled; [DONE] after the last."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if left == 0:
+            transport.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            return
+        transport.write(self._answers.stream_event)
+        assert self._pace is not None
+        asyncio.get_running_loop().call_later(self._pace.interval_s, self._paced, left - 1)
 
     def _answer(self, request_line: list[bytes], body: bytes) -> bytes:
         method, path = request_line[0], request_line[1]
@@ -177,10 +212,10 @@ class _Protocol(asyncio.Protocol):
         return a.not_found
 
 
-async def serve(host: str, port: int, model: str) -> None:
+async def serve(host: str, port: int, model: str, pace: Pace | None = None) -> None:
     loop = asyncio.get_running_loop()
     answers = _Answers(model)
-    server = await loop.create_server(lambda: _Protocol(answers), host, port, backlog=2048)
+    server = await loop.create_server(lambda: _Protocol(answers, pace), host, port, backlog=4096)
     async with server:
         await server.serve_forever()
 
@@ -190,8 +225,13 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="stub-model")
+    parser.add_argument(
+        "--paced-tokens", type=int, default=0, help="Stream this many events, paced (0: at once)."
+    )
+    parser.add_argument("--token-interval", type=float, default=1.0, help="Seconds between them.")
     args = parser.parse_args()
-    uvloop.run(serve(args.host, args.port, args.model))
+    pace = Pace(args.paced_tokens, args.token_interval) if args.paced_tokens > 0 else None
+    uvloop.run(serve(args.host, args.port, args.model, pace))
 
 
 if __name__ == "__main__":
