@@ -186,3 +186,23 @@ def test_bench_routers_refuses_bad_arguments(
         code = exited.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--routers", "1"], "--routers must be at least 2"),
+        (["--output-per-minute", "0"], "--output-per-minute must be at least 1"),
+        (["--duration", "0"], "must be more than 0"),
+    ],
+)
+def test_bench_budgets_refuses_bad_arguments(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code: object
+    try:
+        code = main(["bench", "budgets", "--no-record", *args])
+    except SystemExit as exited:
+        code = exited.code
+    assert code == 2
+    assert message in capsys.readouterr().err
