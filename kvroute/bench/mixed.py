@@ -39,12 +39,10 @@ from kvroute.bench.argtypes import (
 )
 from kvroute.bench.harness import processes
 from kvroute.bench.harness.fleet import (
-    HOST,
     Launch,
     kvroute_cli,
-    replica_argv,
     serve_argv,
-    start_all,
+    start_emulated_with_events,
     start_router,
 )
 from kvroute.bench.harness.host import machine_line, record
@@ -140,39 +138,18 @@ def fleet(options: Options, run: Run, log_dir: Path) -> Iterator[tuple[str, froz
     cli, timeout_s = kvroute_cli(), options.startup_timeout_s
     kinds = presets(options, run.pool)
     with contextlib.ExitStack() as stack:
-        port, *ports = free_ports(1 + 3 * len(kinds))
-        kv = {ports[k]: (ports[k + 1], ports[k + 2]) for k in range(0, len(ports), 3)}
-        preset_of = dict(zip(kv, kinds, strict=True))
+        (port,) = free_ports(1)
 
-        def replica(p: int) -> list[str]:
-            events, replay = kv[p]
-            config = {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": f"tcp://*:{events}",
-                "replay_endpoint": f"tcp://*:{replay}",
-                "topic": "kv-events",
-            }
-            flags = [
-                "--preset", preset_of[p], "--block-size", "16",
+        def flags(i: int) -> list[str]:
+            return [
+                "--preset", kinds[i], "--block-size", "16",
                 "--num-gpu-blocks-override", str(options.num_blocks), "--max-num-seqs", "64",
-                "--kv-events-config", json.dumps(config),
             ]  # fmt: skip
-            return replica_argv(p, MODEL, *flags, cli=cli)
 
-        urls = start_all(stack, "replica", replica, list(kv), log_dir, timeout_s)
         names = [
             f"{'fast' if kind == options.preset else 'slow'}-{i}" for i, kind in enumerate(kinds)
         ]
-        entries = [
-            {
-                "url": url,
-                "name": name,
-                "kv_events": f"tcp://{HOST}:{events}",
-                "kv_replay": f"tcp://{HOST}:{replay}",
-            }
-            for name, url, (events, replay) in zip(names, urls, kv.values(), strict=True)
-        ]
+        entries = start_emulated_with_events(stack, names, flags, MODEL, log_dir, timeout_s)
         label = f"router-{run.pool}-{run.policy}-{run.cost_unit or ''}".rstrip("-")
         config = log_dir / f"{label}.yaml"
         config.write_text(json.dumps(router_config(entries, run)))  # JSON is YAML

@@ -46,12 +46,10 @@ from kvroute.bench.argtypes import (
 )
 from kvroute.bench.harness import processes
 from kvroute.bench.harness.fleet import (
-    HOST,
     Launch,
     kvroute_cli,
-    replica_argv,
     serve_argv,
-    start_all,
+    start_emulated_with_events,
     start_router,
 )
 from kvroute.bench.harness.host import machine_line, record
@@ -137,35 +135,15 @@ def fleet(options: Options, run: Run, log_dir: Path) -> Iterator[str]:
     """The replicas and the router in front of them, for one run: the router's URL."""
     cli, timeout_s = kvroute_cli(), options.startup_timeout_s
     with contextlib.ExitStack() as stack:
-        port, *ports = free_ports(1 + 3 * options.replicas)
-        kv = {ports[k]: (ports[k + 1], ports[k + 2]) for k in range(0, len(ports), 3)}
-
-        def replica(p: int) -> list[str]:
-            events, replay = kv[p]
-            config = {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": f"tcp://*:{events}",
-                "replay_endpoint": f"tcp://*:{replay}",
-                "topic": "kv-events",
-            }
-            flags = [
-                "--preset", options.preset, "--block-size", "16",
-                "--num-gpu-blocks-override", str(options.num_blocks), "--max-num-seqs", "64",
-                "--kv-events-config", json.dumps(config),
-            ]  # fmt: skip
-            return replica_argv(p, MODEL, *flags, cli=cli)
-
-        urls = start_all(stack, "replica", replica, list(kv), log_dir, timeout_s)
-        entries = [
-            {
-                "url": url,
-                "name": f"r{i}",
-                "kv_events": f"tcp://{HOST}:{events}",
-                "kv_replay": f"tcp://{HOST}:{replay}",
-            }
-            for i, (url, (events, replay)) in enumerate(zip(urls, kv.values(), strict=True))
-        ]
+        (port,) = free_ports(1)
+        flags = [
+            "--preset", options.preset, "--block-size", "16",
+            "--num-gpu-blocks-override", str(options.num_blocks), "--max-num-seqs", "64",
+        ]  # fmt: skip
+        names = [f"r{i}" for i in range(options.replicas)]
+        entries = start_emulated_with_events(
+            stack, names, lambda _: flags, MODEL, log_dir, timeout_s
+        )
         name = f"router-{run.slots}-{run.fairness}"
         config = log_dir / f"{name}.yaml"
         config.write_text(json.dumps(router_config(entries, run, options)))  # JSON is YAML

@@ -8,6 +8,7 @@ closes, whatever happens in between.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -156,3 +157,43 @@ def running_stubs(count: int, model: str, log_dir: Path, timeout_s: float) -> It
         yield start_all(
             stack, "stub", lambda port: stub_argv(port, model), ports, log_dir, timeout_s
         )
+
+
+def start_emulated_with_events(
+    stack: contextlib.ExitStack[bool | None],
+    names: Sequence[str],
+    flags_for: Callable[[int], Sequence[str]],
+    model: str,
+    log_dir: Path,
+    timeout_s: float = 60.0,
+) -> list[dict[str, str]]:
+    """Emulated replicas (``kvroute replica``), one per name, each publishing KV events and
+    serving their replay on ports of its own, with ``flags_for(i)`` for the i-th; their
+    config entries for a router (url, name, kv_events, kv_replay)."""
+    cli = kvroute_cli()
+    ports = free_ports(3 * len(names))
+    kv = {ports[k]: (ports[k + 1], ports[k + 2]) for k in range(0, len(ports), 3)}
+    order = {port: i for i, port in enumerate(kv)}
+
+    def replica(port: int) -> list[str]:
+        events, replay = kv[port]
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events}",
+            "replay_endpoint": f"tcp://*:{replay}",
+            "topic": "kv-events",
+        }
+        flags = [*flags_for(order[port]), "--kv-events-config", json.dumps(config)]
+        return replica_argv(port, model, *flags, cli=cli)
+
+    urls = start_all(stack, "replica", replica, list(kv), log_dir, timeout_s)
+    return [
+        {
+            "url": url,
+            "name": name,
+            "kv_events": f"tcp://{HOST}:{events}",
+            "kv_replay": f"tcp://{HOST}:{replay}",
+        }
+        for name, url, (events, replay) in zip(names, urls, kv.values(), strict=True)
+    ]
