@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import islice, takewhile
 
+from kvroute.kvcore.kv_events import BlockStored, KVEvent
+
 SLIDING_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 MAMBA_KIND = "mamba"
 # The kinds whose hit is not the leading run: a group 0 of one of them makes a replica hybrid.
@@ -94,3 +96,28 @@ def hybrid_hit(
         if current >= hit:
             return hit
         hit = current
+
+
+def sparse_stores_last(events: list[KVEvent]) -> list[KVEvent]:
+    """A batch's events with each store that leaves blocks out (fewer hashes than token blocks:
+    a window group's masked or null blocks) moved after the batch's other stores, so that the
+    group storing every block maps their hashes first. vLLM caches groups in their order and a
+    window group may come first (Gemma 3: group 0). A removal or a clear takes the held-back
+    stores before it, so no store moves past what may undo it."""
+    held: list[KVEvent] = []
+    out: list[KVEvent] | None = None
+    for i, e in enumerate(events):
+        if type(e) is BlockStored and len(e.block_hashes) * e.block_size < len(e.token_ids):
+            if out is None:
+                out = list(events[:i])
+            held.append(e)
+            continue
+        if out is None:
+            continue
+        if held and not isinstance(e, BlockStored):
+            out += held
+            held = []
+        out.append(e)
+    if out is None:
+        return events
+    return out + held

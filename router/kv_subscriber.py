@@ -43,7 +43,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvroute.kvcore.block_hashing import extra_key
-from kvroute.kvcore.cache_groups import GROUP_KINDS
+from kvroute.kvcore.cache_groups import GROUP_KINDS, sparse_stores_last
 from kvroute.kvcore.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -400,7 +400,7 @@ class KVEventSubscriber:
             log.warning("%s: skipping malformed KV event batch %d: %s", self.replica, seq, exc)
             return
         self.stats.batches += 1
-        for event in events:
+        for event in sparse_stores_last(events):
             self.stats.events += 1
             if isinstance(event, BlockStored):
                 args: tuple[object, ...] = (
