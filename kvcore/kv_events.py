@@ -64,6 +64,8 @@ class BlockStored:
     kv_cache_spec_kind: str | None = None
     # Where the offloaded copy lives relative to the publisher (LOCAL/REMOTE; None: local).
     locality: str | None = None
+    # The group's window in tokens, for sliding-window groups (hybrid models, docs/routing.md).
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +213,7 @@ def _to_map(e: KVEvent) -> _MapEvent:
             e.extra_keys,
             e.group_idx,
             e.kv_cache_spec_kind,
+            e.kv_cache_spec_sliding_window,
             locality=e.locality,
         )
     if isinstance(e, BlockRemoved):
@@ -231,6 +234,7 @@ def _to_array(e: KVEvent) -> _ArrayEvent:
             e.extra_keys,
             e.group_idx,
             e.kv_cache_spec_kind,
+            e.kv_cache_spec_sliding_window,
         )
     if isinstance(e, BlockRemoved):
         return _ArrayBlockRemoved(e.block_hashes, e.medium, e.group_idx)
@@ -264,6 +268,7 @@ class _InMapBlockStored(_InMapEvent, tag="BlockStored"):
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
 
 
@@ -293,6 +298,7 @@ class _InArrayBlockStored(_InArrayEvent, tag="BlockStored"):
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class _InArrayBlockRemoved(_InArrayEvent, tag="BlockRemoved"):
@@ -379,6 +385,7 @@ def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
             wire.group_idx,
             wire.kv_cache_spec_kind,
             getattr(wire, "locality", None),
+            wire.kv_cache_spec_sliding_window,
         )
     if isinstance(wire, _InMapBlockRemoved | _InArrayBlockRemoved):
         return BlockRemoved(

@@ -66,10 +66,14 @@ from typing import NamedTuple, cast
 
 from kvroute.kvcore import packed_runs
 from kvroute.kvcore.block_hashing import chain_hashes, root_seed
+from kvroute.kvcore.cache_groups import GROUP_KINDS, GroupHoldings, hybrid_hit
 from kvroute.kvcore.kv_tiers import TierCapacity, TierHoldings, TierRun
 from kvroute.kvcore.packed_runs import Run, W, find, unpack, word
 
 DEFAULT_MEDIUM = "GPU"
+# A cache group's engine -> router map is keyed "<medium>#g<group>" (group 0: the medium alone,
+# so a single-group model's maps, snapshots and hot path are what they were).
+GROUP_SEP = "#g"
 
 EngineHash = int | bytes
 
@@ -104,6 +108,7 @@ class IndexStats:
     unknown_parent_blocks: int = 0  # blocks in those skipped events
     unknown_removed: int = 0  # BlockRemoved hashes that were not indexed for that replica
     short_token_ids: int = 0  # BlockStored events with fewer token_ids than blocks * block_size
+    unplaced_group_blocks: int = 0  # a group's blocks whose place in the event is unknown
     cleared: int = 0  # clear_replica calls (AllBlocksCleared, resyncs)
     predicted: int = 0  # (block, replica) predictions recorded
     expired: int = 0  # predictions that expired unconfirmed
@@ -115,6 +120,7 @@ class _Replica:
         "both",
         "capacity",
         "extra",
+        "groups",
         "index",
         "last_new",
         "last_old",
@@ -140,6 +146,9 @@ class _Replica:
         # Blocks per tier, kept from the first event of a tier other than the GPU on (a
         # replica without offloading costs nothing more).
         self.tiers: TierHoldings | None = None
+        # Blocks per KV cache group, kept from the first event of a hybrid model's second group
+        # (or of a sliding-window/mamba group) on: see kvcore/cache_groups.py.
+        self.groups: dict[int, GroupHoldings] | None = None
 
 
 class PrefixIndex:
@@ -172,6 +181,8 @@ class PrefixIndex:
         self.block_size: int | None = None
         # Whether some replica announced a tier below its GPU (then ``tier_run`` answers).
         self.tiered = False
+        # Whether some replica keeps cache groups (then ``match`` applies vLLM's hybrid rule).
+        self.hybrid = False
 
     # --- replicas -------------------------------------------------------------------------
 
@@ -238,20 +249,28 @@ class PrefixIndex:
         block_size: int,
         medium: str | None = DEFAULT_MEDIUM,
         extra_key: str | None = None,
+        group: int = 0,
+        group_kind: str | None = None,
+        group_window: int | None = None,
     ) -> int:
         """Index one BlockStored event; returns the blocks newly indexed.
 
         ``parent_engine_hash`` None (or int 0, as some senders write "no parent") starts a chain
         at the root, seeded by ``extra_key``; otherwise the parent must be known for this replica
         (on any medium), else the event is counted in ``stats.unknown_parent`` and skipped.
-        Token ids must lie in [0, 2**32) (OverflowError otherwise).
+        Token ids must lie in [0, 2**32) (OverflowError otherwise). ``group`` is the event's
+        ``group_idx``, with its spec kind and sliding window (tokens): a hybrid model's groups
+        hold blocks apart (kvcore/cache_groups.py).
         """
         rep = self._replicas.get(replica) or self._replica(replica)
         self.block_size = block_size
         med = medium or DEFAULT_MEDIUM
-        emap = rep.maps.get(med)
+        key = med
+        if group or group_kind is not None:
+            key = self._group_key(rep, med, group, group_kind, group_window)
+        emap = rep.maps.get(key)
         if emap is None:
-            emap = rep.maps[med] = {}
+            emap = rep.maps[key] = {}
         parent: int | None = None
         if parent_engine_hash is None or (
             type(parent_engine_hash) is int and parent_engine_hash == 0
@@ -272,11 +291,64 @@ class PrefixIndex:
         if len(token_ids) < len(engine_hashes) * block_size:
             self.stats.short_token_ids += 1
         hashes = chain_hashes(token_ids, block_size, seed)
+        if rep.groups is not None and len(engine_hashes) < len(hashes):
+            engine_hashes, hashes = self._place_group_blocks(rep, emap, engine_hashes, hashes)
         n = min(len(engine_hashes), len(hashes))  # zip(strict=False), as events are read
         if n < len(hashes):
             hashes = hashes[:n]
         ehs = engine_hashes if len(engine_hashes) == n else engine_hashes[:n]
-        return self._store(rep, emap, ehs, hashes, parent, med)
+        return self._store(rep, emap, ehs, hashes, parent, med, group)
+
+    def _place_group_blocks(
+        self,
+        rep: _Replica,
+        emap: dict[EngineHash, int],
+        engine_hashes: Sequence[EngineHash],
+        hashes: list[int],
+    ) -> tuple[list[EngineHash], list[int]]:
+        """A hybrid group's event skips its null and masked blocks (sliding-window blocks out
+        of the window, mamba blocks between aligned ones: vLLM's ``cache_full_blocks``), so its
+        hashes are not the token blocks in order. vLLM's block hash is the content's in every
+        group: each is placed by another group's map (the full-attention group stores every
+        block, the same step and before); one no group knows is dropped and counted, one this
+        group holds already is left out (the router hash is another map's very object, which
+        ``_store``'s undo by identity must not meet)."""
+        known = set(hashes)
+        ehs: list[EngineHash] = []
+        rhs: list[int] = []
+        for eh in engine_hashes:
+            if eh in emap:
+                continue
+            for other in rep.maps.values():
+                rh = other.get(eh)
+                if rh is not None and rh in known:
+                    ehs.append(eh)
+                    rhs.append(rh)
+                    break
+            else:
+                self.stats.unplaced_group_blocks += 1
+        return ehs, rhs
+
+    def _group_key(
+        self, rep: _Replica, med: str, group: int, kind: str | None, window: int | None
+    ) -> str:
+        """The map key of ``group`` on ``med``; makes the replica hybrid when the group is not
+        group 0 of a plain model, and learns the group's kind and window."""
+        groups = rep.groups
+        if groups is None:
+            if not group and kind not in GROUP_KINDS:
+                return med  # group 0 of full attention: a single-group model so far
+            groups = rep.groups = {0: GroupHoldings()}
+            for key, emap in rep.maps.items():  # what group 0 held before the replica was hybrid
+                if GROUP_SEP not in key:
+                    groups[0].add(list(emap.values()))
+            self.hybrid = True
+        holdings = groups.get(group)
+        if holdings is None:
+            holdings = groups[group] = GroupHoldings()
+            rep.groups = dict(sorted(groups.items()))  # vLLM's order: full attention first
+        holdings.learn(kind, window)
+        return f"{med}{GROUP_SEP}{group}" if group else med
 
     def _store(
         self,
@@ -286,6 +358,7 @@ class PrefixIndex:
         hashes: list[int],
         parent: int | None,
         med: str,
+        group: int = 0,
     ) -> int:
         """Map and hold blocks whose router hashes are known (an event's, a snapshot's), on
         tier ``med``."""
@@ -301,6 +374,12 @@ class PrefixIndex:
                     del emap[eh]
             added = self._map_blocks(rep, emap, ehs, hashes, med)
         self.stats.stored += len(added)
+        if rep.groups is not None:
+            rep.groups[group].add(added)
+            if group:  # tiers and their capacity follow group 0
+                if added:
+                    self._entries += self._hold(rep, added, parent)
+                return len(added)
         rep.capacity.update(med, len(emap))
         tiers = rep.tiers
         if tiers is None and med != DEFAULT_MEDIUM:
@@ -344,6 +423,10 @@ class PrefixIndex:
         rep = self._replicas.get(replica) or self._replica(replica)
         if block_size is not None:
             self.block_size = block_size
+        med, sep, g = medium.partition(GROUP_SEP)  # a group's map (its kind comes with events)
+        group = int(g) if sep else 0
+        if group:
+            self._group_key(rep, med, group, None, None)
         emap = rep.maps.get(medium)
         if emap is None:
             emap = rep.maps[medium] = {}
@@ -360,7 +443,7 @@ class PrefixIndex:
                 while i + k < n and k < _MAX_RUN and router_hashes[i + k] not in seg:
                     k += 1
             hashes = list(router_hashes[i : i + k])
-            added += self._store(rep, emap, engine_hashes[i : i + k], hashes, parent, medium)
+            added += self._store(rep, emap, engine_hashes[i : i + k], hashes, parent, med, group)
             parent = hashes[-1]
             i += k
         return added
@@ -516,11 +599,14 @@ class PrefixIndex:
         replica: str,
         engine_hashes: Sequence[EngineHash],
         medium: str | None = DEFAULT_MEDIUM,
+        group: int = 0,
     ) -> int:
-        """Apply one BlockRemoved event; returns the blocks removed (unknown ones are counted)."""
+        """Apply one BlockRemoved event; returns the blocks removed (unknown ones are counted).
+        A removal concerns its ``group`` only: another group may hold the block still."""
         rep = self._replicas.get(replica)
         med = medium or DEFAULT_MEDIUM
-        emap = rep.maps.get(med) if rep is not None else None
+        key = f"{med}{GROUP_SEP}{group}" if group else med
+        emap = rep.maps.get(key) if rep is not None else None
         if rep is None or emap is None:
             self.stats.unknown_removed += len(engine_hashes)
             return 0
@@ -531,9 +617,12 @@ class PrefixIndex:
                 self.stats.unknown_removed += 1
                 continue
             gone.append(rh)
-        rep.capacity.update(med, len(emap), removed=bool(gone))
-        if rep.tiers is not None:
-            rep.tiers.drop(med, gone)
+        if rep.groups is not None:
+            rep.groups[group].drop(gone)
+        if not group:
+            rep.capacity.update(med, len(emap), removed=bool(gone))
+            if rep.tiers is not None:
+                rep.tiers.drop(med, gone)
         self._release(rep, gone)
         self.stats.removed += len(gone)
         return len(gone)
@@ -560,6 +649,9 @@ class PrefixIndex:
         self._apply(new)
         rep.maps = {}
         rep.extra = {}
+        if rep.groups is not None:  # the groups' kinds stay: the model did not change
+            for holdings in rep.groups.values():
+                holdings.held = {}
         rep.capacity.clear()
         if rep.tiers is not None:
             rep.tiers = TierHoldings()
@@ -1313,7 +1405,28 @@ class PrefixIndex:
         same = self._same
         if len(same) <= ends[-1][0]:
             same += [PrefixMatch(k, k) for k in range(len(same), ends[-1][0] + 1)]
-        return packed_runs.assemble(ends, self._low, self._shift, self._names, same, PrefixMatch)
+        found = packed_runs.assemble(ends, self._low, self._shift, self._names, same, PrefixMatch)
+        if self.hybrid:
+            self._hybrid_matches(q, found)
+        return found
+
+    def _hybrid_matches(self, q: Sequence[int], found: dict[str, PrefixMatch]) -> None:
+        """Cut each hybrid replica's confirmed run to the hit its cache groups agree on (the
+        run held by any group bounds it). A prediction beyond stands: the replica that serves
+        the predicted prompt holds all its groups' blocks for it."""
+        block_size = self.block_size or 1
+        for name, m in list(found.items()):
+            groups = self._replicas[name].groups
+            if groups is None or not m.confirmed:
+                continue
+            hit = hybrid_hit(tuple(groups.values()), q, m.confirmed, block_size)
+            if hit == m.confirmed:
+                continue
+            blocks = m.blocks if m.blocks > m.confirmed else hit
+            if blocks:
+                found[name] = PrefixMatch(blocks, hit)
+            else:
+                del found[name]
 
     def replicas_holding(self, router_hash: int) -> frozenset[str]:
         """Replicas that hold this block according to events (predictions not included)."""

@@ -43,6 +43,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvroute.kvcore.block_hashing import extra_key
+from kvroute.kvcore.cache_groups import GROUP_KINDS, sparse_stores_last
 from kvroute.kvcore.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -78,10 +79,17 @@ class EventSink(Protocol):
         block_size: int,
         medium: str | None = "GPU",
         extra_key: str | None = None,
+        group: int = 0,
+        group_kind: str | None = None,
+        group_window: int | None = None,
     ) -> int: ...
 
     def apply_removed(
-        self, replica: str, engine_hashes: Sequence[int | bytes], medium: str | None = "GPU"
+        self,
+        replica: str,
+        engine_hashes: Sequence[int | bytes],
+        medium: str | None = "GPU",
+        group: int = 0,
     ) -> int: ...
 
     def clear_replica(self, replica: str) -> None: ...
@@ -392,11 +400,10 @@ class KVEventSubscriber:
             log.warning("%s: skipping malformed KV event batch %d: %s", self.replica, seq, exc)
             return
         self.stats.batches += 1
-        for event in events:
+        for event in sparse_stores_last(events):
             self.stats.events += 1
             if isinstance(event, BlockStored):
-                self._call_sink(
-                    self.sink.apply_stored,
+                args: tuple[object, ...] = (
                     self.replica,
                     event.block_hashes,
                     event.parent_block_hash,
@@ -405,13 +412,29 @@ class KVEventSubscriber:
                     tier_of(event.medium, event.locality),
                     root_extra_key(event),
                 )
+                if event.group_idx or event.kv_cache_spec_kind in GROUP_KINDS:
+                    # A hybrid model's group (vLLM names group 0 of every model: a plain one
+                    # is told nothing, its hot path unchanged).
+                    args += (
+                        event.group_idx or 0,
+                        event.kv_cache_spec_kind,
+                        event.kv_cache_spec_sliding_window,
+                    )
+                self._call_sink(self.sink.apply_stored, *args)
             elif isinstance(event, BlockRemoved):
-                self._call_sink(
-                    self.sink.apply_removed,
-                    self.replica,
-                    event.block_hashes,
-                    tier_of(event.medium, event.locality),
-                )
+                where = tier_of(event.medium, event.locality)
+                if event.group_idx:
+                    self._call_sink(
+                        self.sink.apply_removed,
+                        self.replica,
+                        event.block_hashes,
+                        where,
+                        event.group_idx,
+                    )
+                else:
+                    self._call_sink(
+                        self.sink.apply_removed, self.replica, event.block_hashes, where
+                    )
             elif isinstance(event, AllBlocksCleared):
                 self._call_sink(self.sink.clear_replica, self.replica)
 
