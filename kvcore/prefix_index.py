@@ -119,6 +119,7 @@ class _Replica:
         "bit",
         "both",
         "capacity",
+        "copies",
         "extra",
         "groups",
         "index",
@@ -137,6 +138,12 @@ class _Replica:
         self.pbit = self.bit << shift  # held or predicted
         self.both = self.bit | self.pbit  # held (so also held or predicted)
         self.maps: dict[str, dict[EngineHash, int]] = {}
+        # Under memory pressure vLLM caches a block a second time (the same hash, a second
+        # physical copy) and later sends a BlockRemoved for each copy it evicts: per map key,
+        # the copies beyond the first, so only the last copy's removal drops the block. (A
+        # request with vLLM's opt-in kv_cache_report_mode "full" re-reports blocks it reused:
+        # counted as copies too, its blocks outstay their eviction by one removal.)
+        self.copies: dict[str, dict[EngineHash, int]] = {}
         self.extra: dict[int, int] = {}
         # The last value this replica was added to, and the result: the pieces of a chain it
         # stores one event after another share one value object (fewer ints, and equal pieces
@@ -292,7 +299,7 @@ class PrefixIndex:
             self.stats.short_token_ids += 1
         hashes = chain_hashes(token_ids, block_size, seed)
         if rep.groups is not None and len(engine_hashes) < len(hashes):
-            engine_hashes, hashes = self._place_group_blocks(rep, emap, engine_hashes, hashes)
+            engine_hashes, hashes = self._place_group_blocks(rep, emap, engine_hashes, hashes, key)
         n = min(len(engine_hashes), len(hashes))  # zip(strict=False), as events are read
         if n < len(hashes):
             hashes = hashes[:n]
@@ -305,19 +312,22 @@ class PrefixIndex:
         emap: dict[EngineHash, int],
         engine_hashes: Sequence[EngineHash],
         hashes: list[int],
+        key: str,
     ) -> tuple[list[EngineHash], list[int]]:
         """A hybrid group's event skips its null and masked blocks (sliding-window blocks out
         of the window, mamba blocks between aligned ones: vLLM's ``cache_full_blocks``), so its
         hashes are not the token blocks in order. vLLM's block hash is the content's in every
         group: each is placed by another group's map (the full-attention group stores every
         block, the same step and before); one no group knows is dropped and counted, one this
-        group holds already is left out (the router hash is another map's very object, which
-        ``_store``'s undo by identity must not meet)."""
+        group holds already is counted as another copy and left out (the router hash is another
+        map's very object, which ``_store``'s undo by identity must not meet)."""
         known = set(hashes)
         ehs: list[EngineHash] = []
         rhs: list[int] = []
         for eh in engine_hashes:
-            if eh in emap:
+            if eh in emap:  # held in this group already: another copy of it
+                copies = rep.copies.setdefault(key, {})
+                copies[eh] = copies.get(eh, 0) + 1
                 continue
             for other in rep.maps.values():
                 rh = other.get(eh)
@@ -372,7 +382,8 @@ class PrefixIndex:
             for eh, rh in zip(ehs, hashes, strict=True):
                 if emap.get(eh) is rh:
                     del emap[eh]
-            added = self._map_blocks(rep, emap, ehs, hashes, med)
+            key = f"{med}{GROUP_SEP}{group}" if group else med
+            added = self._map_blocks(rep, emap, ehs, hashes, med, key)
         self.stats.stored += len(added)
         if rep.groups is not None:
             rep.groups[group].add(added)
@@ -455,6 +466,7 @@ class PrefixIndex:
         engine_hashes: Sequence[EngineHash],
         hashes: list[int],
         medium: str,
+        key: str,
     ) -> list[int]:
         """Map the engine hashes one by one; the router hashes newly mapped, in order."""
         added: list[int] = []
@@ -462,8 +474,10 @@ class PrefixIndex:
         for eh, rh in zip(engine_hashes, hashes, strict=True):
             old = setdefault(eh, rh)
             if old is not rh:
-                if old == rh:
-                    continue  # the same block stored again
+                if old == rh:  # the same block stored again: another copy of it
+                    copies = rep.copies.setdefault(key, {})
+                    copies[eh] = copies.get(eh, 0) + 1
+                    continue
                 if old in added:
                     # Reused within this very event (no engine sends that; a broken or
                     # hostile publisher may): the earlier block is not held yet, so it is
@@ -611,7 +625,16 @@ class PrefixIndex:
             self.stats.unknown_removed += len(engine_hashes)
             return 0
         gone: list[int] = []
+        copies = rep.copies.get(key)
         for eh in engine_hashes:
+            if copies:
+                n = copies.get(eh)
+                if n:  # one copy of several evicted: the block is still held
+                    if n == 1:
+                        del copies[eh]
+                    else:
+                        copies[eh] = n - 1
+                    continue
             rh = emap.pop(eh, None)
             if rh is None:
                 self.stats.unknown_removed += 1
@@ -648,6 +671,7 @@ class PrefixIndex:
         self._entries -= len(new)
         self._apply(new)
         rep.maps = {}
+        rep.copies = {}
         rep.extra = {}
         if rep.groups is not None:  # the groups' kinds stay: the model did not change
             for holdings in rep.groups.values():

@@ -10,6 +10,7 @@ blocks (the coordinator's method and managers are vLLM's; only the block pool is
 from __future__ import annotations
 
 import random
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -82,15 +83,16 @@ def _encode(events: list[Any]) -> bytes:
 
 
 class _Pool:
-    """vLLM's BlockPool as the finders use it: which (block hash, group) are cached."""
+    """vLLM's BlockPool as the finders use it: how many copies of each (block hash, group)
+    are cached (a block cached while a copy is held is a second copy, vLLM's duplicate)."""
 
     def __init__(self) -> None:
-        self.cached: set[tuple[int, int]] = set()
+        self.cached: Counter[tuple[int, int]] = Counter()
         self.hash_block_size = BS
         self.null_block = None
 
     def get_cached_block(self, block_hash: int, group_ids: list[int]) -> list[object] | None:
-        if all((block_hash, g) in self.cached for g in group_ids):
+        if all(self.cached[(block_hash, g)] > 0 for g in group_ids):
             return [object() for _ in group_ids]
         return None
 
@@ -158,23 +160,23 @@ def test_index_hit_equals_vllm_hybrid_coordinator(seed: int) -> None:
         pool = pools[r]
         group = rng.randrange(2)
         p = rng.randrange(len(prompts))
-        held = [k for k in range(n_blocks) if (engine[p][k], group) in pool.cached]
+        held = [k for k in range(n_blocks) if pool.cached[(engine[p][k], group)] > 0]
         if held and rng.random() < 0.4:
             gone = rng.sample(held, rng.randint(1, len(held)))
-            events = [_removed([engine[p][k]], group) for k in gone]  # one per block, as vLLM
+            events = [_removed([engine[p][k]], group) for k in gone]  # one per copy, as vLLM
             for k in gone:
-                pool.cached.discard((engine[p][k], group))
+                pool.cached[(engine[p][k], group)] -= 1
         else:
             # A stretch whose parent this replica holds in some group (else vLLM would not
             # name it as parent); the sliding-window group stores stretches past a gap too.
-            known = {h for h, _ in pool.cached}
+            known = {h for (h, _), n in pool.cached.items() if n > 0}
             starts = [0] + [k + 1 for k in range(n_blocks - 1) if engine[p][k] in known]
             a = rng.choice(starts)
             b = rng.randint(a + 1, n_blocks)
             parent = engine[p][a - 1] if a else None
             tokens = prompts[p][a * BS : b * BS]
             events = [_stored(engine[p][a:b], parent, tokens, group, window)]
-            pool.cached.update((engine[p][k], group) for k in range(a, b))
+            pool.cached.update((engine[p][k], group) for k in range(a, b))  # a copy each
             if not group and rng.random() < 0.5:
                 # One step of a request, as vLLM's coordinator caches it: the full group, then
                 # the window group, whose blocks out of the window are null and left out of

@@ -297,6 +297,28 @@ def test_hashes_outside_64_bits_are_never_indexed(impl: str) -> None:
 # --- events -> match ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_block_cached_twice_stays_until_its_last_copy_is_evicted(impl: str) -> None:
+    """Under pressure vLLM caches a block a second time (same hash, another physical copy)
+    and sends a BlockRemoved per copy it evicts: the first removal leaves it held."""
+    with implementation(impl):
+        idx = PrefixIndex()
+        t = toks(2)
+        rh = block_hashes(t, BS)
+        idx.apply_stored("r", [1, 2], None, t, BS)
+        idx.apply_stored("r", [2], 1, t[BS:], BS)  # block 2's second copy
+        assert idx.apply_removed("r", [2]) == 0  # one copy of two gone
+        assert idx.match(rh, 0.0) == {"r": PrefixMatch(2, 2)}
+        assert idx.apply_removed("r", [2]) == 1  # the last copy
+        assert idx.match(rh, 0.0) == {"r": PrefixMatch(1, 1)}
+        # Cleared, the copies go too: a block stored once after that is removed at once.
+        idx.apply_stored("r", [2], 1, t[BS:], BS)
+        idx.apply_stored("r", [2], 1, t[BS:], BS)
+        idx.clear_replica("r")
+        idx.apply_stored("r", [1, 2], None, t, BS)
+        assert idx.apply_removed("r", [2]) == 1
+
+
 def test_stored_chain_and_partial_prefixes() -> None:
     idx = PrefixIndex()
     t = toks(4)
@@ -400,9 +422,11 @@ def test_two_engine_hashes_for_one_router_hash_are_refcounted() -> None:
     t = toks(1)
     idx.apply_stored("r", [1], None, t, BS)
     idx.apply_stored("r", [2], None, t, BS)
-    idx.apply_stored("r", [2], None, t, BS)  # a duplicate store changes nothing
+    idx.apply_stored("r", [2], None, t, BS)  # a second copy of engine block 2 (vLLM's)
     assert idx.entries == 1
     idx.apply_removed("r", [1])
+    assert idx.match(block_hashes(t, BS), 0.0) == {"r": PrefixMatch(1, 1)}
+    idx.apply_removed("r", [2])  # one copy of two
     assert idx.match(block_hashes(t, BS), 0.0) == {"r": PrefixMatch(1, 1)}
     idx.apply_removed("r", [2])
     assert idx.match(block_hashes(t, BS), 0.0) == {} and idx.entries == 0
@@ -605,6 +629,9 @@ def check_against_model(
     ttl = 1.5
     idx = PrefixIndex()
     model: dict[str, set[tuple[int, ...]]] = {r: set() for r in replicas}
+    # A block stored again while held is another copy (vLLM's duplicates): a removal takes
+    # one copy, and the block goes with its last.
+    copies: dict[tuple[str, tuple[int, ...]], int] = {}
     predicted: dict[tuple[str, tuple[int, ...]], float] = {}  # (replica, path) -> expiry
     unknown_parent = 0
     now = 0.0
@@ -618,15 +645,22 @@ def check_against_model(
             if a and a not in held:
                 unknown_parent += 1
             else:
-                held.update(new)
                 for p in new:
+                    if p in held:
+                        copies[(rep, p)] = copies.get((rep, p), 0) + 1
+                    held.add(p)
                     predicted.pop((rep, p), None)
         elif kind == "removed":
             idx.apply_removed(rep, [engine_hash(rep, a)])
-            held.discard(a)
+            if copies.get((rep, a)):
+                copies[(rep, a)] -= 1
+            else:
+                held.discard(a)
         elif kind == "cleared":
             idx.clear_replica(rep)
             held.clear()
+            for key in [k for k in copies if k[0] == rep]:
+                del copies[key]
         else:
             idx.predict(rep, block_hashes(path_tokens(a), BS), now, ttl)
             for k in range(1, len(a) + 1):
