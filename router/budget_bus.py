@@ -24,6 +24,7 @@ import msgspec
 
 from kvroute.kvcore.budgets import ChargeLog
 
+from .nats_link import NatsLink
 from .tenants import Tenants
 
 if TYPE_CHECKING:
@@ -62,20 +63,23 @@ class BudgetBus:
         self.interval_s = interval_s
         self.origin = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
         self.started = time.time()
+        self._link: NatsLink | None = None
         self._client: Client | None = None
         self._task: asyncio.Task[None] | None = None
         self.published = 0
         self.applied = 0
 
     async def start(self) -> None:
-        import nats
-
         if self.tenants.shared is None:
             self.tenants.shared = ChargeLog()
-        self._client = await nats.connect(
-            self.url, name=f"kvroute-budgets {self.origin}", max_reconnect_attempts=-1
+        self._link = NatsLink(
+            self.url, f"kvroute-budgets {self.origin}", "budget bus", self._connected
         )
-        await self._client.subscribe(self.subject, cb=self._on_message)
+        await self._link.start()
+
+    async def _connected(self, client: Client) -> None:
+        self._client = client
+        await client.subscribe(self.subject, cb=self._on_message)
         self._task = asyncio.create_task(self._publish_loop(), name="kvroute-budget-bus")
         log.info("sharing tenants' budget charges on %s %s", self.url, self.subject)
 
@@ -85,7 +89,8 @@ class BudgetBus:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._client is not None:
             await self.flush()  # what this router charged last is not lost to the others
-            await self._client.drain()
+        if self._link is not None:
+            await self._link.close()
 
     async def _publish_loop(self) -> None:
         while True:

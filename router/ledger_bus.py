@@ -26,6 +26,8 @@ import msgspec
 from kvroute.kvcore.ledger import Dispatch, DispatchLedger, Route
 from kvroute.policies import RouteRequest
 
+from .nats_link import NatsLink
+
 if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
@@ -66,6 +68,7 @@ class LedgerBus:
         self.origin = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
         self.heartbeat_s = heartbeat_s
         self.silence_s = silence_s
+        self._link: NatsLink | None = None
         self._client: Client | None = None
         self._ids: dict[int, int] = {}  # id(local Dispatch) -> its bus id
         self._next_id = 0
@@ -79,14 +82,16 @@ class LedgerBus:
         self.applied = 0
 
     async def start(self) -> None:
-        import nats
-
-        self._client = await nats.connect(
-            self.url, name=f"kvroute-epp {self.origin}", max_reconnect_attempts=-1
+        self._link = NatsLink(
+            self.url, f"kvroute-ledger {self.origin}", "dispatch bus", self._connected
         )
-        await self._client.subscribe(self.subject, cb=self._on_message)
+        await self._link.start()
+
+    async def _connected(self, client: Client) -> None:
+        self._client = client
+        await client.subscribe(self.subject, cb=self._on_message)
         self._tasks = [
-            asyncio.create_task(self._send(self._client), name="kvroute-ledger-bus-send"),
+            asyncio.create_task(self._send(client), name="kvroute-ledger-bus-send"),
             asyncio.create_task(self._beat(), name="kvroute-ledger-bus-beat"),
         ]
         log.info("sharing dispatches on %s %s as %s", self.url, self.subject, self.origin)
@@ -95,8 +100,8 @@ class LedgerBus:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._client is not None:
-            await self._client.drain()
+        if self._link is not None:
+            await self._link.close()
 
     # -- what this picker did -----------------------------------------------------------
 

@@ -33,6 +33,8 @@ from .config import WarmStartConfig, resolve_secret
 if TYPE_CHECKING:
     from .pools import PoolRouting
 
+from .nats_link import quiet_errors
+
 log = logging.getLogger(__name__)
 
 PATH = "/admin/index-snapshot"
@@ -136,9 +138,11 @@ async def _from_nats(pools: list[PoolRouting], settings: WarmStartConfig) -> lis
     assert url is not None
     try:
         async with asyncio.timeout(settings.timeout_s):
-            client = await nats.connect(url, name="kvroute warm start")
+            client = await nats.connect(
+                url, name="kvroute warm start", error_cb=quiet_errors, max_reconnect_attempts=0
+            )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        log.warning("warm start: NATS %s: %s", settings.nats_url, exc or type(exc).__name__)
+        log.warning("warm start: NATS %s: %s", settings.nats_url, str(exc) or type(exc).__name__)
         return cold
     try:
         async with asyncio.timeout(settings.timeout_s):
@@ -228,7 +232,10 @@ class SnapshotPublisher:
         s = self.settings
         assert s.nats_url is not None
         client = await nats.connect(
-            s.nats_url, name="kvroute snapshot publisher", max_reconnect_attempts=-1
+            s.nats_url,
+            name="kvroute snapshot publisher",
+            max_reconnect_attempts=-1,
+            error_cb=quiet_errors,
         )
         try:
             js = client.jetstream()

@@ -118,3 +118,44 @@ def test_a_bad_budget_bus_setting_names_the_key() -> None:
     problems = "\n".join(info.value.problems)
     for key in ("tenants.budget_bus:", "tenants.budget_bus_subject:", "budget_bus_interval_s:"):
         assert key in problems, problems
+
+
+async def test_a_router_whose_nats_is_down_serves_alone_and_joins_when_it_comes(
+    start_replica: StartReplica, start_router: StartRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+    import subprocess
+
+    from kvroute.backends.process import free_ports
+    from kvroute.router import nats_link
+
+    from .helpers import wait_until
+
+    monkeypatch.setattr(nats_link, "RETRY_S", 0.2)
+    (port,) = free_ports(1)  # nothing listens there yet
+    url = f"nats://127.0.0.1:{port}"
+    replica = await start_replica("a")
+    r = await start_router([replica], tenants=_tenants(url), routing={"ledger_bus": url})
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
+        async with http.post(r.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200  # served alone
+    budgets = r.router._budget_bus
+    assert budgets is not None and budgets._client is None
+    binary = shutil.which("nats-server")
+    assert binary, "nats-server is not installed: apt-get install nats-server (README tests)"
+    server = subprocess.Popen(
+        [binary, "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        await wait_until(lambda: budgets._client is not None, what="the budget bus connected")
+        (pool,) = list(r.router.core.pools)
+        await wait_until(
+            lambda: pool.bus is not None and pool.bus._client is not None,
+            what="the dispatch bus connected",
+        )
+    finally:
+        server.terminate()
+        server.wait(10)
