@@ -346,7 +346,6 @@ def test_wrk_script_numbers_each_request_where_the_body_says() -> None:
     )
 
 
-@pytest.mark.skipif(find_wrk() is None, reason="wrk not installed")
 def test_wrk_sends_distinct_numbered_bodies(tmp_path: Path) -> None:
     seen: list[bytes] = []
 
@@ -366,7 +365,9 @@ def test_wrk_sends_distinct_numbered_bodies(tmp_path: Path) -> None:
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
         body = overhead.chat_body("m", stream=False)
-        result = run_wrk(find_wrk() or "", Load(url, body, concurrency=2, duration_s=1, threads=2))
+        wrk = find_wrk()
+        assert wrk, "wrk is not installed: apt-get install wrk (the README's test command does)"
+        result = run_wrk(wrk, Load(url, body, concurrency=2, duration_s=1, threads=2))
     finally:
         server.shutdown()
     assert result.requests > 10 and result.errors == 0
