@@ -6,8 +6,6 @@ import asyncio
 import contextlib
 import importlib.util
 import os
-import shutil
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -260,29 +258,9 @@ async def replica(start_emulated: StartEmulated) -> Running:
 
 
 @pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A NATS server (Debian's nats-server) for the tests of what routers share over it."""
-    binary = shutil.which("nats-server")
-    assert binary, "nats-server is not installed: apt-get install nats-server (README tests)"
-    (port,) = free_ports(1)
-    process = subprocess.Popen(
-        [binary, "-a", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        import socket
-        import time
+    from kvroute.bench.harness.nats import nats_server
 
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "nats-server did not start"
-                time.sleep(0.05)
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(10)
+    with nats_server(tmp_path_factory.mktemp("nats")) as url:
+        yield url

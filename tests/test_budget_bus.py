@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -121,11 +122,11 @@ def test_a_bad_budget_bus_setting_names_the_key() -> None:
 
 
 async def test_a_router_whose_nats_is_down_serves_alone_and_joins_when_it_comes(
-    start_replica: StartReplica, start_router: StartRouter, monkeypatch: pytest.MonkeyPatch
+    start_replica: StartReplica,
+    start_router: StartRouter,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
-    import shutil
-    import subprocess
-
     from kvroute.backends.process import free_ports
     from kvroute.router import nats_link
 
@@ -142,20 +143,12 @@ async def test_a_router_whose_nats_is_down_serves_alone_and_joins_when_it_comes(
             assert resp.status == 200  # served alone
     budgets = r.router._budget_bus
     assert budgets is not None and budgets._client is None
-    binary = shutil.which("nats-server")
-    assert binary, "nats-server is not installed: apt-get install nats-server (README tests)"
-    server = subprocess.Popen(
-        [binary, "-a", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    from kvroute.bench.harness.nats import nats_server
+
+    with nats_server(tmp_path, port=port):
         await wait_until(lambda: budgets._client is not None, what="the budget bus connected")
         (pool,) = list(r.router.core.pools)
         await wait_until(
             lambda: pool.bus is not None and pool.bus._client is not None,
             what="the dispatch bus connected",
         )
-    finally:
-        server.terminate()
-        server.wait(10)

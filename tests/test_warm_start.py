@@ -6,9 +6,6 @@ another block size is refused."""
 from __future__ import annotations
 
 import logging
-import shutil
-import socket
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -16,7 +13,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvroute.backends.process import free_ports
 from kvroute.kvcore.block_hashing import block_hashes
 from kvroute.kvcore.tokenizer import SimpleTokenizer
 from kvroute.router.config import ConfigError, config_from_dict
@@ -24,7 +20,7 @@ from kvroute.router.runner import app_runner
 from kvroute.router.server import Router
 
 from .conftest import Running, launch_emulated
-from .helpers import wait_until, wait_until_sync
+from .helpers import wait_until
 
 BLOCK = 16
 # Distinct long prompts, one conversation each.
@@ -162,29 +158,11 @@ async def test_the_snapshot_needs_the_admin_key(fleet: Any) -> None:
 @pytest.fixture(scope="module")
 def jetstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Debian's nats-server with JetStream on (-js), its store in a temporary directory."""
-    binary = shutil.which("nats-server")
-    assert binary, "nats-server is not installed: apt-get install nats-server (README tests)"
-    (port,) = free_ports(1)
+    from kvroute.bench.harness.nats import nats_server
+
     store = tmp_path_factory.mktemp("jetstream")
-    process = subprocess.Popen(
-        [binary, "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_until_sync(lambda: _accepts(port), 10, "nats-server to accept connections")
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(10)
-
-
-def _accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
+    with nats_server(store, jetstream_dir=store) as url:
+        yield url
 
 
 async def test_a_router_with_no_peer_up_loads_the_snapshot_others_put_in_nats(

@@ -39,8 +39,8 @@ from kvroute.bench.harness.fleet import (
     start_router,
 )
 from kvroute.bench.harness.host import machine_line, record
+from kvroute.bench.harness.nats import nats_server
 from kvroute.bench.harness.report import reproduce_command
-from kvroute.bench.routers import nats_server
 
 MODEL = "tiny"
 TENANT = "acme"

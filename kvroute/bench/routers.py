@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import shutil
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -32,7 +30,6 @@ from kvroute.backends.process import free_ports
 from kvroute.bench.argtypes import add_report_args, add_startup_timeout, positive_float
 from kvroute.bench.harness import processes
 from kvroute.bench.harness.fleet import (
-    HOST,
     Launch,
     kvroute_cli,
     serve_argv,
@@ -40,6 +37,7 @@ from kvroute.bench.harness.fleet import (
     start_router,
 )
 from kvroute.bench.harness.host import machine_line, record
+from kvroute.bench.harness.nats import nats_server
 from kvroute.bench.harness.report import reproduce_command
 from kvroute.bench.programs import EXCERPT, MODEL
 
@@ -76,26 +74,6 @@ def runs(options: Options) -> list[Run]:
         for share in options.shares if n > 1 else ("none",):
             out.append(Run(n, share))
     return out
-
-
-@contextlib.contextmanager
-def nats_server(log_dir: Path, timeout_s: float = 10.0) -> Iterator[str]:
-    """A NATS server (Debian's nats-server) for the routers' bus: its URL once it listens."""
-    binary = shutil.which("nats-server")
-    if binary is None:
-        raise processes.StartError("nats-server is not on PATH (apt-get install nats-server)")
-    (port,) = free_ports(1)
-    with processes.managed("nats", [binary, "-a", HOST, "-p", str(port)], log_dir):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                socket.create_connection((HOST, port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise processes.StartError(f"nats-server did not listen on {port}") from None
-                time.sleep(0.05)
-        yield f"nats://{HOST}:{port}"
 
 
 @contextlib.contextmanager
