@@ -78,6 +78,7 @@ class Dispatch:
     batch: int = 0  # requests in flight on the replica then: the batch it decodes in
     confirmed_tokens: int | None = None  # prompt tokens the engine reported reusing (its usage)
     transferred: bool = False  # a decode leg: its prompt's KV came from a prefill replica
+    adapter: str | None = None  # the LoRA adapter it runs with there (counted in lora_in_flight)
     prefilling: bool = True
     open: bool = True
 
@@ -215,6 +216,10 @@ class DispatchLedger:
         state = d.state
         state.in_flight += 1
         state.in_flight_tokens += d.cost
+        model = request.model
+        if model is not None and model in state.lora_adapters:
+            d.adapter = model
+            state.lora_in_flight[model] = state.lora_in_flight.get(model, 0) + 1
         state.prefilling += 1
         state.prefill_tokens += d.prefill
         if self._shared is not None:
@@ -281,5 +286,11 @@ class DispatchLedger:
         state = d.state
         state.in_flight -= 1
         state.in_flight_tokens -= d.cost
+        if d.adapter is not None:
+            left = state.lora_in_flight.get(d.adapter, 0) - 1
+            if left > 0:
+                state.lora_in_flight[d.adapter] = left
+            else:
+                state.lora_in_flight.pop(d.adapter, None)
         if self._shared is not None:
             self._shared.add(d.slot, -1, -d.cost, 0, 0)

@@ -1,7 +1,8 @@
 """Where a hot LoRA adapter should be loaded next, and where a cold one may leave (pure).
 
 Routing sends an adapter's requests only to replicas that serve it (policies/lora.py). When
-every replica serving an adapter in use is busy (the router's own requests in flight there at
+every replica serving an adapter in use (reported running there, or the router's own requests
+for it in flight there: a scrape seconds late must not hide a burst) is busy (the router's own requests in flight there at
 ``hot_in_flight`` or more), the adapter is hot: it is loaded (vLLM's ``/v1/load_lora_adapter``,
 with runtime updating enabled there) on one more replica: the least loaded that reports a free
 adapter slot (``vllm:lora_requests_info``: fewer adapters in use than ``max_lora``), else the
@@ -82,7 +83,7 @@ class LoraSpreadPlanner:
         """What to load and unload among ``replicas`` (one model pool) now."""
         s = self.settings
         for r in replicas:
-            for adapter in r.lora_running:
+            for adapter in {*r.lora_running, *r.lora_in_flight}:
                 self._last_used[(r.replica_id, adapter)] = now
         live = [
             r
@@ -95,7 +96,7 @@ class LoraSpreadPlanner:
             homes = [r for r in live if adapter in r.lora_adapters]
             if not homes:
                 continue  # no replica of this pool serves it: not this pool's adapter
-            in_use = any(adapter in r.lora_running for r in homes)
+            in_use = any(adapter in r.lora_running or adapter in r.lora_in_flight for r in homes)
             hot = in_use and all(r.in_flight >= s.hot_in_flight for r in homes)
             if hot:
                 target = self._target(live, adapter, homes, now, taken)
@@ -110,7 +111,7 @@ class LoraSpreadPlanner:
             for r in homes:
                 key = (r.replica_id, adapter)
                 loaded_at = self.loaded.get(key)
-                if loaded_at is None or adapter in r.lora_running:
+                if loaded_at is None or adapter in r.lora_running or adapter in r.lora_in_flight:
                     continue
                 idle = now - max(loaded_at, self._last_used.get(key, loaded_at))
                 if now - loaded_at >= s.min_residency_s and idle >= s.idle_unload_s:

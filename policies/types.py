@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .latency import LatencyPrior, ReplicaLatency
@@ -53,6 +53,9 @@ class ReplicaState:
     # not reported, i.e. LoRA off or not scraped yet).
     lora_running: frozenset[str] = frozenset()
     max_loras: int | None = None
+    # The router's own requests in flight there per adapter (the ledger's count): an adapter
+    # is in use from its dispatch on, whether or not a scrape has seen it yet.
+    lora_in_flight: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,3 +165,21 @@ def test_shared_load_sees_every_change_and_is_read_before_each_decision() -> Non
     ledger.finish(d, 1.0)
     assert reads == [1]
     assert calls == [(1, 1, 15, 1, 10), (1, 0, 0, -1, -10), (1, -1, -15, 0, 0)]
+
+
+def test_requests_for_an_adapter_are_counted_in_flight_per_adapter_until_they_finish() -> None:
+    """The LoRA planner reads ``lora_in_flight``: the router's own requests per adapter."""
+    state = ReplicaState("a", lora_adapters=frozenset({"sql"}))
+    ledger = DispatchLedger(
+        build_policy("round_robin"), FleetView([state], 1), PrefixIndex(), prediction_ttl_s=TTL
+    )
+    first = ledger.dispatch(ledger.route(RouteRequest(10, 5, model="sql"), 0.0, BS), "a", 0.0)
+    second = ledger.dispatch(ledger.route(RouteRequest(10, 5, model="sql"), 0.0, BS), "a", 0.0)
+    base = ledger.dispatch(ledger.route(RouteRequest(10, 5, model="base"), 0.0, BS), "a", 0.0)
+    assert state.lora_in_flight == {"sql": 2}
+    ledger.finish(first, 1.0)
+    ledger.finish(first, 1.0)  # idempotent
+    assert state.lora_in_flight == {"sql": 1}
+    ledger.finish(second, 2.0)
+    ledger.finish(base, 2.0)
+    assert state.lora_in_flight == {}

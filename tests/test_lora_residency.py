@@ -168,6 +168,17 @@ def test_a_hot_adapter_is_loaded_on_the_least_loaded_replica_with_a_free_slot() 
     assert planner.plan(pool, now=20.0) == []  # not hot any more
 
 
+def test_the_routers_own_requests_make_an_adapter_hot_before_any_scrape_sees_it() -> None:
+    planner = _spread()
+    pool = _pool()
+    home = pool[0]
+    home.lora_running = frozenset()  # the replica's metrics are late (or a scrape failed)
+    assert planner.plan(pool, now=0.0) == []  # nothing says sql is in use
+    home.lora_in_flight = {"sql": 3}  # the ledger counted the router's own three
+    (action,) = planner.plan(pool, now=1.0)
+    assert (action.kind, action.replica, action.adapter) == ("load", "free", "sql")
+
+
 def test_a_refused_load_is_not_asked_again_soon_and_another_replica_takes_it() -> None:
     planner = _spread()
     pool = _pool()

@@ -99,6 +99,17 @@ async def _load(url: str, name: str, path: str) -> None:
         assert response.status_code == 200 or "already been loaded" in response.text, response.text
 
 
+def _spread_state(router: Router) -> str:
+    """What the LoRA planner saw, for a failure message."""
+    spreader = router.core.lora_spreader
+    history = [(a.kind, a.replica, ok) for a, ok in spreader.history] if spreader else None
+    states = [
+        (s.replica_id, s.in_flight, sorted(s.lora_running), dict(s.lora_in_flight), s.max_loras)
+        for s in router.core.fleet.replicas
+    ]
+    return f"spreader history {history}; (replica, in flight, running, ours, slots) {states}"
+
+
 async def test_a_hot_adapter_is_loaded_on_the_second_vllm_replica(
     fleet: LaunchedFleet, adapters: dict[str, str], routed: tuple[Router, openai.AsyncOpenAI]
 ) -> None:
@@ -120,11 +131,14 @@ async def test_a_hot_adapter_is_loaded_on_the_second_vllm_replica(
         return raw.headers["x-kvroute-replica"]
 
     burst = [asyncio.create_task(ask(i, 400)) for i in range(6)]
-    await wait_until(
-        lambda: "sql" in router.core.prober.lora_adapters.get(second.name, frozenset()),
-        timeout_s=60,
-        what="the router to load sql on the second replica",
-    )
+    try:
+        await wait_until(
+            lambda: "sql" in router.core.prober.lora_adapters.get(second.name, frozenset()),
+            timeout_s=60,
+            what="the router to load sql on the second replica",
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {_spread_state(router)}") from None
     assert set(await asyncio.gather(*burst)) <= {first.name, second.name}
     spreader = router.core.lora_spreader
     assert spreader is not None
@@ -148,7 +162,20 @@ async def test_alternating_adapters_each_keep_to_one_vllm_replica(
         ),
         timeout_s=10,
     )
-    await wait_until(lambda: all(s.max_loras == 1 for s in router.core.fleet.replicas), 10)
+    # vLLM reports its adapter slots (vllm:lora_requests_info) only once it has served an
+    # adapter: one request to each replica directly, so this test does not lean on the last.
+    async with httpx.AsyncClient(timeout=120) as http:
+        for replica in fleet.replicas:
+            response = await http.post(
+                replica.url + "/v1/completions",
+                json={"model": "chat", "prompt": "hello", "max_tokens": 1},
+            )
+            assert response.status_code == 200, response.text
+    await wait_until(
+        lambda: all(s.max_loras == 1 for s in router.core.fleet.replicas),
+        10,
+        what="both replicas' max_lora in their metrics",
+    )
     served: dict[str, list[str]] = {"sql": [], "chat": []}
     for i in range(16):  # distinct prompts: no prefix to follow, only the adapters' slots
         adapter = "sql" if i % 2 == 0 else "chat"
