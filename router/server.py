@@ -439,21 +439,8 @@ class Router:
         return _json(self.tenants.snapshot(self.admission.fair, time.monotonic()))
 
     async def handle_index_snapshot(self, request: web.Request) -> web.Response:
-        """A pool's prefix index for a starting router (router/warm_start.py); ?pool=NAME,
-        which a router of one pool may leave out."""
-        try:
-            self.auth.check_admin(request)
-            name = request.query.get("pool")
-            pool = self.pools.named(name) if name is not None else None
-            if pool is None and (name is not None or len(self.pools) != 1):
-                known = ", ".join(p.name for p in self.pools)
-                raise errors.bad_request(f"pool: name one of this router's pools ({known})", "pool")
-            pool = pool or self.pools.sole
-        except errors.ApiError as exc:
-            return exc.response()
-        return web.Response(
-            body=warm_start.snapshot_bytes(pool), content_type=warm_start.CONTENT_TYPE
-        )
+        """A pool's prefix index for a starting router (router/warm_start.py)."""
+        return warm_start.snapshot_response(request, self.auth, self.pools)
 
     async def handle_unquarantine(self, request: web.Request) -> web.Response:
         """Back into rotation now (after fixing it, say); the next canary round judges it anew."""

@@ -2,7 +2,8 @@
 "Several routers").
 
 A running router answers ``GET /admin/index-snapshot?pool=NAME`` (admin key) with its pool's
-index as ``kvcore/index_snapshot`` bytes. A router with ``warm_start.peers`` asks them in turn
+index as ``kvcore/index_snapshot`` bytes; so does a running endpoint picker, on its metrics
+port. A router with ``warm_start.peers`` asks them in turn
 at start, after its first probes and scrapes (so it knows its own model, tokenizer and block
 size) and before it follows any KV events: it restores the snapshot's blocks of the replicas
 it follows, and each of their subscribers takes live events from the snapshot's sequence
@@ -22,16 +23,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
+from aiohttp import web
 from xxhash import xxh3_128_hexdigest
 
 from kvroute.kvcore import index_snapshot
 from kvroute.kvcore.index_snapshot import Identity, SnapshotError, SourceSeq
 from kvroute.kvcore.tokenizer import BUILTIN, HFTokenizerFiles
 
+from . import errors
 from .config import WarmStartConfig, resolve_secret
 
 if TYPE_CHECKING:
-    from .pools import PoolRouting
+    from .auth import Auth
+    from .pools import PoolRouting, Pools
 
 from .nats_link import quiet_errors
 
@@ -83,6 +87,23 @@ def snapshot_bytes(pool: PoolRouting) -> bytes:
     replicas = [s.replica for s in sources]
     snap = index_snapshot.take(pool.index, identity(pool), sources, replicas, time.time())
     return index_snapshot.encode(snap)
+
+
+def snapshot_response(request: web.Request, auth: Auth, pools: Pools) -> web.Response:
+    """``GET /admin/index-snapshot?pool=NAME`` (``kvroute serve``'s port, the picker's metrics
+    port): a pool's index for a starting router or picker; a router of one pool may leave
+    ``pool`` out. Admin key, as every /admin path."""
+    try:
+        auth.check_admin(request)
+        name = request.query.get("pool")
+        pool = pools.named(name) if name is not None else None
+        if pool is None and (name is not None or len(pools) != 1):
+            known = ", ".join(p.name for p in pools)
+            raise errors.bad_request(f"pool: name one of this router's pools ({known})", "pool")
+        pool = pool or pools.sole
+    except errors.ApiError as exc:
+        return exc.response()
+    return web.Response(body=snapshot_bytes(pool), content_type=CONTENT_TYPE)
 
 
 async def warm_start(

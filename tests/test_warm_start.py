@@ -16,6 +16,7 @@ from aiohttp import web
 from kvroute.kvcore.block_hashing import block_hashes
 from kvroute.kvcore.tokenizer import SimpleTokenizer
 from kvroute.router.config import ConfigError, config_from_dict
+from kvroute.router.epp.server import PickerServer
 from kvroute.router.runner import app_runner
 from kvroute.router.server import Router
 
@@ -153,6 +154,36 @@ async def test_the_snapshot_needs_the_admin_key(fleet: Any) -> None:
         ) as resp:
             assert resp.status == 400
             assert "pool" in (await resp.json())["error"]["message"]
+
+
+async def test_a_picker_warms_from_a_router_and_serves_its_snapshot_to_the_next(
+    fleet: Any,
+) -> None:
+    """serve -> picker -> serve: a picker warm-starts like a router, and its metrics port
+    answers the snapshot path, so pickers scaled out behind the gateway warm from each other."""
+    config = config_from_dict(
+        {
+            "replicas": fleet.sources(),
+            "health": {"interval_s": 0.2, "timeout_s": 0.5},
+            "routing": {"tokenizer": "builtin", "block_size": BLOCK},
+            "auth": {"admin_api_key": ADMIN_KEY},
+            "warm_start": {"peers": [fleet.first_url]},
+            "epp": {"grpc_port": 0, "health_port": 0, "metrics_port": 0},
+        }
+    )
+    picker = PickerServer(config)
+    ports = await picker.start()
+    try:
+        picker_url = f"http://127.0.0.1:{ports.metrics}"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(picker_url + "/admin/index-snapshot") as resp:
+                assert resp.status == 401  # the admin key, as on the router
+        router, _ = await fleet.router(warm_start={"peers": [picker_url]})
+        for prompt in PROMPTS:
+            match = router.index.match(_hashes(prompt), 0.0)
+            assert match[fleet.homes[prompt]].confirmed == len(_hashes(prompt))
+    finally:
+        await picker.stop(0)
 
 
 @pytest.fixture(scope="module")

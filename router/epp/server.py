@@ -6,7 +6,8 @@
   process runs; ``readiness``, ``""``, ``inference-extension`` and the ext_proc service name
   only once the endpoint set has synced (static endpoints probed once, or the InferencePool
   and its pods listed).
-* ``metrics_port``: Prometheus ``/metrics``.
+* ``metrics_port``: Prometheus ``/metrics``, and ``GET /admin/index-snapshot`` (the admin key)
+  for a picker or router that warm-starts from this one (router/warm_start.py).
 
 Endpoints are the static ``replicas`` (``--endpoint``), or an ``InferencePool`` watched in
 Kubernetes (``epp.pool_name``).
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .. import warm_start
+from ..auth import Auth
 from ..config import Config, ReplicaConfig
 from ..runner import settle_heap
 from . import service
@@ -123,8 +126,16 @@ class PickerServer:
             body = generate_latest(self.picker.metrics.registry)
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+        auth = Auth(self.config.auth)
+        pools = self.picker.core.pools
+
+        async def index_snapshot(request: web.Request) -> web.Response:
+            return warm_start.snapshot_response(request, auth, pools)
+
         app = web.Application()
         app.router.add_get("/metrics", metrics)
+        # A starting picker (or router) warms from this one: warm_start.peers names this port.
+        app.router.add_get(warm_start.PATH, index_snapshot)
         self._metrics = web.AppRunner(app, access_log=None)
         await self._metrics.setup()
         await web.TCPSite(self._metrics, host, port).start()
