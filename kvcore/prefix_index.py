@@ -75,6 +75,12 @@ DEFAULT_MEDIUM = "GPU"
 # so a single-group model's maps, snapshots and hot path are what they were).
 GROUP_SEP = "#g"
 
+
+def _map_key(medium: str, group: int) -> str:
+    """The engine -> router map of ``group`` on ``medium`` (group 0: the medium alone)."""
+    return f"{medium}{GROUP_SEP}{group}" if group else medium
+
+
 EngineHash = int | bytes
 
 Pieces = tuple[int, ...]  # (value, start, value, start, value, ...) along a run
@@ -358,7 +364,7 @@ class PrefixIndex:
             holdings = groups[group] = GroupHoldings()
             rep.groups = dict(sorted(groups.items()))  # vLLM's order: full attention first
         holdings.learn(kind, window)
-        return f"{med}{GROUP_SEP}{group}" if group else med
+        return _map_key(med, group)
 
     def _store(
         self,
@@ -382,7 +388,7 @@ class PrefixIndex:
             for eh, rh in zip(ehs, hashes, strict=True):
                 if emap.get(eh) is rh:
                     del emap[eh]
-            key = f"{med}{GROUP_SEP}{group}" if group else med
+            key = _map_key(med, group)
             added = self._map_blocks(rep, emap, ehs, hashes, med, key)
         self.stats.stored += len(added)
         if rep.groups is not None:
@@ -619,7 +625,7 @@ class PrefixIndex:
         A removal concerns its ``group`` only: another group may hold the block still."""
         rep = self._replicas.get(replica)
         med = medium or DEFAULT_MEDIUM
-        key = f"{med}{GROUP_SEP}{group}" if group else med
+        key = _map_key(med, group)
         emap = rep.maps.get(key) if rep is not None else None
         if rep is None or emap is None:
             self.stats.unknown_removed += len(engine_hashes)
