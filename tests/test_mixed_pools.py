@@ -148,6 +148,70 @@ def test_a_replica_twice_as_slow_per_token_costs_twice_as_much_in_time() -> None
     assert decision.chosen == "fast"
 
 
+def _learnt(level_s: float, noise_s: float, seed: int, n: int = 30) -> ReplicaLatency:
+    """A latency line fitted to ``n`` TTFTs around ``level_s`` (plus 0.1 ms a token)."""
+    rng = random.Random(seed)
+    line = ReplicaLatency(KvAware().prior)
+    for _ in range(n):
+        work = rng.randint(200, 2000)
+        line.observe_prefill(work, level_s + 1e-4 * work + rng.gauss(0.0, noise_s))
+    return line
+
+
+def test_a_ttft_level_within_its_noise_does_not_steer_the_time_cost() -> None:
+    """Alike replicas on a busy host (levels scattered by 0.3 s): the prompt goes where its
+    prefix is cached, as the token cost sends it, not to whichever level came out lowest."""
+    policy = KvAware(cost_unit="time")
+    holder = ReplicaState("holder", latency=_learnt(0.5, 0.3, seed=5))
+    other = ReplicaState("other", latency=_learnt(0.5, 0.3, seed=8))
+    assert holder.latency is not None and other.latency is not None
+    # The noise made the holder's level 0.16 s higher: 5,000 tokens at the prior's price.
+    assert holder.latency.prefill_base_s > other.latency.prefill_base_s + 0.15
+    request = RouteRequest(1200, 16, prefix_tokens={"holder": 1024})
+    decision = policy.decide(request, FleetView([holder, other], membership_version=1))
+    assert decision.chosen == "holder"
+
+
+def test_a_level_every_replica_shares_leaves_the_choice_to_the_cost() -> None:
+    """A CPU host's TTFTs sit half a second above an H100 prior's. Counted in, that common
+    level made every replica a near tie (``margin_ratio`` of a huge cost) and the warm one won
+    whatever its queue. Alike replicas at a common level decide as the token cost does."""
+    line = _learnt(0.5, 0.001, seed=1)
+    line_tokens = line.prefill_s_per_token / KvAware().prior.prefill_s_per_token
+    timed, tokens = (
+        KvAware(cost_unit="time", prefill_s_per_token=line.prefill_s_per_token),
+        KvAware(),
+    )
+    assert line_tokens > 3  # the line is steeper than the prior: priced at its own slope here
+    rng = random.Random(3)
+    for _ in range(200):
+        replicas = []
+        for name in "abc":
+            queued = rng.choice([0, 0, 200, 500, 900, 2000])
+            state = ReplicaState(name, latency=line, prefill_tokens=queued)
+            state.in_flight = state.prefilling = 1 if queued else 0
+            replicas.append(state)
+        holder = rng.choice("abc")
+        request = RouteRequest(600, 16, prefix_tokens={holder: rng.choice([64, 256, 512])})
+        fleet = FleetView(replicas, membership_version=1)
+        assert timed.decide(request, fleet).chosen == tokens.decide(request, fleet).chosen
+
+
+def test_a_ttft_level_clearly_apart_from_the_fleets_still_counts_in_time() -> None:
+    """The same gap between levels, measured without scatter, is the replicas' own: the cost
+    of the slower level is higher by it."""
+    policy = KvAware(cost_unit="time")
+    slow = ReplicaState("slow", latency=_learnt(0.6, 0.001, seed=1))
+    fast = ReplicaState("fast", latency=_learnt(0.4, 0.001, seed=2))
+    assert slow.latency is not None and fast.latency is not None
+    apart = slow.latency.prefill_base_s - fast.latency.prefill_base_s
+    assert apart > 0.15
+    request = RouteRequest(1200, 16)
+    policy.decide(request, FleetView([slow, fast], membership_version=1))  # the fleet's level
+    gap = policy.cost(slow, request) - policy.cost(fast, request)
+    assert gap * policy.prior.prefill_s_per_token > 0.6 * apart  # most of it counts
+
+
 def test_the_time_cost_keeps_latency_lines_without_an_slo_and_says_its_unit() -> None:
     assert KvAware().latency_prior is None
     policy = build_policy("kv_aware", {"cost_unit": "time"})
