@@ -47,6 +47,15 @@ The rules, in the order they apply:
   class (sheddable first; from the tenant furthest ahead, its newest request), or is refused
   itself when nothing lower waits. Critical work is never shed while lower work is queued.
   Sheddable work waits at most ``sheddable_max_wait_s``.
+* **Several routers** (``apply_remote``): with the routers sharing what they served
+  (router/budget_bus.py, ``fairness.share_bus``), the service another router gave a tenant
+  raises its counter here as this router's own does, so a tenant spreading its requests over N
+  routers is not counted a Nth on each. It may put a tenant at most ``share_max_lead_tokens``
+  ahead of the lowest of the others waiting here (of the last admitted, when none waits): that
+  lead is the most a router that fell silent (or what this one never sees of a tenant's history)
+  can cost the tenant here, and once the others have received that much more it is gone, as
+  VTC's lift forgets idle time. A router that starts late takes each tenant's lead from a peer
+  (``lead``, ``adopt_lead``) instead of starting everyone level.
 
 Pure: no I/O, no asyncio, no clock. The front end (router/admission.py) owns the waiting and
 counts the slots; it calls ``may_start``, ``sparse``, ``offer``, ``pick``, ``remove``,
@@ -99,6 +108,7 @@ class FairnessParams:
     program_max_wait_s: float = 300.0  # a request waiting this long goes first (by="program")
     program_attained_weight: float = 0.05  # per token a program received, beside its cost
     max_programs: int = 65536  # programs whose attained service is remembered
+    share_max_lead_tokens: float = 32768.0  # how far other routers' service may put a tenant ahead
 
 
 BY = ("tenant", "program")
@@ -159,6 +169,9 @@ class FairQueue:
         self.by_program = params.by == "program"
         # Weighted tokens each program received, least recently served first (by="program").
         self.programs: OrderedDict[str, float] = OrderedDict()
+        # Weighted tokens charged here per tenant since the last ``drain_served``, for the other
+        # routers (None: not shared; router/budget_bus.py sets it with fairness.share_bus).
+        self.served: dict[str, float] | None = None
 
     def tenant(self, name: str) -> _Tenant:
         t = self.tenants.get(name)
@@ -224,11 +237,55 @@ class FairQueue:
         share = tokens / t.limits.weight
         t.counter += share
         ticket.charged += share
+        if self.served is not None:
+            self.served[ticket.tenant] = self.served.get(ticket.tenant, 0.0) + tokens
         if self.by_program and ticket.program:
             programs = self.programs
             programs[ticket.program] = programs.pop(ticket.program, 0.0) + tokens
             if len(programs) > self.params.max_programs:
                 programs.popitem(last=False)
+
+    # -- several routers -------------------------------------------------------------------
+
+    def drain_served(self) -> dict[str, float]:
+        """Weighted tokens (not yet over the weight) charged here per tenant since the last
+        drain, net zero ones left out: what this router tells the others."""
+        served = self.served
+        if not served:
+            return {}
+        self.served = {}
+        return {tenant: tokens for tenant, tokens in served.items() if tokens}
+
+    def apply_remote(self, tenant: str, tokens: float) -> None:
+        """Another router served ``tenant`` ``tokens`` weighted tokens: its counter rises by
+        them over its weight, to at most ``share_max_lead_tokens`` ahead of the reference (the
+        lowest of the other tenants waiting here, else the last admitted). Never lowers it: a
+        net negative (a correction of an estimate) is dropped, at most a request's error."""
+        t = self.tenant(tenant)
+        if tokens <= 0:
+            return
+        cap = self._reference(t) + self.params.share_max_lead_tokens
+        t.counter = max(t.counter, min(t.counter + tokens / t.limits.weight, cap))
+
+    def lead(self, tenant: str) -> float:
+        """How far ``tenant``'s counter is ahead of the last admitted (0 when behind): what a
+        router that starts late takes from this one (``adopt_lead``)."""
+        t = self.tenants.get(tenant)
+        return max(0.0, t.counter - self._floor) if t is not None else 0.0
+
+    def adopt_lead(self, tenant: str, lead: float) -> None:
+        """A peer that has been serving for a while has ``tenant`` ``lead`` ahead: start it
+        that far ahead of this router's last admitted (bounded as ``apply_remote``), not level
+        with everyone as a newcomer; never lowers it."""
+        t = self.tenant(tenant)
+        lead = min(max(0.0, lead), self.params.share_max_lead_tokens)
+        t.counter = max(t.counter, self._floor + lead)
+
+    def _reference(self, t: _Tenant) -> float:
+        """What a remote charge's lead is measured from: the lowest counter of the other
+        tenants waiting here (whom it would go behind), else the last admitted one's."""
+        waiting = [o.counter for o in self.tenants.values() if o is not t and o.backlogged]
+        return min(waiting) if waiting else self._floor
 
     def attained(self, program: str) -> float:
         """Weighted tokens ``program`` has received (0 for a new or forgotten one)."""

@@ -8,8 +8,15 @@ its buckets' levels, and applies the others' to its own buckets (router/tenants.
 bucket drains at the fleet's rate. What can overshoot is what the routers admit in one interval
 before hearing of each other: BENCHMARKS.md measures it.
 
-NATS core pub/sub, at most once: a lost message lets a tenant a little over its budget for a
-moment, never blocks it. Budgets only; load and predictions are router/ledger_bus.py's.
+With ``fairness.share_bus`` too, the same messages carry what each process's fair queue
+charged each tenant (weighted tokens, ``service``) and how far ahead that tenant's counter is
+there (``lead``); each applies the others' to its own fair queue (kvcore/fair_queue.py
+``apply_remote``), so a tenant's share holds across routers, and a router that starts late takes
+each tenant's lead from an older one, as it takes a budget's level. Routers without it ignore
+the two extra fields; routers with it read none from older ones.
+
+NATS core pub/sub, at most once: a lost message lets a tenant a little over its budget (or its
+share) for a moment, never blocks it. Load and predictions are router/ledger_bus.py's.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvroute.kvcore.budgets import ChargeLog
+from kvroute.kvcore.fair_queue import FairQueue
 
 from .nats_link import NatsLink
 from .tenants import Tenants
@@ -43,6 +51,10 @@ class TenantCharge(msgspec.Struct, array_like=True):
     output_tokens: float
     input_level: float | None
     output_level: float | None
+    # fairness.share_bus: weighted tokens the sender's fair queue charged, and the tenant's lead
+    # there (last, with defaults: routers of either version read each other's messages).
+    service: float = 0.0
+    lead: float | None = None
 
 
 class Charges(msgspec.Struct, array_like=True):
@@ -56,10 +68,20 @@ _decoder = msgspec.msgpack.Decoder(Charges)
 
 
 class BudgetBus:
-    def __init__(self, url: str, subject: str, tenants: Tenants, interval_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        subject: str,
+        tenants: Tenants,
+        interval_s: float,
+        fair: FairQueue | None = None,
+    ) -> None:
         self.url = url
         self.subject = subject
         self.tenants = tenants
+        # fairness.share_bus: the fair queue whose service is shared (None: budgets only).
+        self.fair = fair
+        self._adopted: set[str] = set()  # tenants whose lead was taken from an older router
         self.interval_s = interval_s
         self.origin = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
         self.started = time.time()
@@ -72,6 +94,8 @@ class BudgetBus:
     async def start(self) -> None:
         if self.tenants.shared is None:
             self.tenants.shared = ChargeLog()
+        if self.fair is not None and self.fair.served is None:
+            self.fair.served = {}
         self._link = NatsLink(
             self.url, f"kvroute-budgets {self.origin}", "budget bus", self._connected
         )
@@ -98,16 +122,21 @@ class BudgetBus:
             await self.flush()
 
     async def flush(self) -> None:
-        shared = self.tenants.shared
-        if self._client is None or shared is None or not len(shared):
+        shared, fair = self.tenants.shared, self.fair
+        if self._client is None or shared is None:
+            return
+        budgets = shared.drain() if len(shared) else {}
+        served = fair.drain_served() if fair is not None else {}
+        if not (budgets or served):
             return
         now = time.monotonic()
-        charges = [
-            TenantCharge(tenant, i, o, *self.tenants.levels(tenant, now))
-            for tenant, (i, o) in shared.drain().items()
-        ]
-        if not charges:
-            return
+        charges = []
+        for tenant in budgets.keys() | served.keys():
+            i, o = budgets.get(tenant, (0.0, 0.0))
+            charge = TenantCharge(tenant, i, o, *self.tenants.levels(tenant, now))
+            if fair is not None:
+                charge.service, charge.lead = served.get(tenant, 0.0), fair.lead(tenant)
+            charges.append(charge)
         try:
             await self._client.publish(
                 self.subject, _encoder.encode(Charges(self.origin, self.started, charges))
@@ -129,6 +158,23 @@ class BudgetBus:
         # buckets, full at its start, take that router's levels the first time they hear it.
         older = batch.started < self.started - JOINED_LATE_S
         for c in batch.charges:
-            levels = (c.input_level, c.output_level) if older else None
-            self.tenants.apply_remote(c.tenant, (c.input_tokens, c.output_tokens), levels, now)
+            levels = (c.input_level, c.output_level)
+            if c.input_tokens or c.output_tokens or levels != (None, None):
+                self.tenants.apply_remote(
+                    c.tenant, (c.input_tokens, c.output_tokens), levels if older else None, now
+                )
+            if self.fair is not None and (c.service or c.lead is not None):
+                self._apply_service(c, older)
         self.applied += 1
+
+    def _apply_service(self, c: TenantCharge, older: bool) -> None:
+        """A peer's service to ``c.tenant`` into this fair queue; from a router that ran long
+        before this one started, its lead the first time (that lead holds the service)."""
+        fair = self.fair
+        if fair is None or not self.tenants.tracks(c.tenant):
+            return
+        if older and c.lead is not None and c.tenant not in self._adopted:
+            self._adopted.add(c.tenant)
+            fair.adopt_lead(c.tenant, c.lead)
+            return
+        fair.apply_remote(c.tenant, c.service)
