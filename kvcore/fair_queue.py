@@ -55,7 +55,10 @@ The rules, in the order they apply:
   lead is the most a router that fell silent (or what this one never sees of a tenant's history)
   can cost the tenant here, and once the others have received that much more it is gone, as
   VTC's lift forgets idle time. A router that starts late takes each tenant's lead from a peer
-  (``lead``, ``adopt_lead``) instead of starting everyone level.
+  (``lead``, ``adopt_lead``) instead of starting everyone level. A tenant served elsewhere
+  stays ahead here as long as it is, so its requests that land here would wait while the
+  others' backlog lasts: ``max_wait_s`` (``fairness.share_max_wait_s`` with the shares on)
+  admits a request that has waited that long first, the oldest first, whatever the counters.
 
 Pure: no I/O, no asyncio, no clock. The front end (router/admission.py) owns the waiting and
 counts the slots; it calls ``may_start``, ``sparse``, ``offer``, ``pick``, ``remove``,
@@ -109,6 +112,7 @@ class FairnessParams:
     program_attained_weight: float = 0.05  # per token a program received, beside its cost
     max_programs: int = 65536  # programs whose attained service is remembered
     share_max_lead_tokens: float = 32768.0  # how far other routers' service may put a tenant ahead
+    max_wait_s: float = 0.0  # a request waiting this long goes first, oldest first (0: never)
 
 
 BY = ("tenant", "program")
@@ -352,15 +356,22 @@ class FairQueue:
         queued may start (empty, or every waiting tenant is at its own cap).
 
         ``locality(ticket)``: prompt tokens the replica that freed the slot holds of it.
-        By program: ``now``, the clock ``Ticket.arrived`` is on (for ``program_max_wait_s``;
-        without it no wait counts as long), and ``cost(ticket)``, its prompt tokens no replica
-        holds (without it, all its prompt tokens)."""
+        ``now``: the clock ``Ticket.arrived`` is on, for ``max_wait_s`` and, by program,
+        ``program_max_wait_s`` (without it no wait counts as long). By program,
+        ``cost(ticket)``: its prompt tokens no replica holds (without it, all of them)."""
         if not self.queued:
             return None
         for priority in reversed(Priority):
             heads = [t for t in self.tenants.values() if t.waiting[priority] and _may_run(t)]
             if not heads:
                 continue
+            if self.params.max_wait_s > 0 and now is not None:
+                # The request waiting longest (each tenant's first is its oldest) goes first once
+                # it has waited max_wait_s: other routers' service must not hold it here unbounded.
+                head = min((t.waiting[priority][0] for t in heads), key=lambda k: k.seq)
+                if now - head.arrived >= self.params.max_wait_s:
+                    self.remove(head)
+                    return head
             # Ties (a tenant back from idle is lifted level with the rest) go to the tenant
             # with the lighter load (requests in service and waiting, per weight): the sparse
             # one before the flood. Then to the older request.

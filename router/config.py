@@ -328,6 +328,10 @@ class FairnessConfig(_Section):
     # With share_bus: the most the others' service puts a tenant ahead of the lowest tenant
     # waiting here (weighted tokens): what a router gone silent can distort, at most.
     share_max_lead_tokens: float = 32768.0
+    # With share_bus: a request that has waited this long is admitted first (the oldest first),
+    # whatever the counters: a tenant served elsewhere is ahead here, and its requests that land
+    # here would otherwise wait while the others' backlog lasts. 0: no bound.
+    share_max_wait_s: float = 10.0
 
 
 class BatchConfig(_Section):
@@ -1175,7 +1179,12 @@ def tenant_problems(config: Config) -> list[str]:
             "fairness.share_bus: true needs tenants.budget_bus (the nats:// URL the routers "
             "share their charges on)"
         )
-    for key in ("output_weight", "locality_bound_tokens", "share_max_lead_tokens"):
+    for key in (
+        "output_weight",
+        "locality_bound_tokens",
+        "share_max_lead_tokens",
+        "share_max_wait_s",
+    ):
         value = getattr(fairness, key)
         if not (math.isfinite(value) and value >= 0):
             problems.append(f"fairness.{key}: must be a finite number >= 0, got {value}")

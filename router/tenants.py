@@ -59,6 +59,8 @@ def fairness_params(config: Config) -> FairnessParams:
         f.output_weight, f.locality_bound_tokens, f.sheddable_max_wait_s, f.locality_scan,
         f.reserved_slots, f.by, f.program_max_wait_s, f.program_attained_weight,
         f.max_programs, f.share_max_lead_tokens,
+        # Shares from other routers hold a tenant back here: its wait is bounded, then.
+        f.share_max_wait_s if f.share_bus else 0.0,
     )  # fmt: skip
 
 

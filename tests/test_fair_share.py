@@ -83,6 +83,37 @@ def test_the_lead_from_other_routers_is_bounded_so_a_silent_one_is_forgotten() -
     assert order[3:7] in (["a", "b", "a", "b"], ["a", "a", "b", "a"])
 
 
+def test_a_request_held_back_by_service_elsewhere_waits_at_most_max_wait_s() -> None:
+    """a is far ahead here (served elsewhere) and b stays backlogged: a's request would wait
+    as long as b's backlog lasts; with max_wait_s it goes first once it has waited that long."""
+    params = FairnessParams(share_max_lead_tokens=1e9, max_wait_s=10.0)
+    q = FairQueue(params, lambda name: TenantLimits(), 100)
+    q.offer(Ticket("b", STANDARD, 100, arrived=0.0))
+    q.offer(Ticket("a", STANDARD, 100, arrived=1.0))
+    q.apply_remote("a", 1e6)
+    for k in range(5):
+        q.offer(Ticket("b", STANDARD, 100, arrived=2.0 + k))
+    picked = [q.pick(now=t) for t in (5.0, 10.5, 10.6, 11.5)]
+    assert [p.tenant if p else None for p in picked] == ["b", "b", "b", "a"]
+    # Without the bound (the default) it is still b's turn.
+    q2 = FairQueue(FairnessParams(share_max_lead_tokens=1e9), lambda name: TenantLimits(), 100)
+    q2.offer(Ticket("b", STANDARD, 100, arrived=0.0))
+    q2.offer(Ticket("a", STANDARD, 100, arrived=1.0))
+    q2.apply_remote("a", 1e6)
+    q2.offer(Ticket("b", STANDARD, 100, arrived=2.0))
+    assert [q2.pick(now=100.0).tenant for _ in range(2)] == ["b", "b"]  # type: ignore[union-attr]
+
+
+def test_the_wait_bound_is_on_with_the_shares_only() -> None:
+    from kvroute.router.tenants import fairness_params
+
+    bus = {"budget_bus": "nats://127.0.0.1:4222"}
+    on = config_from_dict({"tenants": bus, "fairness": {"share_bus": True}})
+    assert fairness_params(on).max_wait_s == 10.0
+    off = config_from_dict({"tenants": bus, "fairness": {"share_max_wait_s": 3}})
+    assert fairness_params(off).max_wait_s == 0.0
+
+
 def test_remote_service_never_lowers_a_counter_and_negatives_are_dropped() -> None:
     q = make()
     serve(q, Ticket("a", STANDARD, 500))
@@ -198,8 +229,11 @@ async def test_a_message_of_a_router_without_shares_is_read_and_changes_no_count
 
 def test_share_bus_without_a_budget_bus_names_both_keys() -> None:
     with pytest.raises(ConfigError) as info:
-        config_from_dict({"fairness": {"share_bus": True, "share_max_lead_tokens": -1}})
+        config_from_dict(
+            {"fairness": {"share_bus": True, "share_max_lead_tokens": -1, "share_max_wait_s": -2}}
+        )
     problems = "\n".join(info.value.problems)
+    assert "fairness.share_max_wait_s: must be a finite number >= 0" in problems, problems
     assert "fairness.share_bus: true needs tenants.budget_bus" in problems, problems
     assert "fairness.share_max_lead_tokens: must be a finite number >= 0" in problems, problems
     with pytest.raises(ConfigError) as info:

@@ -51,13 +51,14 @@ from kvroute.bench.harness.fleet import (
 )
 from kvroute.bench.harness.host import machine_line
 from kvroute.bench.harness.nats import nats_server
-from kvroute.kvcore.fair_queue import FairnessParams
 from kvroute.kvcore.stats import percentile
+from kvroute.router.config import FairnessConfig
 
 SPREAD, LOCAL = "spread", "local"
 TENANTS = (SPREAD, LOCAL)
 SHARED = "spread via the first router"  # the spread tenant's requests that meet the local one
-LEAD = FairnessParams().share_max_lead_tokens  # what the routers run with (the default)
+# What the routers run with: the defaults.
+LEAD, WAIT = FairnessConfig().share_max_lead_tokens, FairnessConfig().share_max_wait_s
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ def report(results: list[Result], options: Options, routers: int, command: str) 
         f"limits.max_concurrent_requests {options.slots} (one router: {options.slots * routers}: "
         f"the same fleet capacity), so admission decides who goes next; the routers on one NATS "
         f"server (tenants.budget_bus; no budgets set), fairness.share_bus off or on "
-        f"(share_max_lead_tokens {LEAD:g}). Prompts of ~{options.prompt_words} words, "
+        f"(share_max_lead_tokens {LEAD:g}, share_max_wait_s {WAIT:g}). Prompts of ~{options.prompt_words} words, "
         f"{options.max_tokens} output tokens; a {options.seconds:g} s window after "
         f"{options.warmup_s:g} s warm-up. Share: of the weighted tokens served in the window "
         f"(input + {OUTPUT_WEIGHT:g} x output, the routers' /admin/tenants summed). TTFT: the "
