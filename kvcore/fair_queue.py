@@ -55,9 +55,10 @@ The rules, in the order they apply:
   lead is the most a router that fell silent (or what this one never sees of a tenant's history)
   can cost the tenant here, and once the others have received that much more it is gone, as
   VTC's lift forgets idle time. A router that starts late takes each tenant's lead from a peer
-  (``lead``, ``adopt_lead``) instead of starting everyone level. A tenant served elsewhere
-  stays ahead here as long as it is, so its requests that land here would wait while the
-  others' backlog lasts: ``max_wait_s`` (``fairness.share_max_wait_s`` with the shares on)
+  (``lead``, ``adopt_lead``) instead of starting everyone level. By program, what a program
+  received elsewhere adds to what it received here (``apply_remote_program``). A tenant served
+  elsewhere stays ahead here as long as it is, so its requests that land here would wait while
+  the others' backlog lasts: ``max_wait_s`` (``fairness.share_max_wait_s`` with the shares on)
   admits a request that has waited that long first, the oldest first, whatever the counters.
 
 Pure: no I/O, no asyncio, no clock. The front end (router/admission.py) owns the waiting and
@@ -176,6 +177,8 @@ class FairQueue:
         # Weighted tokens charged here per tenant since the last ``drain_served``, for the other
         # routers (None: not shared; router/budget_bus.py sets it with fairness.share_bus).
         self.served: dict[str, float] | None = None
+        # And per program (by="program", while ``served`` is set): what each program received here.
+        self.served_programs: dict[str, float] = {}
 
     def tenant(self, name: str) -> _Tenant:
         t = self.tenants.get(name)
@@ -243,6 +246,9 @@ class FairQueue:
         ticket.charged += share
         if self.served is not None:
             self.served[ticket.tenant] = self.served.get(ticket.tenant, 0.0) + tokens
+            if self.by_program and ticket.program:
+                held = self.served_programs
+                held[ticket.program] = held.get(ticket.program, 0.0) + tokens
         if self.by_program and ticket.program:
             programs = self.programs
             programs[ticket.program] = programs.pop(ticket.program, 0.0) + tokens
@@ -270,6 +276,22 @@ class FairQueue:
             return
         cap = self._reference(t) + self.params.share_max_lead_tokens
         t.counter = max(t.counter, min(t.counter + tokens / t.limits.weight, cap))
+
+    def drain_programs(self) -> dict[str, float]:
+        """As ``drain_served``, per program (by="program")."""
+        served, self.served_programs = self.served_programs, {}
+        return {program: tokens for program, tokens in served.items() if tokens}
+
+    def apply_remote_program(self, program: str, tokens: float) -> None:
+        """Another router served ``program`` ``tokens`` weighted tokens (by="program"): it has
+        received them, whichever router its turns reached. Absolute, not relative, so not
+        bounded; forgotten as the programs served here are (the least recently served first)."""
+        if not (self.by_program and program) or tokens <= 0:
+            return
+        programs = self.programs
+        programs[program] = programs.pop(program, 0.0) + tokens
+        if len(programs) > self.params.max_programs:
+            programs.popitem(last=False)
 
     def lead(self, tenant: str) -> float:
         """How far ``tenant``'s counter is ahead of the last admitted (0 when behind): what a

@@ -10,10 +10,11 @@ before hearing of each other: BENCHMARKS.md measures it.
 
 With ``fairness.share_bus`` too, the same messages carry what each process's fair queue
 charged each tenant (weighted tokens, ``service``) and how far ahead that tenant's counter is
-there (``lead``); each applies the others' to its own fair queue (kvcore/fair_queue.py
-``apply_remote``), so a tenant's share holds across routers, and a router that starts late takes
+there (``lead``), and with ``fairness.by: program`` what each program received; each applies
+the others' to its own fair queue (kvcore/fair_queue.py ``apply_remote``), so a tenant's share
+(and a program's attained service) holds across routers, and a router that starts late takes
 each tenant's lead from an older one, as it takes a budget's level. Routers without it ignore
-the two extra fields; routers with it read none from older ones.
+the extra fields; routers with it read none from older ones.
 
 NATS core pub/sub, at most once: a lost message lets a tenant a little over its budget (or its
 share) for a moment, never blocks it. Load and predictions are router/ledger_bus.py's.
@@ -57,10 +58,17 @@ class TenantCharge(msgspec.Struct, array_like=True):
     lead: float | None = None
 
 
+class ProgramCharge(msgspec.Struct, array_like=True):
+    program: str
+    service: float  # weighted tokens the sender's fair queue charged it (fairness.by: program)
+
+
 class Charges(msgspec.Struct, array_like=True):
     origin: str
     started: float  # the sender's start, wall-clock seconds
     charges: list[TenantCharge]
+    # fairness.share_bus with fairness.by: program (last, with a default, as TenantCharge's).
+    programs: list[ProgramCharge] = msgspec.field(default_factory=list)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -127,7 +135,8 @@ class BudgetBus:
             return
         budgets = shared.drain() if len(shared) else {}
         served = fair.drain_served() if fair is not None else {}
-        if not (budgets or served):
+        programs = fair.drain_programs() if fair is not None else {}
+        if not (budgets or served or programs):
             return
         now = time.monotonic()
         charges = []
@@ -139,7 +148,15 @@ class BudgetBus:
             charges.append(charge)
         try:
             await self._client.publish(
-                self.subject, _encoder.encode(Charges(self.origin, self.started, charges))
+                self.subject,
+                _encoder.encode(
+                    Charges(
+                        self.origin,
+                        self.started,
+                        charges,
+                        [ProgramCharge(p, tokens) for p, tokens in programs.items()],
+                    )
+                ),
             )
             self.published += 1
         except Exception as exc:  # at most once: the others miss this interval's charges
@@ -165,6 +182,9 @@ class BudgetBus:
                 )
             if self.fair is not None and (c.service or c.lead is not None):
                 self._apply_service(c, older)
+        if self.fair is not None:
+            for program in batch.programs:
+                self.fair.apply_remote_program(program.program, program.service)
         self.applied += 1
 
     def _apply_service(self, c: TenantCharge, older: bool) -> None:

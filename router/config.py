@@ -323,7 +323,8 @@ class FairnessConfig(_Section):
     max_programs: int = 65536
     # Several routers: count what the others served each tenant, over tenants.budget_bus (its
     # NATS link and charge messages; router/budget_bus.py), so a tenant spreading its requests
-    # over N routers is not counted a Nth on each. Needs tenants.budget_bus.
+    # over N routers is not counted a Nth on each (by: program, what each program received
+    # too). Needs tenants.budget_bus.
     share_bus: bool = False
     # With share_bus: the most the others' service puts a tenant ahead of the lowest tenant
     # waiting here (weighted tokens): what a router gone silent can distort, at most.

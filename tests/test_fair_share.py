@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from kvroute.kvcore.fair_queue import FairnessParams, FairQueue, Priority, TenantLimits, Ticket
-from kvroute.router.budget_bus import BudgetBus, Charges, TenantCharge
+from kvroute.router.budget_bus import BudgetBus, Charges, ProgramCharge, TenantCharge
 from kvroute.router.config import ConfigError, config_from_dict
 from kvroute.router.tenant_metrics import TenantMetrics
 from kvroute.router.tenants import Tenants
@@ -140,6 +140,30 @@ def test_what_this_router_served_is_drained_once_for_the_others() -> None:
     assert q.served == {}  # still shared
 
 
+def test_by_program_what_a_program_received_elsewhere_counts_here() -> None:
+    """Two programs of one tenant wait, p1 first; p1's turns were served on another router:
+    p2 (less attained service) goes first here."""
+    params = FairnessParams(by="program", program_attained_weight=1.0, max_programs=2)
+    q = FairQueue(params, lambda name: TenantLimits(), 100)
+    q.served = {}
+    q.offer(Ticket("t", STANDARD, 100, program="p1"))
+    q.offer(Ticket("t", STANDARD, 100, program="p2"))
+    q.apply_remote_program("p1", 500)
+    first = q.pick(now=0.0)
+    assert first is not None and first.program == "p2"
+    serve(q, first, output=10)
+    assert q.drain_programs() == {"p2": 120.0}  # only what was served here is passed on
+    assert q.drain_programs() == {}
+    q.apply_remote_program("p3", 1)
+    q.apply_remote_program("p4", 1)  # max_programs 2: the least recently served forgotten
+    assert list(q.programs) == ["p3", "p4"]
+    q.apply_remote_program("p4", -5)  # net negative: dropped
+    assert q.attained("p4") == 1
+    by_tenant = make()
+    by_tenant.apply_remote_program("p1", 500)  # by tenant: programs are not kept
+    assert by_tenant.programs == {}
+
+
 def test_a_late_router_takes_a_tenants_lead_bounded_and_never_lower() -> None:
     old = make(lead=1000.0)
     serve(old, Ticket("b", STANDARD, 100))
@@ -212,6 +236,15 @@ class OldCharges(msgspec.Struct, array_like=True):
     origin: str
     started: float
     charges: list[Old]
+
+
+async def test_the_bus_applies_a_peers_program_service_by_program() -> None:
+    bus = _bus()
+    assert bus.fair is not None
+    bus.fair.by_program = True  # as FairnessParams(by="program") makes it
+    message = Charges("peer", bus.started, [], [ProgramCharge("p1", 70.0)])
+    await bus._on_message(_Msg(msgspec.msgpack.encode(message)))
+    assert bus.fair.attained("p1") == 70.0
 
 
 async def test_a_message_of_a_router_without_shares_is_read_and_changes_no_counter() -> None:
