@@ -271,9 +271,9 @@ class FairQueue:
         them over its weight, to at most ``share_max_lead_tokens`` ahead of the reference (the
         lowest of the other tenants waiting here, else the last admitted). Never lowers it: a
         net negative (a correction of an estimate) is dropped, at most a request's error."""
-        t = self.tenant(tenant)
         if tokens <= 0:
             return
+        t = self.tenant(tenant)
         cap = self._reference(t) + self.params.share_max_lead_tokens
         t.counter = max(t.counter, min(t.counter + tokens / t.limits.weight, cap))
 
