@@ -47,6 +47,19 @@ The rules, in the order they apply:
   class (sheddable first; from the tenant furthest ahead, its newest request), or is refused
   itself when nothing lower waits. Critical work is never shed while lower work is queued.
   Sheddable work waits at most ``sheddable_max_wait_s``.
+* **Several routers** (``apply_remote``): with the routers sharing what they served
+  (router/budget_bus.py, ``fairness.share_bus``), the service another router gave a tenant
+  raises its counter here as this router's own does, so a tenant spreading its requests over N
+  routers is not counted a Nth on each. It may put a tenant at most ``share_max_lead_tokens``
+  ahead of the lowest of the others waiting here (of the last admitted, when none waits): that
+  lead is the most a router that fell silent (or what this one never sees of a tenant's history)
+  can cost the tenant here, and once the others have received that much more it is gone, as
+  VTC's lift forgets idle time. A router that starts late takes each tenant's lead from a peer
+  (``lead``, ``adopt_lead``) instead of starting everyone level. By program, what a program
+  received elsewhere adds to what it received here (``apply_remote_program``). A tenant served
+  elsewhere stays ahead here as long as it is, so its requests that land here would wait while
+  the others' backlog lasts: ``max_wait_s`` (``fairness.share_max_wait_s`` with the shares on)
+  admits a request that has waited that long first, the oldest first, whatever the counters.
 
 Pure: no I/O, no asyncio, no clock. The front end (router/admission.py) owns the waiting and
 counts the slots; it calls ``may_start``, ``sparse``, ``offer``, ``pick``, ``remove``,
@@ -99,6 +112,8 @@ class FairnessParams:
     program_max_wait_s: float = 300.0  # a request waiting this long goes first (by="program")
     program_attained_weight: float = 0.05  # per token a program received, beside its cost
     max_programs: int = 65536  # programs whose attained service is remembered
+    share_max_lead_tokens: float = 32768.0  # how far other routers' service may put a tenant ahead
+    max_wait_s: float = 0.0  # a request waiting this long goes first, oldest first (0: never)
 
 
 BY = ("tenant", "program")
@@ -159,6 +174,11 @@ class FairQueue:
         self.by_program = params.by == "program"
         # Weighted tokens each program received, least recently served first (by="program").
         self.programs: OrderedDict[str, float] = OrderedDict()
+        # Weighted tokens charged here per tenant since the last ``drain_served``, for the other
+        # routers (None: not shared; router/budget_bus.py sets it with fairness.share_bus).
+        self.served: dict[str, float] | None = None
+        # And per program (by="program", while ``served`` is set): what each program received here.
+        self.served_programs: dict[str, float] = {}
 
     def tenant(self, name: str) -> _Tenant:
         t = self.tenants.get(name)
@@ -224,11 +244,74 @@ class FairQueue:
         share = tokens / t.limits.weight
         t.counter += share
         ticket.charged += share
+        if self.served is not None:
+            self.served[ticket.tenant] = self.served.get(ticket.tenant, 0.0) + tokens
+            if self.by_program and ticket.program:
+                held = self.served_programs
+                held[ticket.program] = held.get(ticket.program, 0.0) + tokens
         if self.by_program and ticket.program:
             programs = self.programs
             programs[ticket.program] = programs.pop(ticket.program, 0.0) + tokens
             if len(programs) > self.params.max_programs:
                 programs.popitem(last=False)
+
+    # -- several routers -------------------------------------------------------------------
+
+    def drain_served(self) -> dict[str, float]:
+        """Weighted tokens (not yet over the weight) charged here per tenant since the last
+        drain, net zero ones left out: what this router tells the others."""
+        served = self.served
+        if not served:
+            return {}
+        self.served = {}
+        return {tenant: tokens for tenant, tokens in served.items() if tokens}
+
+    def apply_remote(self, tenant: str, tokens: float) -> None:
+        """Another router served ``tenant`` ``tokens`` weighted tokens: its counter rises by
+        them over its weight, to at most ``share_max_lead_tokens`` ahead of the reference (the
+        lowest of the other tenants waiting here, else the last admitted). Never lowers it: a
+        net negative (a correction of an estimate) is dropped, at most a request's error."""
+        if tokens <= 0:
+            return
+        t = self.tenant(tenant)
+        cap = self._reference(t) + self.params.share_max_lead_tokens
+        t.counter = max(t.counter, min(t.counter + tokens / t.limits.weight, cap))
+
+    def drain_programs(self) -> dict[str, float]:
+        """As ``drain_served``, per program (by="program")."""
+        served, self.served_programs = self.served_programs, {}
+        return {program: tokens for program, tokens in served.items() if tokens}
+
+    def apply_remote_program(self, program: str, tokens: float) -> None:
+        """Another router served ``program`` ``tokens`` weighted tokens (by="program"): it has
+        received them, whichever router its turns reached. Absolute, not relative, so not
+        bounded; forgotten as the programs served here are (the least recently served first)."""
+        if not (self.by_program and program) or tokens <= 0:
+            return
+        programs = self.programs
+        programs[program] = programs.pop(program, 0.0) + tokens
+        if len(programs) > self.params.max_programs:
+            programs.popitem(last=False)
+
+    def lead(self, tenant: str) -> float:
+        """How far ``tenant``'s counter is ahead of the last admitted (0 when behind): what a
+        router that starts late takes from this one (``adopt_lead``)."""
+        t = self.tenants.get(tenant)
+        return max(0.0, t.counter - self._floor) if t is not None else 0.0
+
+    def adopt_lead(self, tenant: str, lead: float) -> None:
+        """A peer that has been serving for a while has ``tenant`` ``lead`` ahead: start it
+        that far ahead of this router's last admitted (bounded as ``apply_remote``), not level
+        with everyone as a newcomer; never lowers it."""
+        t = self.tenant(tenant)
+        lead = min(max(0.0, lead), self.params.share_max_lead_tokens)
+        t.counter = max(t.counter, self._floor + lead)
+
+    def _reference(self, t: _Tenant) -> float:
+        """What a remote charge's lead is measured from: the lowest counter of the other
+        tenants waiting here (whom it would go behind), else the last admitted one's."""
+        waiting = [o.counter for o in self.tenants.values() if o is not t and o.backlogged]
+        return min(waiting) if waiting else self._floor
 
     def attained(self, program: str) -> float:
         """Weighted tokens ``program`` has received (0 for a new or forgotten one)."""
@@ -295,15 +378,22 @@ class FairQueue:
         queued may start (empty, or every waiting tenant is at its own cap).
 
         ``locality(ticket)``: prompt tokens the replica that freed the slot holds of it.
-        By program: ``now``, the clock ``Ticket.arrived`` is on (for ``program_max_wait_s``;
-        without it no wait counts as long), and ``cost(ticket)``, its prompt tokens no replica
-        holds (without it, all its prompt tokens)."""
+        ``now``: the clock ``Ticket.arrived`` is on, for ``max_wait_s`` and, by program,
+        ``program_max_wait_s`` (without it no wait counts as long). By program,
+        ``cost(ticket)``: its prompt tokens no replica holds (without it, all of them)."""
         if not self.queued:
             return None
         for priority in reversed(Priority):
             heads = [t for t in self.tenants.values() if t.waiting[priority] and _may_run(t)]
             if not heads:
                 continue
+            if self.params.max_wait_s > 0 and now is not None:
+                # The request waiting longest (each tenant's first is its oldest) goes first once
+                # it has waited max_wait_s: other routers' service must not hold it here unbounded.
+                head = min((t.waiting[priority][0] for t in heads), key=lambda k: k.seq)
+                if now - head.arrived >= self.params.max_wait_s:
+                    self.remove(head)
+                    return head
             # Ties (a tenant back from idle is lifted level with the rest) go to the tenant
             # with the lighter load (requests in service and waiting, per weight): the sparse
             # one before the flood. Then to the older request.

@@ -8,8 +8,16 @@ its buckets' levels, and applies the others' to its own buckets (router/tenants.
 bucket drains at the fleet's rate. What can overshoot is what the routers admit in one interval
 before hearing of each other: BENCHMARKS.md measures it.
 
-NATS core pub/sub, at most once: a lost message lets a tenant a little over its budget for a
-moment, never blocks it. Budgets only; load and predictions are router/ledger_bus.py's.
+With ``fairness.share_bus`` too, the same messages carry what each process's fair queue
+charged each tenant (weighted tokens, ``service``) and how far ahead that tenant's counter is
+there (``lead``), and with ``fairness.by: program`` what each program received; each applies
+the others' to its own fair queue (kvcore/fair_queue.py ``apply_remote``), so a tenant's share
+(and a program's attained service) holds across routers, and a router that starts late takes
+each tenant's lead from an older one, as it takes a budget's level. Routers without it ignore
+the extra fields; routers with it read none from older ones.
+
+NATS core pub/sub, at most once: a lost message lets a tenant a little over its budget (or its
+share) for a moment, never blocks it. Load and predictions are router/ledger_bus.py's.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvroute.kvcore.budgets import ChargeLog
+from kvroute.kvcore.fair_queue import FairQueue
 
 from .nats_link import NatsLink
 from .tenants import Tenants
@@ -43,12 +52,23 @@ class TenantCharge(msgspec.Struct, array_like=True):
     output_tokens: float
     input_level: float | None
     output_level: float | None
+    # fairness.share_bus: weighted tokens the sender's fair queue charged, and the tenant's lead
+    # there (last, with defaults: routers of either version read each other's messages).
+    service: float = 0.0
+    lead: float | None = None
+
+
+class ProgramCharge(msgspec.Struct, array_like=True):
+    program: str
+    service: float  # weighted tokens the sender's fair queue charged it (fairness.by: program)
 
 
 class Charges(msgspec.Struct, array_like=True):
     origin: str
     started: float  # the sender's start, wall-clock seconds
     charges: list[TenantCharge]
+    # fairness.share_bus with fairness.by: program (last, with a default, as TenantCharge's).
+    programs: list[ProgramCharge] = msgspec.field(default_factory=list)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -56,10 +76,20 @@ _decoder = msgspec.msgpack.Decoder(Charges)
 
 
 class BudgetBus:
-    def __init__(self, url: str, subject: str, tenants: Tenants, interval_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        subject: str,
+        tenants: Tenants,
+        interval_s: float,
+        fair: FairQueue | None = None,
+    ) -> None:
         self.url = url
         self.subject = subject
         self.tenants = tenants
+        # fairness.share_bus: the fair queue whose service is shared (None: budgets only).
+        self.fair = fair
+        self._adopted: set[str] = set()  # tenants whose lead was taken from an older router
         self.interval_s = interval_s
         self.origin = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
         self.started = time.time()
@@ -72,6 +102,8 @@ class BudgetBus:
     async def start(self) -> None:
         if self.tenants.shared is None:
             self.tenants.shared = ChargeLog()
+        if self.fair is not None and self.fair.served is None:
+            self.fair.served = {}
         self._link = NatsLink(
             self.url, f"kvroute-budgets {self.origin}", "budget bus", self._connected
         )
@@ -98,19 +130,33 @@ class BudgetBus:
             await self.flush()
 
     async def flush(self) -> None:
-        shared = self.tenants.shared
-        if self._client is None or shared is None or not len(shared):
+        shared, fair = self.tenants.shared, self.fair
+        if self._client is None or shared is None:
+            return
+        budgets = shared.drain() if len(shared) else {}
+        served = fair.drain_served() if fair is not None else {}
+        programs = fair.drain_programs() if fair is not None else {}
+        if not (budgets or served or programs):
             return
         now = time.monotonic()
-        charges = [
-            TenantCharge(tenant, i, o, *self.tenants.levels(tenant, now))
-            for tenant, (i, o) in shared.drain().items()
-        ]
-        if not charges:
-            return
+        charges = []
+        for tenant in budgets.keys() | served.keys():
+            i, o = budgets.get(tenant, (0.0, 0.0))
+            charge = TenantCharge(tenant, i, o, *self.tenants.levels(tenant, now))
+            if fair is not None:
+                charge.service, charge.lead = served.get(tenant, 0.0), fair.lead(tenant)
+            charges.append(charge)
         try:
             await self._client.publish(
-                self.subject, _encoder.encode(Charges(self.origin, self.started, charges))
+                self.subject,
+                _encoder.encode(
+                    Charges(
+                        self.origin,
+                        self.started,
+                        charges,
+                        [ProgramCharge(p, tokens) for p, tokens in programs.items()],
+                    )
+                ),
             )
             self.published += 1
         except Exception as exc:  # at most once: the others miss this interval's charges
@@ -129,6 +175,26 @@ class BudgetBus:
         # buckets, full at its start, take that router's levels the first time they hear it.
         older = batch.started < self.started - JOINED_LATE_S
         for c in batch.charges:
-            levels = (c.input_level, c.output_level) if older else None
-            self.tenants.apply_remote(c.tenant, (c.input_tokens, c.output_tokens), levels, now)
+            levels = (c.input_level, c.output_level)
+            if c.input_tokens or c.output_tokens or levels != (None, None):
+                self.tenants.apply_remote(
+                    c.tenant, (c.input_tokens, c.output_tokens), levels if older else None, now
+                )
+            if self.fair is not None and (c.service or c.lead is not None):
+                self._apply_service(c, older)
+        if self.fair is not None:
+            for program in batch.programs:
+                self.fair.apply_remote_program(program.program, program.service)
         self.applied += 1
+
+    def _apply_service(self, c: TenantCharge, older: bool) -> None:
+        """A peer's service to ``c.tenant`` into this fair queue; from a router that ran long
+        before this one started, its lead the first time (that lead holds the service)."""
+        fair = self.fair
+        if fair is None or not self.tenants.tracks(c.tenant):
+            return
+        if older and c.lead is not None and c.tenant not in self._adopted:
+            self._adopted.add(c.tenant)
+            fair.adopt_lead(c.tenant, c.lead)
+            return
+        fair.apply_remote(c.tenant, c.service)

@@ -321,6 +321,18 @@ class FairnessConfig(_Section):
     program_attained_weight: float = 0.05
     # by: program: programs whose service is remembered (the least recently served forgotten).
     max_programs: int = 65536
+    # Several routers: count what the others served each tenant, over tenants.budget_bus (its
+    # NATS link and charge messages; router/budget_bus.py), so a tenant spreading its requests
+    # over N routers is not counted a Nth on each (by: program, what each program received
+    # too). Needs tenants.budget_bus.
+    share_bus: bool = False
+    # With share_bus: the most the others' service puts a tenant ahead of the lowest tenant
+    # waiting here (weighted tokens): what a router gone silent can distort, at most.
+    share_max_lead_tokens: float = 32768.0
+    # With share_bus: a request that has waited this long is admitted first (the oldest first),
+    # whatever the counters: a tenant served elsewhere is ahead here, and its requests that land
+    # here would otherwise wait while the others' backlog lasts. 0: no bound.
+    share_max_wait_s: float = 10.0
 
 
 class BatchConfig(_Section):
@@ -1163,7 +1175,17 @@ def tenant_problems(config: Config) -> list[str]:
             f"tenants.budget_bus_interval_s: must be a number of seconds in (0, 10], got {interval}"
         )
     fairness = config.fairness
-    for key in ("output_weight", "locality_bound_tokens"):
+    if fairness.share_bus and tenants.budget_bus is None:
+        problems.append(
+            "fairness.share_bus: true needs tenants.budget_bus (the nats:// URL the routers "
+            "share their charges on)"
+        )
+    for key in (
+        "output_weight",
+        "locality_bound_tokens",
+        "share_max_lead_tokens",
+        "share_max_wait_s",
+    ):
         value = getattr(fairness, key)
         if not (math.isfinite(value) and value >= 0):
             problems.append(f"fairness.{key}: must be a finite number >= 0, got {value}")

@@ -167,6 +167,9 @@ class Router:
             self.admission = TracedAdmission(tracing, *slots)
             self.forwarder = TracedForwarder(tracing, *forwarding)
             make_pipeline = functools.partial(TracedPipeline, tracing=tracing)
+        if self._budget_bus is not None and config.fairness.share_bus:
+            # The same bus carries what this fair queue served each tenant (router/budget_bus.py).
+            self._budget_bus.fair = self.admission.fair
         # Off for a policy that reads no prefixes: nothing is keyed, nothing to compare.
         self.parity: ParityChecker | None = None
         if config.parity.enabled and any(p.keys.wanted for p in core.pools):

@@ -58,7 +58,9 @@ def fairness_params(config: Config) -> FairnessParams:
     return FairnessParams(
         f.output_weight, f.locality_bound_tokens, f.sheddable_max_wait_s, f.locality_scan,
         f.reserved_slots, f.by, f.program_max_wait_s, f.program_attained_weight,
-        f.max_programs,
+        f.max_programs, f.share_max_lead_tokens,
+        # Shares from other routers hold a tenant back here: its wait is bounded, then.
+        f.share_max_wait_s if f.share_bus else 0.0,
     )  # fmt: skip
 
 
@@ -217,6 +219,11 @@ class Tenants:
     def _charged(self, tenant: str, input_tokens: float, output_tokens: float) -> None:
         if self.shared is not None:
             self.shared.add(tenant, input_tokens, output_tokens)
+
+    def tracks(self, tenant: str) -> bool:
+        """Whether ``tenant`` (named by a peer) has counts of its own here: not one
+        client-chosen name too many (router/budget_bus.py drops those)."""
+        return tenant == self._tracked(tenant)
 
     def levels(self, tenant: str, now: float) -> tuple[float | None, float | None]:
         """What ``tenant``'s buckets hold now (None: no such budget), sent with its charges."""

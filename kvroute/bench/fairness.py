@@ -20,6 +20,10 @@ generator sharing their event loop (until 2026-12 all of it ran in one process, 
    what stays cached matters), admitted in arrival order (FIFO: one tenant, no locality) and
    fairly (a tenant per chat tenant, locality on): the replicas' own prefix-cache hit rates.
 
+With ``--routers N`` (2 or more) it measures tenants' shares over N routers instead
+(kvroute/bench/fairness_routers.py): one tenant spreading its requests over all of them, one
+sending to one, with ``fairness.share_bus`` off and on, against one router.
+
 Every figure is measured here, on this machine, against emulated replicas.
 """
 
@@ -667,6 +671,13 @@ def add_fairness_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
+    p.add_argument(
+        "--routers",
+        type=positive_int,
+        default=1,
+        help="2 or more: tenants' shares over this many routers, fairness.share_bus off and on, "
+        "against one router (kvroute/bench/fairness_routers.py; --slots per router)",
+    )
     add_report_args(p)
     p.set_defaults(func=_cmd)
 
@@ -687,8 +698,18 @@ def _cmd(args: argparse.Namespace) -> int:
         output_md=args.output_md,
         no_record=args.no_record,
     )
-    outcome = run(options)
-    text = report(outcome, options, reproduce_command(sys.argv, "fairness"))
+    if args.routers > 1:
+        from kvroute.bench import fairness_routers
+
+        try:
+            results = fairness_routers.run(options, args.routers, echo=print)
+        except processes.StartError as exc:
+            print(f"kvroute bench fairness: {exc}", file=sys.stderr)
+            return 1
+        command = reproduce_command(sys.argv, "fairness")
+        text = fairness_routers.report(results, options, args.routers, command)
+    else:
+        text = report(run(options), options, reproduce_command(sys.argv, "fairness"))
     print(text)
     if not options.no_record:
         record(Path(options.output_md), text)

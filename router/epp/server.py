@@ -101,6 +101,7 @@ class PickerServer:
                 tenants.budget_bus_subject,
                 self.picker.tenants,
                 tenants.budget_bus_interval_s,
+                self.picker.admission.fair if self.config.fairness.share_bus else None,
             )
             await self._budget_bus.start()
         tls = server_context(epp.cert, epp.key) if epp.tls else None
