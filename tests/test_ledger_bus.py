@@ -112,7 +112,7 @@ async def test_a_silent_picker_s_dispatches_are_closed(
     replica = b.picker.core.fleet.replicas[0].replica_id
     now = asyncio.get_running_loop().time()
     bus._heard["crashed-picker"] = now
-    bus.apply(LedgerEvent(DISPATCH, "crashed-picker", 1, replica, 100, 10, 0, []), now)
+    bus.apply("crashed-picker", LedgerEvent(DISPATCH, 1, replica, 100, 10, 0, []), now)
     state = b.picker.core.fleet.replicas[0]
     assert (state.in_flight, bus.remote_open) == (1, 1)
     assert bus.forget_silent(now + bus.silence_s + 1) == 1
