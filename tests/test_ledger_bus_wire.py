@@ -202,3 +202,16 @@ def test_dispatch_events_keep_the_sender_s_prompt_and_cached_tokens() -> None:
     )
     state = receiver.fleet.replicas[3]
     assert (state.in_flight, state.prefill_tokens) == (1, d.prefill)
+
+
+def test_bench_bus_cost_measures_both_wires(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvroute.bench.bus_cost import measure
+    from kvroute.cli import main
+
+    every, tail = measure("every", 4, 3), measure("tail", 4, 3)
+    assert every.requests == tail.requests == 12
+    assert tail.bytes_per_request < every.bytes_per_request
+    assert main(["bench", "bus-cost", "--sessions", "2", "--turns", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| every block hash | 4 |" in out and "| the hashes past the held blocks | 4 |" in out
+    assert main(["bench", "bus-cost", "--turns", "0"]) == 2
