@@ -16,7 +16,9 @@ What it costs a receiving picker (measured, BENCHMARKS.md "Several routers ... b
 a dispatch's prediction was most of it (a Python pass over every block of the prompt), the NATS
 message a few microseconds. So a dispatch carries only the blocks past those the replica held by
 KV events when it was routed (``skipped``): every picker follows the same events, so the receiver
-holds those already and would have skipped them in its prediction anyway. And each send cycle's
+holds those already and would have skipped them in its prediction anyway. (A receiver whose
+events lag the sender's lacks those blocks until its own events bring them: the sender had them,
+so they are on their way.) And each send cycle's
 events go in one message (a ``LedgerBatch``), the wire format versioned (``WIRE_VERSION``).
 
 A dispatch also carries its session key and cache hint, so the receiver's policy records the
@@ -232,10 +234,14 @@ class LedgerBus:
         """Replay one message's events (none of this picker's own); returns how many."""
         batch = decode_batch(data)
         if isinstance(batch, str):
-            if batch not in self._refused:
-                if len(self._refused) < 64:  # bounded: a noisy sender is not a memory leak
-                    self._refused.add(batch)
+            # Once per kind of refusal and sender (the reason before its parenthesis), so a
+            # sender of another version or of garbage costs a line, not a line a message.
+            key = batch.partition(" (")[0]
+            if key not in self._refused and len(self._refused) < 64:
+                self._refused.add(key)
                 log.warning("ledger bus on %s: %s", self.subject, batch)
+            else:
+                log.debug("ledger bus on %s: %s", self.subject, batch)
             return 0
         origin = batch.origin
         if origin == self.origin:

@@ -159,18 +159,18 @@ def test_old_and_malformed_messages_are_refused_with_one_log_line(
 ) -> None:
     router = Router()
     v1 = msgspec.msgpack.encode([DISPATCH, "old-router-1", 1, "r0", 100, 10, 0, [1, 2, 3]])
-    other = encode_batch("new-router", [])
     other = msgspec.msgpack.encode(["kvroute-ledger", WIRE_VERSION + 1, "new-router", []])
     reason = decode_batch(v1)
     assert isinstance(reason, str) and "version 1" in reason and "old-router-1" in reason
     assert "version 3" in str(decode_batch(other))
     assert str(decode_batch(b"\xc1garbage")).startswith("undecodable message")
     with caplog.at_level(logging.WARNING, logger="kvroute.router.ledger_bus"):
-        for _ in range(3):
-            for data in (v1, other, b"\xc1garbage"):
+        for k in range(3):
+            for data in (v1, other, b"\xc1garbage", b"\x93\x01" + bytes([k])):
                 assert router.bus.receive(data, 1.0) == 0
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 3, lines  # each reason once, no traceback
+    assert len(lines) == 3, lines  # each reason once (garbage of any shape one), no traceback
+    assert all(r.exc_info is None for r in caplog.records)
     assert all(s.in_flight == 0 for s in router.fleet.replicas)
 
 
