@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from typing import TYPE_CHECKING
@@ -141,7 +142,8 @@ class LedgerBus:
         # Events waiting for the one sender task, which sends each cycle's in one message.
         self._outbox: list[LedgerEvent] = []
         self._wake = asyncio.Event()
-        self._refused: set[str] = set()  # log lines said once (a sender of another version)
+        self._refused: set[str] = set()
+        self._sent_at = -math.inf  # monotonic time of the last message sent  # log lines said once (a sender of another version)
         self.published = 0  # events
         self.messages = 0  # NATS messages they went in
         self.applied = 0
@@ -222,6 +224,7 @@ class LedgerBus:
             try:
                 await client.publish(self.subject, encode_batch(self.origin, outbox))
                 self.messages += 1
+                self._sent_at = time.monotonic()
             except Exception as exc:  # at most once: a lost event costs accuracy only
                 log.debug("ledger bus publish failed: %s", exc)
 
@@ -280,8 +283,16 @@ class LedgerBus:
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            self._publish(LedgerEvent(HEARTBEAT))
-            self.forget_silent(time.monotonic())
+            now = time.monotonic()
+            if self.beat_due(now):
+                self._publish(LedgerEvent(HEARTBEAT))
+            self.forget_silent(now)
+
+    def beat_due(self, now: float) -> bool:
+        """Whether to send a heartbeat: only after a quiet ``heartbeat_s`` (any message tells
+        the others this picker is alive, so a busy one sends none: a message fewer a second
+        for each, received by every other)."""
+        return now - self._sent_at >= self.heartbeat_s
 
     def forget_silent(self, now: float) -> int:
         """Close the dispatches of pickers not heard from for ``silence_s``."""
