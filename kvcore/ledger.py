@@ -29,6 +29,10 @@ from kvroute.kvcore.prefix_index import PrefixIndex, PrefixMatch
 from kvroute.policies import FleetView, Policy, ReplicaLatency, ReplicaState, RouteRequest
 from kvroute.policies.regret import TtftEstimate, estimator_for
 
+# The reason of a dispatch another router made, replayed here (router/ledger_bus.py, the
+# simulator's bus): the policy hears of it (``Policy.observe_remote``) instead of deciding it.
+REMOTE = "remote"
+
 
 class SharedLoad(Protocol):
     """Load that other processes add too (the router's worker board): written at every
@@ -213,6 +217,10 @@ class DispatchLedger:
             d.held = match.confirmed
         if predict:
             self.predict_prompt(route, d, now)
+        if reason == REMOTE:
+            # What the policy keeps of its own decisions (kv_aware: the session's claim on its
+            # replica), kept for this one too, as if this router had routed it.
+            self.policy.observe_remote(request, replica, now)
         state = d.state
         state.in_flight += 1
         state.in_flight_tokens += d.cost

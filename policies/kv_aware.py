@@ -386,15 +386,7 @@ class KvAware(Policy):
                 chosen, reason = home, SESSION
         if longest and prefix.get(chosen.replica_id, 0) < longest and reason != SLO_MISS:
             reason = LOAD_OVER_AFFINITY
-        if self._sessions is not None and request.routing_key is not None:
-            key = request.routing_key
-            self._sessions.touch(
-                key,
-                chosen.replica_id,
-                request.prompt_tokens,
-                now,
-                self._claim(key, now, request.cache_ttl_s),
-            )
+        self._touch_session(request, chosen.replica_id, now)
         adapter = adapter_of(chosen, request.model)
         if adapter is not None:
             self._adapters.touch(chosen.replica_id, adapter, fleet.now)
@@ -532,6 +524,18 @@ class KvAware(Policy):
         return queued
 
     # -- sessions ----------------------------------------------------------------------
+
+    def _touch_session(self, request: RouteRequest, replica: str, now: float) -> None:
+        """The session's turn went to ``replica``: its tokens are claimed there."""
+        key = request.routing_key
+        if self._sessions is not None and key is not None:
+            claim = self._claim(key, now, request.cache_ttl_s)
+            self._sessions.touch(key, replica, request.prompt_tokens, now, claim)
+
+    def observe_remote(self, request: RouteRequest, replica: str, now: float) -> None:
+        """Another router routed this turn (the dispatch bus): claim it as if this one had, so
+        the session's next turn, whichever router gets it, finds its home and its claim."""
+        self._touch_session(request, replica, now)
 
     def _session(self, request: RouteRequest, now: float) -> tuple[str, float] | None:
         sessions = self._sessions

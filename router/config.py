@@ -488,9 +488,10 @@ class RoutingConfig(_Section):
     # output, logprobs, images, stored Responses) still go as text. Measured (docs/agents.md):
     # 3.1x less replica API-server CPU per 220 KB turn, TTFT p50 1.33x lower; so on.
     send_tokens: bool = True
-    # Several routers behind one load balancer: share every dispatch (in-flight load and
-    # predictions) over this NATS server, as epp.ledger_bus does for pickers (router/
-    # ledger_bus.py). null: each router knows its own traffic and the replicas' KV events.
+    # Several routers behind one load balancer: share every dispatch (in-flight load,
+    # predictions, sessions' claims) over this NATS server, as epp.ledger_bus does for pickers
+    # (router/ledger_bus.py; every router on a subject must run the same wire version). null:
+    # each router knows its own traffic and the replicas' KV events.
     ledger_bus: str | None = None
     ledger_bus_subject: str = "kvroute.ledger"
     # A header that names the request's session (a gateway's or a client's own), read before
@@ -609,8 +610,9 @@ class EppConfig(_Section):
     pool_name: str | None = None
     pool_namespace: str = "default"
     kubeconfig: str | None = None
-    # Several pickers behind one gateway: share every dispatch (load and predictions) over
-    # this NATS server (nats://host:4222) on this subject, so each decides as one would.
+    # Several pickers behind one gateway: share every dispatch (load, predictions, sessions'
+    # claims) over this NATS server (nats://host:4222) on this subject, so each decides as
+    # one would.
     ledger_bus: str | None = None
     ledger_bus_subject: str = "kvroute.ledger"
     # On SIGTERM the picker reports NOT_SERVING, then keeps taking streams this long, so the

@@ -112,8 +112,28 @@ async def test_a_silent_picker_s_dispatches_are_closed(
     replica = b.picker.core.fleet.replicas[0].replica_id
     now = asyncio.get_running_loop().time()
     bus._heard["crashed-picker"] = now
-    bus.apply(LedgerEvent(DISPATCH, "crashed-picker", 1, replica, 100, 10, 0, []), now)
+    bus.apply("crashed-picker", LedgerEvent(DISPATCH, 1, replica, 100, 10, 0, []), now)
     state = b.picker.core.fleet.replicas[0]
     assert (state.in_flight, bus.remote_open) == (1, 1)
     assert bus.forget_silent(now + bus.silence_s + 1) == 1
     assert (state.in_flight, bus.remote_open) == (0, 0)
+
+
+async def test_a_busy_picker_sends_no_heartbeat_and_a_quiet_one_does(
+    two_pickers: tuple[PickerServer, PickerServer],
+) -> None:
+    """Any message tells the others a picker is alive: a heartbeat goes only after a quiet
+    ``heartbeat_s``, and the others keep hearing a busy picker without one."""
+    a, b = two_pickers
+    bus_a, bus_b = a.picker.bus, b.picker.bus
+    assert bus_a is not None and bus_b is not None
+    await wait_until(lambda: bus_a.messages > 0, what="A's first message")
+    sent = bus_a._sent_at
+    assert not bus_a.beat_due(sent + bus_a.heartbeat_s / 2)
+    assert bus_a.beat_due(sent + bus_a.heartbeat_s)
+    # A quiet picker's heartbeats keep it heard (and its dispatches open) on the other.
+    await wait_until(lambda: bus_a.origin in bus_b._heard, timeout_s=5, what="A heard on B")
+    heard = bus_b._heard[bus_a.origin]
+    await wait_until(
+        lambda: bus_b._heard[bus_a.origin] > heard, timeout_s=5, what="A's next heartbeat"
+    )

@@ -174,6 +174,9 @@ async def test_requests_spread_over_several_routers_in_turn(start_router: StartR
         (["--routers", "two"], "expected numbers"),
         (["--share", "gossip"], "--share takes none, bus"),
         (["--trace", "no/such/trace.tar.xz"], "no trace at"),
+        (["--concurrency", "0"], "--concurrency must be at least 1"),
+        (["--max-prompt-tokens", "8"], "--max-prompt-tokens 16"),
+        (["--preset", "no-such-gpu"], "--preset: "),
     ],
 )
 def test_bench_routers_refuses_bad_arguments(

@@ -80,6 +80,17 @@ def test_a_bus_without_lag_makes_four_pickers_one_router_even_through_a_failure(
     assert same_run(one, four)
 
 
+def test_a_bus_without_lag_shares_session_claims_too() -> None:
+    """kv_aware's live sessions on: each picker's own policy hears of the others' turns (a
+    ``remote`` dispatch), so with a lag-0 bus four pickers keep one router's claims and decide
+    as it would. Without the claims on the bus, a session's turn routed by one picker left the
+    others' policies blind to it: a different run."""
+    one = simulate(sessions(), config())
+    four = simulate(sessions(), config(routers=4, share="bus", bus_lag_s=0.0))
+    assert same_run(one, four)
+    assert one.reasons["kv_session"] > 0
+
+
 def test_pickers_that_share_nothing_lose_hits_and_the_bus_wins_them_back() -> None:
     """Ten sessions (median prompt 89k tokens) on four replicas of 100k KV tokens: a replica
     holds about one session's context, so where each turn lands decides its hits. (With roomier

@@ -70,3 +70,38 @@ def test_a_ledger_bus_needs_one_worker_and_a_nats_url() -> None:
     assert "routing.ledger_bus: expected a nats:// URL" in problems, problems
     assert "routing.ledger_bus_subject: must be a NATS subject" in problems, problems
     assert "routing.ledger_bus: not with listen.workers 2" in problems, problems
+
+
+async def test_a_session_routed_by_one_router_is_claimed_on_the_other(
+    start_replica: StartReplica, start_router: StartRouter, nats_url: str
+) -> None:
+    """kv_aware's session claim travels with the dispatch: the router that did not route the
+    session's turn knows its home (and its tokens there) as if it had, over a real NATS."""
+    replicas = [await start_replica(name) for name in ("a", "b")]
+    routing = {"ledger_bus": nats_url, "ledger_bus_subject": "kvroute.test.sessions"}
+    one, other = [await start_router(replicas, routing=routing) for _ in range(2)]
+    for r in replicas:
+        r.gate.set()
+
+    def home(router: RunningRouter) -> tuple[str, float] | None:
+        sessions = getattr(router.router.policy, "_sessions", None)
+        assert sessions is not None, "kv_aware with live sessions is the default policy"
+        return sessions.home("conversation-9", asyncio.get_running_loop().time())
+
+    (bus_one,) = [pool.bus for pool in one.router.core.pools]
+    (bus_other,) = [pool.bus for pool in other.router.core.pools]
+    assert bus_one is not None and bus_other is not None
+    # Subscribed both ways (a heartbeat heard), so the turn's dispatch is not published into
+    # a subscription still on its way to the server.
+    await wait_until(lambda: bus_one.origin in bus_other._heard, what="one's heartbeat")
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 3}
+    async with aiohttp.ClientSession() as http:
+        headers = {"X-Session-ID": "conversation-9"}
+        async with http.post(one.url + "/v1/completions", json=body, headers=headers) as resp:
+            await resp.read()
+            assert resp.status == 200
+            replica = resp.headers["X-Kvroute-Replica"]
+    mine = home(one)
+    assert mine is not None and mine[0] == replica
+    await wait_until(lambda: home(other) is not None, what="the claim on the other router")
+    assert home(other) == mine

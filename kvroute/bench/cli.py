@@ -13,6 +13,7 @@ from kvroute.bench.argtypes import (
 )
 from kvroute.bench.batch_lane import add_batch_bench
 from kvroute.bench.budgets import add_budgets_bench
+from kvroute.bench.bus_cost import add_bus_cost_bench
 from kvroute.bench.dp import add_dp_bench
 from kvroute.bench.epp import add_epp_bench
 from kvroute.bench.fairness import add_fairness_bench
@@ -48,6 +49,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_programs_bench(bench_sub)
     add_mixed_bench(bench_sub)
     add_routers_bench(bench_sub)
+    add_bus_cost_bench(bench_sub)
     add_budgets_bench(bench_sub)
     add_status_bench(bench_sub)
     add_batch_bench(bench_sub)

@@ -38,8 +38,10 @@ from kvroute.bench.harness.fleet import (
 )
 from kvroute.bench.harness.host import machine_line, record
 from kvroute.bench.harness.nats import nats_server
+from kvroute.bench.harness.procs import process_cpu_s
 from kvroute.bench.harness.report import reproduce_command
 from kvroute.bench.programs import EXCERPT, MODEL
+from kvroute.simulator.engine.latency import latency_preset
 
 SHARES = ("none", "bus")
 
@@ -55,6 +57,7 @@ class Options:
     max_prompt_tokens: int = 4096
     max_output_tokens: int = 16
     max_requests: int | None = None
+    concurrency: int = 4096  # requests in flight at most (the client's connections)
     preset: str = "llama-3.1-8b-h100"
     num_blocks: int = 2048
     startup_timeout_s: float = 60.0
@@ -77,8 +80,8 @@ def runs(options: Options) -> list[Run]:
 
 
 @contextlib.contextmanager
-def fleet(options: Options, run: Run, log_dir: Path) -> Iterator[list[str]]:
-    """The replicas, a NATS server for a bus, and the routers: the routers' URLs."""
+def fleet(options: Options, run: Run, log_dir: Path) -> Iterator[list[tuple[str, int]]]:
+    """The replicas, a NATS server for a bus, and the routers: the routers' URLs and pids."""
     cli, timeout_s = kvroute_cli(), options.startup_timeout_s
     with contextlib.ExitStack() as stack:
         bus = stack.enter_context(nats_server(log_dir)) if run.share == "bus" else None
@@ -100,8 +103,8 @@ def fleet(options: Options, run: Run, log_dir: Path) -> Iterator[list[str]]:
         routers = []
         for k, port in enumerate(router_ports):
             serve = Launch(serve_argv(port, (), "--config", str(config), cli=cli), "/ready")
-            url, _ = start_router(stack, f"router-{k}", serve, port, log_dir, timeout_s)
-            routers.append(url)
+            url, child = start_router(stack, f"router-{k}", serve, port, log_dir, timeout_s)
+            routers.append((url, child.pid))
         yield routers
 
 
@@ -120,28 +123,35 @@ def measure(options: Options, echo: Any = print) -> list[Measured]:
     with processes.session("kvroute-bench-routers-") as logs:
         for run in runs(options):
             with fleet(options, run, logs) as routers:
+                urls = [url for url, _ in routers]
+                cpu_before = sum(process_cpu_s(pid) for _, pid in routers)
                 summary = asyncio.run(
                     replay_live_async(
                         trace,
-                        routers[0],
+                        urls[0],
                         model=MODEL,
                         time_scale=options.time_scale,
                         tokens_per_block=options.tokens_per_block,
                         max_prompt_tokens=options.max_prompt_tokens,
                         max_output_tokens=options.max_output_tokens,
-                        concurrency=4096,
+                        concurrency=options.concurrency,
                         api="messages",
                         closed_loop=True,
                         echo=None,
-                        also=routers[1:],
+                        also=urls[1:],
                     )
+                )
+                # The routers' own CPU over the replay (all of them): what a bus adds.
+                summary["routers_cpu_s"] = (
+                    sum(process_cpu_s(pid) for _, pid in routers) - cpu_before
                 )
             measured.append(Measured(run, summary))
             if echo:
                 echo(
                     f"{run.routers} routers, share {run.share}: {summary['ok']} ok, "
                     f"{summary['failed']} failed, hit rate {summary.get('prefix_hit_rate')}, "
-                    f"{summary['wall_s']:.0f} s"
+                    f"TTFT p99 {summary.get('ttft_p99_s')}, routers' CPU "
+                    f"{summary['routers_cpu_s']:.1f} s, {summary['wall_s']:.0f} s"
                 )
     return measured
 
@@ -165,14 +175,14 @@ def report(measured: list[Measured], options: Options, command: str) -> str:
         f"x{options.time_scale:g}) as Anthropic Messages requests, request i to router i % N; "
         f"prompts at {options.tokens_per_block} tokens per {first['trace_block_tokens']}-token "
         f"block capped at {options.max_prompt_tokens}, at most {options.max_output_tokens} "
-        f"output tokens; {options.replicas} emulated replicas ({options.preset} latency model, "
+        f"output tokens, at most {options.concurrency} requests in flight; {options.replicas} emulated replicas ({options.preset} latency model, "
         f"{options.num_blocks} KV blocks of 16 tokens each), `kvroute serve` routers with "
         f"kv_aware; share bus = routing.ledger_bus on one nats-server. Each run on a fleet of "
         f"its own. {machine_line()}.",
         "",
         "| routers | share | hit rate | vs 1 router | TTFT p50 s | TTFT p99 s | p99 vs 1 router "
-        "| failed |",
-        "|--:|---|--:|--:|--:|--:|--:|--:|",
+        "| routers' CPU ms/request | failed |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for m in measured:
         s = m.summary
@@ -183,10 +193,15 @@ def report(measured: list[Measured], options: Options, command: str) -> str:
             f"| {m.run.routers} | {m.run.share if m.run.routers > 1 else '-'} | "
             f"{'-' if hit is None else f'{hit * 100:.1f}%'} | {_ratio(hit, base_hit)} | "
             f"{'-' if p50 is None else f'{p50:.3f}'} | {'-' if p99 is None else f'{p99:.3f}'} | "
-            f"{_ratio(p99, base_p99)} | {s['failed']} |"
+            f"{_ratio(p99, base_p99)} | {_cpu_per_request(s)} | {s['failed']} |"
         )
     lines.append("")
     return "\n".join(lines)
+
+
+def _cpu_per_request(summary: dict[str, Any]) -> str:
+    cpu, requests = summary.get("routers_cpu_s"), summary.get("ok", 0) + summary.get("failed", 0)
+    return "-" if cpu is None or not requests else f"{cpu / requests * 1e3:.2f}"
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -245,6 +260,29 @@ def add_routers_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="X",
         help="Multiply the trace's session starts and tool-call gaps by X (default 0.0002).",
     )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="Cap each prompt at N tokens (default 4096). Longer prompts: more prefill per "
+        "request, and longer block hash lists on the bus.",
+    )
+    p.add_argument(
+        "--preset",
+        default="llama-3.1-8b-h100",
+        metavar="NAME[@SPEED]",
+        help="The emulated replicas' latency model (default llama-3.1-8b-h100; @0.25: a quarter "
+        "of its speed, so the replicas, not the box's CPU, saturate first).",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="Requests in flight at most (default 4096: the trace's own). With a trace of many "
+        "sessions and a small --time-scale, the load nears saturation; this caps it.",
+    )
     add_startup_timeout(p)
     add_report_args(p)
     p.set_defaults(func=_cmd)
@@ -257,8 +295,22 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print("kvroute bench routers: --replicas must be at least 1", file=sys.stderr)
         return 2
+    if args.concurrency < 1 or args.max_prompt_tokens < 16:
+        print(
+            "kvroute bench routers: --concurrency must be at least 1, --max-prompt-tokens 16",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        latency_preset(args.preset)
+    except ValueError as exc:
+        print(f"kvroute bench routers: --preset: {exc}", file=sys.stderr)
+        return 2
     options = Options(
         trace=args.trace,
+        concurrency=args.concurrency,
+        preset=args.preset,
+        max_prompt_tokens=args.max_prompt_tokens,
         replicas=args.replicas,
         routers=args.routers,
         shares=args.share,

@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 from kvroute.kvcore.autoscale import Autoscaler, ReplicaSignal
 from kvroute.kvcore.fair_queue import Ticket
-from kvroute.kvcore.ledger import Dispatch, DispatchLedger, Route
+from kvroute.kvcore.ledger import REMOTE, Dispatch, DispatchLedger, Route
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.kvcore.queue_prefix import held_on, uncached
 from kvroute.policies import FleetView, Policy, ReplicaState, RouteRequest
@@ -699,7 +699,8 @@ class _Fleet:
         the same cached and prefill tokens are counted; its match of the replica as the
         prediction's hints); first token and finish go to each picker's copy. So a remote
         dispatch changes load and predictions exactly as ``DispatchLedger.dispatch`` /
-        ``first_token`` / ``finish`` do, through their public calls. Messages keep their order
+        ``first_token`` / ``finish`` do, through their public calls; as a ``REMOTE`` dispatch
+        it reaches each picker's own policy too (its session claims, as the live bus does). Messages keep their order
         (one lag, ties by creation), so a copy always exists before its first token or finish.
         """
         what, published = message
@@ -707,7 +708,7 @@ class _Fleet:
             replica, route = published.replica, published.route
             for k, ledger in enumerate(self.ledgers):
                 if k != published.origin:
-                    published.copies.append((ledger, ledger.dispatch(route, replica, t)))
+                    published.copies.append((ledger, ledger.dispatch(route, replica, t, REMOTE)))
         elif what == _ANSWERED:
             for ledger, d in published.copies:
                 ledger.first_token(d, t)
