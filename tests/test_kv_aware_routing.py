@@ -61,7 +61,7 @@ async def test_kv_aware_keeps_tenants_on_their_replica_and_predicts_their_hits(
             match = r.router.index.match(hashes, now=1e12).get(home)
             return match is not None and match.confirmed == len(hashes)
 
-        await wait_until(all_confirmed, what="the replica's KV events")
+        await wait_until(all_confirmed, 30, what="the replica's KV events")
     assert len(set(homes.values())) >= 2, "six cold tenants all went to one replica"
 
     before = await router_samples(r.url)

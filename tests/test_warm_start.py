@@ -82,6 +82,7 @@ async def fleet() -> AsyncIterator[Fleet]:
             and m.confirmed == len(h)
             for p, h in zip(PROMPTS, hashes, strict=True)
         ),
+        30,
         what="the first router's index to hold every prompt",
     )
     fleet.first_url = url  # type: ignore[attr-defined]
@@ -123,7 +124,9 @@ async def test_a_warm_started_router_sends_each_prompt_to_its_holder(fleet: Any)
 async def test_a_cold_router_knows_none_of_it(fleet: Any) -> None:
     """What the warm start is for: the replay buffers have moved on."""
     router, _ = await fleet.router()
-    await wait_until(lambda: router.kv_events.totals().connected, what="the subscribers to connect")
+    await wait_until(
+        lambda: router.kv_events.totals().connected, 30, what="the subscribers to connect"
+    )
     for prompt in PROMPTS:
         assert router.index.match(_hashes(prompt), 0.0) == {}
 
@@ -206,6 +209,7 @@ async def test_a_router_with_no_peer_up_loads_the_snapshot_others_put_in_nats(
     assert publisher.core.snapshot_publisher is not None
     await wait_until(
         lambda: publisher.core.snapshot_publisher.published >= 2,
+        30,
         what="the router to put its snapshot in NATS",
     )
     caplog.set_level(logging.INFO, logger="kvroute.router.warm_start")
