@@ -18,8 +18,8 @@ message a few microseconds. So a dispatch carries only the blocks past those the
 KV events when it was routed (``skipped``): every picker follows the same events, so the receiver
 holds those already and would have skipped them in its prediction anyway. (A receiver whose
 events lag the sender's lacks those blocks until its own events bring them: the sender had them,
-so they are on their way.) And each send cycle's
-events go in one message (a ``LedgerBatch``), the wire format versioned (``WIRE_VERSION``).
+so they are on their way.) And each send cycle's events go in one message (a ``LedgerBatch``),
+the wire format versioned (``WIRE_VERSION``).
 
 A dispatch also carries its session key and cache hint, so the receiver's policy records the
 session's claim as if it had routed that turn itself (``Policy.observe_remote``).
@@ -142,8 +142,8 @@ class LedgerBus:
         # Events waiting for the one sender task, which sends each cycle's in one message.
         self._outbox: list[LedgerEvent] = []
         self._wake = asyncio.Event()
-        self._refused: set[str] = set()
-        self._sent_at = -math.inf  # monotonic time of the last message sent  # log lines said once (a sender of another version)
+        self._refused: set[str] = set()  # log lines said once (a sender of another version)
+        self._sent_at = -math.inf  # monotonic time of the last message sent
         self.published = 0  # events
         self.messages = 0  # NATS messages they went in
         self.applied = 0
