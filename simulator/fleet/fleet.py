@@ -700,8 +700,9 @@ class _Fleet:
         prediction's hints); first token and finish go to each picker's copy. So a remote
         dispatch changes load and predictions exactly as ``DispatchLedger.dispatch`` /
         ``first_token`` / ``finish`` do, through their public calls; as a ``REMOTE`` dispatch
-        it reaches each picker's own policy too (its session claims, as the live bus does). Messages keep their order
-        (one lag, ties by creation), so a copy always exists before its first token or finish.
+        it reaches each picker's own policy too (its session claims, as the live bus does).
+        Messages keep their order (one lag, ties by creation), so a copy always exists before
+        its first token or finish.
         """
         what, published = message
         if what == _DISPATCHED:
