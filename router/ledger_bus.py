@@ -154,6 +154,11 @@ class LedgerBus:
         )
         await self._link.start()
 
+    @property
+    def connected(self) -> bool:
+        """Whether NATS has answered (the bus starts alone when it does not, and joins later)."""
+        return self._client is not None
+
     async def _connected(self, client: Client) -> None:
         self._client = client
         await client.subscribe(self.subject, cb=self._on_message)

@@ -304,7 +304,7 @@ async def test_service_on_router_a_moves_a_tenant_behind_another_on_router_b(
     for r in (a, b):
         bus = r.router._budget_bus
         assert bus is not None
-        await wait_until(lambda bus=bus: bus._client is not None, what="the bus connected")
+        await wait_until(lambda bus=bus: bus.connected, what="the bus connected")
     queue = b.router.admission.fair
     async with aiohttp.ClientSession() as http:
         held = asyncio.create_task(_send(http, b.url, "blocker", "hold"))
