@@ -37,6 +37,7 @@ from .batch.lane import BatchLane
 from .batch.messages_api import off_routes as messages_off_routes
 from .batch.metrics import BatchMetrics
 from .budget_bus import BudgetBus
+from .bus_metrics import Bus, BusMetrics
 from .chat_parse import chat_parser_for
 from .config import Config
 from .core import RoutingCore
@@ -127,6 +128,7 @@ class Router:
                 bus.budget_bus, bus.budget_bus_subject, self.tenants, bus.budget_bus_interval_s
             )
         self.metrics.parts["tenants"] = self.tenants.metrics
+        self.metrics.parts["buses"] = BusMetrics(self._buses)
         self.chat_parser = chat_parser_for(config.routing)
         self.metrics.parts["tokenizer_caches"] = TokenizerCacheMetrics(
             lambda: [self.chat_parser.counts(), *core.pools.tokenizer_cache_counts()]
@@ -440,6 +442,13 @@ class Router:
         except errors.ApiError as exc:
             return exc.response()
         return _json(self.tenants.snapshot(self.admission.fair, time.monotonic()))
+
+    def _buses(self) -> list[tuple[str, Bus]]:
+        """The NATS buses this router runs (bus_metrics.py)."""
+        buses: list[tuple[str, Bus]] = [("dispatch", p.bus) for p in self.pools if p.bus]
+        if self._budget_bus is not None:
+            buses.append(("budget", self._budget_bus))
+        return buses
 
     async def handle_index_snapshot(self, request: web.Request) -> web.Response:
         """A pool's prefix index for a starting router (router/warm_start.py)."""

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from kvroute.kvcore.budgets import ChargeLog, TenantBudget
+from kvroute.kvcore.stats import parse_metrics
 from kvroute.router.config import ConfigError, config_from_dict
 
 from .conftest import RunningRouter, StartReplica, StartRouter
@@ -145,6 +146,7 @@ async def test_a_router_whose_nats_is_down_serves_alone_and_joins_when_it_comes(
             assert resp.status == 200  # served alone
     budgets = r.router._budget_bus
     assert budgets is not None and not budgets.connected
+    assert await _bus_connected(r.url) == {"dispatch": 0.0, "budget": 0.0}  # what /metrics says
     from kvroute.bench.harness.nats import nats_server
 
     with nats_server(tmp_path, port=port):
@@ -154,3 +156,11 @@ async def test_a_router_whose_nats_is_down_serves_alone_and_joins_when_it_comes(
             lambda: pool.bus is not None and pool.bus.connected,
             what="the dispatch bus connected",
         )
+        assert await _bus_connected(r.url) == {"dispatch": 1.0, "budget": 1.0}
+
+
+async def _bus_connected(url: str) -> dict[str, float]:
+    """kvroute_bus_connected by bus, from the router's /metrics."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+        page = parse_metrics(await resp.read())
+    return {s.labels["bus"]: s.value for s in page.samples if s.name == "kvroute_bus_connected"}

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 
+from kvroute.kvcore.stats import parse_metrics
 from kvroute.router.config import config_from_dict
 from kvroute.router.epp.server import PickerServer
 from kvroute.router.ledger_bus import DISPATCH, LedgerEvent
@@ -85,6 +87,27 @@ async def test_a_prefix_sent_by_one_picker_is_followed_by_the_other(
     await stream_b.close()
     a_states = {s.replica_id: s for s in a.picker.core.fleet.replicas}
     await wait_until(lambda: a_states[where].in_flight == 0, what="B's finish on A")
+    # What each picker's metrics port says of it: connected, A's dispatch sent and applied on B.
+    page_a, page_b = await _bus_samples(a), await _bus_samples(b)
+    assert page_a["connected", "dispatch", ""] == page_b["connected", "dispatch", ""] == 1
+    assert page_a["updates_total", "dispatch", "sent"] >= 2  # its dispatch and its finish
+    assert page_b["updates_total", "dispatch", "applied"] >= 1
+
+
+async def _bus_samples(server: PickerServer) -> dict[tuple[str, str, str], float]:
+    """kvroute_bus_* from the picker's metrics port: (name, bus, direction) -> value."""
+    url = f"http://127.0.0.1:{server.ports.metrics}/metrics"
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
+        page = parse_metrics(await resp.read())
+    return {
+        (
+            s.name.removeprefix("kvroute_bus_"),
+            s.labels["bus"],
+            s.labels.get("direction", ""),
+        ): s.value
+        for s in page.samples
+        if s.name.startswith("kvroute_bus_") and not s.name.endswith("_created")
+    }
 
 
 async def test_without_the_bus_the_other_picker_knows_nothing(

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import warm_start
 from ..auth import Auth
+from ..bus_metrics import Bus, BusMetrics
 from ..config import Config, ReplicaConfig
 from ..runner import settle_heap
 from . import service
@@ -70,6 +71,16 @@ class PickerServer:
         self.ports = Ports(0, 0, 0)
         self.synced = asyncio.Event()
         self._budget_bus: BudgetBus | None = None  # tenants.budget_bus: budgets shared
+        self.picker.metrics.parts["buses"] = BusMetrics(self._buses)
+
+    def _buses(self) -> list[tuple[str, Bus]]:
+        """The NATS buses this picker runs (router/bus_metrics.py)."""
+        buses: list[tuple[str, Bus]] = []
+        if self.picker.bus is not None:
+            buses.append(("dispatch", self.picker.bus))
+        if self._budget_bus is not None:
+            buses.append(("budget", self._budget_bus))
+        return buses
 
     async def start(self) -> Ports:
         epp = self.config.epp
