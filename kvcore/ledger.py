@@ -220,7 +220,7 @@ class DispatchLedger:
         if reason == REMOTE:
             # What the policy keeps of its own decisions (kv_aware: the session's claim on its
             # replica), kept for this one too, as if this router had routed it.
-            self.policy.observe_remote(request, replica, now)
+            self.policy.observe_remote(request, d.state, now)
         state = d.state
         state.in_flight += 1
         state.in_flight_tokens += d.cost

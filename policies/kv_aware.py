@@ -532,10 +532,14 @@ class KvAware(Policy):
             claim = self._claim(key, now, request.cache_ttl_s)
             self._sessions.touch(key, replica, request.prompt_tokens, now, claim)
 
-    def observe_remote(self, request: RouteRequest, replica: str, now: float) -> None:
+    def observe_remote(self, request: RouteRequest, replica: ReplicaState, now: float) -> None:
         """Another router routed this turn (the dispatch bus): claim it as if this one had, so
-        the session's next turn, whichever router gets it, finds its home and its claim."""
-        self._touch_session(request, replica, now)
+        the session's next turn, whichever router gets it, finds its home and its claim; and a
+        LoRA adapter's request marks the adapter as in one of that replica's slots."""
+        self._touch_session(request, replica.replica_id, now)
+        adapter = adapter_of(replica, request.model)
+        if adapter is not None:
+            self._adapters.touch(replica.replica_id, adapter, now)
 
     def _session(self, request: RouteRequest, now: float) -> tuple[str, float] | None:
         sessions = self._sessions

@@ -152,7 +152,7 @@ class Policy(ABC):
     def decide(self, request: RouteRequest, fleet: FleetView) -> Decision:
         """Rank the healthy replicas for ``request``; empty ranking if none is healthy."""
 
-    def observe_remote(self, request: RouteRequest, replica: str, now: float) -> None:
+    def observe_remote(self, request: RouteRequest, replica: ReplicaState, now: float) -> None:
         """Another router sent ``request`` to ``replica`` (shared over a bus): update what the
         policy remembers of its own decisions as if it had made this one. Default: nothing."""
         return  # most policies keep nothing of their decisions

@@ -22,7 +22,9 @@ so they are on their way.) And each send cycle's events go in one message (a ``L
 the wire format versioned (``WIRE_VERSION``).
 
 A dispatch also carries its session key and cache hint, so the receiver's policy records the
-session's claim as if it had routed that turn itself (``Policy.observe_remote``).
+session's claim as if it had routed that turn itself (``Policy.observe_remote``), and its LoRA
+adapter, so the receiver counts the adapter's slot there as in use (kv_aware's residency, the
+LoRA planner's ``lora_in_flight``).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class LedgerEvent(msgspec.Struct, array_like=True):
     skipped: int = 0
     session: str | None = None  # RouteRequest.routing_key: the turn's session, for its claim
     cache_ttl_s: float | None = None  # RouteRequest.cache_ttl_s: the client's cache hint
+    adapter: str | None = None  # the LoRA adapter it runs with there: its slot is in use
 
 
 class LedgerBatch(msgspec.Struct, array_like=True):
@@ -197,6 +200,7 @@ class LedgerBus:
                 skipped,
                 r.routing_key,
                 r.cache_ttl_s,
+                d.adapter,
             )
         )
 
@@ -271,6 +275,7 @@ class LedgerBus:
                 routing_key=event.session,
                 block_hashes=event.hashes,
                 prefix_tokens={event.replica: event.cached},
+                model=event.adapter,
                 cache_ttl_s=event.cache_ttl_s,
             )
             route = Route(request, (event.replica,), REMOTE)

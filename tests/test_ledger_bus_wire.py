@@ -139,12 +139,40 @@ def test_a_session_routed_by_another_router_is_claimed_as_if_routed_here() -> No
     assert again.ranked[0] == d.replica and again.reason == "kv_session"
 
 
+def test_a_lora_request_routed_elsewhere_holds_its_adapter_slot_here() -> None:
+    """The dispatch names its adapter: the receiver counts it in flight there (the LoRA
+    planner's ``lora_in_flight``) and kv_aware takes the adapter as resident there."""
+    sender, receiver = Router(), Router()
+    for router in (sender, receiver):
+        for state in router.fleet.replicas:
+            state.lora_adapters, state.max_loras = frozenset({"sql", "chat"}), 1
+    route = sender.ledger.route(RouteRequest(100, 10, model="sql"), 1.0, BS)
+    d = sender.ledger.dispatch(route, "r2", 1.0)
+    sender.bus.dispatched(d)
+    receiver.bus.receive(sender.sent(), 1.0)
+    r2 = receiver.fleet.replicas[NAMES.index("r2")]
+    assert r2.lora_in_flight == {"sql": 1}
+    policy = receiver.policy
+    assert isinstance(policy, KvAware)
+    assert policy.adapter_cost(r2, "sql", 1.5) == 0  # resident: no load to pay
+    assert policy.adapter_cost(r2, "chat", 1.5) > 0  # the one slot is sql's
+    sender.ledger.finish(d, 2.0)
+    sender.bus.finished(d)
+    receiver.bus.receive(sender.sent(), 2.0)
+    assert r2.lora_in_flight == {}
+    # A base-model request names no adapter: nothing is marked.
+    plain = sender.ledger.dispatch(sender.ledger.route(RouteRequest(100, 10), 3.0, BS), "r1", 3.0)
+    sender.bus.dispatched(plain)
+    receiver.bus.receive(sender.sent(), 3.0)
+    assert receiver.fleet.replicas[NAMES.index("r1")].lora_in_flight == {}
+
+
 def test_the_ledger_tells_the_policy_of_remote_dispatches_only() -> None:
     seen: list[tuple[str, float]] = []
     router = Router()
 
-    def observe(request: RouteRequest, replica: str, now: float) -> None:
-        seen.append((replica, now))
+    def observe(request: RouteRequest, replica: ReplicaState, now: float) -> None:
+        seen.append((replica.replica_id, now))
 
     router.policy.observe_remote = observe  # type: ignore[method-assign]
     route = router.ledger.route(RouteRequest(100, 10, routing_key="s"), 1.0, BS)
