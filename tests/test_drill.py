@@ -17,6 +17,7 @@ from kvroute.backends.process import free_ports
 from kvroute.bench.harness.processes import Child, start, stop
 from kvroute.drill import run as drill_run
 from kvroute.drill.faults import DrillError
+from kvroute.simulator.loadgen import Outcome
 
 from .conftest import StartRouter
 
@@ -179,3 +180,27 @@ def test_a_rollout_of_every_emulated_replica_under_load_loses_and_cuts_nothing()
     assert field(report, "cut streams") == "0"
     assert field(report, "time per replica").count("emulated-") == 4
     assert report.rstrip().endswith("PASS, nothing lost or cut")
+
+
+def test_a_failed_drill_says_when_each_loss_happened_and_what_the_router_logged(
+    tmp_path: Path,
+) -> None:
+    options = drill_run.DrillOptions("c.yaml", "kill", 0, 4.0, 3.0, 14.0, 5.0, 64)
+    lost = Outcome(stream=True, sent_at=0.67, replica="vllm-0", latency_s=3.5)
+    lost.fail("SSE error", "SSE error: the replica failed mid-stream")
+    report = drill_run.DrillReport([Outcome(stream=False), lost], options, "vllm-0", 0.1, 1, 0)
+    text = drill_run.format_report(report)
+    assert "lost: t=0.67s stream=True failed at t=4.17s via vllm-0 SSE error:" in text
+    assert text.endswith("result: FAIL, 1 lost")
+
+    log = tmp_path / "router.log"
+    log.write_text(
+        "2026-12-07 04:13:20,001 INFO kvroute.router: listening\n"
+        "2026-12-07 04:13:24,512 WARNING kvroute.router.registry: replica vllm-1 ejected\n"
+        "2026-12-07 04:13:25,001 ERROR kvroute.router: something else\n"
+    )
+    assert drill_run._warnings(log) == [
+        "2026-12-07 04:13:24,512 WARNING kvroute.router.registry: replica vllm-1 ejected",
+        "2026-12-07 04:13:25,001 ERROR kvroute.router: something else",
+    ]
+    assert drill_run._warnings(tmp_path / "missing.log") == []

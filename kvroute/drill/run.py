@@ -10,7 +10,7 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,8 @@ class DrillReport:
     detected_after_s: float | None
     retries: float
     resumed: float
+    # The router's warnings and errors, shown when something was lost: why it gave up.
+    router_log: list[str] = field(default_factory=list)
 
     @property
     def lost(self) -> list[Outcome]:
@@ -116,7 +118,17 @@ def _with_router(
         path.write_text(yaml.safe_dump(msgspec.to_builtins(config)))
         argv = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)]
         with managed("router", argv, Path(tmp)) as router:
-            return asyncio.run(_drive(config, options, target, url, router, launched))
+            report = asyncio.run(_drive(config, options, target, url, router, launched))
+        report.router_log = _warnings(router.log_path)
+        return report
+
+
+def _warnings(log_path: Path, limit: int = 40) -> list[str]:
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line for line in lines if " WARNING " in line or " ERROR " in line][-limit:]
 
 
 def _admin_headers(config: Config) -> dict[str, str]:
@@ -348,7 +360,9 @@ def format_report(report: DrillReport) -> str:
         f"  TTFT p99 (streams)   before {ttft['before']}, during {ttft['during']}, after {ttft['after']}",
     ]
     for x in report.lost[:5]:
-        lines.append(f"  lost: t={x.sent_at:.2f}s stream={x.stream} {x.error}")
+        ended = "" if x.latency_s is None else f" failed at t={x.sent_at + x.latency_s:.2f}s"
+        on = f" via {x.replica}" if x.replica else ""
+        lines.append(f"  lost: t={x.sent_at:.2f}s stream={x.stream}{ended}{on} {x.error}")
     lines.append(
         "result: " + ("PASS, nothing lost" if not report.lost else f"FAIL, {len(report.lost)} lost")
     )
@@ -537,6 +551,9 @@ def _cmd_drill(args: argparse.Namespace) -> int:
         print(f"kvroute drill: {exc}", file=sys.stderr)
         return 2
     print(format_report(report))
+    if report.lost and report.router_log:
+        print("kvroute drill: the router logged:", file=sys.stderr)
+        print("\n".join(report.router_log), file=sys.stderr)
     return 1 if report.lost else 0
 
 
