@@ -267,7 +267,7 @@ async def test_agent_conversations_grow_turn_by_turn_and_are_measured_after_thei
     from aiohttp import web
 
     from kvroute.backends.process import free_ports
-    from kvroute.bench.loadgen import Conversations, _conversations
+    from kvroute.bench.loadgen import COLD_TURNS_ALONE, Conversations, _conversations
 
     seen: list[dict[str, object]] = []
 
@@ -290,8 +290,11 @@ async def test_agent_conversations_grow_turn_by_turn_and_are_measured_after_thei
         await runner.cleanup()
     assert done.load.requests > 0 and done.load.errors == 0
     assert done.mean_body_bytes > 20_000
+    # First, new conversations' first turns one at a time, each seen once and never again.
+    alone = {body["messages"][0]["content"] for body in seen[:COLD_TURNS_ALONE]}  # type: ignore[index]
+    assert len(alone) == COLD_TURNS_ALONE and done.cold_turn_alone_ms > 0
     by_system: dict[object, list[list[dict[str, str]]]] = {}
-    for body in seen:
+    for body in seen[COLD_TURNS_ALONE:]:
         messages = body["messages"]
         assert isinstance(messages, list)
         by_system.setdefault(messages[0]["content"], []).append(messages)
@@ -302,7 +305,7 @@ async def test_agent_conversations_grow_turn_by_turn_and_are_measured_after_thei
             assert after[: len(before)] == before
             assert [m["role"] for m in after[len(before) :]] == ["assistant", "user"]
     # Only turns after every conversation's first one were measured.
-    assert done.load.requests <= len(seen) - 3
+    assert done.load.requests <= len(seen) - COLD_TURNS_ALONE - 3
 
 
 async def test_status_viewers_hold_the_status_page_open_while_measured(

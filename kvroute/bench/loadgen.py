@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvroute.kvcore.stats import percentile
 from kvroute.simulator.workload import filler
@@ -289,6 +290,9 @@ class ConversationResult:
     load: LoadResult
     mean_body_bytes: float
     first_turn_ms: float  # median latency of the conversations' first requests (the warm-up)
+    # Median latency of a new conversation's first turn sent alone (nothing else in flight):
+    # what one cold long turn costs, apart from the queue the concurrent first turns make.
+    cold_turn_alone_ms: float
     window: tuple[float, float]  # the measured window, in time.monotonic()
 
 
@@ -311,6 +315,7 @@ async def _conversations(
     connector = aiohttp.TCPConnector(limit=spec.concurrency)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        alone_ms = await _cold_turns_alone(session, spec)
         window = {"from": math.inf, "to": math.inf}  # set once every first turn is answered
         pending = [spec.concurrency]
 
@@ -366,7 +371,31 @@ async def _conversations(
     )
     mean_body = sum(sizes) / len(sizes) if sizes else 0.0
     first = percentile(first_ms, 0.5, method="nearest_rank") if first_ms else 0.0
-    return ConversationResult(load, mean_body, first, (window["from"], window["to"]))
+    alone = percentile(alone_ms, 0.5, method="nearest_rank") if alone_ms else 0.0
+    return ConversationResult(load, mean_body, first, alone, (window["from"], window["to"]))
+
+
+COLD_TURNS_ALONE = 5
+
+
+async def _cold_turns_alone(session: Any, spec: Conversations) -> list[float]:
+    """COLD_TURNS_ALONE conversations the load never uses, each's first turn sent alone, one
+    after another: the latency of a whole long history new to the router."""
+    import aiohttp
+
+    latencies = []
+    for k in range(COLD_TURNS_ALONE):
+        body = _Conversation(spec, spec.count + k).next_body()
+        sent = time.perf_counter()
+        try:
+            async with session.post(spec.url, data=body, headers=HEADERS) as resp:
+                await resp.read()
+                if resp.status >= 400:
+                    continue
+        except (aiohttp.ClientError, TimeoutError):
+            continue
+        latencies.append((time.perf_counter() - sent) * 1e3)
+    return latencies
 
 
 def run_conversations(

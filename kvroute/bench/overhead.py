@@ -49,6 +49,7 @@ from kvroute.bench.harness.report import (
 )
 from kvroute.bench.harness.sampling import CpuSampler
 from kvroute.bench.loadgen import (
+    COLD_TURNS_ALONE,
     MARKER,
     Conversations,
     Load,
@@ -140,6 +141,7 @@ class Row:
     result: LoadResult | None = None
     mean_body_kb: float | None = None  # agent workload
     first_turn_ms: float | None = None  # agent workload: a whole new conversation
+    cold_turn_alone_ms: float | None = None  # agent workload: one new conversation, alone
     error: str | None = None  # why it has no result (skipped or failed)
     startup_s: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -259,6 +261,7 @@ def measure(
             row.result = done.load
             row.mean_body_kb = done.mean_body_bytes / 1000
             row.first_turn_ms = done.first_turn_ms
+            row.cold_turn_alone_ms = done.cold_turn_alone_ms
             window = done.window
         else:
             path, body = fixed_request(options)
@@ -472,8 +475,10 @@ def load_line(options: Options, wrk: str | None) -> str:
             f"after {options.warmup_s} s warmup; {options.workload} workload: "
             f"{options.conversations} chat conversations starting at {options.start_kb} KB of "
             f"history{template}, {turns}, "
-            f"POST /v1/chat/completions (max_tokens 8); each conversation's first request (its "
-            f"whole history new to the router) before the warmup; kvroute tokenizes with "
+            f"POST /v1/chat/completions (max_tokens 8); first {COLD_TURNS_ALONE} new "
+            "conversations' first turns one at a time (cold turn alone), then each "
+            f"conversation's first request (its whole history new to the router) all at once "
+            f"before the warmup (first turn); kvroute tokenizes with "
             f"--tokenizer {shown_path(agent_tokenizer(options))}; {options.upstreams} stub "
             "upstreams"
         )
@@ -534,21 +539,22 @@ def agent_table(rows: list[Row]) -> str:
     base = direct_result(rows)
     lines = [
         "| target | policy | req/s | p50 ms | p99 ms | errors | mean body KB | first turn ms "
-        "| req/s vs direct | router CPU ms/req | req/s per core |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| cold turn alone ms | req/s vs direct | router CPU ms/req | req/s per core |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for row in rows:
         r = row.result
         if r is None:
             status = (row.error or "failed").split(":", 1)[0]
             lines.append(
-                f"| {row.target.name} | {row.label} | - | - | - | {status} | - | - | - | - | - |"
+                f"| {row.target.name} | {row.label} | - | - | - | {status} | - | - | - | - | - "
+                "| - |"
             )
             continue
         lines.append(
             f"| {row.target.name} | {row.label} | {r.requests_per_s:.0f} | {r.p50_ms:.2f} "
             f"| {r.p99_ms:.2f} | {errors_cell(r)} | {row.mean_body_kb or 0:.0f} "
-            f"| {row.first_turn_ms or 0:.0f} "
+            f"| {row.first_turn_ms or 0:.0f} | {row.cold_turn_alone_ms or 0:.0f} "
             f"| {ratio(r.requests_per_s, base.requests_per_s if base else None)} "
             f"| {cpu_cells(row)} |"
         )
