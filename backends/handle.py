@@ -26,6 +26,9 @@ class ReplicaHandle:
     # Why the last health probe failed while the replica is out ("connection refused to
     # host:port", a timeout, an HTTP status and its text); None while healthy.
     down_reason: str | None = field(init=False, default=None)
+    # Ejected by its breaker yet taking traffic: no other replica of its model is in rotation
+    # (router/registry.py, panic routing).
+    panic: bool = field(init=False, default=False)
     # What the output-drift canary found (health/canary.py), quarantine included.
     drift: DriftState = field(init=False, default_factory=DriftState)
 

@@ -227,6 +227,10 @@ class BreakerConfig(_Section):
     # Half-open: trial requests at a time, and successes needed to close.
     half_open_requests: int = 1
     close_after_successes: int = 2
+    # Where every replica of a model is out of rotation and some of them only by their
+    # breakers (their health checks pass), route to those anyway rather than fail every
+    # request (Envoy's panic mode): overload trips breakers too.
+    panic_routing: bool = True
 
 
 class LimitsConfig(_Section):

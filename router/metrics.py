@@ -105,6 +105,8 @@ class RouterMetrics:
         self.api_requests: dict[tuple[str], int] = {}
         # (replica, kind) -> count
         self.ejections: dict[tuple[str, str], int] = {}
+        # (replica,) -> requests routed to it while ejected, nothing else in rotation (panic)
+        self.panic_routed: dict[tuple[str], int] = {}
         # (replica, result) -> count: the drift canary's checks (one per prompt and replica).
         self.canary_checks: dict[tuple[str, str], int] = {}
         self.time_to_first_byte: dict[str, Histogram] = {}
@@ -201,6 +203,9 @@ class RouterMetrics:
     def observe_resume(self, outcome: str) -> None:
         self.resumes[(outcome,)] = self.resumes.get((outcome,), 0) + 1
 
+    def observe_panic_routed(self, replica: str) -> None:
+        self.panic_routed[(replica,)] = self.panic_routed.get((replica,), 0) + 1
+
     def observe_ejection(self, replica: str, kind: str) -> None:
         key = (replica, kind)
         self.ejections[key] = self.ejections.get(key, 0) + 1
@@ -222,6 +227,7 @@ class RouterMetrics:
             "resumes": [[*k, v] for k, v in self.resumes.items()],
             "api_requests": [[*k, v] for k, v in self.api_requests.items()],
             "ejections": [[*k, v] for k, v in self.ejections.items()],
+            "panic_routed": [[*k, v] for k, v in self.panic_routed.items()],
             "canary_checks": [[*k, v] for k, v in self.canary_checks.items()],
             "prompt_tokens": [[k, v] for k, v in self.prompt_tokens.items()],
             "predicted_hit_tokens": [[k, v] for k, v in self.predicted_hit_tokens.items()],
@@ -248,6 +254,7 @@ class RouterMetrics:
         resumes: dict[Any, int] = dict(self.resumes)
         api_requests: dict[Any, int] = dict(self.api_requests)
         ejections: dict[Any, int] = dict(self.ejections)
+        panic_routed: dict[Any, int] = dict(self.panic_routed)
         canary_checks: dict[Any, int] = dict(self.canary_checks)
         prompt_tokens: dict[Any, int] = {(k,): v for k, v in self.prompt_tokens.items()}
         predicted: dict[Any, int] = {(k,): v for k, v in self.predicted_hit_tokens.items()}
@@ -271,6 +278,7 @@ class RouterMetrics:
                 (resumes, peer.get("resumes", [])),
                 (api_requests, peer.get("api_requests", [])),
                 (ejections, peer.get("ejections", [])),
+                (panic_routed, peer.get("panic_routed", [])),
                 (canary_checks, peer.get("canary_checks", [])),
                 (prompt_tokens, peer["prompt_tokens"]),
                 (predicted, peer["predicted_hit_tokens"]),
@@ -295,6 +303,7 @@ class RouterMetrics:
             "resumes": resumes,
             "api_requests": api_requests,
             "ejections": ejections,
+            "panic_routed": panic_routed,
             "canary_checks": canary_checks,
             "prompt_tokens": {k[0]: v for k, v in prompt_tokens.items()},
             "predicted_hit_tokens": {k[0]: v for k, v in predicted.items()},
@@ -432,6 +441,15 @@ def _reliability_families(
     for (replica, kind), count in merged["ejections"].items():
         ejections.add_metric([replica, kind], count)
     yield ejections
+    panic = CounterMetricFamily(
+        "kvroute_panic_routed_requests",
+        "Requests routed to a replica its circuit breaker had ejected, because no replica of "
+        "the model was in rotation (panic routing, breaker.panic_routing).",
+        labels=["replica"],
+    )
+    for (replica,), count in merged["panic_routed"].items():
+        panic.add_metric([replica], count)
+    yield panic
     state = GaugeMetricFamily(
         "kvroute_replica_breaker_state",
         "1 for the state each replica's circuit breaker is in (this worker's view).",

@@ -504,6 +504,8 @@ class RequestPipeline:
         route = pool.ledger.route(route_request, now, pool.keys.block_size())
         if not route.ranked:
             raise errors.no_healthy_replica(self.retry_after_s)
+        if self.registry.panicking and route.ranked[0] in self.registry.panicking:
+            self.metrics.observe_panic_routed(route.ranked[0])
         return route
 
     def _pool(self, model: str | None) -> PoolRouting:

@@ -60,6 +60,7 @@ class ReplicaRegistry:
     ) -> None:
         """``replicas``: the fleet (every model pool's, pool by pool); default the config's."""
         self.breakers_enabled = config.breaker.enabled
+        self.panic_routing = config.breaker.panic_routing
         self._hooks = hooks
         self._settings = breaker_settings(config)
         self._positions = 0
@@ -70,6 +71,8 @@ class ReplicaRegistry:
         # Replicas whose breaker is not closed: reinstated when their cool-down is over.
         self._tripped: dict[str, ReplicaHandle] = {}
         self._checking: set[str] = set()  # replicas being checked after a dropped connection
+        # Ejected replicas taking traffic because nothing else serves their models (panic).
+        self.panicking: frozenset[str] = frozenset()
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -112,6 +115,7 @@ class ReplicaRegistry:
         if added or removed:
             self.fleet.replicas = [h.state for h in self.handles.values()]
             self.fleet.membership_version += 1
+            self._update_panic(time.monotonic())
         return added, removed
 
     def in_rotation(self) -> int:
@@ -131,7 +135,7 @@ class ReplicaRegistry:
             state.healthy
             and not state.quarantined
             and not state.draining
-            and handle.breaker.allows(now)
+            and (handle.breaker.allows(now) or handle.name in self.panicking)
         )
 
     def candidate(
@@ -165,11 +169,66 @@ class ReplicaRegistry:
         for handle in self._tripped.values():
             if handle.state.ejected and handle.breaker.allows(now):
                 handle.state.ejected = False
+        self._update_panic(now)
+
+    def _update_panic(self, now: float) -> None:
+        """Envoy's panic mode, for breakers: where no replica in rotation serves a model, the
+        replicas of that model out only by their breakers (their health checks pass) take
+        traffic anyway.
+
+        A breaker counts failures of live traffic, and overload causes those too (a slow
+        first byte on a busy replica trips it at once): ejecting the last replicas of a model
+        turns overload into an outage, every request failing at once, where trying them may
+        still answer. Replicas down by their health checks stay out: those are not answering.
+        """
+        if not self.panic_routing:
+            return
+        serving: set[str] = set()
+        serves_any = False  # a replica in rotation whose models are not known yet
+        spare: list[ReplicaHandle] = []
+        for handle in self.handles.values():
+            state = handle.state
+            if not state.healthy or state.quarantined or state.draining:
+                continue
+            if handle.name in self._tripped:  # its breaker is open or half-open
+                spare.append(handle)
+            elif state.models is None:
+                serves_any = True
+            else:
+                serving.update(state.models)
+        panicking = frozenset(
+            h.name
+            for h in spare
+            if not serves_any
+            and (not serving if h.state.models is None else not (h.state.models & serving))
+        )
+        if panicking == self.panicking:
+            return
+        for name in self.panicking - panicking:
+            back = self.handles.get(name)
+            if back is None:
+                continue
+            back.panic = False
+            if back.breaker.state is not BreakerState.CLOSED:
+                back.state.ejected = not back.breaker.allows(now)
+        for name in panicking:
+            spared = self.handles[name]
+            spared.panic = True
+            spared.state.ejected = False
+        if panicking and not self.panicking:
+            log.warning(
+                "no replica in rotation for %s: routing to the ejected ones anyway (panic) until "
+                "one is back",
+                ", ".join(sorted(panicking)),
+            )
+        elif not panicking:
+            log.info("panic over: replicas back in rotation")
+        self.panicking = panicking
 
     def dispatched(self, handle: ReplicaHandle) -> None:
         """A request is on its way to ``handle``: a half-open breaker counts its trial."""
         handle.breaker.dispatched()
-        if handle.breaker.state is BreakerState.HALF_OPEN:
+        if handle.breaker.state is BreakerState.HALF_OPEN and handle.name not in self.panicking:
             handle.state.ejected = not handle.breaker.allows(time.monotonic())
 
     # -- outcomes ---------------------------------------------------------------------
@@ -179,6 +238,7 @@ class ReplicaRegistry:
         if handle.state.healthy:
             handle.out_since = time.time()
         handle.state.healthy = False
+        self._update_panic(time.monotonic())
 
     def record(self, handle: ReplicaHandle, ok: bool, kind: str = "") -> None:
         """One outcome of live traffic on a replica, for its breaker."""
@@ -202,8 +262,9 @@ class ReplicaRegistry:
                 log.info("replica %s is back in rotation", handle.name)
                 if handle.state.healthy and not handle.state.quarantined:
                     handle.out_since = None
+                self._update_panic(now)
             handle.state.ejected = False
-        else:
+        elif handle.name not in self.panicking:
             handle.state.ejected = not breaker.allows(now)
 
     async def _check_alive(self, handle: ReplicaHandle) -> None:
@@ -227,6 +288,7 @@ class ReplicaRegistry:
             handle.out_since = time.time()
         handle.state.ejected = True
         self._tripped[handle.name] = handle
+        self._update_panic(time.monotonic())
         reason = handle.breaker.last_reason
         self._hooks.ejected(handle, kind)
         abandoned = self._hooks.abandon_waiting(handle, f"ejected: {reason}")
@@ -240,9 +302,15 @@ class ReplicaRegistry:
 
     def probed(self) -> None:
         """A probe changed something: stamp who left rotation and who came back."""
+        self._update_panic(time.monotonic())
         for handle in self.handles.values():
             state = handle.state
-            out = not state.healthy or state.ejected or state.quarantined
+            out = (
+                not state.healthy
+                or state.ejected
+                or state.quarantined
+                or handle.name in self.panicking
+            )
             if out and handle.out_since is None:
                 handle.out_since = time.time()
             elif not out:

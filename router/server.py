@@ -410,7 +410,9 @@ class Router:
                     "replica": replica_of(name),
                     "data_parallel_rank": handle.data_parallel_rank,
                     "healthy": state.healthy,
-                    "ejected": state.ejected,
+                    "ejected": state.ejected or handle.panic,
+                    # Ejected, yet taking traffic: nothing else serves its model (panic).
+                    "panic": handle.panic,
                     # Out of new routing while it drains (or until a replacement is checked).
                     "draining": state.draining,
                     **self.fleet_control.row_fields(name),

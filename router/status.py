@@ -370,6 +370,10 @@ def _replica_row(
         reasons.append(
             {"status": "half-open", "why": f"breaker on trial after: {breaker.last_reason}"}
         )
+    if handle.panic and reasons:
+        reasons[-1]["why"] += (
+            "; taking traffic anyway: no other replica of its model is in rotation"
+        )
     if alarmed:
         reasons.append({"status": "parity alarm", "why": f"parity alarm: {finding.get('detail')}"})
     status = reasons[0]["status"] if reasons else "up"
@@ -384,7 +388,8 @@ def _replica_row(
         # Takes new requests now: the one rule the policies use (FleetView.admits).
         "in_rotation": FleetView.admits(state, None),
         "healthy": state.healthy,
-        "ejected": state.ejected,
+        "ejected": state.ejected or handle.panic,
+        "panic": handle.panic,
         "quarantined": drift.quarantined,
         "draining": state.draining,
         "phase": phase,

@@ -8,6 +8,7 @@ state, ejections, retries and resumes in /metrics).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ import aiohttp
 import anthropic
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.simulator.replica.faults import FaultSpec
 
@@ -368,3 +370,76 @@ async def test_a_replica_that_drops_a_stream_and_stops_answering_leaves_rotation
     await wait_until(lambda: not handle.state.healthy, what="a out of rotation")
     assert a.health_checks == checks + 1 and handle.out_since is not None
     assert r.router.replicas["b"].state.healthy
+
+
+async def _panic_setup(
+    start_replica: StartReplica, start_router: StartRouter, panic_routing: bool
+) -> tuple[Any, Any, Any, openai.AsyncOpenAI]:
+    """a ejected by its breaker for a minute (then well again), b down by its health check:
+    no replica in rotation."""
+    a, b = await start_replica("a"), await start_replica("b")
+    r = await start_router(
+        [a, b],
+        policy={"name": "round_robin"},
+        retry={"max_attempts": 1},
+        breaker={"consecutive_failures": 1, "cooldown_s": 60.0, "panic_routing": panic_routing},
+        health={"interval_s": 0.1, "unhealthy_after": 1},
+    )
+    await wait_until(
+        lambda: all(h.state.healthy for h in r.router.replicas.values()), what="both healthy"
+    )
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    a.fail_with = 500
+    for _ in range(2):  # round robin: one of the two lands on a, which answers 500
+        with contextlib.suppress(openai.InternalServerError):
+            await client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert r.router.replicas["a"].state.ejected
+    a.fail_with = None
+    b.healthy = False
+    await wait_until(lambda: not r.router.replicas["b"].state.healthy, what="b down")
+    return a, b, r, client
+
+
+async def test_when_no_replica_is_in_rotation_the_ejected_ones_take_traffic_until_one_is_back(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    _, b, r, client = await _panic_setup(start_replica, start_router, panic_routing=True)
+    # Panic: a is only ejected (its health check passes), so it answers instead of nobody.
+    for _ in range(3):
+        raw = await client.completions.with_raw_response.create(
+            model="tiny", prompt="hello", max_tokens=2
+        )
+        assert raw.parse().choices[0].text and raw.headers["X-Kvroute-Replica"] == "a"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(r.url + "/admin/replicas") as resp:
+            rows = {row["name"]: row for row in (await resp.json())["replicas"]}
+        async with http.get(r.url + "/metrics") as resp:
+            page = await resp.text()
+    assert (rows["a"]["ejected"], rows["a"]["panic"], rows["a"]["breaker"]) == (True, True, "open")
+    assert (rows["b"]["healthy"], rows["b"]["panic"]) == (False, False)
+    routed = {
+        sample.labels["replica"]: sample.value
+        for family in text_string_to_metric_families(page)
+        if family.name == "kvroute_panic_routed_requests"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    assert routed == {"a": 3.0}
+    # b passes its health check again: panic is over, traffic goes to b, a stays ejected.
+    b.healthy = True
+    await wait_until(lambda: r.router.replicas["b"].state.healthy, what="b back")
+    raw = await client.completions.with_raw_response.create(
+        model="tiny", prompt="hello", max_tokens=2
+    )
+    assert raw.headers["X-Kvroute-Replica"] == "b"
+    a = r.router.replicas["a"]
+    assert a.state.ejected and not a.panic and not r.router.registry.panicking
+
+
+async def test_without_panic_routing_no_replica_in_rotation_means_503(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    _, _, _, client = await _panic_setup(start_replica, start_router, panic_routing=False)
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.completions.create(model="tiny", prompt="hello", max_tokens=2)
+    assert err.value.status_code == 503
