@@ -177,6 +177,7 @@ async def test_requests_spread_over_several_routers_in_turn(start_router: StartR
         (["--concurrency", "0"], "--concurrency must be at least 1"),
         (["--max-prompt-tokens", "8"], "--max-prompt-tokens 16"),
         (["--preset", "no-such-gpu"], "--preset: "),
+        (["--rounds", "0"], "--rounds must be at least 1"),
     ],
 )
 def test_bench_routers_refuses_bad_arguments(
@@ -189,6 +190,38 @@ def test_bench_routers_refuses_bad_arguments(
         code = exited.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_routers_judges_each_set_up_by_its_median_ratio_to_the_same_rounds_one_router() -> (
+    None
+):
+    from kvroute.bench import routers as bench
+
+    def summary(hit: float, p50: float, p99: float) -> dict[str, object]:
+        return {
+            "trace": "t",
+            "requests": 10,
+            "trace_block_tokens": 16,
+            "prefix_hit_rate": hit,
+            "ttft_p50_s": p50,
+            "ttft_p99_s": p99,
+            "ok": 10,
+            "failed": 0,
+        }
+
+    one, four = bench.Run(1, "none"), bench.Run(4, "bus")
+    measured = [
+        # Round 2's box is twice as slow for both: the ratio, not the p99, is what counts.
+        bench.Measured(one, summary(0.8, 0.1, 0.2), 0),
+        bench.Measured(four, summary(0.8, 0.1, 0.22), 0),
+        bench.Measured(one, summary(0.8, 0.2, 0.4), 1),
+        bench.Measured(four, summary(0.76, 0.2, 0.4), 1),
+        bench.Measured(one, summary(0.8, 0.1, 0.2), 2),
+        bench.Measured(four, summary(0.8, 0.1, 0.3), 2),
+    ]
+    text = bench.report(measured, bench.Options(rounds=3), "kvroute bench routers --rounds 3")
+    assert "| 2 | 4 | bus | 76.0% | 0.95x | 0.200 | 0.400 | 1.00x |" in text
+    assert "| 4 | bus | 1.00x | 1.00x | 1.10x |" in text
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,9 @@ other's. The simulator's ``kvroute replay --routers N --share bus`` models the s
 
 Each (N, share) runs on a fleet started for it, so no run inherits another's cache. Reported:
 the fleet's prefix-cache hit rate (the replicas' own counters), TTFT p50 and p99, each against
-one router's.
+one router's. With ``--rounds K`` the set-ups take turns K times and each is judged by the
+median over rounds of its ratio to the same round's one router: a light load's p99 is a few
+requests, and the box's load moves it more than the routers do.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -63,6 +66,7 @@ class Options:
     startup_timeout_s: float = 60.0
     output_md: str = "BENCHMARKS.md"
     no_record: bool = False
+    rounds: int = 1
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ def fleet(options: Options, run: Run, log_dir: Path) -> Iterator[list[tuple[str,
 class Measured:
     run: Run
     summary: dict[str, Any]
+    round: int = 0
 
 
 def measure(options: Options, echo: Any = print) -> list[Measured]:
@@ -121,7 +126,7 @@ def measure(options: Options, echo: Any = print) -> list[Measured]:
     trace = load_trace(options.trace, "claude-code", max_requests=options.max_requests, seed=0)
     measured = []
     with processes.session("kvroute-bench-routers-") as logs:
-        for run in runs(options):
+        for round_, run in ((k, r) for k in range(options.rounds) for r in runs(options)):
             with fleet(options, run, logs) as routers:
                 urls = [url for url, _ in routers]
                 cpu_before = sum(process_cpu_s(pid) for _, pid in routers)
@@ -145,10 +150,11 @@ def measure(options: Options, echo: Any = print) -> list[Measured]:
                 summary["routers_cpu_s"] = (
                     sum(process_cpu_s(pid) for _, pid in routers) - cpu_before
                 )
-            measured.append(Measured(run, summary))
+            measured.append(Measured(run, summary, round_))
             if echo:
                 echo(
-                    f"{run.routers} routers, share {run.share}: {summary['ok']} ok, "
+                    f"round {round_ + 1}: {run.routers} routers, share {run.share}: "
+                    f"{summary['ok']} ok, "
                     f"{summary['failed']} failed, hit rate {summary.get('prefix_hit_rate')}, "
                     f"TTFT p99 {summary.get('ttft_p99_s')}, routers' CPU "
                     f"{summary['routers_cpu_s']:.1f} s, {summary['wall_s']:.0f} s"
@@ -163,7 +169,6 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 
 def report(measured: list[Measured], options: Options, command: str) -> str:
-    one = next((m.summary for m in measured if m.run.routers == 1), None)
     first = measured[0].summary
     lines = [
         f"## Several routers, live on emulated replicas ({time.strftime('%Y-%m-%d')})",
@@ -180,23 +185,51 @@ def report(measured: list[Measured], options: Options, command: str) -> str:
         f"kv_aware; share bus = routing.ledger_bus on one nats-server. Each run on a fleet of "
         f"its own. {machine_line()}.",
         "",
-        "| routers | share | hit rate | vs 1 router | TTFT p50 s | TTFT p99 s | p99 vs 1 router "
-        "| routers' CPU ms/request | failed |",
-        "|--:|---|--:|--:|--:|--:|--:|--:|--:|",
+        "| round | routers | share | hit rate | vs 1 router | TTFT p50 s | TTFT p99 s "
+        "| p99 vs 1 router | routers' CPU ms/request | failed |",
+        "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
+    ones = {m.round: m.summary for m in measured if m.run.routers == 1}
     for m in measured:
+        one = ones.get(m.round)
         s = m.summary
         hit, p50, p99 = s.get("prefix_hit_rate"), s.get("ttft_p50_s"), s.get("ttft_p99_s")
         base_hit = one.get("prefix_hit_rate") if one else None
         base_p99 = one.get("ttft_p99_s") if one else None
         lines.append(
-            f"| {m.run.routers} | {m.run.share if m.run.routers > 1 else '-'} | "
+            f"| {m.round + 1} | {m.run.routers} | {m.run.share if m.run.routers > 1 else '-'} | "
             f"{'-' if hit is None else f'{hit * 100:.1f}%'} | {_ratio(hit, base_hit)} | "
             f"{'-' if p50 is None else f'{p50:.3f}'} | {'-' if p99 is None else f'{p99:.3f}'} | "
             f"{_ratio(p99, base_p99)} | {_cpu_per_request(s)} | {s['failed']} |"
         )
+    if options.rounds > 1 and ones:
+        lines += ["", *_medians(measured, ones)]
     lines.append("")
     return "\n".join(lines)
+
+
+def _medians(measured: list[Measured], ones: dict[int, dict[str, Any]]) -> list[str]:
+    """Per set-up, the median over rounds of its ratios to the same round's one router."""
+    lines = [
+        "Median over rounds of each round's ratio to that round's one router:",
+        "",
+        "| routers | share | hit rate vs 1 router | TTFT p50 vs 1 router | TTFT p99 vs 1 router |",
+        "|--:|---|--:|--:|--:|",
+    ]
+    for run in dict.fromkeys(m.run for m in measured if m.run.routers > 1):
+        cells = []
+        for key in ("prefix_hit_rate", "ttft_p50_s", "ttft_p99_s"):
+            ratios = [
+                m.summary[key] / ones[m.round][key]
+                for m in measured
+                if m.run == run
+                and m.round in ones
+                and m.summary.get(key) is not None
+                and ones[m.round].get(key)
+            ]
+            cells.append(f"{statistics.median(ratios):.2f}x" if ratios else "-")
+        lines.append(f"| {run.routers} | {run.share} | {' | '.join(cells)} |")
+    return lines
 
 
 def _cpu_per_request(summary: dict[str, Any]) -> str:
@@ -283,6 +316,14 @@ def add_routers_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="Requests in flight at most (default 4096: the trace's own). With a trace of many "
         "sessions and a small --time-scale, the load nears saturation; this caps it.",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="K",
+        help="Times the set-ups take turns (default 1); with more, each is judged by the median "
+        "of its per-round ratios to one router.",
+    )
     add_startup_timeout(p)
     add_report_args(p)
     p.set_defaults(func=_cmd)
@@ -294,6 +335,9 @@ def _cmd(args: argparse.Namespace) -> int:
         return 2
     if args.replicas < 1:
         print("kvroute bench routers: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print("kvroute bench routers: --rounds must be at least 1", file=sys.stderr)
         return 2
     if args.concurrency < 1 or args.max_prompt_tokens < 16:
         print(
@@ -319,6 +363,7 @@ def _cmd(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout,
         output_md=args.output_md,
         no_record=args.no_record,
+        rounds=args.rounds,
     )
     try:
         measured = measure(options, echo=lambda line: print(line, flush=True))
