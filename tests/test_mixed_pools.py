@@ -372,6 +372,23 @@ def test_the_live_bench_judges_the_time_cost_against_both_baselines() -> None:
     assert lines[1].endswith("0.83 (target < 1): met")
 
 
+def test_with_rounds_the_live_bench_judges_by_the_median_of_each_rounds_ratios() -> None:
+    def m(k: int, pool: str, policy: str, unit: str | None, p99: float) -> Measured:
+        run = MixedRun(pool, policy, unit)
+        return Measured(run, frozenset(), {"ttft_p99_s": p99}, round=k)
+
+    runs = [
+        # Round 2 on a box twice as busy: every p99 doubles, its ratios do not.
+        *(m(0, "mixed", "kv_aware", "time", 1.0), m(0, "average", "kv_aware", "tokens", 1.25)),
+        *(m(1, "mixed", "kv_aware", "time", 2.4), m(1, "average", "kv_aware", "tokens", 2.0)),
+        *(m(2, "mixed", "kv_aware", "time", 0.9), m(2, "average", "kv_aware", "tokens", 1.0)),
+    ]
+    assert verdicts(runs) == [
+        "- mixed pool, kv_aware (time), TTFT p99 / average pool's: 0.90 (median of 3 rounds: "
+        "0.80, 1.20, 0.90) (target <= 1): met"
+    ]
+
+
 def test_in_speed_alike_replicas_cost_tokens_whatever_their_lines_say() -> None:
     policy = KvAware(cost_unit="speed")
     slow = LatencyPrior(prefill_s_per_token=1e-3, ttft_base_s=0.5)  # 30x the prior, a big base
@@ -429,5 +446,20 @@ def test_a_bad_mix_on_the_command_line_is_one_line_and_status_2(
     with contextlib.suppress(SystemExit):
         code = main([*argv, "--trace", str(MOONCAKE), "--out", "unused"])
         assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policies", "time,fastest"], "--policies takes time, speed, tokens"),
+        (["--slow-speed", "1.5"], "--slow-speed must be below 1"),
+    ],
+)
+def test_bench_mixed_refuses_bad_arguments_in_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "mixed", "--no-record", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
