@@ -196,6 +196,8 @@ class EndpointPicker:
         if route.estimate is not None:  # kv_aware's estimate, as ``kvroute serve`` exports it
             self.metrics.observe_estimate(route.estimate)
         self.registry.dispatched(self.registry.handles[ranked[0]])
+        if ranked[0] in self.registry.panicking:
+            self.metrics.observe_panic_routed(ranked[0])
         self.decisions.latency.observe(time.perf_counter() - started)
         self.metrics.observe_routed(
             dispatch.replica, dispatch.request.prompt_tokens, dispatch.cached_tokens
