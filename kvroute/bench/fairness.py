@@ -22,7 +22,8 @@ generator sharing their event loop (until 2026-12 all of it ran in one process, 
 
 With ``--routers N`` (2 or more) it measures tenants' shares over N routers instead
 (kvroute/bench/fairness_routers.py): one tenant spreading its requests over all of them, one
-sending to one, with ``fairness.share_bus`` off and on, against one router.
+sending to one, with ``fairness.share_bus`` off and on and with ``fairness.share_slots``, against
+one router.
 
 Every figure is measured here, on this machine, against emulated replicas.
 """
@@ -675,7 +676,8 @@ def add_fairness_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--routers",
         type=positive_int,
         default=1,
-        help="2 or more: tenants' shares over this many routers, fairness.share_bus off and on, "
+        help="2 or more: tenants' shares over this many routers, fairness.share_bus off and on "
+        "(and with share_slots), "
         "against one router (kvroute/bench/fairness_routers.py; --slots per router)",
     )
     add_report_args(p)
