@@ -60,6 +60,11 @@ The rules, in the order they apply:
   elsewhere stays ahead here as long as it is, so its requests that land here would wait while
   the others' backlog lasts: ``max_wait_s`` (``fairness.share_max_wait_s`` with the shares on)
   admits a request that has waited that long first, the oldest first, whatever the counters.
+* **The fleet's slots** (``allowed``, ``demand``): with ``fairness.share_slots`` each tenant
+  may hold at most its part of the fleet's slots here (kvcore/fleet_slots.py computes it from
+  every router's ``demand``: requests in service and waiting); a tenant at its part waits as at
+  its own cap. A request past ``max_wait_s`` still gets one slot when its tenant holds none
+  here (its part rounded to none must not starve it). None: no parts (one router alone).
 
 Pure: no I/O, no asyncio, no clock. The front end (router/admission.py) owns the waiting and
 counts the slots; it calls ``may_start``, ``sparse``, ``offer``, ``pick``, ``remove``,

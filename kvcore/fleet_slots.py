@@ -32,6 +32,10 @@ from dataclasses import dataclass, field
 
 Weight = Callable[[str], float]
 EPS = 1e-9  # parts are sums of fractions: 2.9999999 is 3 slots
+# The fill below converges on what a tenant sent to too few routers can hold, from above: what
+# it leaves the others is this short of a slot at most, and counts as one.
+SLACK = 0.02
+ROUNDS = 8
 
 
 def water_fill(capacity: float, demands: Mapping[str, float], weight: Weight) -> dict[str, float]:
@@ -82,34 +86,41 @@ def place(
     def room(r: str) -> float:
         return ceilings[r] - sum(parts[r].values())
 
+    def elsewhere(r: str, t: str, amount: float) -> float:
+        """Up to ``amount`` of ``t``'s part moved off ``r`` to the other routers where it has
+        demand beyond its part and there is room, in proportion to what each can take."""
+        spare = {
+            o: min(room(o), demand[o].get(t, 0.0) - parts[o].get(t, 0.0)) for o in routers if o != r
+        }
+        spare = {o: x for o, x in spare.items() if x > EPS}
+        available = sum(spare.values())
+        moved = min(amount, available)
+        if moved <= 0:
+            return 0.0
+        for o, x in spare.items():
+            parts[o][t] = parts[o].get(t, 0.0) + moved * x / available
+        return moved
+
     for r in routers:
         excess = -room(r)
-        if excess <= 1e-9:
+        if excess <= EPS:
             continue
         for t in sorted(parts[r]):
+            # Each keeps one slot where it has demand (its requests there do not starve).
             movable = min(excess, parts[r][t] - min(1.0, parts[r][t]))
-            if movable <= 0:
-                continue
-            spare = {
-                o: min(room(o), demand[o].get(t, 0.0) - parts[o].get(t, 0.0))
-                for o in routers
-                if o != r
-            }
-            spare = {o: s for o, s in spare.items() if s > 1e-9}
-            available = sum(spare.values())
-            moved = min(movable, available)
-            if moved <= 0:
-                continue
-            for o, s in spare.items():
-                parts[o][t] = parts[o].get(t, 0.0) + moved * s / available
-            parts[r][t] -= moved
-            excess -= moved
-            if excess <= 1e-9:
+            if movable > 0:
+                moved = elsewhere(r, t, movable)
+                parts[r][t] -= moved
+                excess -= moved
+            if excess <= EPS:
                 break
-        if excess > 1e-9:
+        if excess > EPS:
             held = sum(parts[r].values())
             scale = max(0.0, ceilings[r]) / held if held > 0 else 0.0
+            cut = {t: p * (1 - scale) for t, p in parts[r].items()}
             parts[r] = {t: p * scale for t, p in parts[r].items()}
+            for t, amount in sorted(cut.items()):
+                elsewhere(r, t, amount)  # what was cut here, where it has room elsewhere
     return parts
 
 
@@ -121,8 +132,8 @@ def whole(parts: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, int]]
     for row in parts.values():
         for t, p in row.items():
             tenants[t] = tenants.get(t, 0.0) + p
-    totals = _largest_remainders(tenants, math.floor(sum(tenants.values()) + EPS))
-    room = {r: math.ceil(sum(row.values()) - EPS) for r, row in parts.items()}
+    totals = _largest_remainders(tenants, math.floor(sum(tenants.values()) + SLACK))
+    room = {r: math.ceil(sum(row.values()) - SLACK) for r, row in parts.items()}
     out: dict[str, dict[str, int]] = {r: {} for r in parts}
     for t in sorted(tenants):
         cells = {r: row[t] for r, row in parts.items() if t in row}
@@ -175,14 +186,17 @@ class FleetSlots:
     def ceiling(self) -> int:
         return _ceiling(self.limit, self.max_factor)
 
-    def heard(self, origin: str, limit: int, demand: Mapping[str, int], now: float) -> None:
-        """A peer's report: its limit and each tenant's demand there (in service + waiting)."""
+    def heard(self, origin: str, limit: int, demand: Mapping[str, int], now: float) -> bool:
+        """A peer's report: its limit and each tenant's demand there (in service + waiting).
+        Whether the fleet changed (a peer joined or left, or its limit did)."""
         if origin == self.origin:
-            return
+            return False
         if limit <= 0:
-            self.peers.pop(origin, None)  # it shares no slots (it left, or has no limit)
-            return
+            # It shares no slots (it left, or has no limit).
+            return self.peers.pop(origin, None) is not None
+        known = self.peers.get(origin)
         self.peers[origin] = _Peer(limit, {t: d for t, d in demand.items() if d > 0}, now)
+        return known is None or known.limit != limit
 
     def live(self, now: float) -> dict[str, _Peer]:
         """The peers heard from within ``stale_s`` (the others forgotten)."""
@@ -217,9 +231,25 @@ def share_slots(
         for t, d in row.items():
             if d > 0:
                 totals[t] = totals.get(t, 0.0) + d
-    shares = water_fill(float(sum(limits.values())), totals, weight)
+    capacity = float(sum(limits.values()))
     ceilings = {r: float(_ceiling(limits[r], max_factor)) for r in demand}
-    return whole(place(shares, demand, ceilings)).get(me, {})
+    # Work-conserving: a tenant whose share the ceilings keep from being placed in full (it
+    # sends to too few routers) wants no more than what was placed; what it leaves goes to the
+    # others, filled again (converging from above, ``ROUNDS`` at most).
+    wants = dict(totals)
+    for _ in range(ROUNDS):
+        shares = water_fill(capacity, wants, weight)
+        parts = place(shares, demand, ceilings)
+        placed: dict[str, float] = {}
+        for row in parts.values():
+            for t, p in row.items():
+                placed[t] = placed.get(t, 0.0) + p
+        short = [t for t, s in shares.items() if placed.get(t, 0.0) < s - 1e-6]
+        if not short:
+            break
+        for t in short:
+            wants[t] = placed.get(t, 0.0)
+    return whole(parts).get(me, {})
 
 
 def _ceiling(limit: int, max_factor: float) -> int:

@@ -30,14 +30,18 @@ def test_the_water_fill_gives_what_a_tenant_leaves_to_the_others_by_weight() -> 
 def test_four_routers_one_tenant_on_the_first_gets_nearly_half_the_fleet() -> None:
     """The bench's case: 4 routers of 4 slots; `local` (32) on the first only, `spread` (8 on
     each). Each is owed 8 of the 16; the first router may hold 2 x 4 = 8 and keeps spread one
-    slot there (its requests there do not starve), so local gets 7 there, spread 8 over all."""
+    slot there (its requests there do not starve), so local gets 7 there, and spread the other
+    9 (no fleet slot idle). With a ceiling of 2.5 x 4 = 10, 8 each."""
     limits = {f"r{k}": 4 for k in range(1, 5)}
     demand = {"r1": {"local": 32, "spread": 8}, "r2": {"spread": 8}, "r3": {"spread": 8}}
     demand["r4"] = {"spread": 8}
     parts = {r: share_slots(r, limits, demand, one, 2.0) for r in limits}
     assert parts["r1"] == {"local": 7, "spread": 1}
-    assert sum(parts[r].get("spread", 0) for r in limits) == 8
+    assert sum(parts[r].get("spread", 0) for r in limits) == 9
     assert all(sum(p.values()) <= 8 for p in parts.values())
+    parts = {r: share_slots(r, limits, demand, one, 2.5) for r in limits}
+    assert parts["r1"] == {"local": 8, "spread": 2}
+    assert sum(parts[r].get("spread", 0) for r in limits) == 8
 
 
 def test_without_demand_elsewhere_a_router_takes_the_idle_routers_slots_up_to_its_ceiling() -> None:
@@ -50,12 +54,13 @@ def test_without_demand_elsewhere_a_router_takes_the_idle_routers_slots_up_to_it
 def test_a_fleet_peer_unheard_of_for_stale_s_drops_out_and_none_left_means_alone() -> None:
     fleet = FleetSlots("me", 4, one, 2.0, stale_s=0.5)
     assert fleet.allowances({"x": 10}, now=0.0) is None  # nobody heard: this router alone
-    fleet.heard("peer", 4, {"y": 10}, now=0.0)
+    assert fleet.heard("peer", 4, {"y": 10}, now=0.0)  # it joined: recompute at once
+    assert not fleet.heard("peer", 4, {"y": 9}, now=0.0)  # news, not a new fleet
     assert fleet.allowances({"x": 10}, now=0.4) == {"x": 4}
     assert fleet.allowances({"x": 10}, now=0.6) is None  # silent past stale_s: gone
     fleet.heard("peer", 4, {}, now=1.0)
     assert fleet.allowances({"x": 10}, now=1.0) == {"x": 8}  # an idle peer's slots too
-    fleet.heard("peer", 0, {}, now=1.1)  # it leaves (no slots): gone at once
+    assert fleet.heard("peer", 0, {}, now=1.1)  # it leaves (no slots): gone at once
     assert fleet.allowances({"x": 10}, now=1.1) is None
     fleet.heard("me", 4, {"z": 5}, now=1.2)  # its own message: not a peer
     assert fleet.peers == {}
@@ -113,9 +118,32 @@ def test_share_slots_properties(
         for t, d in row.items():
             totals[t] = totals.get(t, 0) + d
     fleet = water_fill(sum(limits), totals, one)
-    for t, s in fleet.items():
-        got = sum(parts[r].get(t, 0) for r in names)
-        assert got <= math.ceil(s - 1e-9)  # never above its fleet share (rounded up)
+    if all(math.floor(n * factor) >= sum(limits) for n in limits):
+        # No router's ceiling binds (it could hold the whole fleet): every fleet slot that a
+        # tenant wants is given, and each gets its water-fill share (rounded).
+        given = {t: sum(parts[r].get(t, 0) for r in names) for t in totals}
+        assert sum(given.values()) == min(sum(limits), sum(totals.values()))
+        for t, share in fleet.items():
+            assert math.floor(share - 0.02) <= given[t] <= math.ceil(share + 0.02), (t, share)
+
+
+@settings(max_examples=200, deadline=None)
+@given(limit=st.integers(2, 8), routers=st.integers(2, 8), factor=st.sampled_from([1.0, 2.0]))
+def test_a_tenant_on_one_router_leaves_what_it_cannot_hold_to_the_others(
+    limit: int, routers: int, factor: float
+) -> None:
+    """Work-conserving: `local` on the first router only can hold that router's ceiling at
+    most; the rest of its fleet share goes to `spread` (on every router), no fleet slot idle."""
+    names = [f"r{k}" for k in range(routers)]
+    limits = dict.fromkeys(names, limit)
+    demand = {r: {"spread": 4 * limit} for r in names}
+    demand["r0"] = {"local": 4 * limit * routers, "spread": 4 * limit}
+    parts = {r: share_slots(r, limits, demand, one, factor) for r in names}
+    assert sum(n for p in parts.values() for n in p.values()) == limit * routers
+    ceiling = max(limit, math.floor(limit * factor))
+    half = limit * routers / 2  # local's fleet share (rounded either way when odd)
+    assert parts["r0"].get("local", 0) in {min(ceiling - 1, math.floor(half)), math.ceil(half)}
+    assert all(p.get("spread", 0) >= 1 for p in parts.values())  # one slot at each at least
 
 
 # -- the fair queue holds each tenant to its part ------------------------------------------

@@ -6,12 +6,19 @@ of it; once the peer leaves, the router is back to its own limit. And the config
 from __future__ import annotations
 
 import asyncio
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 
+from kvroute.router.admission import Admission
+from kvroute.router.budget_bus import BudgetBus, Charges, ProgramCharge, TenantCharge, TenantDemand
 from kvroute.router.config import ConfigError, config_from_dict
+from kvroute.router.tenant_metrics import TenantMetrics
+from kvroute.router.tenants import Tenants
 
 from .conftest import RunningRouter, StartReplica, StartRouter
 from .helpers import wait_until
@@ -134,3 +141,60 @@ def test_share_slots_needs_share_bus_and_a_limit_and_names_the_keys() -> None:
         }
     )
     assert ok.fairness.share_slots and ok.fairness.share_slots_max_factor == 2.0
+
+
+# -- the wire, without NATS: routers of either version -------------------------------------
+
+
+@dataclass
+class _Msg:
+    data: bytes
+
+
+class _OldCharges(msgspec.Struct, array_like=True):
+    """The message as routers sent it before fairness.share_slots (no slots, no demand)."""
+
+    origin: str
+    started: float
+    charges: list[TenantCharge]
+    programs: list[ProgramCharge] = msgspec.field(default_factory=list)
+
+
+def _slots_bus() -> BudgetBus:
+    raw = {
+        "tenants": {"budget_bus": "nats://127.0.0.1:1"},
+        "fairness": {"share_bus": True, "share_slots": True},
+        "limits": {"max_concurrent_requests": 4},
+    }
+    config = config_from_dict(raw)
+    tenants = Tenants(config, TenantMetrics())
+    admission = Admission(4, 10, 30.0, tenant_limits=tenants.limits)
+    bus = BudgetBus("nats://127.0.0.1:1", "s", tenants, 0.02, admission.fair)
+    bus.share_slots(admission, 2.0)
+    return bus
+
+
+async def test_a_peer_without_slots_counts_none_said_once_and_old_routers_read_the_new_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bus = _slots_bus()
+    admission = bus.admission
+    assert admission is not None and admission.fleet is not None
+    old = msgspec.msgpack.encode(_OldCharges("old", bus.started, []))
+    with caplog.at_level(logging.WARNING):
+        await bus._on_message(_Msg(old))
+        await bus._on_message(_Msg(old))
+    assert [r.getMessage() for r in caplog.records if "shares no slots" in r.getMessage()] == [
+        "budget bus: router old shares no slots (fairness.share_slots off there, no "
+        "limits.max_concurrent_requests, or an older kvroute): its tenants' requests are not "
+        "in the fleet's slots this router shares"
+    ]
+    assert admission.fleet.peers == {} and admission.fair.allowed is None  # alone, as before
+    new = Charges("new", bus.started, [], [], 4, [TenantDemand("x", 6)])
+    await bus._on_message(_Msg(msgspec.msgpack.encode(new)))
+    # Joined: the fleet's 8 slots, all x's 6 at "new"; none of x here, the ceiling 2 x 4.
+    assert admission.fleet.peers.keys() == {"new"}
+    assert admission.fair.allowed == {} and admission.ceiling == 8
+    # An older router reads the new message: the slots trail, ignored.
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=_OldCharges)
+    assert decoded.origin == "new"

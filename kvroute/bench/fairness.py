@@ -96,6 +96,7 @@ class Options:
     startup_timeout_s: float = 60.0
     output_md: str = "BENCHMARKS.md"
     no_record: bool = False
+    share_slots_max_factor: float = 2.0  # --routers: fairness.share_slots_max_factor (the default)
 
 
 @dataclass
@@ -680,6 +681,13 @@ def add_fairness_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "(and with share_slots), "
         "against one router (kvroute/bench/fairness_routers.py; --slots per router)",
     )
+    p.add_argument(
+        "--share-slots-max-factor",
+        type=float,
+        default=Options.share_slots_max_factor,
+        help="with --routers: fairness.share_slots_max_factor of the share_slots case "
+        f"(default {Options.share_slots_max_factor:g}, the config's)",
+    )
     add_report_args(p)
     p.set_defaults(func=_cmd)
 
@@ -699,6 +707,7 @@ def _cmd(args: argparse.Namespace) -> int:
         seed=args.seed,
         output_md=args.output_md,
         no_record=args.no_record,
+        share_slots_max_factor=args.share_slots_max_factor,
     )
     if args.routers > 1:
         from kvroute.bench import fairness_routers

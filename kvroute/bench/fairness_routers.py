@@ -61,7 +61,6 @@ TENANTS = (SPREAD, LOCAL)
 SHARED = "spread via the first router"  # the spread tenant's requests that meet the local one
 # What the routers run with: the defaults.
 LEAD, WAIT = FairnessConfig().share_max_lead_tokens, FairnessConfig().share_max_wait_s
-FACTOR = FairnessConfig().share_slots_max_factor
 
 
 @dataclass(frozen=True)
@@ -124,6 +123,7 @@ def fleet(options: Options, routers: int, case: Case, log_dir: Path) -> Iterator
                 "output_weight": OUTPUT_WEIGHT,
                 "share_bus": bool(case.share),
                 "share_slots": case.slots,
+                "share_slots_max_factor": options.share_slots_max_factor,
             },
             "health": {"interval_s": 0.5},
         }
@@ -206,6 +206,7 @@ def run(options: Options, routers: int, echo: Any = print) -> list[Result]:
 def report(results: list[Result], options: Options, routers: int, command: str) -> str:
     ref = results[0]
     workers = 2 * options.slots * routers
+    factor = options.share_slots_max_factor
     lines = [
         f"## Tenants' fair shares over several routers ({time.strftime('%Y-%m-%d')})",
         "",
@@ -219,8 +220,8 @@ def report(results: list[Result], options: Options, routers: int, command: str) 
         f"the same fleet capacity), so admission decides who goes next; the routers on one NATS "
         f"server (tenants.budget_bus; no budgets set), fairness.share_bus off or on "
         f"(share_max_lead_tokens {LEAD:g}, share_max_wait_s {WAIT:g}), and with "
-        f"fairness.share_slots (share_slots_max_factor {FACTOR:g}: the first router admits at "
-        f"most {FACTOR:g} x its limit). Prompts of ~{options.prompt_words} words, "
+        f"fairness.share_slots (share_slots_max_factor {factor:g}: the first router admits at "
+        f"most {factor:g} x its limit). Prompts of ~{options.prompt_words} words, "
         f"{options.max_tokens} output tokens; a {options.seconds:g} s window after "
         f"{options.warmup_s:g} s warm-up. Share: of the weighted tokens served in the window "
         f"(input + {OUTPUT_WEIGHT:g} x output, the routers' /admin/tenants summed). TTFT: the "
