@@ -188,6 +188,8 @@ class FairQueue:
         # Slots each tenant may hold here, its part of the fleet's (kvcore/fleet_slots.py,
         # fairness.share_slots); None: no such bound (one router alone, or the option off).
         self.allowed: dict[str, int] | None = None
+        # The most requests in service and waiting each tenant had since ``drain_demand``.
+        self._peak: dict[str, int] = {}
 
     def weight(self, name: str) -> float:
         """``name``'s weight (its settings; without making it a tenant here)."""
@@ -217,14 +219,31 @@ class FairQueue:
         return allowed is None or t.active < allowed.get(t.name, 1)
 
     def demand(self) -> dict[str, int]:
-        """Requests in service and waiting per tenant (those with any): what this router
-        tells the others with fairness.share_slots."""
+        """Requests in service and waiting per tenant (those with any)."""
         out = {}
         for name, t in self.tenants.items():
             n = t.active + sum(map(len, t.waiting))
             if n > 0:
                 out[name] = n
         return out
+
+    def drain_demand(self) -> dict[str, int]:
+        """The most requests each tenant had in service and waiting at once since the last
+        drain (or now, if more): what this router tells the others with fairness.share_slots,
+        and splits the fleet's slots by. The peak, not a sample: a closed loop's demand dips
+        by one between a request's end and the next one's arrival, and samples taken at
+        different moments would have the routers split the slots differently, idling some."""
+        out = self.demand()
+        for name, n in self._peak.items():
+            if n > out.get(name, 0) and name in self.tenants:
+                out[name] = n
+        self._peak = {}
+        return out
+
+    def _note_demand(self, name: str, t: _Tenant) -> None:
+        n = t.active + sum(map(len, t.waiting))
+        if n > self._peak.get(name, 0):
+            self._peak[name] = n
 
     def sparse(self, ticket: Ticket) -> bool:
         """Whether ``ticket``, arriving with every slot taken while other tenants' requests of
@@ -255,6 +274,8 @@ class FairQueue:
         t = self.tenant(ticket.tenant)
         t.active += 1
         ticket.running = True
+        if self.allowed is not None:
+            self._note_demand(ticket.tenant, t)
         self._floor = max(self._floor, t.counter)
         self._charge(t, ticket, ticket.input_tokens)
 
@@ -367,6 +388,8 @@ class FairQueue:
         ticket.queued = True
         t.waiting[ticket.priority].append(ticket)
         self.queued += 1
+        if self.allowed is not None:
+            self._note_demand(ticket.tenant, t)
         return victim
 
     def remove(self, ticket: Ticket) -> None:

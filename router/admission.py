@@ -89,12 +89,15 @@ class Admission:
         self.fleet = FleetSlots(origin, self.limit, self.fair.weight, max_factor, stale_s)
         return self.fleet
 
-    def refresh(self, now: float) -> None:
-        """Recompute each tenant's part of the fleet's slots here (after a peer's report), and
+    def refresh(self, now: float, demand: dict[str, int] | None = None) -> None:
+        """Recompute each tenant's part of the fleet's slots here from this router's
+        ``demand`` (what it tells the others; now's without it) and its peers' reports, and
         admit whom it now lets in; with no peer heard from, this router's own limit again."""
         if self.fleet is None:
             return
-        self.fair.allowed = self.fleet.allowances(self.fair.demand(), now)
+        if demand is None:
+            demand = self.fair.demand()
+        self.fair.allowed = self.fleet.allowances(demand, now)
         self._pump(None)
 
     @property

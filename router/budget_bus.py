@@ -176,9 +176,11 @@ class BudgetBus:
         budgets = shared.drain() if len(shared) else {}
         served = fair.drain_served() if fair is not None else {}
         programs = fair.drain_programs() if fair is not None else {}
-        admission = self.admission
+        admission, demand = self.admission, None
         if admission is not None:
-            admission.refresh(time.monotonic())  # peers gone silent drop out here too
+            # This router's split uses what it tells the others (the peers' split does).
+            demand = admission.fair.drain_demand()
+            admission.refresh(time.monotonic(), demand)  # peers gone silent drop out here too
         elif not (budgets or served or programs):
             return
         now = time.monotonic()
@@ -195,9 +197,9 @@ class BudgetBus:
             charges,
             [ProgramCharge(p, tokens) for p, tokens in programs.items()],
         )
-        if admission is not None:
+        if admission is not None and demand is not None:
             message.slots = 0 if leaving else admission.limit
-            message.demands = [TenantDemand(t, n) for t, n in admission.fair.demand().items()]
+            message.demands = [TenantDemand(t, n) for t, n in demand.items()]
         try:
             await self._client.publish(self.subject, _encoder.encode(message))
             self.published += 1
