@@ -11,11 +11,21 @@ service + waiting), and every router computes the same thing from the same repor
    tenants with demand, by weight: a tenant never gets more than it demands, what it leaves is
    shared among the others by weight (max-min fairness).
 2. **Place** each tenant's fleet share over the routers in proportion to its demand at each.
-   A router may hold up to ``max_factor`` x its own limit (its *ceiling*); one above it gives
-   the tenants that have demand with room elsewhere their part there (each keeps one slot where
-   it has demand, so none starves on a router), and what is still above the ceiling is cut
-   there in proportion.
-3. **Round** to whole slots (largest remainders, ties by name: every router rounds alike).
+   A router may hold up to ``max_factor`` x its own limit (its *ceiling*): the routers split
+   from each other's reports, an interval old, while the replicas take what they all admit at
+   once, so the ceiling bounds what one router can add while the reports lag (a tenant's load
+   moving, a peer starting or stalling), and a router whose replicas are its own is never
+   driven past twice (by default) what it was sized for. A router above its ceiling gives the
+   tenants that have demand with room elsewhere their part there (each keeps one slot where
+   it has demand, so none starves on a router), and what is still above is cut there in
+   proportion (the cut moved elsewhere where the tenant has room).
+3. **Work-conserving**: a tenant the ceilings keep from holding its share (it sends to too few
+   routers) wants no more than it holds; the water-fill runs again and the others get the rest
+   (no fleet slot idles while someone waits).
+4. **Round** to whole slots (largest remainders, ties by name: every router rounds alike).
+
+Each router splits by the demand it tells the others (the peak over the interval: see
+FairQueue.drain_demand), so all of them compute from the same numbers and agree.
 
 A router admits each tenant up to its part there (``allowances``). Peers not heard from within
 ``stale_s`` drop out of the sum; with no peer heard from, there is nothing to compute
