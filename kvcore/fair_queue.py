@@ -60,6 +60,11 @@ The rules, in the order they apply:
   elsewhere stays ahead here as long as it is, so its requests that land here would wait while
   the others' backlog lasts: ``max_wait_s`` (``fairness.share_max_wait_s`` with the shares on)
   admits a request that has waited that long first, the oldest first, whatever the counters.
+* **The fleet's slots** (``allowed``, ``demand``): with ``fairness.share_slots`` each tenant
+  may hold at most its part of the fleet's slots here (kvcore/fleet_slots.py computes it from
+  every router's ``demand``: requests in service and waiting); a tenant at its part waits as at
+  its own cap. A request past ``max_wait_s`` still gets one slot when its tenant holds none
+  here (its part rounded to none must not starve it). None: no parts (one router alone).
 
 Pure: no I/O, no asyncio, no clock. The front end (router/admission.py) owns the waiting and
 counts the slots; it calls ``may_start``, ``sparse``, ``offer``, ``pick``, ``remove``,
@@ -147,6 +152,7 @@ class _Tenant:
     counter: float = 0.0  # weighted service received (tokens / weight)
     active: int = 0  # admitted and not finished
     waiting: list[deque[Ticket]] = field(default_factory=lambda: [deque(), deque(), deque()])
+    name: str = ""
 
     @property
     def backlogged(self) -> bool:
@@ -179,11 +185,21 @@ class FairQueue:
         self.served: dict[str, float] | None = None
         # And per program (by="program", while ``served`` is set): what each program received here.
         self.served_programs: dict[str, float] = {}
+        # Slots each tenant may hold here, its part of the fleet's (kvcore/fleet_slots.py,
+        # fairness.share_slots); None: no such bound (one router alone, or the option off).
+        self.allowed: dict[str, int] | None = None
+        # The most requests in service and waiting each tenant had since ``drain_demand``.
+        self._peak: dict[str, int] = {}
+
+    def weight(self, name: str) -> float:
+        """``name``'s weight (its settings; without making it a tenant here)."""
+        t = self.tenants.get(name)
+        return (t.limits if t is not None else self._limits(name)).weight
 
     def tenant(self, name: str) -> _Tenant:
         t = self.tenants.get(name)
         if t is None:
-            t = self.tenants[name] = _Tenant(self._limits(name))
+            t = self.tenants[name] = _Tenant(self._limits(name), name=name)
             t.counter = self._floor  # a newcomer starts level, not with a lifetime of credit
         return t
 
@@ -193,8 +209,41 @@ class FairQueue:
         """Nothing waits and the tenant is under its own cap: admit without queueing."""
         if self.queued:
             return False
-        cap = self.tenant(ticket.tenant).limits.max_concurrent
-        return not cap or self.tenants[ticket.tenant].active < cap
+        t = self.tenant(ticket.tenant)
+        return _may_run(t) and self._within(t)
+
+    def _within(self, t: _Tenant) -> bool:
+        """Under its part of the fleet's slots here (``allowed``; a tenant the last share did
+        not know yet, one slot until the next share counts its demand)."""
+        allowed = self.allowed
+        return allowed is None or t.active < allowed.get(t.name, 1)
+
+    def demand(self) -> dict[str, int]:
+        """Requests in service and waiting per tenant (those with any)."""
+        out = {}
+        for name, t in self.tenants.items():
+            n = t.active + sum(map(len, t.waiting))
+            if n > 0:
+                out[name] = n
+        return out
+
+    def drain_demand(self) -> dict[str, int]:
+        """The most requests each tenant had in service and waiting at once since the last
+        drain (or now, if more): what this router tells the others with fairness.share_slots,
+        and splits the fleet's slots by. The peak, not a sample: a closed loop's demand dips
+        by one between a request's end and the next one's arrival, and samples taken at
+        different moments would have the routers split the slots differently, idling some."""
+        out = self.demand()
+        for name, n in self._peak.items():
+            if n > out.get(name, 0) and name in self.tenants:
+                out[name] = n
+        self._peak = {}
+        return out
+
+    def _note_demand(self, name: str, t: _Tenant) -> None:
+        n = t.active + sum(map(len, t.waiting))
+        if n > self._peak.get(name, 0):
+            self._peak[name] = n
 
     def sparse(self, ticket: Ticket) -> bool:
         """Whether ``ticket``, arriving with every slot taken while other tenants' requests of
@@ -207,7 +256,7 @@ class FairQueue:
         if priority == Priority.SHEDDABLE or self.params.reserved_slots <= 0:
             return False
         t = self.tenant(ticket.tenant)
-        if t.backlogged or not _may_run(t):
+        if t.backlogged or not _may_run(t) or not self._within(t):
             return False
         backlogged = [o for o in self.tenants.values() if o is not t and o.backlogged]
         rivals = [o for o in backlogged if o.waiting[priority]]
@@ -218,13 +267,15 @@ class FairQueue:
         lifted = max(t.counter, min(o.counter for o in backlogged))
         mine = (lifted, (t.active + 1) / t.limits.weight)
         # A rival at least as low goes first (on a tie its request is the older one).
-        return all((o.counter, _load(o)) > mine for o in rivals if _may_run(o))
+        return all((o.counter, _load(o)) > mine for o in rivals if _may_run(o) and self._within(o))
 
     def started(self, ticket: Ticket) -> None:
         """``ticket`` was admitted: it runs, and its input is charged now."""
         t = self.tenant(ticket.tenant)
         t.active += 1
         ticket.running = True
+        if self.allowed is not None:
+            self._note_demand(ticket.tenant, t)
         self._floor = max(self._floor, t.counter)
         self._charge(t, ticket, ticket.input_tokens)
 
@@ -337,6 +388,8 @@ class FairQueue:
         ticket.queued = True
         t.waiting[ticket.priority].append(ticket)
         self.queued += 1
+        if self.allowed is not None:
+            self._note_demand(ticket.tenant, t)
         return victim
 
     def remove(self, ticket: Ticket) -> None:
@@ -375,7 +428,8 @@ class FairQueue:
         cost: Callable[[Ticket], int] | None = None,
     ) -> Ticket | None:
         """The queued ticket to admit next (taken out of the queue), or None when nothing
-        queued may start (empty, or every waiting tenant is at its own cap).
+        queued may start (empty, or every waiting tenant is at its own cap, or at its part of
+        the fleet's slots, ``allowed``).
 
         ``locality(ticket)``: prompt tokens the replica that freed the slot holds of it.
         ``now``: the clock ``Ticket.arrived`` is on, for ``max_wait_s`` and, by program,
@@ -390,10 +444,18 @@ class FairQueue:
             if self.params.max_wait_s > 0 and now is not None:
                 # The request waiting longest (each tenant's first is its oldest) goes first once
                 # it has waited max_wait_s: other routers' service must not hold it here unbounded.
-                head = min((t.waiting[priority][0] for t in heads), key=lambda k: k.seq)
-                if now - head.arrived >= self.params.max_wait_s:
-                    self.remove(head)
-                    return head
+                # Its tenant's part of the fleet's slots still holds, but one slot here always
+                # (a part that rounded to none here must not starve it).
+                late = [t for t in heads if self._within(t) or t.active == 0]
+                if late:
+                    head = min((t.waiting[priority][0] for t in late), key=lambda k: k.seq)
+                    if now - head.arrived >= self.params.max_wait_s:
+                        self.remove(head)
+                        return head
+            if self.allowed is not None:
+                heads = [t for t in heads if self._within(t)]
+                if not heads:
+                    continue
             # Ties (a tenant back from idle is lifted level with the rest) go to the tenant
             # with the lighter load (requests in service and waiting, per weight): the sparse
             # one before the flood. Then to the older request.

@@ -8,6 +8,12 @@ once, as cheaply as a counter check. A request the fair queue would admit next a
 with every slot taken while other tenants' requests wait (its ``sparse``), passes at once on one
 of its ``reserved_slots`` above the limit instead of waiting for a slot to free; the next slots
 to free then go unfilled until the count is back under the limit.
+
+With ``fairness.share_slots`` (``share_slots``), each tenant is admitted up to its part of the
+fleet's slots here (kvcore/fleet_slots.py), recomputed as the other routers' reports arrive
+(router/budget_bus.py ``refresh``), and the limit is the ceiling (``max_factor`` x it) while a
+peer is heard from: a tenant that sends to this router only may take the slots the others'
+tenants leave, and one spread over the routers is held to its share here.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from kvroute.kvcore.fair_queue import (
     TenantLimits,
     Ticket,
 )
+from kvroute.kvcore.fleet_slots import FleetSlots
 from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.kvcore.queue_prefix import held_on, uncached
 
@@ -74,6 +81,32 @@ class Admission:
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
         self._locality = locality
         self._cost = cost
+        # fairness.share_slots: the fleet's slots, as the budget bus hears of them.
+        self.fleet: FleetSlots | None = None
+
+    def share_slots(self, origin: str, max_factor: float, stale_s: float) -> FleetSlots:
+        """Admit each tenant up to its part of the fleet's slots (fairness.share_slots)."""
+        self.fleet = FleetSlots(origin, self.limit, self.fair.weight, max_factor, stale_s)
+        return self.fleet
+
+    def refresh(self, now: float, demand: dict[str, int] | None = None) -> None:
+        """Recompute each tenant's part of the fleet's slots here from this router's
+        ``demand`` (what it tells the others; now's without it) and its peers' reports, and
+        admit whom it now lets in; with no peer heard from, this router's own limit again."""
+        if self.fleet is None:
+            return
+        if demand is None:
+            demand = self.fair.demand()
+        self.fair.allowed = self.fleet.allowances(demand, now)
+        self._pump(None)
+
+    @property
+    def ceiling(self) -> int:
+        """Requests in service at once, at most (before reserved slots): the limit, or with the
+        fleet's slots shared and peers heard from, the ceiling (max_factor x the limit)."""
+        if self.fleet is not None and self.fair.allowed is not None:
+            return self.fleet.ceiling
+        return self.limit
 
     @property
     def queued(self) -> int:
@@ -82,7 +115,7 @@ class Admission:
     def refuses(self, priority: Priority) -> AdmissionRefused | None:
         """The 429 a request of class ``priority`` would get now, before anything is read of
         it: every slot taken and no place for it in the queue. None: it may try."""
-        if not (self.limit and self.active >= self.limit and self.fair.would_refuse(priority)):
+        if not (self.limit and self.active >= self.ceiling and self.fair.would_refuse(priority)):
             return None
         return self._refused(Ticket("", priority, 0), "queue_full")
 
@@ -98,10 +131,11 @@ class Admission:
         if ticket is None:
             ticket = Ticket("default", Priority.STANDARD, 0, time.monotonic())
         fair = self.fair
-        if (not self.limit or self.active < self.limit) and fair.may_start(ticket):
+        ceiling = self.ceiling
+        if (not self.limit or self.active < ceiling) and fair.may_start(ticket):
             self._start(ticket)
             return ticket
-        if self.active < self.limit + fair.params.reserved_slots and fair.sparse(ticket):
+        if self.active < ceiling + fair.params.reserved_slots and fair.sparse(ticket):
             # Its turn anyway: it starts above the limit rather than wait for a slot to free;
             # ``_pump`` refills none until the count is back under the limit.
             self._start(ticket)
@@ -156,12 +190,17 @@ class Admission:
             return
         locality = self._locality(replica) if replica and self._locality is not None else None
         cost = self._cost() if self._cost is not None and self.fair.by_program else None
-        while not self.limit or self.active < self.limit:
+        ceiling = self.ceiling
+        while not self.limit or self.active < ceiling:
             ticket = self.fair.pick(locality, time.monotonic(), cost)
             if ticket is None:
                 return
+            waiter = self._waiters.pop(ticket)
+            if waiter.done():
+                # Its request gave up (cancelled) and has not left the queue yet: not started.
+                continue
             self._start(ticket)
-            self._waiters.pop(ticket).set_result(None)
+            waiter.set_result(None)
 
     def _shed(self, victim: Ticket) -> None:
         waiter = self._waiters.pop(victim, None)

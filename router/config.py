@@ -337,6 +337,21 @@ class FairnessConfig(_Section):
     # whatever the counters: a tenant served elsewhere is ahead here, and its requests that land
     # here would otherwise wait while the others' backlog lasts. 0: no bound.
     share_max_wait_s: float = 10.0
+    # Several routers: admit each tenant up to its part of the fleet's slots (the sum of the
+    # routers' limits.max_concurrent_requests, heard over the budget bus), shared by weight over
+    # the tenants with demand anywhere, and placed over the routers by each tenant's demand at
+    # each (kvcore/fleet_slots.py): a tenant that sends to one router only may get more than
+    # that router's limit, one spread over all of them is held to its share. Needs share_bus
+    # (and so tenants.budget_bus), limits.max_concurrent_requests and share_max_wait_s > 0.
+    # With no other router heard from, admission is this router's alone, as without it.
+    share_slots: bool = False
+    # With share_slots: a router admits at most this x its limits.max_concurrent_requests (the
+    # same on every router): what the others' reports let it take beyond its own limit, bounded,
+    # since a report is an interval old and a router's replicas may be its own. 2.5, not 2: a
+    # tenant confined to one of 4 routers needs 2x that router's limit for its half of the fleet,
+    # and the router keeps a slot for the other tenants' requests there (measured: 0.43 of the
+    # service at 2, 0.50 at 2.5; BENCHMARKS.md "Tenants' fair shares over several routers").
+    share_slots_max_factor: float = 2.5
 
 
 class BatchConfig(_Section):
@@ -1185,6 +1200,27 @@ def tenant_problems(config: Config) -> list[str]:
         problems.append(
             "fairness.share_bus: true needs tenants.budget_bus (the nats:// URL the routers "
             "share their charges on)"
+        )
+    if fairness.share_slots:
+        if not fairness.share_bus:
+            problems.append(
+                "fairness.share_slots: true needs fairness.share_bus: true (the routers share "
+                "their slots and tenants' demand on the same bus as their service)"
+            )
+        if config.limits.max_concurrent_requests <= 0:
+            problems.append(
+                "fairness.share_slots: true needs limits.max_concurrent_requests (the slots "
+                "this router adds to the fleet's)"
+            )
+        if not fairness.share_max_wait_s > 0:
+            problems.append(
+                "fairness.share_slots: true needs fairness.share_max_wait_s > 0 (a tenant whose "
+                "part of the fleet's slots rounds to none on a router waits that long at most)"
+            )
+    factor = fairness.share_slots_max_factor
+    if not (math.isfinite(factor) and 1 <= factor <= 16):
+        problems.append(
+            f"fairness.share_slots_max_factor: must be a number in [1, 16], got {factor}"
         )
     for key in (
         "output_weight",

@@ -172,6 +172,10 @@ class Router:
         if self._budget_bus is not None and config.fairness.share_bus:
             # The same bus carries what this fair queue served each tenant (router/budget_bus.py).
             self._budget_bus.fair = self.admission.fair
+            if config.fairness.share_slots:
+                # And its slots and tenants' demand: each tenant admitted up to its part of the
+                # fleet's slots (kvcore/fleet_slots.py).
+                self._budget_bus.share_slots(self.admission, config.fairness.share_slots_max_factor)
         # Off for a policy that reads no prefixes: nothing is keyed, nothing to compare.
         self.parity: ParityChecker | None = None
         if config.parity.enabled and any(p.keys.wanted for p in core.pools):

@@ -285,6 +285,9 @@ class Tenants:
                     # Weighted service so far (tokens / weight): fair order goes lowest first.
                     "virtual_tokens": round(counters.get(name, 0.0), 1),
                     "budget": budget.describe(now) if budget is not None else None,
+                    # fairness.share_slots: the slots it may hold here, its part of the fleet's
+                    # (null: none set, this router's own limit holds).
+                    "fleet_slots": _part(queue, name),
                 }
             )
         return {"tenants": rows}
@@ -318,3 +321,11 @@ def _checked_name(value: str, header: str) -> str:
             header,
         )
     return name
+
+
+def _part(queue: FairQueue | None, name: str) -> int | None:
+    """``name``'s part of the fleet's slots here (fairness.share_slots), None when none is set."""
+    allowed = queue.allowed if queue is not None else None
+    if allowed is None:
+        return None
+    return allowed.get(name, 1)  # one the last share did not know yet: one slot, as admitted

@@ -22,7 +22,8 @@ generator sharing their event loop (until 2026-12 all of it ran in one process, 
 
 With ``--routers N`` (2 or more) it measures tenants' shares over N routers instead
 (kvroute/bench/fairness_routers.py): one tenant spreading its requests over all of them, one
-sending to one, with ``fairness.share_bus`` off and on, against one router.
+sending to one, with ``fairness.share_bus`` off and on and with ``fairness.share_slots``, against
+one router.
 
 Every figure is measured here, on this machine, against emulated replicas.
 """
@@ -95,6 +96,7 @@ class Options:
     startup_timeout_s: float = 60.0
     output_md: str = "BENCHMARKS.md"
     no_record: bool = False
+    share_slots_max_factor: float = 2.5  # --routers: fairness.share_slots_max_factor (the default)
 
 
 @dataclass
@@ -675,8 +677,16 @@ def add_fairness_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--routers",
         type=positive_int,
         default=1,
-        help="2 or more: tenants' shares over this many routers, fairness.share_bus off and on, "
+        help="2 or more: tenants' shares over this many routers, fairness.share_bus off and on "
+        "(and with share_slots), "
         "against one router (kvroute/bench/fairness_routers.py; --slots per router)",
+    )
+    p.add_argument(
+        "--share-slots-max-factor",
+        type=float,
+        default=Options.share_slots_max_factor,
+        help="with --routers: fairness.share_slots_max_factor of the share_slots case "
+        f"(default {Options.share_slots_max_factor:g}, the config's)",
     )
     add_report_args(p)
     p.set_defaults(func=_cmd)
@@ -697,6 +707,7 @@ def _cmd(args: argparse.Namespace) -> int:
         seed=args.seed,
         output_md=args.output_md,
         no_record=args.no_record,
+        share_slots_max_factor=args.share_slots_max_factor,
     )
     if args.routers > 1:
         from kvroute.bench import fairness_routers

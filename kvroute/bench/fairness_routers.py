@@ -4,11 +4,13 @@ N ``kvroute serve`` routers in front of the same emulated replicas, each with
 ``limits.max_concurrent_requests`` ``--slots`` (the fleet's capacity split over the routers, so
 admission decides who goes next). Two tenants of equal weight, both backlogged (closed loops):
 ``spread`` sends over all N routers round robin (behind a load balancer), ``local`` to the first
-router only. Three cases, each on a fleet started for it, side by side in one run:
+router only. Four cases, each on a fleet started for it, side by side in one run:
 
 * one router with N x ``--slots`` (the reference: what fair admission gives the two);
 * N routers on a budget bus without ``fairness.share_bus`` (each counts what it served only);
-* N routers on the same bus with ``fairness.share_bus`` (each counts what the others served).
+* N routers on the same bus with ``fairness.share_bus`` (each counts what the others served);
+* the same with ``fairness.share_slots`` too (each admits each tenant up to its part of the
+  fleet's slots: the local tenant may take more than the first router's own limit).
 
 Reported per case and tenant: its share of the weighted tokens served (input +
 fairness.output_weight x output, the routers' /admin/tenants summed), and its TTFT p50 and p99
@@ -66,6 +68,7 @@ class Case:
     name: str
     routers: int
     share: bool | None  # None: no bus at all (one router)
+    slots: bool = False  # fairness.share_slots
 
 
 @dataclass
@@ -88,6 +91,7 @@ def cases(routers: int) -> list[Case]:
         Case("one router (reference)", 1, None),
         Case(f"{routers} routers, shares not shared", routers, False),
         Case(f"{routers} routers, fairness.share_bus", routers, True),
+        Case(f"{routers} routers, fairness.share_bus + share_slots", routers, True, True),
     ]
 
 
@@ -115,12 +119,17 @@ def fleet(options: Options, routers: int, case: Case, log_dir: Path) -> Iterator
                 "max_queued_requests": 10_000,
                 "queue_timeout_s": 300.0,
             },
-            "fairness": {"output_weight": OUTPUT_WEIGHT, "share_bus": bool(case.share)},
+            "fairness": {
+                "output_weight": OUTPUT_WEIGHT,
+                "share_bus": bool(case.share),
+                "share_slots": case.slots,
+                "share_slots_max_factor": options.share_slots_max_factor,
+            },
             "health": {"interval_s": 0.5},
         }
         if bus is not None:
             config["tenants"] = {"budget_bus": bus}
-        path = log_dir / f"router-{case.routers}-{case.share}.yaml"
+        path = log_dir / f"router-{case.routers}-{case.share}-{case.slots}.yaml"
         path.write_text(json.dumps(config))  # JSON is YAML
         out = []
         for k, port in enumerate(free_ports(case.routers)):
@@ -197,6 +206,7 @@ def run(options: Options, routers: int, echo: Any = print) -> list[Result]:
 def report(results: list[Result], options: Options, routers: int, command: str) -> str:
     ref = results[0]
     workers = 2 * options.slots * routers
+    factor = options.share_slots_max_factor
     lines = [
         f"## Tenants' fair shares over several routers ({time.strftime('%Y-%m-%d')})",
         "",
@@ -209,7 +219,9 @@ def report(results: list[Result], options: Options, routers: int, command: str) 
         f"limits.max_concurrent_requests {options.slots} (one router: {options.slots * routers}: "
         f"the same fleet capacity), so admission decides who goes next; the routers on one NATS "
         f"server (tenants.budget_bus; no budgets set), fairness.share_bus off or on "
-        f"(share_max_lead_tokens {LEAD:g}, share_max_wait_s {WAIT:g}). Prompts of ~{options.prompt_words} words, "
+        f"(share_max_lead_tokens {LEAD:g}, share_max_wait_s {WAIT:g}), and with "
+        f"fairness.share_slots (share_slots_max_factor {factor:g}: the first router admits at "
+        f"most {factor:g} x its limit). Prompts of ~{options.prompt_words} words, "
         f"{options.max_tokens} output tokens; a {options.seconds:g} s window after "
         f"{options.warmup_s:g} s warm-up. Share: of the weighted tokens served in the window "
         f"(input + {OUTPUT_WEIGHT:g} x output, the routers' /admin/tenants summed). TTFT: the "

@@ -115,6 +115,12 @@ class PickerServer:
                 self.picker.admission.fair if self.config.fairness.share_bus else None,
             )
             await self._budget_bus.start()
+            if self.config.fairness.share_slots:
+                # The picker's admission is not wired to the fleet's slots (kvroute serve's is).
+                log.warning(
+                    "fairness.share_slots: kvroute serve only; the endpoint picker shares "
+                    "tenants' service (share_bus) and admits by its own limit"
+                )
         tls = server_context(epp.cert, epp.key) if epp.tls else None
         grpc_port = await self._grpc.start(epp.host, epp.grpc_port, ssl=tls)
         health_port = await self._health_server.start(epp.host, epp.health_port)
