@@ -291,7 +291,8 @@ class ReplicaRegistry:
         self._update_panic(time.monotonic())
         reason = handle.breaker.last_reason
         self._hooks.ejected(handle, kind)
-        abandoned = self._hooks.abandon_waiting(handle, f"ejected: {reason}")
+        # In panic it keeps taking traffic: its waiting requests would only come back to it.
+        abandoned = 0 if handle.panic else self._hooks.abandon_waiting(handle, f"ejected: {reason}")
         log.warning(
             "replica %s ejected for %.1fs: %s (%d waiting requests sent elsewhere)",
             handle.name,
