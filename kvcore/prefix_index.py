@@ -484,6 +484,9 @@ class PrefixIndex:
                     copies = rep.copies.setdefault(key, {})
                     copies[eh] = copies.get(eh, 0) + 1
                     continue
+                held = rep.copies.get(key)
+                if held:
+                    held.pop(eh, None)  # reused for other content: the old one's copies went
                 if old in added:
                     # Reused within this very event (no engine sends that; a broken or
                     # hostile publisher may): the earlier block is not held yet, so it is

@@ -23,6 +23,9 @@ class ReferenceIndex:
     def __init__(self) -> None:
         self._maps: dict[str, dict[str, dict[EngineHash, int]]] = {}  # replica, medium
         self._refs: dict[str, dict[int, int]] = {}  # replica -> router hash -> references
+        # replica -> (medium, engine hash) -> copies beyond the first: vLLM caches a block a
+        # second time under memory pressure and sends a BlockRemoved for each copy it evicts.
+        self._copies: dict[str, dict[tuple[str, EngineHash], int]] = {}
         self._predicted: dict[str, dict[int, float]] = {}  # replica -> router hash -> expiry
         self.block_size: int | None = None
         self.stats = IndexStats()
@@ -31,6 +34,7 @@ class ReferenceIndex:
         if name not in self._maps:
             self._maps[name] = {}
             self._refs[name] = {}
+            self._copies[name] = {}
             self._predicted[name] = {}
 
     @property
@@ -64,7 +68,9 @@ class ReferenceIndex:
         self._replica(replica)
         self.block_size = block_size
         maps = self._maps[replica]
-        emap = maps.setdefault(medium or DEFAULT_MEDIUM, {})
+        med = medium or DEFAULT_MEDIUM
+        emap = maps.setdefault(med, {})
+        copies = self._copies[replica]
         if parent_engine_hash is None or (
             type(parent_engine_hash) is int and parent_engine_hash == 0
         ):
@@ -83,10 +89,12 @@ class ReferenceIndex:
         added = 0
         for eh, rh in zip(engine_hashes, hashes, strict=False):
             old = emap.get(eh)
-            if old == rh:
-                continue  # the same block stored again
+            if old == rh:  # the same block stored again: another copy of it
+                copies[(med, eh)] = copies.get((med, eh), 0) + 1
+                continue
             if old is not None:
-                self._release(replica, old)  # an engine hash reused for other content
+                copies.pop((med, eh), None)  # an engine hash reused for other content: the
+                self._release(replica, old)  # old content's copies went with it
             emap[eh] = rh
             self._hold(replica, rh)
             added += 1
@@ -111,12 +119,21 @@ class ReferenceIndex:
         engine_hashes: Sequence[EngineHash],
         medium: str | None = DEFAULT_MEDIUM,
     ) -> int:
-        emap = self._maps.get(replica, {}).get(medium or DEFAULT_MEDIUM)
+        med = medium or DEFAULT_MEDIUM
+        emap = self._maps.get(replica, {}).get(med)
         if emap is None:
             self.stats.unknown_removed += len(engine_hashes)
             return 0
+        copies = self._copies[replica]
         removed = 0
         for eh in engine_hashes:
+            n = copies.get((med, eh), 0)
+            if n:  # one copy of several evicted: the block is still held
+                if n == 1:
+                    del copies[(med, eh)]
+                else:
+                    copies[(med, eh)] = n - 1
+                continue
             rh = emap.pop(eh, None)
             if rh is None:
                 self.stats.unknown_removed += 1
@@ -132,6 +149,7 @@ class ReferenceIndex:
         if replica in self._maps:
             self._maps[replica] = {}
             self._refs[replica] = {}
+            self._copies[replica] = {}
 
     # --- predictions ----------------------------------------------------------------------
 

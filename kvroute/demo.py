@@ -199,7 +199,11 @@ def run_demo_command(args: argparse.Namespace) -> int:
                 print(f"kvroute demo: {exc}", file=sys.stderr)
                 return 1
         else:
-            results = asyncio.run(_run_all(fleet, policies, conversations, args))
+            try:
+                results = asyncio.run(_run_all(fleet, policies, conversations, args))
+            except TimeoutError as exc:
+                print(f"kvroute demo: {exc}", file=sys.stderr)
+                return 1
     finally:
         fleet.stop()
     print(render_table(results, args, kv_blocks))
@@ -250,6 +254,7 @@ async def _run_policy(
         flush=True,
     )
     try:
+        await _until_ready(http, url)
         return await measured_run(
             http,
             {r.url: r.name for r in fleet.replicas},
@@ -262,6 +267,21 @@ async def _run_policy(
         )
     finally:
         await runner.cleanup()
+
+
+async def _until_ready(http: aiohttp.ClientSession, url: str, timeout_s: float = 120.0) -> None:
+    """Until the router's /ready says 200: its replicas probed healthy and its tokenizer loaded
+    (otherwise the first requests wait for them, and the table shows that, not the routing)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        async with http.get(url + "/ready") as resp:
+            if resp.status == 200:
+                return
+            why = await resp.text()
+        if loop.time() >= deadline:
+            raise TimeoutError(f"the router at {url} was not ready after {timeout_s:g} s: {why}")
+        await asyncio.sleep(0.05)
 
 
 def _demo_tokenizer(engine: str) -> Tokenizer:

@@ -83,6 +83,11 @@ class PromptKeys:
         if self.tokenizer is not None:
             self.tokenizer.start()
 
+    @property
+    def warming(self) -> bool:
+        """Its tokenizer is still loading in the worker pool (PromptTokenizer.warming)."""
+        return self.tokenizer is not None and self.tokenizer.warming
+
     def close(self) -> None:
         if self.tokenizer is not None:
             self.tokenizer.close()

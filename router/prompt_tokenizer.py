@@ -25,9 +25,10 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from array import array
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from datetime import datetime
 from typing import Any, TypeVar
@@ -53,6 +54,9 @@ from kvroute.router.malloc_tuning import tune_malloc
 from kvroute.router.tokenizer_cache_metrics import CacheCounts, Counts
 
 log = logging.getLogger(__name__)
+
+# The most /ready waits for the tokenizer pool's first worker (PromptTokenizer.warming).
+WARM_MAX_S = 60.0
 
 T = TypeVar("T")
 
@@ -150,6 +154,10 @@ class PromptTokenizer:
         self.inline_chars = inline_chars
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None
+        # The pool's first worker loading the tokenizer (start): until then a long prompt waits
+        # seconds for it (a process spawned, the library imported), so /ready waits for it.
+        self._warming: Future[int] | None = None
+        self._warm_deadline = 0.0
         # Threads that encode a new conversation's chunks (one per core, up to 8).
         self.threads = max(1, min(8, len(os.sched_getaffinity(0))))
         self._threads: ThreadPoolExecutor | None = None
@@ -339,7 +347,22 @@ class PromptTokenizer:
     def start(self) -> None:
         """Start the pool now, so the first long prompt does not wait for it."""
         if self.processes >= 1:
-            self._ensure_pool().submit(int)
+            self._warming = self._ensure_pool().submit(int)
+            self._warm_deadline = time.monotonic() + WARM_MAX_S
+
+    @property
+    def warming(self) -> bool:
+        """The pool's worker is still loading the tokenizer (at most WARM_MAX_S after start:
+        a pool that cannot start must not keep the router unready; long prompts then route on
+        estimates, as when a worker dies)."""
+        warming = self._warming
+        if warming is None or warming.done():
+            return False
+        if time.monotonic() < self._warm_deadline:
+            return True
+        log.warning("the tokenizer pool is not up %.0f s after start: ready anyway", WARM_MAX_S)
+        self._warming = None
+        return False
 
     def close(self) -> None:
         if self._threads is not None:

@@ -387,12 +387,15 @@ class Router:
 
     async def handle_ready(self, request: web.Request) -> web.Response:
         healthy = self.registry.in_rotation()
-        ready = healthy > 0 and not self.draining
+        # Not before the tokenizer is loaded: the first long prompts would wait seconds for it.
+        warming = any(pool.keys.warming for pool in self.pools)
+        ready = healthy > 0 and not self.draining and not warming
         body = {
             "ready": ready,
             "healthy_replicas": healthy,
             "replicas": len(self.registry),
             "draining": self.draining,
+            "tokenizer_loading": warming,
         }
         return _json(body, status=200 if ready else 503)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,22 +17,25 @@ BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() 
 
 
 def test_tree_cpu_counts_the_children_of_a_process() -> None:
-    # A parent that sleeps while its child burns 0.5 s of CPU: the tree's CPU is the child's.
+    # A parent that waits while its child burns 0.5 s of CPU and then stays (the tree counts
+    # living processes: a child gone is no longer in it, and a poll could miss the moment
+    # between its last burnt tick and its exit): the tree's CPU is the child's.
+    child = BURN.format(s=0.5) + "time.sleep(60)\n"
     parent = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            f"import subprocess, sys; subprocess.run([sys.executable, '-c', {BURN.format(s=0.5)!r}])"
-            "; import time; time.sleep(30)",
-        ]
+            f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])",
+        ],
+        start_new_session=True,  # its own group, so the child goes with it
     )
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while tree_cpu_seconds(parent.pid) < 0.5 and time.monotonic() < deadline:
             time.sleep(0.05)  # polling the value under test, with a deadline
         assert 0.5 <= tree_cpu_seconds(parent.pid) < 2.0
     finally:
-        parent.kill()
+        os.killpg(parent.pid, signal.SIGKILL)
         parent.wait()
 
 

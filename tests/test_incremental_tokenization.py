@@ -38,7 +38,7 @@ from kvroute.kvcore.tokenizer.incremental import (
 )
 from kvroute.simulator.traces import load_trace
 
-from .helpers import CLAUDE_CODE
+from .helpers import CLAUDE_CODE, wait_until
 
 BS = 16
 
@@ -533,5 +533,23 @@ async def test_the_routers_tokenizer_is_exact_on_plain_template_conversations(
         assert cache is not None and cache.line_cuts
         assert (router_tok.chunked, router_tok.offloaded) == (1, 0)
         assert cache.stats.hits == 3
+    finally:
+        router_tok.close()
+
+
+async def test_the_routers_tokenizer_is_warming_until_its_pool_has_loaded_the_tokenizer(
+    tiny: HFTokenizerFiles,
+) -> None:
+    """/ready waits on this (router/server.py): otherwise the first long prompts after a start
+    wait seconds for a worker process to spawn and load the library."""
+    from kvroute.router.prompt_tokenizer import PromptTokenizer
+
+    router_tok = PromptTokenizer(tiny.path, processes=1)
+    try:
+        assert not router_tok.warming  # nothing started yet: nothing to wait for
+        router_tok.start()
+        await wait_until(lambda: not router_tok.warming, timeout_s=60, what="the worker up")
+        blocks = await router_tok.blocks("word " * 2000, True, 16, None)  # in the pool
+        assert blocks is not None and blocks.tokens >= 2000 and len(blocks.hashes) >= 125
     finally:
         router_tok.close()

@@ -95,6 +95,21 @@ def apply(idx: PrefixIndex | ReferenceIndex, call: tuple[object, ...], now: floa
         ("removed", "a", "GPU", (0, 0, 1)),
     ]
 )
+@example(  # a block stored twice (a second copy), one copy evicted: still held
+    history=[
+        ("stored", "a", "CPU", (1, 0, 1), 0, 0),
+        ("stored", "a", "CPU", (1, 0, 1), 0, 0),
+        ("removed", "a", "CPU", (1, 0, 1)),
+    ]
+)
+@example(  # copies of a block, then its engine hash reused for other content, then removed
+    history=[
+        ("stored", "a", "GPU", (0, 0, 2), 0, 0),
+        ("stored", "a", "GPU", (0, 0, 2), 0, 0),
+        ("stored", "a", "GPU", (0, 0, 2), 0, 1),
+        ("removed", "a", "GPU", (0, 0, 2)),
+    ]
+)
 def test_fast_index_equals_reference(speedups: bool, history: list[tuple[object, ...]]) -> None:
     block_hashing.use_speedups(speedups)
     packed_runs.use_speedups(speedups)
