@@ -158,6 +158,11 @@ class _Tenant:
     def backlogged(self) -> bool:
         return any(self.waiting)
 
+    @property
+    def demand(self) -> int:
+        """Requests in service and waiting."""
+        return self.active + sum(map(len, self.waiting))
+
 
 class QueueFull(Exception):
     """The queue is full and nothing of a lower class waits to make room."""
@@ -222,7 +227,7 @@ class FairQueue:
         """Requests in service and waiting per tenant (those with any)."""
         out = {}
         for name, t in self.tenants.items():
-            n = t.active + sum(map(len, t.waiting))
+            n = t.demand
             if n > 0:
                 out[name] = n
         return out
@@ -241,7 +246,7 @@ class FairQueue:
         return out
 
     def _note_demand(self, name: str, t: _Tenant) -> None:
-        n = t.active + sum(map(len, t.waiting))
+        n = t.demand
         if n > self._peak.get(name, 0):
             self._peak[name] = n
 
@@ -550,4 +555,4 @@ def _may_run(t: _Tenant) -> bool:
 
 def _load(t: _Tenant) -> float:
     """Requests in service and waiting, per weight: who is lighter when counters tie."""
-    return (t.active + sum(map(len, t.waiting))) / t.limits.weight
+    return t.demand / t.limits.weight

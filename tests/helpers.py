@@ -95,3 +95,11 @@ async def serve_router(router: Any) -> tuple[Any, str]:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}"
+
+
+async def budget_buses_connected(*routers: Any) -> None:
+    """Until each in-process router's budget bus (tenants.budget_bus) is connected to NATS."""
+    for r in routers:
+        bus = r.router._budget_bus
+        assert bus is not None
+        await wait_until(lambda bus=bus: bus.connected, what="the budget bus connected")

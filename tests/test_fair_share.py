@@ -19,7 +19,7 @@ from kvroute.router.tenant_metrics import TenantMetrics
 from kvroute.router.tenants import Tenants
 
 from .conftest import StartReplica, StartRouter
-from .helpers import wait_until
+from .helpers import budget_buses_connected, wait_until
 
 STANDARD = Priority.STANDARD
 
@@ -301,10 +301,7 @@ async def test_service_on_router_a_moves_a_tenant_behind_another_on_router_b(
     }
     a = await start_router([replica], **overrides)
     b = await start_router([replica], **overrides)
-    for r in (a, b):
-        bus = r.router._budget_bus
-        assert bus is not None
-        await wait_until(lambda bus=bus: bus.connected, what="the bus connected")
+    await budget_buses_connected(a, b)
     queue = b.router.admission.fair
     async with aiohttp.ClientSession() as http:
         held = asyncio.create_task(_send(http, b.url, "blocker", "hold"))

@@ -21,7 +21,7 @@ from kvroute.router.tenant_metrics import TenantMetrics
 from kvroute.router.tenants import Tenants
 
 from .conftest import RunningRouter, StartReplica, StartRouter
-from .helpers import wait_until
+from .helpers import budget_buses_connected, wait_until
 
 
 async def _send(http: aiohttp.ClientSession, url: str, tenant: str) -> int:
@@ -55,10 +55,7 @@ async def test_a_tenant_on_one_router_takes_an_idle_peers_slots_until_the_peer_h
     overrides = _overrides(nats_url, f"kvroute.test.slots.{slots}", slots)
     a = await start_router([replica], **overrides)
     b = await start_router([replica], **overrides)
-    for r in (a, b):
-        bus = r.router._budget_bus
-        assert bus is not None
-        await wait_until(lambda bus=bus: bus.connected, what="the bus connected")
+    await budget_buses_connected(a, b)
     bus_a, queue_a = a.router._budget_bus, a.router.admission.fair
     assert bus_a is not None
     async with aiohttp.ClientSession() as http:
