@@ -103,3 +103,23 @@ async def budget_buses_connected(*routers: Any) -> None:
         bus = r.router._budget_bus
         assert bus is not None
         await wait_until(lambda bus=bus: bus.connected, what="the budget bus connected")
+
+
+async def reset_prefix_cache(url: str, timeout_s: float = 60.0) -> None:
+    """Empty a real vLLM replica's prefix cache. vLLM answers ``{"success": false}`` while any
+    block is held (a request an earlier test abandoned may still be decoding): retry until
+    it succeeds, or fail the test, so a test never starts with the last test's blocks cached
+    (vLLM publishes no BlockStored for a block it already holds)."""
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with httpx.AsyncClient(timeout=30) as http:
+        while True:
+            response = await http.post(url + "/reset_prefix_cache")
+            assert response.status_code == 200, response.text
+            if response.json().get("success"):
+                return
+            if loop.time() > deadline:
+                raise AssertionError(f"{url} did not reset its prefix cache in {timeout_s:g} s")
+            await asyncio.sleep(0.2)

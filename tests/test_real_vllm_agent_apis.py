@@ -59,7 +59,7 @@ from kvroute.kvcore.tokenizer import HFTokenizerFiles, load_tokenizer, render_ch
 from kvroute.router.config import config_from_dict
 from kvroute.router.server import Router
 
-from .helpers import serve_router, wait_until
+from .helpers import reset_prefix_cache, serve_router, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -359,9 +359,7 @@ async def agent_router(
 ) -> AsyncIterator[tuple[Router, str]]:
     """kvroute as a user runs it in front of the replica: kv_aware with the copy's tokenizer
     and block size, its KV events, and the parity check on every request it serves."""
-    async with httpx.AsyncClient(timeout=30) as http:  # what the router learns, it sees stored
-        response = await http.post(replica.url + "/reset_prefix_cache")
-        assert response.status_code == 200, response.text
+    await reset_prefix_cache(replica.url)  # what the router learns, it sees stored
     config = config_from_dict(
         {
             "replicas": [

@@ -31,7 +31,7 @@ from kvroute.kvcore.kv_events import BlockStored, decode_event_batch
 from kvroute.router.config import config_from_dict
 from kvroute.router.server import Router
 
-from .helpers import serve_router
+from .helpers import reset_prefix_cache, serve_router
 
 pytestmark = pytest.mark.vllm
 
@@ -100,10 +100,8 @@ async def kv_router(fleet: LaunchedFleet) -> AsyncIterator[tuple[Router, str]]:
 
 
 async def _reset_prefix_caches(fleet: LaunchedFleet) -> None:
-    async with httpx.AsyncClient(timeout=30) as http:
-        for replica in fleet.replicas:
-            response = await http.post(replica.url + "/reset_prefix_cache")
-            assert response.status_code == 200, response.text
+    for replica in fleet.replicas:
+        await reset_prefix_cache(replica.url)
 
 
 async def _prefix_hits(url: str) -> float:
