@@ -19,6 +19,9 @@ class ReplicaHandle:
     # The data-parallel rank this endpoint sends to (X-data-parallel-rank), whose engine's
     # metrics it reads (``engine="k"``); None: the whole replica.
     data_parallel_rank: int | None = None
+    # Its speed against the others' as configured (``replicas[].speed``): where its latency
+    # lines start.
+    speed: float = 1.0
     state: ReplicaState = field(init=False)
     breaker: CircuitBreaker = field(init=False)
     # Unix time the replica left rotation (unhealthy or ejected); None while in rotation.
@@ -35,4 +38,4 @@ class ReplicaHandle:
     def __post_init__(self) -> None:
         self.breaker = CircuitBreaker(self.breaker_settings)
         # Unknown until the first probe passes: no traffic to a replica not known to be up.
-        self.state = ReplicaState(replica_id=self.name, healthy=False)
+        self.state = ReplicaState(replica_id=self.name, healthy=False, speed=self.speed)

@@ -24,6 +24,10 @@ endpoints, one per rank (`PoolEndpoint.data_parallel_size`); the picker names th
 `x-data-parallel-rank` header it adds, and hears rank k's KV events on the port's KV-event port
 + k, as vLLM offsets them (give one KV-event port per target port).
 
+Mixed pools (a kvroute convention): the pod annotation `kvroute.io/speed: "0.5"` says the pod is
+half as fast as the pool's others (an older GPU); the picker's latency lines for it start
+there (`PoolEndpoint.speed`, the router's `replicas[].speed`) until its own answers teach them.
+
 Both watches list first, then watch from the list's `resourceVersion` with bookmarks (which
 advance it). A `410 Gone` (the resourceVersion is too old) relists at once; other API errors
 relist after an exponential, jittered backoff. Bad input (a pool without target ports, a
@@ -35,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -53,6 +58,8 @@ POOL_PLURAL = "inferencepools"
 ACTIVE_PORTS_ANNOTATION = "inference.networking.k8s.io/active-ports"
 KV_EVENTS_PORTS_ANNOTATION = "kvroute.io/kv-events-ports"
 DATA_PARALLEL_ANNOTATION = "kvroute.io/data-parallel-size"
+SPEED_ANNOTATION = "kvroute.io/speed"
+MAX_SPEED = 1000.0
 MAX_DATA_PARALLEL = 1024
 MAX_TARGET_PORTS = 8  # the CRD's limit
 
@@ -81,6 +88,9 @@ class PoolEndpoint:
     kv_events: tuple[str, ...] = ()
     # vLLM data-parallel ranks behind this port (kvroute.io/data-parallel-size).
     data_parallel_size: int = 1
+    # Its speed against the pool's other pods (kvroute.io/speed): where the picker's latency
+    # lines for it start.
+    speed: float = 1.0
 
     @property
     def address(self) -> str:
@@ -273,8 +283,9 @@ def endpoints_from_pod(pod: Json, pool: PoolSpec) -> tuple[PoolEndpoint, ...]:
         kv = kv_event_endpoints(name, host, text, len(pool.target_ports))
 
     ranks = _data_parallel_size(name, annotations.get(DATA_PARALLEL_ANNOTATION))
+    speed = _speed(name, annotations.get(SPEED_ANNOTATION))
     return tuple(
-        PoolEndpoint(f"{name}-rank-{rank}", host, port, kv[rank : rank + 1], ranks)
+        PoolEndpoint(f"{name}-rank-{rank}", host, port, kv[rank : rank + 1], ranks, speed)
         for rank, port in enumerate(pool.target_ports)
         if port is not None and (active is None or port in active)
     )
@@ -297,6 +308,27 @@ def _data_parallel_size(pod: str, text: object) -> int:
         MAX_DATA_PARALLEL,
     )
     return 1
+
+
+def _speed(pod: str, text: object) -> float:
+    """The `kvroute.io/speed` annotation (the pod's speed against the pool's others: "0.5" on
+    a card half as fast); 1 (with a warning) when it is not a number in (0, 1000]."""
+    if text is None:
+        return 1.0
+    try:
+        speed = float(text) if isinstance(text, str) else math.nan
+    except ValueError:
+        speed = math.nan
+    if math.isfinite(speed) and 0 < speed <= MAX_SPEED:
+        return speed
+    log.warning(
+        "pod %s: annotation %s=%r is not a speed above 0 and at most %g; taken as 1",
+        pod,
+        SPEED_ANNOTATION,
+        text,
+        MAX_SPEED,
+    )
+    return 1.0
 
 
 class _StreamError(Exception):

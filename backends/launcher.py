@@ -18,6 +18,7 @@ With GPUs placed (``placement.py``), each replica's environment also names its o
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -90,6 +91,19 @@ class LaunchSpec:
         later, take the list's in turn), else the fleet's."""
         return self.presets[slot % len(self.presets)] if self.presets else self.preset
 
+    def speed_for(self, slot: int) -> float:
+        """Slot ``slot``'s speed against the pool's others: an emulated replica's ``@SPEED``
+        preset suffix (``llama-3.1-70b-4xh100@0.5``: half as fast), 1 without one or for vLLM
+        (as fast as its GPUs). The router starts that replica's latency lines there."""
+        if self.engine != "emulated":
+            return 1.0
+        _, at, speed = self.preset_for(slot).partition("@")
+        try:
+            value = float(speed) if at else 1.0
+        except ValueError:
+            return 1.0  # the emulator refuses the preset and says why
+        return value if math.isfinite(value) and value > 0 else 1.0
+
     def __post_init__(self) -> None:
         if self.gpu_groups and len(self.gpu_groups) != self.count:
             raise ValueError(
@@ -115,6 +129,8 @@ class LaunchedReplica:
     slot: int = 0
     # Its data-parallel ranks: each publishes KV events at ``kv_events`` offset by its rank.
     data_parallel_size: int = 1
+    # Its speed against the pool's others (an emulated replica's ``@SPEED`` preset suffix).
+    speed: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -341,6 +357,7 @@ class LaunchedFleet:
             process,
             i,
             spec.data_parallel_size,
+            spec.speed_for(i),
         )
 
     def start(self) -> None:

@@ -119,7 +119,7 @@ class DispatchLedger:
         if prior is not None:
             for state in self.fleet.replicas:
                 if state.latency is None:
-                    state.latency = ReplicaLatency(prior)
+                    state.latency = ReplicaLatency(prior.at_speed(state.speed))
 
     @property
     def members(self) -> frozenset[str]:

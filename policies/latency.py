@@ -40,6 +40,18 @@ class LatencyPrior:
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
+    def at_speed(self, speed: float) -> LatencyPrior:
+        """These lines on a replica ``speed`` times as fast (0.5: every step takes twice as
+        long): where a replica the operator calls slower or faster starts learning from."""
+        if speed == 1.0:
+            return self
+        return LatencyPrior(
+            self.ttft_base_s / speed,
+            self.prefill_s_per_token / speed,
+            self.tpot_base_s / speed,
+            self.tpot_per_seq_s / speed,
+        )
+
 
 class _Line:
     """y = a + b x: exponentially weighted least squares, ridge-pulled to a prior line."""

@@ -45,6 +45,9 @@ class ReplicaState:
     # Its latency lines in seconds, learnt online (policies/latency.py); None unless the policy
     # asks for them (``Policy.latency_prior``).
     latency: ReplicaLatency | None = None
+    # Its speed as the operator gave it, against the policy's latency prior (0.5: a card half
+    # as fast): its lines start from the prior at this speed, before its first answers.
+    speed: float = 1.0
     # LoRA adapters it serves (its /v1/models cards with a ``parent``): loaded at start or at
     # runtime, servable without a load. Empty: none, or not known yet.
     lora_adapters: frozenset[str] = frozenset()

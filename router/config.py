@@ -84,6 +84,10 @@ class ReplicaConfig(_Section):
     # One rank of a data-parallel replica (set when the replica is expanded into its ranks;
     # in a file: this entry routes to that rank only, with ``kv_events`` as that rank's own).
     data_parallel_rank: int | None = None
+    # Its speed against the others' (0.5: an older card, half as fast; 2: twice as fast):
+    # where kv_aware's latency lines for it start (cost_unit time or speed, or an SLO) before
+    # its own first answers teach them. 1: like the policy's prior.
+    speed: float = 1.0
 
 
 class LaunchConfig(_Section):
@@ -894,7 +898,7 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
         if name in names:
             problems.append(f"{key}.name: duplicate replica name {name!r}")
         names.add(name)
-        problems += rank_problems(replica, key)
+        problems += replica_problems(replica, key)
     if config.launch is not None:
         problems += launch_problems(config.launch)
         block_size = config.routing.block_size
@@ -1537,6 +1541,9 @@ def _check_port(key: str, port: int) -> None:
         raise ConfigError(f"{key}: must be a port number 0-65535, got {port}")
 
 
+MAX_SPEED = 1000.0  # beyond it, a typo (a speed is a ratio of cards, not tokens per second)
+
+
 def check_replica_url(url: str, key: str) -> None:
     try:
         parts = urlsplit(url)
@@ -1551,8 +1558,14 @@ def check_replica_url(url: str, key: str) -> None:
         raise ConfigError(f"{key}: {url!r} must be a base URL like http://host:port")
 
 
-def rank_problems(replica: ReplicaConfig, key: str) -> list[str]:
-    """What is wrong with a replica's data-parallel keys."""
+def replica_problems(replica: ReplicaConfig, key: str) -> list[str]:
+    """What is wrong with a replica's data-parallel keys and its speed."""
+    speed = replica.speed
+    if not (math.isfinite(speed) and 0 < speed <= MAX_SPEED):
+        return [
+            f"{key}.speed: must be a number above 0 and at most {MAX_SPEED:g} (its speed "
+            f"against the others': 0.5 for a card half as fast), got {speed}"
+        ]
     size, rank = replica.data_parallel_size, replica.data_parallel_rank
     if not 1 <= size <= 1024:
         return [

@@ -54,6 +54,7 @@ class AddReplicaBody(msgspec.Struct, forbid_unknown_fields=True):
     kv_events: str | None = None
     kv_replay: str | None = None
     data_parallel_size: int = 1
+    speed: float = 1.0
     pool: str | None = None
     launch: bool = False
     wait: bool = True
@@ -215,6 +216,7 @@ class FleetControl:
                 kv_events=body.kv_events,
                 kv_replay=body.kv_replay,
                 data_parallel_size=body.data_parallel_size,
+                speed=body.speed,
             )
             handle = await membership.add_static(replica, body.pool)
             return _json(self._row(handle), 201)

@@ -143,6 +143,7 @@ def _as_listed(fleet: LaunchedFleet) -> list[ReplicaConfig]:
             kv_events=r.kv_events,
             kv_replay=r.kv_replay,
             data_parallel_size=r.data_parallel_size,
+            speed=r.speed,
         )
         for r in fleet.replicas
     ]

@@ -29,8 +29,8 @@ from .config import (
     ConfigError,
     ReplicaConfig,
     check_replica_url,
-    rank_problems,
     replica_name_from_url,
+    replica_problems,
 )
 from .core import RoutingCore
 from .dp_ranks import expand_ranks, replica_of
@@ -192,7 +192,7 @@ class FleetMembership:
                 )
         if replica.kv_replay is not None and replica.kv_events is None:
             raise FleetError(400, "kv_replay: needs kv_events (the replay of which events?)")
-        problems = rank_problems(replica, "body")
+        problems = replica_problems(replica, "body")
         if problems:
             raise FleetError(400, "; ".join(p.removeprefix("body.") for p in problems))
         name = replica.name or replica_name_from_url(replica.url)
@@ -261,6 +261,7 @@ class FleetMembership:
             kv_events=replica.kv_events,
             kv_replay=replica.kv_replay,
             data_parallel_size=replica.data_parallel_size,
+            speed=replica.speed,
         )
         await self.core.add_replica(config, ready=False, pool=pool)
         # A data-parallel replica joins as its ranks, all at once; rank 0 stands for the

@@ -33,6 +33,7 @@ from .config import (
     passed_items,
     policy_params,
     replica_name_from_url,
+    replica_problems,
     tokenizer_problems,
 )
 from .dp_ranks import expand_ranks
@@ -314,6 +315,7 @@ def _replica_problems(pool: PoolConfig, where: str, raw: Any, seen: dict[str, st
         if name in seen:
             problems.append(f"{key}.name: duplicate replica name {name!r} ({seen[name]} too)")
         seen.setdefault(name, key)
+        problems += replica_problems(replica, key)
     return problems
 
 

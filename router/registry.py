@@ -86,6 +86,7 @@ class ReplicaRegistry:
             self._positions,
             self._settings,
             replica.data_parallel_rank,
+            replica.speed,
         )
         self._positions += 1
         self.handles[name] = handle

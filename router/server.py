@@ -435,7 +435,11 @@ class Router:
                     "in_flight": state.in_flight,
                     "models": sorted(state.models) if state.models is not None else None,
                     "kv_capacity_tokens": state.kv_capacity_tokens,
-                    # Its learnt latency lines (kv_aware with an slo:), else null.
+                    # Its speed against the others' as configured (replicas[].speed): where its
+                    # latency lines started.
+                    "speed": state.speed,
+                    # Its learnt latency lines (kv_aware with cost_unit time or speed, or an
+                    # slo:), else null.
                     "latency": state.latency.describe() if state.latency is not None else None,
                     **_drift_fields(handle),
                 }

@@ -407,6 +407,9 @@ def _replica_row(
         "running": report.running if report is not None else None,
         "kv_usage": state.reported_kv_usage,
         "kv_capacity_tokens": state.kv_capacity_tokens,
+        # Its speed against the others' as configured (replicas[].speed): where its
+        # latency lines started.
+        "speed": state.speed,
         "latency": state.latency.describe() if state.latency is not None else None,
         # The drift canary's last result on this replica; None before its first round.
         "drift": _drift_row(handle),

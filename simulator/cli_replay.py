@@ -559,6 +559,12 @@ def _add_fleet_args(
         "as fast). --replicas defaults to the mix's size; other sizes keep its proportions, "
         "kinds interleaved. KV capacity and batch limits stay --preset's for every replica.",
     )
+    p.add_argument(
+        "--tell-speeds",
+        action="store_true",
+        help="With --mix: tell the router each replica's speed against --preset's "
+        "(replicas[].speed), so its latency lines start there instead of at --preset's.",
+    )
     if kv_capacity:
         p.add_argument(
             "--kv-capacity-tokens",
@@ -854,6 +860,8 @@ def _fleet_config(
 ) -> FleetConfig:
     latency = latency_preset(args.preset)
     mix = getattr(args, "mix", None)
+    if getattr(args, "tell_speeds", False) and not mix:
+        raise UsageError("--tell-speeds needs --mix (the replicas whose speeds to tell)")
     try:
         engine = engine_config(
             latency,
@@ -882,6 +890,7 @@ def _fleet_config(
             admission=_admission(args),
             closed_loop=getattr(args, "closed_loop", False),
             replica_latency=mix_models(mix, replicas) if mix else (),
+            tell_speeds=getattr(args, "tell_speeds", False),
             data_parallel_size=getattr(args, "data_parallel_size", 1),
             rank_routing=getattr(args, "rank_routing", "router"),
             **_autoscale_settings(getattr(args, "autoscale", None), replicas),

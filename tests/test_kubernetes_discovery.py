@@ -16,6 +16,7 @@ import pytest
 from kvroute.backends.kubernetes import (
     ACTIVE_PORTS_ANNOTATION,
     KV_EVENTS_PORTS_ANNOTATION,
+    SPEED_ANNOTATION,
     InferencePoolWatcher,
     PoolEndpoint,
     PoolSpec,
@@ -578,6 +579,19 @@ def test_endpoints_from_pod() -> None:
     # Wrongly shaped objects read as absent fields, never raise.
     assert endpoints_from_pod({"metadata": [], "status": "Running"}, POOL) == ()
     assert endpoints_from_pod(pod(labels=["app"], annotations="x"), POOL) == ()
+
+
+def test_speed_annotation_tells_the_picker_a_pods_speed(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, LOGGER)
+    half = pod(annotations={SPEED_ANNOTATION: "0.5"})
+    assert {e.speed for e in endpoints_from_pod(half, POOL)} == {0.5}
+    assert {e.speed for e in endpoints_from_pod(pod(), POOL)} == {1.0}
+    assert caplog.messages == []
+    for bad in ("fast", "0", "-2", "nan", "1e9"):
+        endpoints = endpoints_from_pod(pod(annotations={SPEED_ANNOTATION: bad}), POOL)
+        assert {e.speed for e in endpoints} == {1.0}  # routed, at the pool's speed
+    assert len(caplog.messages) == 5
+    assert all("pod p" in m and SPEED_ANNOTATION in m for m in caplog.messages)
 
 
 def test_kv_event_endpoints(caplog: pytest.LogCaptureFixture) -> None:

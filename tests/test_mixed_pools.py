@@ -11,7 +11,9 @@ import contextlib
 import json
 import random
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 
 from kvroute.backends.launcher import emulated_command
@@ -20,6 +22,8 @@ from kvroute.bench.mixed import Options as MixedOptions
 from kvroute.bench.mixed import Run as MixedRun
 from kvroute.bench.mixed import presets as mixed_presets
 from kvroute.cli import main
+from kvroute.kvcore.ledger import DispatchLedger
+from kvroute.kvcore.prefix_index import PrefixIndex
 from kvroute.policies import (
     Decision,
     FleetView,
@@ -39,7 +43,8 @@ from kvroute.simulator.fleet.mix import apportion, describe_counts, parse_mix
 from kvroute.simulator.replica.cli import add_replica_command
 from kvroute.simulator.traces.model import Trace, TraceRequest
 
-from .helpers import MOONCAKE
+from .conftest import StartEmulated, StartRouter
+from .helpers import MOONCAKE, replica_source
 
 H100 = latency_preset("llama-3.1-8b-h100")
 HALF = latency_preset("llama-3.1-8b-h100@0.5")
@@ -304,6 +309,122 @@ def test_the_ledger_learns_each_replicas_own_prefill_line() -> None:
     assert slow.prefill_s_per_token > 1.5 * fast.prefill_s_per_token
 
 
+# -- speeds told ------------------------------------------------------------------------------
+
+
+def _opening_burst(speeds: tuple[float, float], n: int = 60) -> dict[str, int]:
+    """``n`` distinct 2,048-token prompts at once (no first token back yet) to a fast and a
+    slow replica through the ledger, kv_aware in time: where each went."""
+    policy = KvAware(cost_unit="time", **H100.latency_prior())
+    states = [ReplicaState("fast", speed=speeds[0]), ReplicaState("slow", speed=speeds[1])]
+    view = FleetView(states, membership_version=1)
+    ledger = DispatchLedger(policy, view, PrefixIndex(), prediction_ttl_s=30.0)
+    served = {"fast": 0, "slow": 0}
+    rng = random.Random(7)
+    for _ in range(n):
+        hashes = tuple(rng.getrandbits(64) for _ in range(2048 // 16))
+        route = ledger.route(RouteRequest(2048, 32, "m", None, hashes), 0.0, 16)
+        chosen = route.ranked[0]
+        ledger.dispatch(route, chosen, 0.0)
+        served[chosen] += 1
+    return served
+
+
+def test_a_replica_told_half_speed_starts_its_lines_at_twice_the_prior() -> None:
+    view = FleetView([ReplicaState("a"), ReplicaState("b", speed=0.5)], membership_version=1)
+    policy = KvAware(cost_unit="time", **H100.latency_prior())
+    DispatchLedger(policy, view, PrefixIndex(), prediction_ttl_s=30.0)
+    a, b = (r.latency for r in view.replicas)
+    assert a is not None and b is not None
+    assert b.prefill_s_per_token == pytest.approx(2 * a.prefill_s_per_token)
+    assert b.ttft(2048) == pytest.approx(2 * a.ttft(2048))
+    assert b.tpot(8) == pytest.approx(2 * a.tpot(8))
+
+
+def test_told_speeds_split_an_opening_burst_by_speed_before_any_answer() -> None:
+    untold = _opening_burst((1.0, 1.0))
+    told = _opening_burst((1.0, 0.5))
+    assert abs(untold["fast"] - untold["slow"]) <= 2  # alike until their answers say otherwise
+    # Twice the speed, about twice the work (the margin that keeps near ties put shaves a little).
+    assert told["fast"] > 1.7 * told["slow"]
+
+
+@pytest.mark.parametrize("speed", ["0", "-1", ".nan", "5000"])
+def test_a_bad_replica_speed_names_the_key(tmp_path: Path, speed: str) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(
+        f"replicas:\n  - url: http://a:8000\n  - url: http://b:8000\n    speed: {speed}\n"
+    )
+    with pytest.raises(ConfigError, match=r"replicas\[1\]\.speed: must be a number above 0"):
+        load_config(path)
+
+
+def test_launched_emulated_replicas_are_told_their_presets_speed(tmp_path: Path) -> None:
+    presets = "[llama-3.1-8b-h100, llama-3.1-8b-h100@0.5, llama-3.1-8b-a100]"
+    config = load_config(_config(tmp_path, f"  count: 3\n  presets: {presets}\n"))
+    assert config.launch is not None
+    spec = launch_spec(config.launch)
+    assert [spec.speed_for(i) for i in range(3)] == [1.0, 0.5, 1.0]
+
+
+async def test_a_router_shows_each_replicas_told_speed_and_where_its_lines_start(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    fast, slow = await start_emulated(num_blocks=64), await start_emulated(num_blocks=64)
+    r = await start_router(
+        [replica_source(fast, "fast"), replica_source(slow, "slow") | {"speed": 0.5}],
+        routing={"tokenizer": "builtin"},
+        policy={"name": "kv_aware", "params": {"cost_unit": "time"}},
+    )
+
+    async def rows(http: aiohttp.ClientSession) -> dict[str, dict[str, Any]]:
+        async with http.get(r.url + "/admin/replicas") as resp:
+            assert resp.status == 200, await resp.text()
+            return {row["name"]: row for row in (await resp.json())["replicas"]}
+
+    async with aiohttp.ClientSession() as http:
+        shown = await rows(http)
+        assert (shown["fast"]["speed"], shown["slow"]["speed"]) == (1.0, 0.5)
+        lines = {name: row["latency"] for name, row in shown.items()}
+        assert lines["slow"]["prefill_s_per_token"] == pytest.approx(
+            2 * lines["fast"]["prefill_s_per_token"]
+        )
+        # One more, registered at run time with its speed; a bad speed says which key.
+        body = {"url": fast.url, "name": "quick", "speed": 2.0}
+        async with http.post(r.url + "/admin/replicas", json=body) as resp:
+            assert resp.status == 201, await resp.text()
+        assert (await rows(http))["quick"]["speed"] == 2.0
+        async with http.post(
+            r.url + "/admin/replicas", json=body | {"name": "z", "speed": 0}
+        ) as resp:
+            assert resp.status == 400
+            assert "speed: must be a number above 0" in await resp.text()
+
+
+def test_the_simulator_tells_each_replica_its_speed_against_the_preset() -> None:
+    trace = prepare(_trace(n=20, rate=2.0))
+    engine = engine_config(H100, 200_000)
+    first: list[tuple[float, float]] = []
+
+    class Spy(KvAware):
+        def decide(self, request: RouteRequest, fleet: FleetView) -> Decision:
+            if not first:  # before any answer: where the lines start
+                first.extend(
+                    (r.speed, r.latency.prefill_s_per_token if r.latency else 0.0)
+                    for r in fleet.replicas
+                )
+            return super().decide(request, fleet)
+
+    told = FleetConfig(replicas=2, engine=engine, replica_latency=(H100, HALF), tell_speeds=True)
+    assert told.speeds() == pytest.approx([1.0, 0.5])
+    simulate(trace, Spy(cost_unit="time", **H100.latency_prior()), told)
+    (fast_speed, fast_slope), (slow_speed, slow_slope) = first
+    assert (fast_speed, slow_speed) == pytest.approx((1.0, 0.5))
+    assert slow_slope == pytest.approx(2 * fast_slope)
+    untold = FleetConfig(replicas=2, engine=engine, replica_latency=(H100, HALF))
+    assert untold.speeds() == [1.0, 1.0]
+
+
 # -- launched emulated replicas --------------------------------------------------------------
 
 
@@ -438,6 +559,7 @@ def test_plan_sizes_a_mixed_fleet_and_says_how_many_of_each_kind(
         (["replay", "--mix", "llama-3.1-8b-h100*x"], "expected PRESET*COUNT"),
         (["plan", "--mix", "llama-3.1-8b-h100*2", "--explain", "--slo", "ttft=1"], "--explain"),
         (["replay", "--mix", "llama-3.1-8b-h100*2", "--live", "http://127.0.0.1:9"], "--live"),
+        (["replay", "--tell-speeds"], "--tell-speeds needs --mix"),
     ],
 )
 def test_a_bad_mix_on_the_command_line_is_one_line_and_status_2(
@@ -453,7 +575,7 @@ def test_a_bad_mix_on_the_command_line_is_one_line_and_status_2(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--policies", "time,fastest"], "--policies takes time, speed, tokens"),
+        (["--policies", "time,fastest"], "--policies takes time, time-told, speed, tokens"),
         (["--slow-speed", "1.5"], "--slow-speed must be below 1"),
     ],
 )

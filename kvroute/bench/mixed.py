@@ -9,7 +9,8 @@ emulators (``--tokens-per-block``, ``--max-prompt-tokens``) and its arrivals spe
 (``--time-scale``).
 
 Runs, each on a fleet started for it (so none inherits another's cache): the mixed pool with
-kv_aware's cost in time (``cost_unit: time``), in relative speed (``speed``), in tokens,
+kv_aware's cost in time (``cost_unit: time``), the same with each replica's speed told the
+router (``replicas[].speed``: ``time-told``), in relative speed (``speed``), in tokens,
 least_loaded and power_of_two; the
 pool of average replicas with kv_aware (its replicas alike: the time cost equals the token one
 there). Reported: TTFT p50/p99, the share of requests the fast replicas served, failures.
@@ -82,14 +83,24 @@ class Run:
     pool: str  # "mixed" or "average"
     policy: str
     cost_unit: str | None = None  # kv_aware's
+    # The router told each replica's speed (``replicas[].speed``), as an operator who knows
+    # its cards would: its lines start there instead of all at the same prior.
+    told: bool = False
 
     @property
     def label(self) -> str:
-        return self.policy + (f" ({self.cost_unit})" if self.cost_unit else "")
+        told = ", speeds told" if self.told else ""
+        return self.policy + (f" ({self.cost_unit}{told})" if self.cost_unit else "")
+
+    @property
+    def key(self) -> str:
+        """Its name in ``--policies``."""
+        return (self.cost_unit or self.policy) + ("-told" if self.told else "")
 
 
 RUNS = (
     Run("mixed", "kv_aware", "time"),
+    Run("mixed", "kv_aware", "time", told=True),
     Run("mixed", "kv_aware", "speed"),
     Run("mixed", "kv_aware", "tokens"),
     Run("mixed", "least_loaded"),
@@ -99,7 +110,7 @@ RUNS = (
 
 
 # --policies names each of RUNS by its cost unit or policy; the average pool always runs.
-POLICY_NAMES = {r.cost_unit or r.policy: r for r in RUNS if r.pool == "mixed"}
+POLICY_NAMES = {r.key: r for r in RUNS if r.pool == "mixed"}
 
 
 @dataclass
@@ -129,7 +140,18 @@ def presets(options: Options, pool: str) -> list[str]:
     return [name for _ in range(n) for name in (options.preset, slow)]
 
 
-def router_config(entries: list[dict[str, str]], run: Run) -> dict[str, Any]:
+def speed_of(preset: str) -> float:
+    """A ``NAME@SPEED`` preset's speed (1 without the suffix)."""
+    _, at, speed = preset.partition("@")
+    return float(speed) if at else 1.0
+
+
+def router_config(
+    entries: list[dict[str, Any]], run: Run, speeds: list[float] | None = None
+) -> dict[str, Any]:
+    """``speeds``: each replica's, told the router when ``run.told``."""
+    if run.told and speeds is not None:
+        entries = [{**e, "speed": speed} for e, speed in zip(entries, speeds, strict=True)]
     policy: dict[str, Any] = {"name": run.policy}
     if run.cost_unit:
         policy["params"] = {"cost_unit": run.cost_unit}
@@ -159,9 +181,10 @@ def fleet(options: Options, run: Run, log_dir: Path) -> Iterator[tuple[str, froz
             f"{'fast' if kind == options.preset else 'slow'}-{i}" for i, kind in enumerate(kinds)
         ]
         entries = start_emulated_with_events(stack, names, flags, MODEL, log_dir, timeout_s)
-        label = f"router-{run.pool}-{run.policy}-{run.cost_unit or ''}".rstrip("-")
+        label = f"router-{run.pool}-{run.key}"
         config = log_dir / f"{label}.yaml"
-        config.write_text(json.dumps(router_config(entries, run)))  # JSON is YAML
+        speeds = [speed_of(kind) for kind in kinds]
+        config.write_text(json.dumps(router_config(entries, run, speeds)))  # JSON is YAML
         serve = Launch(serve_argv(port, (), "--config", str(config), cli=cli), "/ready")
         url, _ = start_router(stack, label, serve, port, log_dir, timeout_s)
         fast = frozenset(n for n in names if n.startswith("fast")) if run.pool == "mixed" else None
@@ -278,7 +301,7 @@ def verdicts(measured: list[Measured]) -> list[str]:
         average = by.get((k, "average", "kv_aware (tokens)"))
         load_only = [by.get((k, "mixed", p)) for p in ("least_loaded", "power_of_two")]
         best = min((v for v in load_only if v), default=None)
-        for unit in ("time", "speed"):
+        for unit in ("time", "time, speeds told", "speed"):
             mine = by.get((k, "mixed", f"kv_aware ({unit})"))
             if mine and average:
                 ratios.setdefault((unit, "average"), []).append(mine / average)

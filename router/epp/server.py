@@ -189,6 +189,7 @@ class PickerServer:
                         name=e.name,
                         kv_events=e.kv_events[0] if e.kv_events else None,
                         data_parallel_size=e.data_parallel_size,
+                        speed=e.speed,
                     )
                     for e in endpoints.values()
                 ]

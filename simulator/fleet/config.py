@@ -80,6 +80,9 @@ class FleetConfig:
     # A mixed pool: replica i steps at ``replica_latency[i]`` instead of ``engine.latency``
     # (one per replica, or () for all alike). KV capacity and batching stay ``engine``'s.
     replica_latency: tuple[LatencyModel, ...] = ()
+    # Tell the router each replica's speed (``replicas[].speed``): its prefill pace against
+    # ``engine``'s, so its latency lines start there rather than at the fleet's prior.
+    tell_speeds: bool = False
     # Data-parallel replicas (dp_fleet.py): ``replicas`` engines (ranks) in all, this many to a
     # replica. ``rank_routing`` "router": the router picks the rank (each rank its own endpoint,
     # as kvroute routes DP replicas: the same as single-rank replicas); "vllm": the router picks
@@ -209,6 +212,14 @@ class FleetConfig:
         if not self.replica_latency:
             return self.engine
         return replace(self.engine, latency=self.replica_latency[replica])
+
+    def speeds(self) -> list[float]:
+        """Each replica's speed as told the router (all 1 unless ``tell_speeds``): ``engine``'s
+        seconds per prefill token over its own, as an operator would state its card."""
+        if not (self.tell_speeds and self.replica_latency):
+            return [1.0] * self.replicas
+        base = self.engine.latency.latency_prior()["prefill_s_per_token"]
+        return [base / m.latency_prior()["prefill_s_per_token"] for m in self.replica_latency]
 
     @property
     def mixed(self) -> bool:

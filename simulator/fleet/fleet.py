@@ -92,9 +92,15 @@ class _Router:
         prediction_ttl_s: float,
         kv_capacity_tokens: int,
         shared: SharedTotals | None = None,
+        speeds: list[float] | None = None,
     ) -> None:
-        # Each replica's cache size is known, as a live router reads vLLM's cache_config_info.
-        self.states = [ReplicaState(name, kv_capacity_tokens=kv_capacity_tokens) for name in names]
+        # Each replica's cache size is known, as a live router reads vLLM's cache_config_info;
+        # its speed where the config tells it (``replicas[].speed``).
+        told = speeds or [1.0] * len(names)
+        self.states = [
+            ReplicaState(name, kv_capacity_tokens=kv_capacity_tokens, speed=speed)
+            for name, speed in zip(names, told, strict=True)
+        ]
         self.index = PrefixIndex()
         view = FleetView(self.states, membership_version=1)
         self.ledger = DispatchLedger(
@@ -263,8 +269,16 @@ class _Fleet:
         # Each picker its own policy object, copied before any decision: what N processes
         # started from one config hold (a policy keeps state: its ring, its random stream).
         policies = [policy, *(copy.deepcopy(policy) for _ in range(config.routers - 1))]
+        speeds = config.speeds()
         return [
-            _Router(self.names, p, config.prediction_ttl_s, config.kv_capacity_tokens, self.board)
+            _Router(
+                self.names,
+                p,
+                config.prediction_ttl_s,
+                config.kv_capacity_tokens,
+                self.board,
+                speeds,
+            )
             for p in policies
         ]
 
