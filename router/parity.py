@@ -1,10 +1,12 @@
 """The parity check, run: a sample of requests re-checked against the engine that served them.
 
 For each sampled request (``health/parity.py`` says which, and what raises the alarm), after
-its answer: the router's own token ids (the prompt tokenized again, whole) against the engine's
-``/tokenize`` with the same chat template arguments, the router's block keys against the ids'
-(the incremental tokenizer's cache must agree with a full tokenization), and then whether the
-engine's KV events stored the request's first block under the router's key. A periodic task
+its answer: the block keys the router routed it by against the keys of the engine's own token
+ids (its ``/tokenize`` with the same chat template arguments, or an agent API's render
+endpoint), and its token count against theirs; where they differ, the prompt is tokenized again
+whole to say from which token on, and whether the tokenizer or the incremental path is to
+blame. Then whether the engine's KV events stored the request's first block under the
+router's key. A periodic task
 compares each replica's own prefix-cache hits with the reuse the router predicted there.
 
 Off the request path: ``offer`` is an O(1) count per request; a sampled one starts a task,
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvroute.health.parity import (
@@ -205,26 +208,32 @@ class ParityChecker:
         if tokenizer is None:
             self._record(sample.replica, TOKENS, SKIPPED)
             return
-        messages = rendered_messages(parsed, tokenizer) if parsed.messages is not None else None
         theirs = await self._rendered(sample) if parsed.api in RENDERED_APIS else None
-        body = _tokenize_body(parsed, messages)
-        if body is None and theirs is None:
-            self._record(sample.replica, TOKENS, SKIPPED)
+        if theirs is None:
+            messages = rendered_messages(parsed, tokenizer) if parsed.messages is not None else None
+            body = _tokenize_body(parsed, messages)
+            if body is None:
+                self._record(sample.replica, TOKENS, SKIPPED)
+                return
+            theirs = await self._tokenized(sample, body)
+        if not isinstance(theirs, list):
+            self._record(sample.replica, TOKENS, ERROR)
             return
+        request = sample.route.request
+        keyed = request.block_hashes
+        expected = token_id_blocks(theirs, sample.block_size, sample.key).hashes
+        if request.prompt_tokens == len(theirs) and first_difference(keyed, expected) is None:
+            # The keys the router routed by are the engine's own tokens' keys, block for block,
+            # and the counts agree: nothing to look into (a 220 KB agent prompt tokenized again
+            # whole would cost more router CPU than a hundred of its incremental turns).
+            self._record(sample.replica, TOKENS, AGREE)
+            return
+        # They differ somewhere: tokenize again whole (in a thread) to say where, and whether
+        # the tokenizer or the incremental path is to blame.
         try:
             ours = await asyncio.to_thread(_router_ids, tokenizer, parsed)
         except ChatTemplateError:
             self._record(sample.replica, TOKENS, SKIPPED)
-            return
-        if theirs is None:
-            assert self._client is not None
-            try:
-                response = await self._client.post(sample.base_url + "/tokenize", json=body)
-                theirs = response.json()["tokens"] if response.status_code == 200 else None
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                theirs = None
-        if not isinstance(theirs, list):
-            self._record(sample.replica, TOKENS, ERROR)
             return
         position = first_difference(ours, theirs)
         if position is not None:
@@ -238,8 +247,6 @@ class ParityChecker:
                 sample.replica, TOKENS, MISMATCH, Finding(sample.replica, TOKENS, detail, position)
             )
             return
-        keyed = sample.route.request.block_hashes
-        expected = token_id_blocks(theirs, sample.block_size, sample.key).hashes
         block = first_difference(keyed, expected)
         if block is not None:
             detail = (
@@ -254,6 +261,20 @@ class ParityChecker:
             )
             return
         self._record(sample.replica, TOKENS, AGREE)
+
+    async def _tokenized(self, sample: _Sample, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids from the replica's ``/tokenize``; None when it fails."""
+        assert self._client is not None
+        try:
+            response = await self._client.post(
+                sample.base_url + "/tokenize",
+                content=msgspec.json.encode(body),  # a long conversation: faster than json
+                headers={"Content-Type": "application/json"},
+            )
+            ids = response.json()["tokens"] if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        return ids if isinstance(ids, list) else None
 
     async def _rendered(self, sample: _Sample) -> list[int] | None:
         """An agent request's token ids as the replica renders the client's body itself
