@@ -21,6 +21,7 @@ from xxhash import xxh3_64_intdigest
 
 from kvroute.kvcore.block_hashing import HASH_SCHEME
 from kvroute.kvcore.prefix_index import EngineHash, PrefixIndex
+from kvroute.policies import ReplicaState
 
 MAGIC = b"KVRIDX"
 VERSION = 1
@@ -54,11 +55,26 @@ class HeldBlocks(msgspec.Struct, array_like=True):
     router_hashes: list[int]
 
 
+class ReplicaLines(msgspec.Struct, array_like=True):
+    """A replica's latency lines as the taker learnt them (``ReplicaLatency.state``)."""
+
+    replica: str
+    prefill: list[float]
+    decode: list[float]
+    prefill_samples: int
+    decode_samples: int
+
+
 class IndexSnapshot(msgspec.Struct, kw_only=True):
     identity: Identity
     taken_at: float  # the taker's wall clock, seconds since the epoch
     sources: list[SourceSeq]
     blocks: list[HeldBlocks]
+    # Learnt latency lines per replica (kv_aware with cost_unit time or speed, or an SLO): a
+    # router that starts from the snapshot prices each replica as the taker had learnt to,
+    # instead of at the prior until its own first answers. Empty from a taker without lines
+    # (and from routers before this field: msgspec reads them as empty).
+    lines: list[ReplicaLines] = msgspec.field(default_factory=list)
 
     @property
     def entries(self) -> int:
@@ -75,15 +91,44 @@ def take(
     sources: Iterable[SourceSeq],
     replicas: Iterable[str],
     taken_at: float,
+    states: Iterable[ReplicaState] = (),
 ) -> IndexSnapshot:
     """The confirmed blocks ``replicas`` hold in ``index``, with the sources' last sequence
-    numbers; take both in one step (no event applied between) so that they agree."""
+    numbers; take both in one step (no event applied between) so that they agree. ``states``:
+    the replicas whose learnt latency lines go with them (those with lines and samples)."""
     blocks = [
         HeldBlocks(replica, medium, engine, router)
         for replica in replicas
         for medium, (engine, router) in index.held_blocks(replica).items()
     ]
-    return IndexSnapshot(identity=identity, taken_at=taken_at, sources=list(sources), blocks=blocks)
+    lines = []
+    for state in states:
+        latency = state.latency
+        if latency is None or not (latency.prefill_samples or latency.decode_samples):
+            continue
+        prefill, decode, prefill_samples, decode_samples = latency.state()
+        lines.append(
+            ReplicaLines(state.replica_id, prefill, decode, prefill_samples, decode_samples)
+        )
+    return IndexSnapshot(
+        identity=identity, taken_at=taken_at, sources=list(sources), blocks=blocks, lines=lines
+    )
+
+
+def restore_lines(snapshot: IndexSnapshot, states: Iterable[ReplicaState]) -> list[str]:
+    """Give each of ``states`` that has latency lines but has learnt nothing yet the
+    snapshot's lines of its replica; the names of those that took them. A replica this router
+    has already seen answer keeps its own."""
+    theirs = {lines.replica: lines for lines in snapshot.lines}
+    took = []
+    for state in states:
+        latency, lines = state.latency, theirs.get(state.replica_id)
+        if latency is None or lines is None or latency.prefill_samples or latency.decode_samples:
+            continue
+        samples = (lines.prefill_samples, lines.decode_samples)
+        if latency.load(lines.prefill, lines.decode, samples):
+            took.append(state.replica_id)
+    return took
 
 
 def encode(snapshot: IndexSnapshot) -> bytes:

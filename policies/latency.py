@@ -109,6 +109,17 @@ class _Line:
     def __call__(self, x: float) -> float:
         return self.a + self.b * x
 
+    def state(self) -> list[float]:
+        """What the fit has learnt (its sums and line), for a snapshot; the prior is not in it."""
+        return [self.s0, self.sx, self.sy, self.sxx, self.sxy, self.syy, self.a, self.b]
+
+    def load(self, state: list[float]) -> bool:
+        """Take over another fit's ``state()``; False (nothing changed) if it is not one."""
+        if len(state) != 8 or not all(math.isfinite(v) for v in state) or state[0] < 0:
+            return False
+        self.s0, self.sx, self.sy, self.sxx, self.sxy, self.syy, self.a, self.b = state
+        return True
+
     def a_stderr(self) -> float:
         """The standard error of the level ``a``: the weighted residuals' variance through the
         same 2x2 system. Zero before any observation (the prior is taken as exact)."""
@@ -151,6 +162,30 @@ class ReplicaLatency:
         if tpot_s > 0 and math.isfinite(tpot_s) and batch >= 0:
             self._decode.observe(batch, tpot_s)
             self.decode_samples += 1
+
+    def state(self) -> tuple[list[float], list[float], int, int]:
+        """Both fits and their sample counts: what another router loads to start where this
+        one is (a warm start, router/warm_start.py)."""
+        return (
+            self._prefill.state(),
+            self._decode.state(),
+            self.prefill_samples,
+            self.decode_samples,
+        )
+
+    def load(self, prefill: list[float], decode: list[float], samples: tuple[int, int]) -> bool:
+        """Take over another router's lines of this replica (``state()``); False, with nothing
+        changed, if they do not read as lines."""
+        if len(prefill) != 8 or len(decode) != 8 or min(samples) < 0:
+            return False
+        before = self._prefill.state()
+        if not self._prefill.load(prefill):
+            return False
+        if not self._decode.load(decode):
+            self._prefill.load(before)
+            return False
+        self.prefill_samples, self.decode_samples = samples
+        return True
 
     def ttft(self, work_tokens: float) -> float:
         return self._prefill(work_tokens)

@@ -85,7 +85,9 @@ def snapshot_bytes(pool: PoolRouting) -> bytes:
         if sub.last_seq is not None
     ]
     replicas = [s.replica for s in sources]
-    snap = index_snapshot.take(pool.index, identity(pool), sources, replicas, time.time())
+    snap = index_snapshot.take(
+        pool.index, identity(pool), sources, replicas, time.time(), pool.fleet.replicas
+    )
     return index_snapshot.encode(snap)
 
 
@@ -212,12 +214,14 @@ def _load(data: bytes, source: str, pool: PoolRouting, max_age_s: float | None =
     restored = index_snapshot.restore(snap, pool.index, seqs)
     for name, seq in seqs.items():
         pool.subscribers[name].resume_from(seq)
+    lines = index_snapshot.restore_lines(snap, pool.fleet.replicas)
     log.info(
-        "warm start: pool %s loaded %d blocks of %d replicas from %s (%.0f KiB, taken %.1f s "
-        "ago) in %.2f s",
+        "warm start: pool %s loaded %d blocks of %d replicas and the latency lines of %d from "
+        "%s (%.0f KiB, taken %.1f s ago) in %.2f s",
         pool.name,
         sum(restored.values()),
         len(seqs),
+        len(lines),
         source,
         len(data) / 1024,
         age,

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
+from xxhash import xxh3_64_intdigest
 
 from kvroute.kvcore import index_snapshot
 from kvroute.kvcore.block_hashing import block_hashes
 from kvroute.kvcore.index_snapshot import Identity, SnapshotError, SourceSeq
 from kvroute.kvcore.prefix_index import PrefixIndex
+from kvroute.policies import ReplicaLatency, ReplicaState
+from kvroute.policies.latency import LatencyPrior
 
 BS = 4
 ME = Identity(pool="default", model="tiny", block_size=BS, tokenizer="builtin")
@@ -141,3 +145,50 @@ def test_damaged_or_foreign_bytes_are_refused(mangle: object, why: str) -> None:
     data = index_snapshot.encode(index_snapshot.take(index, ME, [], index.replicas, 0))
     with pytest.raises(SnapshotError, match=why):
         index_snapshot.decode(mangle(data))  # type: ignore[operator]
+
+
+def _learnt(name: str, seconds_per_token: float, answers: int) -> ReplicaState:
+    state = ReplicaState(name, latency=ReplicaLatency(LatencyPrior()))
+    assert state.latency is not None
+    for k in range(answers):
+        work = 500 + 300 * k
+        state.latency.observe_prefill(work, 0.05 + seconds_per_token * work)
+        state.latency.observe_decode(4 + k % 8, 0.02 + 0.001 * (k % 8))
+    return state
+
+
+def test_learnt_latency_lines_travel_with_the_snapshot() -> None:
+    index, _ = _fleet_index(3)
+    taker = [_learnt("r0", 1e-4, 40), _learnt("r1", 4e-4, 40), _learnt("r2", 0.0, 0)]
+    snap = index_snapshot.take(index, ME, [], index.replicas, 1.0, taker)
+    assert [lines.replica for lines in snap.lines] == ["r0", "r1"]  # r2 learnt nothing
+
+    loaded = index_snapshot.decode(index_snapshot.encode(snap))
+    fresh = [ReplicaState(n, latency=ReplicaLatency(LatencyPrior())) for n in ("r0", "r1", "r2")]
+    seen = _learnt("r1", 9e-4, 3)  # this router has seen r1 answer: it keeps its own lines
+    fresh[1] = seen
+    before = seen.latency.describe() if seen.latency else {}
+    assert index_snapshot.restore_lines(loaded, fresh) == ["r0"]
+    r0 = fresh[0].latency
+    assert r0 is not None and taker[0].latency is not None
+    assert r0.describe() == taker[0].latency.describe()
+    assert r0.ttft(4096) == pytest.approx(0.05 + 1e-4 * 4096, rel=0.05)  # not the prior's
+    assert seen.latency is not None and seen.latency.describe() == before
+    assert fresh[2].latency is not None and fresh[2].latency.prefill_samples == 0
+
+
+def test_a_snapshot_without_lines_still_loads() -> None:
+    """Snapshots from routers before the lines were kept: no ``lines`` field at all."""
+    index, prompts = _fleet_index(4)
+    snap = index_snapshot.take(index, ME, [], index.replicas, 1.0)
+    as_before = msgspec.msgpack.encode(
+        {k: v for k, v in msgspec.to_builtins(snap).items() if k != "lines"}
+    )
+    data = index_snapshot.encode(snap)
+    header = data[: len(data) - len(msgspec.msgpack.encode(snap))]
+    old = header[:-8] + xxh3_64_intdigest(as_before).to_bytes(8, "big") + as_before
+    loaded = index_snapshot.decode(old)
+    assert loaded.lines == []
+    fresh = PrefixIndex()
+    index_snapshot.restore(loaded, fresh, ["r0", "r1", "r2"])
+    assert _matches(fresh, prompts) == _matches(index, prompts)

@@ -146,6 +146,39 @@ async def test_a_snapshot_of_another_block_size_is_refused_and_the_router_starts
     )
 
 
+async def test_a_warm_started_router_prices_each_replica_as_its_peer_learnt_to(
+    fleet: Any,
+) -> None:
+    """Mixed pools: the learnt latency lines come with the index, so a restarted router does
+    not price every replica at the prior until each has answered it."""
+    timed = {"name": "kv_aware", "params": {"cost_unit": "time"}}
+    first, url = await fleet.router(policy=timed)
+    async with aiohttp.ClientSession() as http:
+        for k in range(9):
+            await _complete(http, url, f"{PROMPTS[k % len(PROMPTS)]} question {k}")
+
+    def prefill_lines(router: Router) -> dict[str, tuple[object, ...]]:
+        """Each replica's TTFT line and its samples (what only dispatches teach: it holds
+        still between requests, where the decode line may still take a scrape)."""
+        lines = {}
+        for name, handle in router.replicas.items():
+            latency = handle.state.latency
+            assert latency is not None
+            d = latency.describe()
+            lines[name] = (d["prefill_samples"], d["ttft_base_s"], d["prefill_s_per_token"])
+        return lines
+
+    await wait_until(
+        lambda: sum(1 for n, *_ in prefill_lines(first).values() if n) >= 2,
+        30,
+        what="the first router's lines",
+    )
+    second, _ = await fleet.router(policy=timed, warm_start={"peers": [url]})
+    assert prefill_lines(second) == prefill_lines(first)
+    cold, _ = await fleet.router(policy=timed)
+    assert all(n == 0 for n, *_ in prefill_lines(cold).values())
+
+
 async def test_the_snapshot_needs_the_admin_key(fleet: Any) -> None:
     async with aiohttp.ClientSession() as http:
         async with http.get(fleet.first_url + "/admin/index-snapshot") as resp:
