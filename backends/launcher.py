@@ -95,14 +95,7 @@ class LaunchSpec:
         """Slot ``slot``'s speed against the pool's others: an emulated replica's ``@SPEED``
         preset suffix (``llama-3.1-70b-4xh100@0.5``: half as fast), 1 without one or for vLLM
         (as fast as its GPUs). The router starts that replica's latency lines there."""
-        if self.engine != "emulated":
-            return 1.0
-        _, at, speed = self.preset_for(slot).partition("@")
-        try:
-            value = float(speed) if at else 1.0
-        except ValueError:
-            return 1.0  # the emulator refuses the preset and says why
-        return value if math.isfinite(value) and value > 0 else 1.0
+        return preset_speed(self.preset_for(slot)) if self.engine == "emulated" else 1.0
 
     def __post_init__(self) -> None:
         if self.gpu_groups and len(self.gpu_groups) != self.count:
@@ -115,6 +108,17 @@ class LaunchSpec:
         if self.num_gpu_blocks is not None:
             return self.num_gpu_blocks
         return None if on_gpus and self.engine == "vllm" else DEFAULT_NUM_GPU_BLOCKS
+
+
+def preset_speed(preset: str) -> float:
+    """A latency preset's ``@SPEED`` (``llama-3.1-70b-4xh100@0.5``: 0.5); 1 without one, or
+    with one that is not a speed (the emulator refuses that preset and says why)."""
+    _, at, text = preset.partition("@")
+    try:
+        speed = float(text) if at else 1.0
+    except ValueError:
+        return 1.0
+    return speed if math.isfinite(speed) and speed > 0 else 1.0
 
 
 @dataclass

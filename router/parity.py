@@ -6,8 +6,8 @@ ids (its ``/tokenize`` with the same chat template arguments, or an agent API's 
 endpoint), and its token count against theirs; where they differ, the prompt is tokenized again
 whole to say from which token on, and whether the tokenizer or the incremental path is to
 blame. Then whether the engine's KV events stored the request's first block under the
-router's key. A periodic task
-compares each replica's own prefix-cache hits with the reuse the router predicted there.
+router's key. A periodic task compares each replica's own prefix-cache hits with the reuse the
+router predicted there.
 
 Off the request path: ``offer`` is an O(1) count per request; a sampled one starts a task,
 at most ``max_pending`` at once (more are dropped, not queued).

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvroute.backends.launcher import preset_speed
 from kvroute.backends.process import free_ports
 from kvroute.bench.argtypes import (
     add_report_args,
@@ -140,12 +141,6 @@ def presets(options: Options, pool: str) -> list[str]:
     return [name for _ in range(n) for name in (options.preset, slow)]
 
 
-def speed_of(preset: str) -> float:
-    """A ``NAME@SPEED`` preset's speed (1 without the suffix)."""
-    _, at, speed = preset.partition("@")
-    return float(speed) if at else 1.0
-
-
 def router_config(
     entries: list[dict[str, Any]], run: Run, speeds: list[float] | None = None
 ) -> dict[str, Any]:
@@ -183,7 +178,7 @@ def fleet(options: Options, run: Run, log_dir: Path) -> Iterator[tuple[str, froz
         entries = start_emulated_with_events(stack, names, flags, MODEL, log_dir, timeout_s)
         label = f"router-{run.pool}-{run.key}"
         config = log_dir / f"{label}.yaml"
-        speeds = [speed_of(kind) for kind in kinds]
+        speeds = [preset_speed(kind) for kind in kinds]
         config.write_text(json.dumps(router_config(entries, run, speeds)))  # JSON is YAML
         serve = Launch(serve_argv(port, (), "--config", str(config), cli=cli), "/ready")
         url, _ = start_router(stack, label, serve, port, log_dir, timeout_s)
