@@ -269,7 +269,8 @@ class _Fleet:
         # Each picker its own policy object, copied before any decision: what N processes
         # started from one config hold (a policy keeps state: its ring, its random stream).
         policies = [policy, *(copy.deepcopy(policy) for _ in range(config.routers - 1))]
-        speeds = config.speeds()
+        # (A DP fleet names its ranks, not ``config.replicas`` replicas: no speeds told there.)
+        speeds = config.speeds() if config.tell_speeds and config.replica_latency else None
         return [
             _Router(
                 self.names,
