@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute.simulator.replica.faults import FaultSpec
 
 from .conftest import Running, RunningRouter, StartEmulated, StartRouter
-from .helpers import replica_source
+from .helpers import replica_source, wait_until
 
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 # 16-token blocks; a prompt of ~200 built-in tokens is well past min_uncached_tokens (64).
@@ -79,6 +79,13 @@ async def start_pd(
             },
         ],
         decision_headers=True,
+    )
+    # The replicas share this event loop: on a busy box a first probe can outlast its 0.5 s,
+    # and a request sent before the next one would find no replica in rotation.
+    await wait_until(
+        lambda: all(h.state.healthy for h in router.router.replicas.values()),
+        timeout_s=15,
+        what="every replica of both pools in rotation",
     )
     return router, p, d
 
