@@ -213,11 +213,12 @@ class FleetConfig:
             return self.engine
         return replace(self.engine, latency=self.replica_latency[replica])
 
-    def speeds(self) -> list[float]:
-        """Each replica's speed as told the router (all 1 unless ``tell_speeds``): ``engine``'s
-        seconds per prefill token over its own, as an operator would state its card."""
+    def speeds(self) -> list[float] | None:
+        """Each replica's speed as told the router (None unless ``tell_speeds`` in a mixed pool:
+        the router is told nothing): ``engine``'s seconds per prefill token over its own, as an
+        operator would state its card."""
         if not (self.tell_speeds and self.replica_latency):
-            return [1.0] * self.replicas
+            return None
         base = self.engine.latency.latency_prior()["prefill_s_per_token"]
         return [base / m.latency_prior()["prefill_s_per_token"] for m in self.replica_latency]
 

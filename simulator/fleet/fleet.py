@@ -269,8 +269,7 @@ class _Fleet:
         # Each picker its own policy object, copied before any decision: what N processes
         # started from one config hold (a policy keeps state: its ring, its random stream).
         policies = [policy, *(copy.deepcopy(policy) for _ in range(config.routers - 1))]
-        # (A DP fleet names its ranks, not ``config.replicas`` replicas: no speeds told there.)
-        speeds = config.speeds() if config.tell_speeds and config.replica_latency else None
+        speeds = config.speeds()  # a mixed pool's own replicas only (a DP fleet names ranks)
         return [
             _Router(
                 self.names,
