@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 from kvroute.kvcore.autoscale import AutoscaleSettings
+from kvroute.kvcore.fair_queue import FairnessParams
 from kvroute.kvcore.pd import DisaggregationRule, Mode, link_bytes_per_s
 from kvroute.kvcore.stats import percentile
 from kvroute.policies import DEFAULT_POLICY, POLICIES, PolicyConfigError, build_policy
@@ -328,6 +329,15 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         metavar="S",
         help="With --fairness program: a request queued this long goes first whatever its "
         "program's service (fairness.program_max_wait_s, default 300).",
+    )
+    replay.add_argument(
+        "--program-attained-weight",
+        type=_non_negative_float,
+        default=FairnessParams().program_attained_weight,
+        metavar="W",
+        help="With --fairness program: per token a program received, beside its request's "
+        "uncached prompt tokens, in its place in the queue (fairness.program_attained_weight, "
+        f"default {FairnessParams().program_attained_weight}; 0: fewest uncached tokens first).",
     )
     replay.add_argument(
         "--out", metavar="DIR", help="Directory for summary.json, report.md, plots."
@@ -907,7 +917,12 @@ def _admission(args: argparse.Namespace) -> AdmissionSpec | None:
         if fairness is not None:
             raise UsageError("--fairness orders the admission queue: give --max-in-flight N too")
         return None
-    return AdmissionSpec(limit, fairness or "fcfs", getattr(args, "program_max_wait_s", 300.0))
+    return AdmissionSpec(
+        limit,
+        fairness or "fcfs",
+        getattr(args, "program_max_wait_s", 300.0),
+        getattr(args, "program_attained_weight", FairnessParams().program_attained_weight),
+    )
 
 
 _AUTOSCALE_KEYS = {

@@ -5,6 +5,7 @@ that wait for their answers (``--closed-loop``)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -18,6 +19,7 @@ import pytest
 from kvroute.cli import main
 from kvroute.kvcore.fair_queue import FairnessParams, FairQueue, Priority, TenantLimits, Ticket
 from kvroute.router.config import ConfigError, config_from_dict
+from kvroute.simulator.cli_replay import _admission
 from kvroute.simulator.fleet.admission import AdmissionSpec, SimAdmission, program_of
 from kvroute.simulator.fleet.fleet import next_turns
 from kvroute.simulator.fleet.programs import program_summary
@@ -282,3 +284,20 @@ def test_fairness_without_an_admission_limit_is_a_usage_error(
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "--fairness orders the admission queue: give --max-in-flight N too" in err
+
+
+def test_program_attained_weight_reaches_the_replays_admission(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    namespace = argparse.Namespace(
+        max_in_flight=2, fairness="program", program_max_wait_s=30.0, program_attained_weight=0.0
+    )
+    spec = _admission(namespace)
+    assert spec is not None and spec.program_attained_weight == 0.0
+    assert spec.program_max_wait_s == 30.0
+    args = ["replay", "--trace", CLAUDE_CODE, "--max-in-flight", "2", "--fairness", "program"]
+    with pytest.raises(SystemExit) as exited:
+        main([*args, "--program-attained-weight", "-1", "--out", str(tmp_path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--program-attained-weight: must be a finite number >= 0, got -1" in err
