@@ -323,6 +323,15 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--time-scale.",
     )
     replay.add_argument(
+        "--programs-in-flight",
+        type=positive_int,
+        metavar="C",
+        help="With --closed-loop: C agent programs (a session and its sub-agents) at a time, "
+        "each replaced by the trace's next program when its last request ends, instead of "
+        "the sessions' recorded start times: a fixed concurrency of agents, as benchmark "
+        "clients keep (simulated fleets only).",
+    )
+    replay.add_argument(
         "--program-max-wait-s",
         type=positive_float,
         default=300.0,
@@ -899,6 +908,7 @@ def _fleet_config(
             pd=pd,
             admission=_admission(args),
             closed_loop=getattr(args, "closed_loop", False),
+            programs_in_flight=getattr(args, "programs_in_flight", None),
             replica_latency=mix_models(mix, replicas) if mix else (),
             tell_speeds=getattr(args, "tell_speeds", False),
             data_parallel_size=getattr(args, "data_parallel_size", 1),
@@ -1095,6 +1105,11 @@ def run_replay(args: argparse.Namespace) -> int:
                 "--max-in-flight and --fairness simulate the router's admission; with --live "
                 "the router at the URL admits (limits.max_concurrent_requests, fairness.by in "
                 "its config)"
+            )
+        if getattr(args, "programs_in_flight", None):
+            raise UsageError(
+                "--programs-in-flight starts the programs of a simulated replay; with --live "
+                "the trace's sessions start at their recorded times"
             )
         # The live replayer paces by --time-scale itself: load the trace unscaled in time.
         return _replay_live(args, _load_trace(args, 1.0))

@@ -22,6 +22,7 @@ from kvroute.router.config import ConfigError, config_from_dict
 from kvroute.simulator.cli_replay import _admission
 from kvroute.simulator.fleet.admission import AdmissionSpec, SimAdmission, program_of
 from kvroute.simulator.fleet.fleet import next_turns
+from kvroute.simulator.fleet.program_starts import ProgramStarts
 from kvroute.simulator.fleet.programs import program_summary
 from kvroute.simulator.fleet.results import SimResult
 from kvroute.simulator.fleet.units import prepare
@@ -301,3 +302,42 @@ def test_program_attained_weight_reaches_the_replays_admission(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "--program-attained-weight: must be a finite number >= 0, got -1" in err
+
+
+def test_programs_in_flight_start_each_program_when_one_ends() -> None:
+    # Programs a (requests 0, 2), b (1: a session's first, 3: its sub-agent's first) and c (4);
+    # request 2 follows 0 in the closed loop (held), the rest are their sessions' firsts.
+    arrival_s = [10.0, 11.0, 12.0, 15.0, 20.0]
+    starts = ProgramStarts(arrival_s, ["a", "b", "a", "b", "c"], held={2}, limit=2)
+    assert starts.deferred == {0, 1, 3, 4}
+    # a and b start together at the trace's first arrival, b's sub-agent at its recorded offset.
+    assert sorted(starts.initial(10.0)) == [(10.0, 0), (10.0, 1), (14.0, 3)]
+    assert starts.left(0, 30.0) == []  # a's next turn (2) is still to come
+    assert starts.left(1, 31.0) == []
+    assert starts.left(3, 40.0) == [(40.0, 4)]  # b is done: c takes its place at once
+    assert starts.left(3, 41.0) == []  # a request leaves once
+    assert starts.left(2, 50.0) == []  # a is done, nothing left to start
+    assert starts.started == 3
+
+
+def test_replay_with_programs_in_flight_runs_the_programs_that_many_at_a_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def makespan(*extra: str) -> float:
+        out = tmp_path / "-".join(extra or ("recorded",))
+        args = ["replay", "--trace", CLAUDE_CODE, "--replicas", "2", "--closed-loop", *extra]
+        assert main([*args, "--out", str(out), "--no-plots", "--quiet"]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["completed"] == summary["requests"]
+        assert summary["programs"]["programs"] == 10
+        return float(summary["makespan_s"])
+
+    recorded = makespan()
+    one = makespan("--programs-in-flight", "1")
+    all_ten = makespan("--programs-in-flight", "10")
+    # All ten from the first arrival: done when the longest is, sooner than at the sessions'
+    # recorded starts; one at a time: each waits for the one before it to end.
+    assert all_ten < recorded < one
+    no_loop = ["replay", "--trace", CLAUDE_CODE, "--programs-in-flight", "3"]
+    assert main([*no_loop, "--out", str(tmp_path / "x")]) == 2
+    assert "programs in flight: a closed loop's (closed_loop) only" in capsys.readouterr().err

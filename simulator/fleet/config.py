@@ -77,6 +77,9 @@ class FleetConfig:
     # Agents wait for their answers: a request with a recorded gap (TraceRequest.gap_s) is sent
     # that long after its session's previous response ends, not at its recorded time.
     closed_loop: bool = False
+    # With closed_loop: this many agent programs at a time, each replaced by the next when it
+    # ends (program_starts.py), instead of the sessions' recorded start times. None: recorded.
+    programs_in_flight: int | None = None
     # A mixed pool: replica i steps at ``replica_latency[i]`` instead of ``engine.latency``
     # (one per replica, or () for all alike). KV capacity and batching stay ``engine``'s.
     replica_latency: tuple[LatencyModel, ...] = ()
@@ -124,6 +127,11 @@ class FleetConfig:
                 raise ValueError(f"{label} must be a finite number >= 0, got {value}")
         if self.scrape_interval_s == 0:
             raise ValueError("scrape_interval_s must be > 0")
+        if self.programs_in_flight is not None:
+            if self.programs_in_flight < 1:
+                raise ValueError(f"programs in flight must be >= 1, got {self.programs_in_flight}")
+            if not self.closed_loop:
+                raise ValueError("programs in flight: a closed loop's (closed_loop) only")
         if self.autoscale is not None:
             problems = self.autoscale.problems()
             if self.autoscale.max != self.replicas:

@@ -50,6 +50,7 @@ from .exact_engine import ExactEngine
 from .fast_engine import FastEngine
 from .kv_units import Holdings, IndexOp
 from .loss import LossTracker
+from .program_starts import ProgramStarts
 from .protocol import SimEngine, StepReport
 from .regret import ESTIMATED_CHOICES
 from .results import NAN, SimResult
@@ -245,6 +246,16 @@ class _Fleet:
         self.next_turn: dict[int, int] = next_turns(trace.requests) if config.closed_loop else {}
         self.held = set(self.next_turn.values())
         self.turns_due = 0  # next turns scheduled on the heap, not yet arrived
+        # A fixed number of programs at a time (program_starts.py): their first requests too
+        # arrive when the fleet's progress says, not at their recorded times.
+        self.starts: ProgramStarts | None = None
+        if config.programs_in_flight is not None:
+            online_programs = self.result.programs[: self.online]
+            arrivals = [r.arrival_s for r in trace.requests]
+            self.starts = ProgramStarts(
+                arrivals, online_programs, self.held, config.programs_in_flight
+            )
+            self.held |= self.starts.deferred
         if config.admission is not None:
             self.result.queue_wait_s = [NAN] * m
             self.result.fairness = config.admission.fairness
@@ -302,6 +313,8 @@ class _Fleet:
             self._push(self.lane.submitted_s, _BATCH, -1, True)
         if reqs:
             self._push(reqs[0].arrival_s, _SCRAPE, -1)
+            if self.starts is not None:
+                self._send(self.starts.initial(reqs[0].arrival_s))
             if self.autoscaler is not None:
                 self._push(reqs[0].arrival_s, _SCALE, -1)
         report_every = max(1, total // 200)
@@ -411,6 +424,8 @@ class _Fleet:
             gap = self.trace.requests[following].gap_s or 0.0
             self.turns_due += 1
             self._push(t + gap, _ARRIVAL, -1, following)
+        if self.starts is not None:
+            self._send(self.starts.left(index, t))
         admission = self.admission
         if admission is None or index >= self.online or index not in admission.tickets:
             return
@@ -420,6 +435,12 @@ class _Fleet:
             flight = self.queued.pop(started)
             self.flights[started] = flight
             self._route(flight, t)
+
+    def _send(self, arrivals: list[tuple[float, int]]) -> None:
+        """Requests that arrive at the given times (their programs just started)."""
+        for at, index in arrivals:
+            self.turns_due += 1
+            self._push(at, _ARRIVAL, -1, index)
 
     def _locality(self, r: int, t: float) -> Callable[[Ticket], int]:
         """The prompt tokens replica ``r`` holds of a queued request, as the first router's
