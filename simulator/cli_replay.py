@@ -1192,7 +1192,7 @@ def run_replay(args: argparse.Namespace) -> int:
         line = format_loss(summary) or format_pd(summary)
         if line:
             print(line)
-    if config.admission is not None:
+    if config.admission is not None or config.programs_in_flight is not None:
         for summary in summaries:
             programs = format_programs(summary)
             if programs:

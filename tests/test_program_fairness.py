@@ -330,6 +330,10 @@ def test_replay_with_programs_in_flight_runs_the_programs_that_many_at_a_time(
         summary = json.loads((out / "summary.json").read_text())
         assert summary["completed"] == summary["requests"]
         assert summary["programs"]["programs"] == 10
+        at_a_time = summary["programs"]["programs_in_flight"]
+        assert at_a_time == (int(extra[1]) if extra else None)
+        if at_a_time:
+            assert f"{at_a_time} programs at a time): 10" in capsys.readouterr().out
         return float(summary["makespan_s"])
 
     recorded = makespan()

@@ -256,6 +256,7 @@ class _Fleet:
                 arrivals, online_programs, self.held, config.programs_in_flight
             )
             self.held |= self.starts.deferred
+            self.result.programs_in_flight = config.programs_in_flight
         if config.admission is not None:
             self.result.queue_wait_s = [NAN] * m
             self.result.fairness = config.admission.fairness

@@ -39,6 +39,7 @@ def program_summary(result: SimResult, online: int | None = None) -> dict[str, A
         result.queue_wait_s,
         fairness=result.fairness,
         max_in_flight=result.max_in_flight,
+        programs_in_flight=result.programs_in_flight,
     )
 
 
@@ -52,6 +53,7 @@ def summarize(
     *,
     fairness: str | None = None,
     max_in_flight: int | None = None,
+    programs_in_flight: int | None = None,
 ) -> dict[str, Any]:
     """The per-class summary of requests ``0 .. len(programs) - 1``: request i belongs to
     ``programs[i]``, moved ``tokens[i]`` (prompt plus output), arrived at ``arrival_s[i]``, had
@@ -69,6 +71,7 @@ def summarize(
     out: dict[str, Any] = {
         "fairness": fairness,
         "max_in_flight": max_in_flight,
+        "programs_in_flight": programs_in_flight,
         "programs": len(members),
         "short_max_tokens": threshold,
     }
@@ -124,7 +127,13 @@ def format_programs(summary: dict[str, Any]) -> str | None:
         return None
     head = (
         f"programs ({summary['policy']}, fairness {programs['fairness'] or 'none'}, "
-        f"max in flight {programs['max_in_flight'] or 'unlimited'}): {programs['programs']}, "
+        f"max in flight {programs['max_in_flight'] or 'unlimited'}"
+        + (
+            f", {programs['programs_in_flight']} programs at a time"
+            if programs.get("programs_in_flight")
+            else ""
+        )
+        + f"): {programs['programs']}, "
         f"short = up to {programs['short_max_tokens']:,} tokens"
     )
     return "\n".join([head, *class_lines(programs)])

@@ -62,6 +62,7 @@ class SimResult:
     queue_wait_s: list[float] | None = None
     fairness: str | None = None  # the admission's order (admission.FAIRNESS); None: no limit
     max_in_flight: int | None = None
+    programs_in_flight: int | None = None  # agent programs at a time (None: recorded starts)
     # Per request, the policy's TTFT estimate (s) at its first decision, on its choice and on
     # round robin's / power of two's (policies/regret.py): choice -> list; None without one.
     estimated_ttft_s: dict[str, list[float]] | None = None
