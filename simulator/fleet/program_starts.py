@@ -58,10 +58,7 @@ class ProgramStarts:
 
     def initial(self, t: float) -> list[tuple[float, int]]:
         """The first ``limit`` programs, started at ``t``: (arrival time, request index)."""
-        arrivals: list[tuple[float, int]] = []
-        while self._waiting and self.running < self.limit:
-            arrivals += self._start(self._waiting.popleft(), t)
-        return arrivals
+        return self._fill(t)
 
     def left(self, index: int, t: float) -> list[tuple[float, int]]:
         """Request ``index`` left the fleet at ``t`` (finished, failed or refused): the arrivals
@@ -74,17 +71,16 @@ class ProgramStarts:
         if self.remaining[program] > 0:
             return []
         self.running -= 1
+        return self._fill(t)
+
+    def _fill(self, t: float) -> list[tuple[float, int]]:
+        """Start waiting programs at ``t`` until ``limit`` run; their first requests' arrivals.
+        A program's first request is never held (nothing precedes it), so each sends some."""
         arrivals: list[tuple[float, int]] = []
         while self._waiting and self.running < self.limit:
-            arrivals += self._start(self._waiting.popleft(), t)
+            firsts = self.firsts[self._waiting.popleft()]
+            self.started += 1
+            self.running += 1
+            origin = self._arrival[firsts[0]]
+            arrivals += [(t + self._arrival[i] - origin, i) for i in firsts]
         return arrivals
-
-    def _start(self, program: str, t: float) -> list[tuple[float, int]]:
-        self.started += 1
-        self.running += 1
-        firsts = self.firsts[program]
-        if not firsts:  # every request follows another: nothing to send (never in a trace)
-            self.running -= 1
-            return []
-        origin = self._arrival[firsts[0]]
-        return [(t + self._arrival[i] - origin, i) for i in firsts]
