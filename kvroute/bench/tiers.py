@@ -1,10 +1,10 @@
-"""``kvroute bench tiers``: KV tiers in the simulator, on llm-d's tiered-cache workload shape.
+"""``kvroute bench tiers``: KV tiers in the simulator, on llm-d's tiered-cache benchmark.
 
 llm-d's published benchmark (issue 34): 8 replicas of Qwen3-32B TP2 on 16 H100, 250 groups x 5
 prompts behind 16K-token system prompts, 256 tokens in and out, 5 to 40 QPS; a working set of
 4.64M tokens against 2.38M of GPU KV and 10.5M of CPU. Here the same shape runs through the
 simulated fleet (the router's own kv_aware and prefix index, the fast engine model with vLLM's
-offloading semantics) four ways at each rate, on one trace:
+offloading semantics) several ways:
 
 * ``gpu-only``: no offload tier (the baseline llm-d compares against);
 * ``cpu-flat``: a CPU tier, the router counting a block on CPU as on the GPU;
@@ -13,8 +13,16 @@ offloading semantics) four ways at each rate, on one trace:
 * ``disk-weights``/``disk-time`` (on request): a CPU tier a quarter of llm-d's, under the working
   set, then the node's NVMe: fixed weights (disk 0.25) against the cost in time.
 
-Throughput is output tokens per second over the makespan (llm-d's measure), its gain against
-``gpu-only`` at the same rate; TTFT and the hit rate (tokens from any tier) beside it.
+Two protocols (``--protocol``):
+
+* ``inference-perf`` (the default): llm-d's own, as its load generator runs it
+  (``tiers_stages``): the rates are 60 s stages one after another on one fleet, each ending when
+  its last request has finished; throughput is a stage's input and output tokens over its wall
+  time, beside llm-d's published figures. ``--seeds N`` repeats it over N arrival draws and
+  reports how far the gain moves with the draw alone.
+* ``steady``: ``--duration`` of arrivals at each rate on a cold fleet, the workload drawn by the
+  ``multi-tenant`` generator (lengths uniform around their means); output tokens/s over the
+  makespan.
 """
 
 from __future__ import annotations
@@ -22,14 +30,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute.bench.argtypes import add_report_args, positive_int
+from kvroute.bench.argtypes import (
+    add_report_args,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from kvroute.bench.harness.host import machine_line, record
 from kvroute.kvcore.stats import percentile
 from kvroute.simulator.fleet.results import SimResult
+from kvroute.simulator.traces.model import Trace
+
+from . import tiers_stages
 
 # llm-d's published gains of GPU+CPU over GPU-only, by QPS.
 LLMD_GAINS = {5.0: 0.11, 10.0: 0.36, 20.0: 1.62, 40.0: 1.86}
@@ -60,14 +76,14 @@ def workload(rate: float, duration_s: float) -> str:
     )
 
 
-def run_arm(rate: float, arm: str, duration_s: float, replicas: int, seed: int) -> Row:
+def arm_simulator(arm: str, replicas: int, seed: int) -> Callable[[Trace], SimResult]:
+    """Replays a trace through a fresh fleet of ``arm``'s shape and a fresh kv_aware."""
     from kvroute.simulator.cli_replay import fleet_defaults, policy_object
     from kvroute.simulator.engine.latency import latency_preset
     from kvroute.simulator.engine.offload import offload_tiers
     from kvroute.simulator.fleet.config import FleetConfig, engine_config
     from kvroute.simulator.fleet.fleet import simulate
     from kvroute.simulator.fleet.units import prepare
-    from kvroute.simulator.traces.loader import load_trace
 
     latency = latency_preset(PRESET)
     tiers = "none" if arm == "gpu-only" else "cpu+disk" if arm.startswith("disk") else "cpu"
@@ -81,9 +97,20 @@ def run_arm(rate: float, arm: str, duration_s: float, replicas: int, seed: int) 
     mode = arm.split("-", 1)[1] if arm != "gpu-only" else "time"
     # llm-d's load generator sends no session key: no live-session routing here either.
     params = [("tier_mode", mode), ("session_ttl_s", 0.0)]
-    policy = policy_object("kv_aware", seed, params, fleet_defaults(config))
-    units = prepare(load_trace(workload(rate, duration_s), "synthetic", seed=seed))
-    return _row(rate, arm, simulate(units, policy, config))
+
+    def replay(trace: Trace) -> SimResult:
+        policy = policy_object("kv_aware", seed, params, fleet_defaults(config))
+        return simulate(prepare(trace), policy, config)
+
+    return replay
+
+
+def run_arm(rate: float, arm: str, duration_s: float, replicas: int, seed: int) -> Row:
+    """The steady protocol: ``duration_s`` of Poisson arrivals at ``rate`` on a cold fleet."""
+    from kvroute.simulator.traces.loader import load_trace
+
+    trace = load_trace(workload(rate, duration_s), "synthetic", seed=seed)
+    return _row(rate, arm, arm_simulator(arm, replicas, seed)(trace))
 
 
 def _row(rate: float, arm: str, result: SimResult) -> Row:
@@ -122,10 +149,16 @@ def table(rows: Sequence[Row]) -> list[str]:
 
 def command(args: argparse.Namespace) -> str:
     """The command that reproduces this run, every setting spelt out."""
+    rates = ",".join(f"{r:g}" for r in args.rates)
+    common = f"--arms {','.join(args.arms)} --replicas {args.replicas} --seed {args.seed}"
+    if args.protocol == "steady":
+        return (
+            f"kvroute bench tiers --protocol steady --rates {rates} --duration {args.duration:g} "
+            f"{common}"
+        )
     return (
-        f"kvroute bench tiers --rates {','.join(f'{r:g}' for r in args.rates)} "
-        f"--arms {','.join(args.arms)} --duration {args.duration:g} --replicas {args.replicas} "
-        f"--seed {args.seed}"
+        f"kvroute bench tiers --protocol inference-perf --rates {rates} --stage-s "
+        f"{args.stage_s:g} --interval-s {args.interval_s:g} --seeds {args.seeds} {common}"
     )
 
 
@@ -133,22 +166,35 @@ def run(args: argparse.Namespace) -> int:
     machine = machine_line()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     wall = time.perf_counter()
-    rows: list[Row] = []
-    for rate in args.rates:
-        for arm in args.arms:
-            rows.append(run_arm(rate, arm, args.duration, args.replicas, args.seed))
-            print(table(rows)[-1], file=sys.stderr)
+    if args.protocol == "steady":
+        body = _run_steady(args)
+        title = "llm-d's tiered workload in the simulator"
+        shape = (
+            f"trace `{workload(0, args.duration).replace('rate=0,', 'rate=R,')}`, seed "
+            f"{args.seed}; throughput is output tokens/s over the makespan, from a cold fleet."
+        )
+    else:
+        body = _run_stages(args)
+        title = "llm-d's tiered benchmark as inference-perf runs it, in the simulator"
+        shape = (
+            f"inference-perf's protocol (kvroute/bench/tiers_stages.py): "
+            f"{tiers_stages.GROUPS} groups x {tiers_stages.PROMPTS_PER_GROUP} prompts "
+            f"({tiers_stages.SYSTEM_TOKENS:,}-token system prompt, "
+            f"{tiers_stages.QUESTION_TOKENS}-token question, {tiers_stages.OUTPUT_TOKENS} "
+            f"tokens out), stages of {args.stage_s:g} s one after another on one fleet, each "
+            f"ending when its last request has finished, {args.interval_s:g} s between them; "
+            "total (input + output) tokens/s from a stage's first request to its last finish."
+        )
     lines = [
-        f"## KV tiers: llm-d's tiered workload in the simulator ({started})",
+        f"## KV tiers: {title} ({started})",
         "",
         f"Command: `{command(args)}`",
         f"Machine: {machine}; wall {time.perf_counter() - wall:,.0f} s. Simulated: {args.replicas} "
         f"replicas of {PRESET} (GPU KV from the preset), CPU tier {CPU_TOKENS_TOTAL:,} tokens "
         f"over the fleet (disk arms: {DISK_CPU_SHARE:g} of it, then the node preset's NVMe), "
-        "loads at the node preset's speeds; trace "
-        f"`{workload(0, args.duration).replace('rate=0,', 'rate=R,')}`, seed {args.seed}.",
+        f"loads at the node preset's speeds; {shape}",
         "",
-        *table(rows),
+        *body,
         "",
     ]
     text = "\n".join(lines)
@@ -156,6 +202,42 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_record:
         record(Path(args.output_md), text)
     return 0
+
+
+def _run_steady(args: argparse.Namespace) -> list[str]:
+    rows: list[Row] = []
+    for rate in args.rates:
+        for arm in args.arms:
+            rows.append(run_arm(rate, arm, args.duration, args.replicas, args.seed))
+            print(table(rows)[-1], file=sys.stderr)
+    return table(rows)
+
+
+def _run_stages(args: argparse.Namespace) -> list[str]:
+    """Each seed's stages for every arm (the arms of a seed share its arrivals): the first seed's
+    table, and with several seeds the spread of the gains over all of them."""
+    by_seed: list[list[tiers_stages.StageRow]] = []
+    body: list[str] = []
+    # llm-d's figures sit beside only a run of llm-d's own shape.
+    published = (args.replicas, args.stage_s, args.interval_s) == (8, 60.0, 60.0)
+    for seed in range(args.seed, args.seed + args.seeds):
+        rows: list[tiers_stages.StageRow] = []
+        for arm in args.arms:
+            replay = arm_simulator(arm, args.replicas, seed)
+            stage_rows = tiers_stages.run_stages(
+                args.rates, arm, replay, seed, args.stage_s, args.interval_s
+            )
+            rows.extend(stage_rows)
+            print(f"seed {seed} {arm}: done", file=sys.stderr)
+        rows.sort(key=lambda r: (r.rate, args.arms.index(r.arm)))
+        by_seed.append(rows)
+    # The first seed's stages in full; with more seeds, the spread of their gains after it.
+    if args.seeds > 1:
+        body += [f"Seed {args.seed} (the other seeds' gains are in the spread below):", ""]
+    body += [*tiers_stages.stage_table(by_seed[0], published), ""]
+    if args.seeds > 1:
+        body += tiers_stages.gain_spread(by_seed, published)
+    return body
 
 
 def _float_list(text: str) -> list[float]:
@@ -195,7 +277,37 @@ def add_tiers_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"Which to run (default {','.join(DEFAULT_ARMS)}; all: {','.join(ARMS)}).",
     )
     p.add_argument(
-        "--duration", type=float, default=300.0, help="Seconds of arrivals per rate (300)."
+        "--protocol",
+        choices=("inference-perf", "steady"),
+        default="inference-perf",
+        help="inference-perf (default): llm-d's published protocol, the rates as stages one "
+        "after another on one fleet (tiers_stages.py); steady: --duration of arrivals per rate, "
+        "each rate on a cold fleet.",
+    )
+    p.add_argument(
+        "--stage-s",
+        type=positive_float,
+        default=60.0,
+        help="inference-perf: seconds per stage (60).",
+    )
+    p.add_argument(
+        "--interval-s",
+        type=non_negative_float,
+        default=60.0,
+        help="inference-perf: seconds between a stage's last finish and the next stage (60).",
+    )
+    p.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=1,
+        help="inference-perf: seeds to run from --seed on (1); with more, the spread of the gains "
+        "over them, the arms of a seed paired on its arrivals and unpaired across seeds.",
+    )
+    p.add_argument(
+        "--duration",
+        type=positive_float,
+        default=300.0,
+        help="steady: seconds of arrivals per rate (300).",
     )
     p.add_argument("--replicas", type=positive_int, default=8, help="Replicas (8).")
     p.add_argument("--seed", type=int, default=0, help="Trace and policy seed (0).")
