@@ -12,8 +12,10 @@ from typing import Any
 
 import msgspec
 
-# A stream's tail kept to find its usage event in: that event is ~300 bytes, then [DONE].
-STREAM_TAIL_BYTES = 8 << 10
+# The most bytes a usage object may take from its key to its closing brace (a few hundred in
+# practice); ``_last_usage_object`` matches braces that far.
+USAGE_SPAN = 4096
+_KEY = b'"usage"'
 
 
 class _Usage(msgspec.Struct):
@@ -70,7 +72,7 @@ def _last_usage_object(data: bytes) -> bytes | None:
         return None
     start = data.index(b"{", start)
     depth = 0
-    for end in range(start, min(len(data), start + 4096)):
+    for end in range(start, min(len(data), start + USAGE_SPAN)):
         byte = data[end]
         if byte == 0x7B:  # {
             depth += 1
@@ -88,29 +90,50 @@ def cached_tokens_of(data: bytes, sse: bool) -> int | None:
 
 
 class StreamTail:
-    """The last few KiB of a stream, kept by reference (no copy per chunk) to read its usage
-    from once it ends."""
+    """A stream's last usage object, found as its chunks pass; nothing else of the stream is
+    kept. Per open stream that is a few hundred bytes at most, where keeping the stream's last
+    KiB (the usage event and what follows it) cost ~10 KiB of chunk objects (issue 39)."""
 
-    __slots__ = ("_chunks", "_size")
+    __slots__ = ("_carry", "_last", "_open")
 
     def __init__(self) -> None:
-        # A list, not a deque: a deque's 64-slot block is ~0.7 KiB for each open stream; the
-        # tail holds a few KiB of chunks, so pop(0) stays cheap.
-        self._chunks: list[bytes] = []
-        self._size = 0
+        self._last: bytes | None = None  # the last complete usage object
+        self._open = b""  # from the last usage key on, while its object is not closed yet
+        self._carry = b""  # the stream's last bytes: a key may straddle two chunks
 
     def add(self, chunk: bytes) -> None:
-        chunks = self._chunks
-        chunks.append(chunk)
-        self._size += len(chunk)
-        while len(chunks) > 1 and self._size - len(chunks[0]) >= STREAM_TAIL_BYTES:
-            self._size -= len(chunks.pop(0))
+        window = self._carry + chunk if self._carry else chunk
+        found = window.rfind(_KEY)
+        if found >= 0:
+            self._open = window[found : found + USAGE_SPAN]
+        elif self._open:
+            self._open = (self._open + chunk)[:USAGE_SPAN]
+        self._carry = window[-(len(_KEY) - 1) :]
+        if self._open:
+            self._close()
+
+    def _close(self) -> None:
+        """Keep the open usage object once its braces match; drop a key that opens none
+        (``"usage": null``) or an object past ``USAGE_SPAN``."""
+        opened = self._open
+        head = opened[len(_KEY) :].lstrip(b": \t\r\n")
+        if not head:
+            return  # the value has not arrived yet
+        if head[:1] != b"{":
+            self._open = b""
+            return
+        obj = _last_usage_object(opened)
+        if obj is not None:
+            self._last, self._open = obj, b""
+        elif len(opened) >= USAGE_SPAN:
+            self._open = b""
 
     def cached_tokens(self) -> int | None:
-        return cached_tokens_of(b"".join(self._chunks), sse=True)
+        usage = self.usage()
+        return usage.get("cached") if usage else None
 
     def usage(self) -> dict[str, int] | None:
-        return usage_of(b"".join(self._chunks), sse=True)
+        return usage_of(b'"usage":' + self._last, sse=True) if self._last else None
 
 
 _ASK_USAGE = b',"stream_options":{"include_usage":true}}'
