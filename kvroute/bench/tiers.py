@@ -48,7 +48,7 @@ from kvroute.simulator.traces.model import Trace
 from . import tiers_stages
 
 # llm-d's published gains of GPU+CPU over GPU-only, by QPS.
-LLMD_GAINS = {5.0: 0.11, 10.0: 0.36, 20.0: 1.62, 40.0: 1.86}
+LLMD_GAINS = {rate: cpu / hbm - 1 for rate, (hbm, cpu) in tiers_stages.LLMD_TOTAL_TOK_S.items()}
 CPU_TOKENS_TOTAL = 10_500_000  # llm-d's CPU tier over the 8 replicas
 PRESET = "qwen3-32b-2xh100"
 ARMS = ("gpu-only", "cpu-flat", "cpu-weights", "cpu-time", "disk-weights", "disk-time")
