@@ -22,7 +22,10 @@ service + waiting), and every router computes the same thing from the same repor
 3. **Work-conserving**: a tenant the ceilings keep from holding its share (it sends to too few
    routers) wants no more than it holds; the water-fill runs again and the others get the rest
    (no fleet slot idles while someone waits).
-4. **Round** to whole slots (largest remainders, ties by name: every router rounds alike).
+4. **Round** to whole slots (largest remainders, ties by name: every router rounds alike). A
+   rounded-up slot that finds no room on the routers where its tenant sends moves others' slots
+   along to routers with room (an augmenting path, searched in name order), or else goes to the
+   tenant furthest below its share that can place one: no fleet slot idles to rounding.
 
 Each router splits by the demand it tells the others (the peak over the interval: see
 FairQueue.drain_demand), so all of them compute from the same numbers and agree.
@@ -150,7 +153,70 @@ def whole(parts: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, int]]
         for r, n in _largest_remainders(cells, totals[t], room).items():
             out[r][t] = n
             room[r] -= n
+    # Tenant by tenant, an earlier tenant's rounding can take the last room on the one router
+    # where a later one has its part (two ties rounded up there, one left with none): move
+    # earlier units along to where they also fit, so the later one's slot is placed.
+    cap = {r: {t: math.ceil(p - EPS) for t, p in row.items()} for r, row in parts.items()}
+
+    def given(t: str) -> int:
+        return sum(row.get(t, 0) for row in out.values())
+
+    for t in sorted(tenants):
+        while given(t) < totals[t]:
+            if not _augment(t, out, cap, room):
+                break
+    # A slot the rounding gave a tenant that has no room left where it sends (both rounded-up
+    # tenants on one full router) goes to the tenant furthest below its share that can still
+    # place one, never past its share rounded up: no fleet slot idles.
+    left = sum(totals.values()) - sum(given(t) for t in tenants)
+    while left > 0:
+        wanting = sorted(
+            (t for t in tenants if given(t) < math.ceil(tenants[t] - EPS)),
+            key=lambda t: (-(tenants[t] - given(t)), t),
+        )
+        if not any(_augment(t, out, cap, room) for t in wanting):
+            break
+        left -= 1
     return out
+
+
+def _augment(
+    tenant: str,
+    out: dict[str, dict[str, int]],
+    cap: Mapping[str, Mapping[str, int]],
+    room: dict[str, int],
+) -> bool:
+    """One more slot for ``tenant`` (within its rounded-up part at a router), making room by
+    moving other tenants' slots along a chain of routers to one with room; False: none.
+    Breadth first over the routers in name order, so every router finds the same chain."""
+    routers = sorted(out)
+    start = [r for r in routers if out[r].get(tenant, 0) < cap[r].get(tenant, 0)]
+    came: dict[str, tuple[str, str] | None] = dict.fromkeys(start)
+    frontier = list(start)
+    while frontier:
+        nxt: list[str] = []
+        for r in frontier:
+            if room[r] > 0:
+                # Unwind: each step moves one slot of its tenant from the router before to r.
+                room[r] -= 1
+                at = r
+                step = came[at]
+                while step is not None:
+                    before, moved = step
+                    out[before][moved] -= 1
+                    out[at][moved] = out[at].get(moved, 0) + 1
+                    at, step = before, came[before]
+                out[at][tenant] = out[at].get(tenant, 0) + 1
+                return True
+            for moved in sorted(out[r]):
+                if out[r][moved] <= 0:
+                    continue
+                for other in routers:
+                    if other not in came and out[other].get(moved, 0) < cap[other].get(moved, 0):
+                        came[other] = (r, moved)
+                        nxt.append(other)
+        frontier = nxt
+    return False
 
 
 def _largest_remainders(

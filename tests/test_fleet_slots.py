@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvroute.kvcore.fair_queue import FairnessParams, FairQueue, Priority, TenantLimits, Ticket
@@ -99,6 +99,14 @@ def test_water_fill_properties(
     rows=st.lists(demands, min_size=5, max_size=5),
     factor=st.sampled_from([1.0, 1.5, 2.0, 3.0]),
 )
+# Found by CI (2026-12-07): b and c both rounded up on r0 took the room d's only slot needed.
+@example(
+    limits=[2, 2],
+    rows=[{"a": 1, "b": 2, "c": 2, "d": 1}, {"a": 0, "b": 2, "c": 2}, {}, {}, {}],
+    factor=2.0,
+)
+# The tenant rounding gave both r1-only tenants the extra slot; r1 had room for one.
+@example(limits=[2, 4], rows=[{"c": 13, "d": 14}, {"a": 31, "b": 32}, {}, {}, {}], factor=3.0)
 def test_share_slots_properties(
     limits: list[int], rows: list[dict[str, int]], factor: float
 ) -> None:
