@@ -111,3 +111,8 @@ def test_bench_tiers_inference_perf_protocol_with_its_gain_spread(
     # 30 s stages are not llm-d's protocol: its figures are not set beside them.
     assert "| 20 | cpu-time |" in text and "300,749" not in text
     assert "Gain over gpu-only across 2 seeds" in capsys.readouterr().out
+
+
+def test_bench_tiers_refuses_a_stage_that_sends_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "tiers", "--rates", "0.01", "--no-record"]) == 2
+    assert "a 60 s stage at 0.01 QPS sends no request" in capsys.readouterr().err

@@ -163,6 +163,15 @@ def command(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.protocol == "inference-perf":
+        empty = [r for r in args.rates if int(r * args.stage_s) < 1]
+        if empty:
+            print(
+                f"kvroute bench tiers: a {args.stage_s:g} s stage at {empty[0]:g} QPS sends no "
+                "request (--rates x --stage-s must be at least 1)",
+                file=sys.stderr,
+            )
+            return 2
     machine = machine_line()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     wall = time.perf_counter()

@@ -137,15 +137,17 @@ def run_stages(
     prompts = shared_prefix_prompts(seed)
     rng = random.Random(seed + 1)
     requests: list[TraceRequest] = []
-    bounds: list[tuple[int, int, float]] = []  # per stage: first index, end index, start time
+    bounds: list[tuple[int, int]] = []  # per stage: its first request's index, its last's + 1
     start = 0.0
     result: SimResult | None = None
     for rate in rates:
         stage = stage_requests(prompts, rate, stage_s, start, rng)
-        bounds.append((len(requests), len(requests) + len(stage), start))
+        if not stage:
+            raise ValueError(f"a {stage_s:g} s stage at {rate:g} QPS sends no request")
+        bounds.append((len(requests), len(requests) + len(stage)))
         requests.extend(stage)
         result = simulate_trace(Trace("inference-perf-stages", BLOCK_TOKENS, tuple(requests)))
-        first, end, _ = bounds[-1]
+        first, end = bounds[-1]
         finishes = result.finish_s[first:end]
         if any(math.isnan(f) for f in finishes):
             raise RuntimeError(f"stage at {rate:g} QPS left requests unfinished ({arm})")
@@ -154,8 +156,8 @@ def run_stages(
     return [_row(rate, arm, result, b) for rate, b in zip(rates, bounds, strict=True)]
 
 
-def _row(rate: float, arm: str, result: SimResult, bounds: tuple[int, int, float]) -> StageRow:
-    first, end, _ = bounds
+def _row(rate: float, arm: str, result: SimResult, bounds: tuple[int, int]) -> StageRow:
+    first, end = bounds
     span = range(first, end)
     wall = max(result.finish_s[i] for i in span) - min(result.arrival_s[i] for i in span)
     output = sum(result.output_tokens[i] for i in span)
