@@ -68,9 +68,10 @@ SLACK_S = 5.0
 # examples (10 runs), from allocator fragmentation and the 0.3-1.2 MB bodies that both sides
 # of the socket hold at once. Generous, so it only trips on a real problem: a router that
 # keeps ~1 MB per request, or that buffers a body far past limits.max_body_bytes. Inside the
-# full suite (the same process has run ~600 tests) the peak rose 196 MiB once, so the bound is
-# 256 MiB; the tracemalloc test below is the precise check for what the router keeps.
-FUZZ_PEAK_RSS_BOUND_BYTES = 256 * 2**20
+# full suite (the same process has run ~600 tests) the peak rose 196 MiB once and 258 MiB once
+# (2026-12-07; hypothesis' own examples count too, this process's peak), so the bound is
+# 320 MiB; the tracemalloc test below is the precise check for what the router keeps.
+FUZZ_PEAK_RSS_BOUND_BYTES = 320 * 2**20
 # The same for a fixed set of 64 MB streams and gzip bombs, refused after 256 KB each.
 # Measured: 1-3 MiB. Reading just one of them whole would add at least 64 MiB.
 OVERSIZED_PEAK_RSS_BOUND_BYTES = 32 * 2**20

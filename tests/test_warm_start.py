@@ -237,7 +237,8 @@ async def test_a_router_with_no_peer_up_loads_the_snapshot_others_put_in_nats(
 ) -> None:
     """Routers put their index in a JetStream object store; one that starts when no peer
     answers (here: none configured) loads it from there."""
-    nats = {"nats_url": jetstream, "publish_interval_s": 0.2}
+    # The default 10 s to read the bucket ran out once on the loaded CI box (2026-12-07).
+    nats = {"nats_url": jetstream, "publish_interval_s": 0.2, "timeout_s": 30.0}
     publisher, _ = await fleet.router(warm_start={"peers": [fleet.first_url], **nats})
     assert publisher.core.snapshot_publisher is not None
     await wait_until(
