@@ -168,15 +168,13 @@ def whole(parts: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, int]]
     # A slot the rounding gave a tenant that has no room left where it sends (both rounded-up
     # tenants on one full router) goes to the tenant furthest below its share that can still
     # place one, never past its share rounded up: no fleet slot idles.
-    left = sum(totals.values()) - sum(given(t) for t in tenants)
-    while left > 0:
+    while sum(given(t) for t in tenants) < sum(totals.values()):
         wanting = sorted(
             (t for t in tenants if given(t) < math.ceil(tenants[t] - EPS)),
             key=lambda t: (-(tenants[t] - given(t)), t),
         )
         if not any(_augment(t, out, cap, room) for t in wanting):
             break
-        left -= 1
     return out
 
 

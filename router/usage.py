@@ -102,13 +102,20 @@ class StreamTail:
         self._carry = b""  # the stream's last bytes: a key may straddle two chunks
 
     def add(self, chunk: bytes) -> None:
-        window = self._carry + chunk if self._carry else chunk
-        found = window.rfind(_KEY)
+        # Searched where it lies, not copied: a chunk is copied only from a usage key on.
+        tail = len(_KEY) - 1
+        found = chunk.rfind(_KEY)
         if found >= 0:
-            self._open = window[found : found + USAGE_SPAN]
-        elif self._open:
-            self._open = (self._open + chunk)[:USAGE_SPAN]
-        self._carry = window[-(len(_KEY) - 1) :]
+            self._open = chunk[found : found + USAGE_SPAN]
+        else:
+            # A key cut between the last chunk and this one.
+            junction = self._carry + chunk[:tail]
+            cut = junction.find(_KEY) if self._carry else -1
+            if cut >= 0:
+                self._open = (junction[cut:] + chunk[tail:])[:USAGE_SPAN]
+            elif self._open:
+                self._open = (self._open + chunk)[:USAGE_SPAN]
+        self._carry = chunk[-tail:] if len(chunk) >= tail else (self._carry + chunk)[-tail:]
         if self._open:
             self._close()
 

@@ -47,8 +47,6 @@ from kvroute.simulator.traces.model import Trace
 
 from . import tiers_stages
 
-# llm-d's published gains of GPU+CPU over GPU-only, by QPS.
-LLMD_GAINS = {rate: cpu / hbm - 1 for rate, (hbm, cpu) in tiers_stages.LLMD_TOTAL_TOK_S.items()}
 CPU_TOKENS_TOTAL = 10_500_000  # llm-d's CPU tier over the 8 replicas
 PRESET = "qwen3-32b-2xh100"
 ARMS = ("gpu-only", "cpu-flat", "cpu-weights", "cpu-time", "disk-weights", "disk-time")
@@ -138,7 +136,8 @@ def table(rows: Sequence[Row]) -> list[str]:
     for r in rows:
         b = base.get(r.rate)
         gain = f"{r.throughput / b - 1:+.0%}" if b and r.arm != "gpu-only" else "-"
-        llmd = f"{LLMD_GAINS[r.rate]:+.0%}" if r.rate in LLMD_GAINS and r.arm != "gpu-only" else "-"
+        gains = tiers_stages.LLMD_GAINS
+        llmd = f"{gains[r.rate]:+.0%}" if r.rate in gains and r.arm != "gpu-only" else "-"
         lines.append(
             f"| {r.rate:g} | {r.arm} | {r.throughput:,.0f} | {gain} | {llmd} | "
             f"{r.ttft_p50_s:.2f} s | {r.ttft_p99_s:.2f} s | {r.hit_rate:.1%} | "

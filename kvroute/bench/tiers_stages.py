@@ -49,6 +49,7 @@ LLMD_TOTAL_TOK_S = {
     20.0: (114_663.2, 300_749.2),
     40.0: (115_645.0, 331_212.6),
 }
+LLMD_GAINS = {rate: cpu / hbm - 1 for rate, (hbm, cpu) in LLMD_TOTAL_TOK_S.items()}
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ def stage_table(rows: Sequence[StageRow], published: bool = True) -> list[str]:
         b = base.get(r.rate)
         gain = f"{r.total_tok_s / b - 1:+.1%}" if b and r.arm != "gpu-only" else "-"
         llmd = LLMD_TOTAL_TOK_S.get(r.rate) if published else None
-        llmd_gain = f"{llmd[1] / llmd[0] - 1:+.1%}" if llmd and r.arm != "gpu-only" else "-"
+        llmd_gain = f"{LLMD_GAINS[r.rate]:+.1%}" if llmd and r.arm != "gpu-only" else "-"
         llmd_tok = f"{llmd[0]:,.0f} / {llmd[1]:,.0f}" if llmd else "-"
         lines.append(
             f"| {r.rate:g} | {r.arm} | {r.requests:,} | {r.wall_s:.0f} s | {r.total_tok_s:,.0f} "
@@ -208,9 +209,9 @@ def gain_spread(by_seed: Sequence[Sequence[StageRow]], published: bool = True) -
     """Per rate and tiered arm, the gain over gpu-only across seeds: paired (the same seed's
     arrivals for both arms) and unpaired (one seed's arm against another seed's gpu-only, as two
     runs with unseeded arrivals compare, llm-d's among them), beside llm-d's one published gain."""
-    base = [{r.rate: r.total_tok_s for r in rows if r.arm == "gpu-only"} for rows in by_seed]
+    totals = [{(r.rate, r.arm): r.total_tok_s for r in rows} for rows in by_seed]
     # In the order of the first seed's table (rates ascending, arms as asked).
-    tiered = list(dict.fromkeys((r.rate, r.arm) for r in by_seed[0] if r.arm != "gpu-only"))
+    tiered = [(r.rate, r.arm) for r in by_seed[0] if r.arm != "gpu-only"]
     lines = [
         f"Gain over gpu-only across {len(by_seed)} seeds:",
         "",
@@ -218,23 +219,12 @@ def gain_spread(by_seed: Sequence[Sequence[StageRow]], published: bool = True) -
         "|---|---|---|---|---|",
     ]
     for rate, arm in tiered:
-        own = [{r.rate: r.total_tok_s for r in rows if r.arm == arm}.get(rate) for rows in by_seed]
-        paired = sorted(
-            t / b[rate] - 1 for t, b in zip(own, base, strict=True) if t is not None and rate in b
-        )
-        unpaired = [
-            t / b[rate] - 1
-            for i, t in enumerate(own)
-            for j, b in enumerate(base)
-            if i != j and t is not None and rate in b
-        ]
-        llmd = LLMD_TOTAL_TOK_S.get(rate) if published else None
-        llmd_gain = f"{llmd[1] / llmd[0] - 1:+.1%}" if llmd else "-"
-        middle = (
-            paired[len(paired) // 2]
-            if len(paired) % 2
-            else sum(paired[len(paired) // 2 - 1 : len(paired) // 2 + 1]) / 2
-        )
+        own = [seed[rate, arm] for seed in totals]
+        base = [seed[rate, "gpu-only"] for seed in totals]
+        paired = sorted(o / b - 1 for o, b in zip(own, base, strict=True))
+        unpaired = [o / b - 1 for i, o in enumerate(own) for j, b in enumerate(base) if i != j]
+        llmd_gain = f"{LLMD_GAINS[rate]:+.1%}" if published and rate in LLMD_GAINS else "-"
+        middle = percentile(paired, 0.5)
         spread = f"{min(unpaired):+.1%} to {max(unpaired):+.1%}" if unpaired else "-"
         lines.append(
             f"| {rate:g} | {arm} | {middle:+.1%} ({paired[0]:+.1%} to {paired[-1]:+.1%}) "
