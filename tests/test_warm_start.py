@@ -27,6 +27,7 @@ BLOCK = 16
 # Distinct long prompts, one conversation each.
 PROMPTS = [f"Conversation {i} about topic {i * 7}: " + f"detail {i} " * 60 for i in range(6)]
 ADMIN_KEY = "warm-start-admin-key"
+HEALTH_TIMEOUT_S = 5.0
 
 
 class Fleet:
@@ -43,7 +44,9 @@ class Fleet:
     async def router(self, **overrides: Any) -> tuple[Router, str]:
         raw: dict[str, Any] = {
             "replicas": self.sources(),
-            "health": {"interval_s": 0.2, "timeout_s": 0.5},
+            # A start-up probe that times out leaves a replica out of rotation (it has never
+            # been seen healthy): 0.5 s ran out on the loaded CI box once (2026-12-07).
+            "health": {"interval_s": 0.2, "timeout_s": HEALTH_TIMEOUT_S},
             "timeouts": {"connect_s": 1.0},
             "routing": {"tokenizer": "builtin", "block_size": BLOCK},
             "auth": {"admin_api_key": ADMIN_KEY},
@@ -200,7 +203,7 @@ async def test_a_picker_warms_from_a_router_and_serves_its_snapshot_to_the_next(
     config = config_from_dict(
         {
             "replicas": fleet.sources(),
-            "health": {"interval_s": 0.2, "timeout_s": 0.5},
+            "health": {"interval_s": 0.2, "timeout_s": HEALTH_TIMEOUT_S},
             "routing": {"tokenizer": "builtin", "block_size": BLOCK},
             "auth": {"admin_api_key": ADMIN_KEY},
             "warm_start": {"peers": [fleet.first_url]},
