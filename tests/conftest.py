@@ -138,7 +138,10 @@ async def start_router() -> AsyncIterator[StartRouter]:
         ]
         raw: dict[str, Any] = {
             "replicas": entries,
-            "health": {"interval_s": 0.2, "timeout_s": 0.5},
+            # A replica joins rotation on its first passing probe, and the router probes once
+            # before it serves: a start-up probe that times out on a loaded box would leave it
+            # out. Tests of a probe timing out set their own timeout_s.
+            "health": {"interval_s": 0.2, "timeout_s": 5.0},
             "timeouts": {"connect_s": 1.0},
         }
         for key, value in overrides.items():

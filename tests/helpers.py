@@ -10,8 +10,12 @@ from pathlib import Path
 from typing import Any
 
 
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "") -> None:
-    """Poll ``predicate`` until it holds; fail the test with ``what`` if it does not in time."""
+async def wait_until(
+    predicate: Callable[[], bool], timeout_s: float = 15.0, what: str = ""
+) -> None:
+    """Poll ``predicate`` until it holds; fail the test with ``what`` if it does not in time.
+    The default is generous: a loaded CI box stalls probes, sockets and NATS for seconds, and
+    a wait that ends when its predicate holds costs nothing more when the test passes."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not predicate():

@@ -252,8 +252,9 @@ async def test_cancel_aborts_running_lines_and_keeps_finished_results(
     assert cancelling.status in ("cancelling", "cancelled")
     loop = asyncio.get_running_loop()
     asked = loop.time()
-    await wait_until(lambda: a.aborted == 2, 2, "the replica to see both aborts")
-    assert loop.time() - asked < 1.0
+    # The held lines never end on their own: an abort is the cancel's doing.
+    await wait_until(lambda: a.aborted == 2, 10, "the replica to see both aborts")
+    assert loop.time() - asked < 5.0
     done = await wait_status(client, batch.id, {"cancelled"})
     assert done.cancelled_at and done.cancelling_at
     output = await lines_of(client, done.output_file_id)

@@ -17,7 +17,8 @@ from kvroute.bench.stub_upstream import _dechunk
 from kvroute.cli import build_parser
 
 TINY = [
-    "--rounds", "1", "--duration-s", "1", "--warmup-s", "0", "--concurrency", "2",
+    # 2 s windows: each must count requests, and a loaded box can stall for a second.
+    "--rounds", "1", "--duration-s", "2", "--warmup-s", "0", "--concurrency", "2",
     "--threads", "1", "--conversations", "2", "--large-concurrency", "2", "--start-kb", "8",
     "--turn-kb", "1", "--tokenizer", "builtin",
 ]  # fmt: skip

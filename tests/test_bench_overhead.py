@@ -372,7 +372,7 @@ def test_wrk_sends_distinct_numbered_bodies(tmp_path: Path) -> None:
         body = overhead.chat_body("m", stream=False)
         wrk = find_wrk()
         assert wrk, "wrk is not installed: apt-get install wrk (the README's test command does)"
-        result = run_wrk(wrk, Load(url, body, concurrency=2, duration_s=1, threads=2))
+        result = run_wrk(wrk, Load(url, body, concurrency=2, duration_s=2, threads=2))
     finally:
         server.shutdown()
     assert result.requests > 10 and result.errors == 0

@@ -65,7 +65,8 @@ def test_without_a_profile_the_geometric_means_decide() -> None:
 
 def test_one_round_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     """A real router, stubs and load, one short A/B pair: a row per side and a verdict."""
-    code = main(["bench", "status", "--rounds", "1", "--duration", "1", "--warmup", "0",
+    # 2 s windows: each side must count requests, and a loaded box can stall for a second.
+    code = main(["bench", "status", "--rounds", "1", "--duration", "2", "--warmup", "0",
                  "--no-record"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out

@@ -17,6 +17,7 @@ from kvroute.kvcore.stats import parse_metrics
 from kvroute.router.config import ConfigError, config_from_dict
 
 from .conftest import RunningRouter, StartReplica, StartRouter
+from .helpers import budget_buses_connected
 
 OUTPUT_PER_MINUTE = 300  # 5 tokens/s; the fake replica answers 3 output tokens a request
 ROUTERS = 4
@@ -73,6 +74,8 @@ async def test_a_budget_holds_over_four_routers_only_with_the_bus(
         ("alone", ROUTERS, None),
     ):
         routers = [await start_router([replica], tenants=_tenants(bus)) for _ in range(count)]
+        if bus is not None:  # a router not yet on the bus spends alone
+            await budget_buses_connected(*routers)
         answered, refused, elapsed = await _spread_load(routers, senders=2 * ROUTERS)
         assert refused > 0 or case == "alone", case  # the budget was reached
         # Per budget a router allows: a full minute's bucket, plus its refill over the load.

@@ -117,7 +117,7 @@ def dp_spec(engine: str, bind: str) -> LaunchSpec:
     return LaunchSpec(
         engine=engine, count=2, model="m", model_path="/models/m", tokenizer=None, block_size=32,
         num_gpu_blocks=64, max_num_seqs=8, preset="tiny-cpu", time_scale=1.0, kv_events=True,
-        kv_events_bind=bind, host="127.0.0.1", log_dir="logs", startup_timeout_s=5,
+        kv_events_bind=bind, host="127.0.0.1", log_dir="logs", startup_timeout_s=60,
         max_restarts=0, data_parallel_size=4,
     )  # fmt: skip
 

@@ -315,7 +315,7 @@ async def test_blocks_are_read_once_then_a_second_read_recomputes(launch: Launch
 
 
 async def test_unread_blocks_are_freed_after_the_hold_timeout(launch: Launch) -> None:
-    prefill = await launch(hold_timeout_s=0.2)
+    prefill = await launch(hold_timeout_s=2.0)  # past the round trip on a loaded box
     await _prefill(prefill)
     assert prefill.emulated.engine.num_held == 1
     deadline = time.monotonic() + 10

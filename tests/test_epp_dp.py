@@ -37,7 +37,8 @@ async def dp_picker() -> AsyncIterator[tuple[PickerServer, Running, grpc.aio.Cha
                 }
             ],
             "routing": {"tokenizer": "builtin", "block_size": 16},
-            "health": {"interval_s": 0.5, "timeout_s": 1.0, "unhealthy_after": 1},
+            # A probe past 1 s on a loaded box took a rank out (unhealthy_after 1).
+            "health": {"interval_s": 0.5, "timeout_s": 5.0, "unhealthy_after": 1},
             "epp": {"grpc_port": 0, "health_port": 0, "metrics_port": 0},
         }
     )

@@ -56,7 +56,8 @@ def picker_config(
                 for r in replicas
             ],
             "routing": {"tokenizer": "builtin", "block_size": 16},
-            "health": {"interval_s": probe_interval_s, "timeout_s": 1.0, "unhealthy_after": 1},
+            # A probe past 1 s on a loaded box took a pod out (unhealthy_after 1).
+            "health": {"interval_s": probe_interval_s, "timeout_s": 5.0, "unhealthy_after": 1},
             "epp": {"grpc_port": 0, "health_port": 0, "metrics_port": 0, **epp},
         }
     )

@@ -89,7 +89,7 @@ def stored(block_id: int) -> BlockStored:
     )
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+async def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

@@ -203,7 +203,7 @@ async def test_cancel_aborts_running_requests_and_keeps_finished_results(
     canceling = await client.messages.batches.cancel(created.id)
     assert canceling.processing_status in ("canceling", "ended")
     assert canceling.cancel_initiated_at is not None
-    await wait_until(lambda: a.aborted == 2, 2, "the replica to see both aborts")
+    await wait_until(lambda: a.aborted == 2, 10, "the replica to see both aborts")
     done = await wait_ended(client, created.id)
     assert (done.request_counts.succeeded, done.request_counts.canceled) == (3, 4)
     assert done.request_counts.errored == 0

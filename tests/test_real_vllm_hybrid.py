@@ -47,7 +47,7 @@ Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
 """
 
 _RUN = """
-import json, os, random, sys, time
+import json, os, random, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import zmq
 from vllm import LLM, SamplingParams
@@ -64,22 +64,25 @@ kinds = [type(g.kv_cache_spec).__name__ for g in kcm.kv_cache_config.kv_cache_gr
 sub = zmq.Context().socket(zmq.SUB)
 sub.connect(endpoint)
 sub.setsockopt(zmq.SUBSCRIBE, b"")
-time.sleep(0.5)  # the subscription reaches the publisher
+sp = SamplingParams(max_tokens=4, temperature=0)
+# Subscribed once an event arrives: warm-up prompts of tokens no probe uses (3 and 4; the
+# probes' are 5 and up), each with a first block of its own, so each stores new blocks.
+payloads = []
+for j in range(32):
+    llm.generate([{"prompt_token_ids": [3] * (32 - j) + [4] * (j + 32)}], sp, use_tqdm=False)
+    if sub.poll(1000):
+        break
+else:
+    sys.exit("no KV event reached the subscriber")
 rng = random.Random(0)
 base = [rng.randrange(5, 1000) for _ in range(200)]
 bases = [base, base[:100] + [rng.randrange(5, 1000) for _ in range(120)]]
 prompts = [rng.choice(bases) + [rng.randrange(5, 1000) for _ in range(rng.randrange(10, 90))]
            for _ in range(14)]
-sp = SamplingParams(max_tokens=4, temperature=0)
 for p in prompts:
     llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
-time.sleep(0.5)
-payloads = []
-while True:
-    try:
-        payloads.append(sub.recv_multipart(flags=zmq.NOBLOCK)[-1].hex())
-    except zmq.Again:
-        break
+while sub.poll(2000):  # every event published, until 2 s pass with none
+    payloads.append(sub.recv_multipart()[-1].hex())
 probes = prompts + [b + [7] * 40 for b in bases] + [b[:k] for b in bases for k in (40, 99, 130)]
 hits = []
 for p in probes:
