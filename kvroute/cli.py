@@ -116,7 +116,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "replicas",
     )
     p.add_argument("--host", help="Listen address (default 127.0.0.1).")
-    p.add_argument("--port", type=int, help="Listen port (default 8000).")
+    p.add_argument(
+        "--port",
+        type=int,
+        help="Listen port (default 8000; 0: any free port, named in the 'listening on' line).",
+    )
     p.add_argument(
         "--workers",
         type=int,

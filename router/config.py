@@ -882,6 +882,11 @@ def _semantic_problems(config: Config, replica_keys: list[str]) -> list[str]:
     check(_check_port, "listen.port", config.listen.port)
     if not 1 <= config.listen.workers <= 64:
         problems.append(f"listen.workers: must be 1-64, got {config.listen.workers}")
+    elif config.listen.port == 0 and config.listen.workers > 1:
+        problems.append(
+            f"listen.port: 0 (any free port) with listen.workers {config.listen.workers}: each "
+            "worker would listen on a port of its own; give the port they share"
+        )
     names: set[str] = set()
     for key, replica in zip(replica_keys, config.replicas, strict=True):
         try:

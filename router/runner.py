@@ -39,6 +39,14 @@ def app_runner(router: Router) -> web.AppRunner:
     )
 
 
+def bound_port(runner: web.AppRunner, asked: int) -> int:
+    """The TCP port the runner's site listens on (``asked`` where it cannot tell)."""
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return asked
+
+
 async def serve_forever(
     config: Config,
     context: WorkerContext | None = None,
@@ -63,8 +71,11 @@ async def serve_forever(
         loop.add_signal_handler(sig, stop.set)
     healthy = sum(1 for r in router.fleet.replicas if r.healthy)
     worker = f" worker {context.index}" if context is not None else ""
+    # The port bound, not the one asked for: listen.port 0 takes any free one, and this line is
+    # how a script that started the router learns which.
+    port = bound_port(runner, config.listen.port)
     print(
-        f"kvroute{worker} listening on http://{config.listen.host}:{config.listen.port} "
+        f"kvroute{worker} listening on http://{config.listen.host}:{port} "
         f"(policy {router.pools.describe_policies()}, {healthy}/{len(router.replicas)} "
         "replicas healthy)",
         file=sys.stderr,

@@ -300,6 +300,11 @@ BAD_CONFIGS = [
         ["policy.params", "'epsilon'"],
     ),
     (
+        "port_0_with_workers",  # each worker would bind a free port of its own
+        "listen:\n  port: 0\n  workers: 2\n",
+        ["listen.port", "any free port", "listen.workers 2", "give the port they share"],
+    ),
+    (
         "policy_no_params",
         "policy:\n  name: round_robin\n  params:\n    seed: 1\n",
         ["policy.params", "'seed'", "accepted: none"],
