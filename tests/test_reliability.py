@@ -177,6 +177,34 @@ async def test_a_stream_broken_mid_way_is_resumed_on_another_replica_as_one_stre
     assert r.router.metrics.resumes[("resumed",)] == 1
 
 
+async def test_a_stream_silent_past_idle_s_is_cut_and_finished_on_another_replica(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    """A replica that stops sending mid-stream (a hung engine) is cut after timeouts.idle_s,
+    and the stream goes on from where it was on the other replica, as one stream."""
+    a, b = await start_replica("a"), await start_replica("b")
+    idle_s = 1.0
+    r = await start_router([a, b], policy={"name": "round_robin"}, timeouts={"idle_s": idle_s})
+    # "gate": one chunk, then silence until the gate opens (never, here). Whichever replica
+    # gets it first goes silent; the continuation's prompt is no longer "gate".
+    body = {"model": "tiny", "prompt": "gate", "stream": True, "max_tokens": 10}
+    started = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async with http.post(r.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            text = (await resp.read()).decode()
+    elapsed = time.monotonic() - started
+    events = [e for e in text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]", text
+    assert "error" not in text, text
+    assert elapsed >= idle_s  # cut by the idle timeout, not before
+    assert elapsed < idle_s + 10  # and not by anything longer
+    assert r.router.metrics.resumes[("resumed",)] == 1
+    silent, other = (a, b) if a.aborted else (b, a)
+    assert silent.aborted == 1 and not other.aborted  # the silent one learnt it was cut
+    await wait_until(lambda: silent.running == 0 and other.running == 0, what="both settled")
+
+
 @pytest.mark.parametrize("api", ["messages", "responses"])
 async def test_an_agent_stream_broken_mid_way_is_resumed_as_one_stream_of_its_api(
     start_emulated: StartEmulated, start_router: StartRouter, api: str
