@@ -26,6 +26,18 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert f'source "${made.group(1)}/bin/activate"' in before.splitlines()
 
 
+def test_the_contributing_page_shows_the_readme_test_command() -> None:
+    """It says .ci/run runs exactly its line: the two pages must not drift apart (they did:
+    the page lacked the docs build until 2026-12-07)."""
+    command = re.search(
+        r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text().split("## Tests")[1], re.S
+    )
+    page = (ROOT / "docs" / "contributing.md").read_text().split("## Tests", 1)[1]
+    shown = re.search(r"```bash\n(.+?)\n```", page, re.S)
+    assert command is not None and shown is not None
+    assert shown.group(1).strip() == command.group(1).strip()
+
+
 # A home or work directory of some machine, or the folder beside the checkout on the dev machines:
 # a user's clone has neither. (Written so that this file does not match itself.)
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|home|Users)/|\.\./shared/")
