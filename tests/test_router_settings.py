@@ -9,8 +9,12 @@ import time
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from kvroute.kvcore.stats import parse_metrics
+from kvroute.router.config import config_from_dict
+from kvroute.router.runner import app_runner
+from kvroute.router.server import Router
 
 from .conftest import StartReplica, StartRouter
 from .helpers import wait_until
@@ -173,3 +177,49 @@ async def test_session_header_keeps_a_session_on_one_replica_and_is_counted(
             page = parse_metrics(await resp.read())
     assert len(served) == 1, served
     assert page.sum("kvroute_sessions_detected", source="configured_header") == 6
+
+
+async def test_tenants_max_tracked_bounds_the_tenant_names_clients_can_make_up(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    """Tenant names come from client headers: past tenants.max_tracked distinct ones, new
+    names count as "default", in /admin/tenants and in /metrics' labels alike."""
+    a = await start_replica("a")
+    r = await start_router([a], tenants={"max_tracked": 2})
+    async with aiohttp.ClientSession() as http:
+        for name in ("t1", "t2", "t3", "t4", "t1"):
+            status, _, _ = await _complete(http, r.url, "x", headers={"X-Tenant-Id": name})
+            assert status == 200
+        async with http.get(r.url + "/admin/tenants") as resp:
+            rows = (await resp.json())["tenants"]
+        async with http.get(r.url + "/metrics") as resp:
+            page = parse_metrics(await resp.read())
+    assert {row["tenant"] for row in rows} == {"t1", "t2", "default"}
+    counted = {labels["tenant"]: n for labels, n in page.series("kvroute_tenant_requests")}
+    assert set(counted) == {"t1", "t2", "default"}, counted
+    assert (counted["t1"], counted["t2"], counted["default"]) == (2, 1, 2)
+
+
+async def test_drain_timeout_s_bounds_how_long_a_stopping_router_waits_for_a_stream(
+    start_replica: StartReplica,
+) -> None:
+    """On SIGTERM the router waits for requests in flight, but no longer than
+    shutdown.drain_timeout_s: then a stream still open is cut, and its replica told."""
+    a = await start_replica("a")
+    drain_s = 1.0
+    config = {"replicas": [{"url": a.url, "name": "a"}], "shutdown": {"drain_timeout_s": drain_s}}
+    runner = app_runner(Router(config_from_dict(config)))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    body = {"model": "tiny", "prompt": "gate", "stream": True, "max_tokens": 10}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+            assert b"hello" in await resp.content.readuntil(b"\n\n")  # then silence: "gate"
+            started = time.monotonic()
+            async with asyncio.timeout(30):
+                await runner.cleanup()
+            took = time.monotonic() - started
+    assert drain_s <= took < drain_s + 8, took  # waited for it, then no longer
+    await asyncio.wait_for(a.client_gone.wait(), 10)
