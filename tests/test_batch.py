@@ -517,3 +517,30 @@ async def test_uploaded_file_names_keep_no_path_and_no_control_characters(
         "passwd",
         "été <b>.jsonl",
     ]
+
+
+async def test_a_line_a_replica_keeps_failing_is_tried_batch_max_attempts_times_then_failed(
+    start_replica: StartReplica, start_router: StartRouter, tmp_path: Path
+) -> None:
+    a = await start_replica("a")
+    a.fail_with = 500
+    r = await start_router(
+        [a],
+        retry={"max_attempts": 1},
+        breaker={"enabled": False},  # the replica's own 500s reach the lane, not a 503
+        batch=batch_config(tmp_path, max_attempts=2),
+    )
+    client = client_for(r)
+    uploaded = await client.files.create(
+        file=("in.jsonl", io.BytesIO(jsonl([chat_line("always-500", "x")]))), purpose="batch"
+    )
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = await wait_status(client, batch.id, {"completed"})
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (0, 1)
+    (failed,) = await lines_of(client, done.error_file_id)
+    assert failed["custom_id"] == "always-500"
+    assert failed["response"]["status_code"] == 500
+    assert len(a.seen) == 2  # batch.max_attempts, each a try of its own a second apart
