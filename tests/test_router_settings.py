@@ -5,6 +5,7 @@ only a config-parsing test touched (2026-12-07)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from typing import Any
 
@@ -223,3 +224,49 @@ async def test_drain_timeout_s_bounds_how_long_a_stopping_router_waits_for_a_str
             took = time.monotonic() - started
     assert drain_s <= took < drain_s + 8, took  # waited for it, then no longer
     await asyncio.wait_for(a.client_gone.wait(), 10)
+
+
+def _blackhole(port: int) -> list[socket.socket]:
+    """A listener on ``port`` that never accepts, its queue full: a new connection's SYNs are
+    dropped and its connect hangs, as to a node that has vanished. Returns the sockets to close."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(0)
+    held = [listener]
+    for _ in range(8):  # connect until one cannot: from then on, every connect hangs
+        client = socket.socket()
+        client.settimeout(0.5)
+        held.append(client)
+        try:
+            client.connect(("127.0.0.1", port))
+        except TimeoutError:
+            return held
+    raise AssertionError("the listener's queue never filled")
+
+
+async def test_connect_s_gives_up_on_a_replica_that_does_not_accept_and_tries_another(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a, b = await start_replica("a"), await start_replica("b")
+    r = await start_router(
+        [a, b],
+        policy={"name": "round_robin"},
+        health={"interval_s": 60.0},  # probed once at start: a is in rotation
+        timeouts={"connect_s": 0.5},
+    )
+    port = int(a.url.rsplit(":", 1)[1])
+    await a.stop()  # the node vanishes: its address now drops connections unanswered
+    held = await asyncio.to_thread(_blackhole, port)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(2):  # round robin: one of the two is first tried on a
+                started = time.monotonic()
+                status, body, replica = await _complete(http, r.url, "x")
+                assert (status, replica) == (200, "b"), body
+                assert time.monotonic() - started < 10  # not the kernel's minutes of SYNs
+        assert r.router.metrics.upstream_errors[("a", "connect")] == 1
+        assert not r.router.replicas["a"].state.healthy  # out until a probe passes
+    finally:
+        for sock in held:
+            sock.close()
