@@ -270,3 +270,18 @@ async def test_connect_s_gives_up_on_a_replica_that_does_not_accept_and_tries_an
     finally:
         for sock in held:
             sock.close()
+
+
+async def test_metrics_enabled_false_takes_the_metrics_page_away(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a = await start_replica("a")
+    on = await start_router([a])
+    off = await start_router([a], metrics={"enabled": False})
+    async with aiohttp.ClientSession() as http:
+        async with http.get(on.url + "/metrics") as resp:
+            assert resp.status == 200
+            assert "kvroute_requests" in parse_metrics(await resp.read())
+        async with http.get(off.url + "/metrics") as resp:
+            assert resp.status == 404
+        assert (await _complete(http, off.url, "x"))[0] == 200  # serving all the same
