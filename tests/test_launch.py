@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -67,6 +68,31 @@ def test_fleet_starts_restarts_a_killed_replica_and_stops(tmp_path: Path) -> Non
     for pid in pids:
         assert not alive(pid), f"replica process {pid} outlived stop()"
     assert not kv_dir.exists(), "the KV-event sockets outlived stop()"
+
+
+def test_a_replica_that_keeps_dying_is_given_up_after_max_restarts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """launch.max_restarts: a replica killed once more than it may be restarted stays down
+    (FAILED), instead of a crash loop."""
+    caplog.set_level(logging.ERROR, logger="kvroute.backends.process")
+    fleet = LaunchedFleet(replace(_spec(tmp_path, count=1), max_restarts=1))
+    fleet.start()
+    try:
+        victim = fleet.replicas[0].process
+        first = victim.pid
+        victim.kill()
+        wait_until_sync(
+            lambda: victim.pid != first and victim.state is ProcessState.READY, 30, "the restart"
+        )
+        second = victim.pid
+        victim.kill()
+        gave_up = "exited (-9) and has used its 1 restarts"
+        wait_until_sync(lambda: gave_up in caplog.text, 30, "giving up")
+        assert victim.state is ProcessState.FAILED and not alive(second)
+        assert victim.restarts == 1 and victim.pid == second  # not started a third time
+    finally:
+        fleet.stop(grace_s=5)
 
 
 def test_kv_events_bind_tcp_exposes_them_on_the_launch_host_only(tmp_path: Path) -> None:
