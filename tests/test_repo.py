@@ -9,16 +9,21 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 
 
-def test_ci_runs_the_readme_test_command_verbatim() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Tests", 1)[1]
+def _tests_section_command(page: Path) -> str:
+    """The command in the bash block of a page's "## Tests" section."""
+    section = page.read_text().split("## Tests", 1)[1]
     command = re.search(r"```bash\n(.+?)\n```", section, re.S)
-    assert command is not None, "README's Tests section has no command"
+    assert command is not None, f"{page.name}'s Tests section has no command"
+    return command.group(1).strip()
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    command = _tests_section_command(ROOT / "README.md")
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert command.group(1).strip() in ci_lines
+    assert command in ci_lines
     # ... as a new user runs it: in a virtual environment of its own, made fresh and activated
     # first, so that what the CI machine has installed outside it cannot make a test pass.
-    at = ci_lines.index(command.group(1).strip())
+    at = ci_lines.index(command)
     before = "\n".join(ci_lines[:at])
     made = re.search(r'^python3 -m venv "\$(\w+)"$', before, re.M)
     assert made is not None, ".ci/run makes no virtual environment before the command"
@@ -29,13 +34,9 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
 def test_the_contributing_page_shows_the_readme_test_command() -> None:
     """It says .ci/run runs exactly its line: the two pages must not drift apart (they did:
     the page lacked the docs build until 2026-12-07)."""
-    command = re.search(
-        r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text().split("## Tests")[1], re.S
+    assert _tests_section_command(ROOT / "docs" / "contributing.md") == _tests_section_command(
+        ROOT / "README.md"
     )
-    page = (ROOT / "docs" / "contributing.md").read_text().split("## Tests", 1)[1]
-    shown = re.search(r"```bash\n(.+?)\n```", page, re.S)
-    assert command is not None and shown is not None
-    assert shown.group(1).strip() == command.group(1).strip()
 
 
 # A home or work directory of some machine, or the folder beside the checkout on the dev machines:
