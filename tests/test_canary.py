@@ -108,6 +108,41 @@ async def test_a_drifting_replica_is_quarantined_within_one_interval_and_returns
     assert await _served_by(running.url, 6) == set(names)
 
 
+async def test_min_margin_reports_a_difference_below_it_as_a_near_tie_and_quarantines_nothing(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    """canary.min_margin: the same drift as above, judged against a margin no greedy choice
+    reaches, is a near-tie (a flip between two tokens the model can hardly tell apart): counted
+    and shown, and the replica keeps serving."""
+    replicas = [await start_emulated(kv_events=False) for _ in range(3)]
+    names = ["r0", "r1", "r2"]
+    running = await start_router(
+        [{"url": r.url, "name": n} for r, n in zip(replicas, names, strict=True)],
+        policy={"name": "round_robin"},
+        canary={"enabled": True, "interval_s": INTERVAL_S, "max_tokens": 8, "min_margin": 1000.0},
+    )
+    handles = running.router.replicas
+    await wait_until(
+        lambda: all(h.drift.last_result == "agree" for h in handles.values()),
+        timeout_s=10,
+        what="a first canary round that finds the three replicas agreeing",
+    )
+    await _set_faults(replicas[2].url, drift=3)
+    await wait_until(
+        lambda: handles["r2"].drift.last_result == "near_tie",
+        timeout_s=10,
+        what="a canary round that finds r2's difference",
+    )
+    rows = await _admin_rows(running.url)
+    assert rows["r2"]["quarantined"] is False and rows["r2"]["quarantine_reason"] is None
+    assert rows["r2"]["canary"]["last_result"] == "near_tie"
+    assert await _served_by(running.url, 6) == set(names)
+    async with httpx.AsyncClient(timeout=5) as http:
+        metrics = (await http.get(running.url + "/metrics")).text
+    assert 'kvroute_canary_checks_total{replica="r2",result="near_tie"}' in metrics
+    assert 'kvroute_replica_quarantined{replica="r2"} 0.0' in metrics
+
+
 async def test_an_admin_can_unquarantine_and_the_last_replica_is_never_quarantined(
     start_emulated: StartEmulated, start_router: StartRouter
 ) -> None:

@@ -260,6 +260,28 @@ async def test_a_router_with_no_peer_up_loads_the_snapshot_others_put_in_nats(
     assert replica == fleet.homes[PROMPTS[0]] and cached > 0
 
 
+async def test_a_snapshot_older_than_max_age_s_is_refused_and_the_router_starts_cold(
+    fleet: Any, jetstream: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """warm_start.max_age_s: a snapshot taken longer ago than this is not loaded (its blocks may
+    have left the replicas since); the router says so and learns from the events instead."""
+    nats = {"nats_url": jetstream, "publish_interval_s": 0.2, "timeout_s": 30.0}
+    publisher, _ = await fleet.router(warm_start={"peers": [fleet.first_url], **nats})
+    assert publisher.core.snapshot_publisher is not None
+    await wait_until(
+        lambda: publisher.core.snapshot_publisher.published >= 1,
+        30,
+        what="the router to put its snapshot in NATS",
+    )
+    caplog.set_level(logging.INFO, logger="kvroute.router.warm_start")
+    # A millisecond: less than any snapshot's trip through NATS.
+    router, _ = await fleet.router(warm_start={**nats, "max_age_s": 0.001})
+    assert "more than warm_start.max_age_s 0.001" in caplog.text
+    assert "loaded" not in caplog.text
+    for prompt in PROMPTS:
+        assert router.index.match(_hashes(prompt), 0.0) == {}
+
+
 @pytest.mark.parametrize(
     ("warm_start", "why"),
     [
