@@ -7,6 +7,7 @@ config), then emulated vLLM replicas behind the router through the real ``openai
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import openai
@@ -286,6 +287,52 @@ async def test_a_hot_adapter_is_loaded_on_a_second_replica(
         async with http.get(spare.url + "/v1/models") as response:
             cards = (await response.json())["data"]
     assert {c["id"]: c["parent"] for c in cards} == {"tiny": None, "sql": "tiny"}
+
+
+async def test_a_replica_that_refuses_a_load_is_asked_again_after_retry_after_s(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    """lora.retry_after_s: the spare refuses (runtime loading is off there, as in a vLLM
+    without VLLM_ALLOW_RUNTIME_LORA_UPDATING), and while the adapter stays hot it is asked
+    again once that much time has passed, not sooner."""
+    home = await start_emulated(lora_modules={"sql": "/a/sql"}, max_loras=2, time_scale=10.0)
+    spare = await start_emulated(max_loras=2, time_scale=10.0)
+    retry_after_s = 1.0
+    r = await start_router(
+        [replica_source(home, "home"), replica_source(spare, "spare")],
+        routing={"tokenizer": "builtin", "scrape_interval_s": 0.1},
+        lora={
+            "spread": True,
+            "adapters": {"sql": "/a/sql"},
+            "hot_in_flight": 2,
+            "interval_s": 0.1,
+            "cooldown_s": 0.0,
+            "retry_after_s": retry_after_s,
+        },
+    )
+    spreader = r.router.core.lora_spreader
+    assert spreader is not None
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    started = time.monotonic()  # before the adapter is hot: before the first ask
+    hot = [
+        asyncio.create_task(
+            client.completions.create(model="sql", prompt=f"select {i} from orders", max_tokens=200)
+        )
+        for i in range(4)
+    ]
+    try:
+        await wait_until(lambda: len(spreader.history) >= 3, what="three loads asked of the spare")
+        third_seen = time.monotonic()
+    finally:
+        for task in hot:
+            task.cancel()
+        await asyncio.gather(*hot, return_exceptions=True)
+    asked = spreader.history[:3]
+    assert [(a.kind, a.replica, ok) for a, ok in asked] == [("load", "spare", False)] * 3
+    assert "sql" not in spare.replica.lora_modules
+    # Two waits of retry_after_s lie between the first ask and the third (each round, 0.1 s,
+    # would ask again if the setting were not kept).
+    assert third_seen - started >= 2 * retry_after_s
 
 
 async def test_runtime_loading_needs_the_env_flag_as_in_vllm(
