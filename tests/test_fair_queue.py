@@ -147,6 +147,26 @@ def test_locality_bends_fair_order_only_within_the_bound() -> None:
         assert picked is not None and picked.tenant == expected, (behind, picked)
 
 
+def test_locality_scan_from_the_config_bounds_how_deep_locality_looks() -> None:
+    """fairness.locality_scan: the queued request whose prefix the freed replica holds is
+    fourth in line; a scan of 3 does not reach it (fair order stands), the default does."""
+    from kvroute.router.config import config_from_dict
+    from kvroute.router.tenants import fairness_params
+
+    def locality(t: Ticket) -> int:
+        return 1000 if t.block_hashes == (7,) else 0
+
+    for scan, local_picked in ((3, False), (None, True)):
+        fairness = {} if scan is None else {"locality_scan": scan}
+        config = config_from_dict({"replicas": [{"url": "http://r:1"}], "fairness": fairness})
+        q = FairQueue(fairness_params(config), lambda name: TenantLimits(), 100)
+        for _ in range(3):
+            q.offer(Ticket("a", STANDARD, 1))
+        q.offer(Ticket("a", STANDARD, 1, block_hashes=(7,)))
+        picked = q.pick(locality)
+        assert picked is not None and (picked.block_hashes == (7,)) is local_picked, scan
+
+
 def test_locality_never_jumps_a_priority_class() -> None:
     q = make(locality_bound_tokens=10**9)
     q.offer(Ticket("a", CRITICAL, 1))
