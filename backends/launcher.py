@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -409,17 +410,22 @@ class LaunchedFleet:
         taken = {r.slot for r in self.replicas}
         return next(i for i in range(len(taken) + 1) if i not in taken)
 
-    def start_replica(self, slot: int, spec: LaunchSpec | None = None) -> LaunchedReplica:
+    def start_replica(
+        self, slot: int, spec: LaunchSpec | None = None, ready_timeout_s: float | None = None
+    ) -> LaunchedReplica:
         """Start a replica in ``slot`` with ``spec`` (default the fleet's) on fresh ports, wait
-        until it is ready, watch it, and count it in the fleet. Raises ``LaunchError``.
+        until it is ready (at most ``ready_timeout_s``; default the spec's startup timeout),
+        watch it, and count it in the fleet. Raises ``LaunchError``.
 
         Its KV-event sockets keep the slot's name: whatever held the slot before must be
         stopped first (``stop_replica``).
         """
+        timeout_s = self.spec.startup_timeout_s if ready_timeout_s is None else ready_timeout_s
+        deadline = time.monotonic() + timeout_s
         replica = self._replica(slot, replica_ports(spec or self.spec), spec)
         replica.process.start()
         try:
-            replica.process.wait_ready(self.spec.startup_timeout_s)
+            replica.process.wait_ready(timeout_s)
         except LaunchError as exc:
             replica.process.stop(grace_s=5.0)
             if "address already in use" not in str(exc).lower():
@@ -429,7 +435,7 @@ class LaunchedFleet:
             )  # a port taken meanwhile
             replica.process.start()
             try:
-                replica.process.wait_ready(self.spec.startup_timeout_s)
+                replica.process.wait_ready(max(0.0, deadline - time.monotonic()))
             except LaunchError:
                 replica.process.stop(grace_s=5.0)
                 raise

@@ -121,6 +121,8 @@ class LaunchConfig(_Section):
     kv_replay_buffer: int | None = None
     host: str = "127.0.0.1"
     log_dir: str = "kvroute-logs"
+    # How long the fleet's replicas may take to become ready when the router starts, and
+    # after a crash; one added or replaced while serving gets rollout.readiness_timeout_s.
     startup_timeout_s: float = 300.0
     max_restarts: int = 5
     extra_args: list[str] = msgspec.field(default_factory=list)
@@ -398,8 +400,8 @@ class RolloutConfig(_Section):
     # A replica leaving rotation gets this long to finish what it is serving; streams still
     # open then continue on another replica (resumed from the text already sent).
     drain_timeout_s: float = 30.0
-    # A replacement or added replica must answer its health check (and pass the drift canary,
-    # when canary: is on) within this; vLLM loading a large model takes minutes.
+    # A replacement or added replica must start, answer its health check (and pass the drift
+    # canary, when canary: is on) within this; vLLM loading a large model takes minutes.
     readiness_timeout_s: float = 600.0
     # Replicas a rollout replaces at once.
     max_unavailable: int = 1

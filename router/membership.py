@@ -239,8 +239,18 @@ class FleetMembership:
         self.phases[name] = STARTING
         try:
             try:
-                replica = await asyncio.to_thread(launched.start_replica, slot, spec)
+                # The readiness timeout bounds the start too (a model still loading), not
+                # the launch's startup timeout: a rollout may allow more time, or less.
+                replica = await asyncio.to_thread(
+                    launched.start_replica, slot, spec, max(0.0, deadline - time.monotonic())
+                )
             except LaunchError as exc:
+                if time.monotonic() >= deadline:
+                    raise FleetError(
+                        504,
+                        f"replica {name} was not ready within readiness_timeout_s "
+                        f"{readiness_timeout_s:g}s: {exc}",
+                    ) from None
                 raise FleetError(502, f"replica {name} did not start: {exc}") from None
             try:
                 handle = await self._join(replica, deadline, pool)

@@ -152,6 +152,24 @@ async def test_a_drained_replica_finishes_short_requests_and_moves_an_open_strea
     assert (await short)[1] == "length"
 
 
+async def test_readiness_timeout_s_bounds_an_added_replicas_start_unless_the_request_says(
+    start_fleet: StartFleet,
+) -> None:
+    """rollout.readiness_timeout_s is the default wait for a replica added (or replaced) while
+    serving, its start included: one that is not up in time is stopped, and the fleet keeps its
+    size. The request's own readiness_timeout_s wins over it."""
+    fleet = await start_fleet(1, rollout={"readiness_timeout_s": 0.05})
+    status, body = await fleet.admin("POST", "/admin/replicas", {"launch": True})
+    assert status == 504, body
+    assert "not ready within readiness_timeout_s 0.05s" in body["error"]["message"]
+    assert len(fleet.launched.replicas) == 1 and len(fleet.router.replicas) == 1
+    status, body = await fleet.admin(
+        "POST", "/admin/replicas", {"launch": True, "readiness_timeout_s": 60}, expect=201
+    )
+    assert body["healthy"] and body["phase"] == "serving"
+    assert len(fleet.launched.replicas) == 2
+
+
 async def test_admin_replicas_refuses_bad_requests_with_the_reason(
     start_fleet: StartFleet,
 ) -> None:
