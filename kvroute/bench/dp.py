@@ -289,7 +289,9 @@ def add_dp_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "dp",
         help="Data-parallel replicas routed per rank vs single-rank replicas and vLLM's own "
         "rank balancing (emulated replicas).",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        # The set-ups' list and what is measured, as the module says it (kept as written).
+        description="\n\n".join(__doc__.split("\n\n")[1:4]) if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     d = Options()
     p.add_argument("--replicas", type=positive_int, default=d.replicas, help="DP replicas.")
