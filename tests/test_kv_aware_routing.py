@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import signal
 import time
@@ -313,3 +314,44 @@ async def test_a_dead_tokenizer_worker_costs_one_estimate_not_an_error(
         completion = await client.completions.create(model="tiny", prompt=long_prompt, max_tokens=1)
         assert completion.choices[0].finish_reason == "length"
     assert tokenizer._pool is not None and tokenizer._pool is not pool  # restarted
+
+
+async def test_tokenizer_processes_0_tokenizes_long_prompts_in_the_router_with_no_worker(
+    replica: Running, start_router: StartRouter
+) -> None:
+    """routing.tokenizer_processes: 0 starts no tokenizer process, and a prompt past
+    tokenize_inline_chars is still tokenized (the router predicts its cached prefix on the next
+    request), in the router's own process; the default runs one in a worker process."""
+    long_prompt = "Long enough to be tokenized in a worker process, if there is one. " * 20
+    for processes, workers in ((0, False), (1, True)):
+        before = {p.pid for p in multiprocessing.active_children()}
+        name = f"emu{processes}"
+        r = await start_router(
+            [replica_source(replica, name)],
+            routing={
+                "tokenizer": "builtin",
+                "tokenize_inline_chars": 100,
+                "tokenizer_processes": processes,
+            },
+        )
+        client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+        prompt = f"{processes}: {long_prompt}"
+        hashes = block_hashes(SimpleTokenizer().encode(prompt), 16)
+        await client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+        index = r.router.index
+        await wait_until(
+            lambda index=index, hashes=hashes, name=name: _holds(index, hashes, name),
+            what="the prompt's blocks in the index",
+        )
+        raw = await client.completions.with_raw_response.create(
+            model="tiny", prompt=prompt, max_tokens=1
+        )
+        assert int(raw.headers["X-Kvroute-Prefix-Hit-Tokens"]) == len(hashes) * 16
+        started = {p.pid for p in multiprocessing.active_children()} - before
+        assert bool(started) is workers, (processes, started)
+        await client.close()
+
+
+def _holds(index: Any, hashes: list[int], replica: str) -> bool:
+    match = index.match(hashes, now=1e12).get(replica)
+    return match is not None and match.confirmed == len(hashes)
