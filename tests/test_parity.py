@@ -178,3 +178,32 @@ async def test_a_router_with_another_tokenizer_than_its_replicas_raises_the_alar
     assert (
         checks["parity"].startswith("ALARM: ") and f"token {finding.position}" in checks["parity"]
     )
+
+
+async def test_events_wait_s_is_how_long_a_checked_prompt_may_take_to_appear_in_the_events(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    """parity.events_wait_s: the replica's KV events stop reaching the router (its publisher
+    drops them); the block check gives up after that long and says so."""
+    running = await start_emulated()
+    r = await start_router(
+        [replica_source(running, "emu")],
+        routing={"tokenizer": "builtin"},
+        parity={"events_wait_s": 0.3, "blocks_to_alarm": 1},
+    )
+    publisher = running.replica.publisher
+    assert publisher is not None
+    publisher.paused = True
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+    await client.completions.create(
+        model="tiny", prompt="words the events lose " * 10, max_tokens=2
+    )
+    parity = r.router.parity
+    assert parity is not None
+    await wait_until(lambda: parity.verdicts.alarm, what="the parity alarm")
+    finding = parity.verdicts.finding
+    assert finding is not None and finding.check == BLOCKS and finding.replica == "emu"
+    assert "did not store the prompt's first block under the router's key within 0.3 s" in (
+        finding.detail
+    )
+    await client.close()
