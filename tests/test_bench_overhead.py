@@ -1,5 +1,6 @@
-"""``kvroute bench overhead``: the pure helpers (wrk output, tables, command lines) and the
-process helper's clean-up. Nothing here measures or asserts timings."""
+"""``kvroute bench overhead``: the pure helpers (wrk output, tables, command lines, rounds),
+the process helper's clean-up, and a short run in rounds as a user runs it. Nothing here
+asserts timings."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import http.server
 import itertools
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -140,6 +143,63 @@ def test_smg_ratio_line() -> None:
     assert "kv_aware (default) 1.50x" in line
     assert "round_robin 2.00x" in line
     assert "n/a" in overhead.smg_ratio_line(rows[:2])
+
+
+def test_rounds_alternate_the_order_and_report_medians() -> None:
+    targets = [TARGETS[n] for n in ("kvroute", "smg-ca", "vllm-router-rr")]
+    assert overhead.round_order(targets, 0) == targets
+    assert overhead.round_order(targets, 1) == targets[::-1]
+    rounds = [
+        [_row("kvroute", 900, 1.0), _row("smg-ca", 1000, 1.0)],
+        [_row("smg-ca", 1000, 1.0), _row("kvroute", 1100, 1.0)],
+        [_row("kvroute", 1000, 1.0), _row("smg-ca", 800, 1.0)],
+    ]
+    medians = overhead.median_rows(rounds)
+    assert [(r.target.name, r.result.requests_per_s) for r in medians if r.result] == [
+        ("kvroute", 1000),
+        ("smg-ca", 1000),
+    ]
+    # The median of the per-round ratios (0.9, 1.1, 1.25), not the ratio of the medians (1.0).
+    line = overhead.round_ratios_line(rounds)
+    assert line == (
+        "per-round ratios over 3 rounds (req/s): kvroute/smg-ca median 1.10x "
+        "(rounds: 0.90, 1.10, 1.25)"
+    )
+    # A round without the peer's result does not count; without any pair: n/a.
+    rounds[2][1] = Row(TARGETS["smg-ca"], error="failed: gone")
+    assert "median 1.00x (rounds: 0.90, 1.10)" in overhead.round_ratios_line(rounds)
+    assert "n/a" in overhead.round_ratios_line([[_row("direct", 10, 1.0)]] * 2)
+    report = overhead.report(overhead.Context("d", "c", "m", "v", "l"), medians, [], rounds)
+    assert "each target's row is its median round by req/s, of 3" in report
+    assert "kvroute/smg throughput ratio" not in report  # one figure: the rounds'
+
+
+def test_rounds_run_every_target_each_round_as_a_user_runs_it(tmp_path: Path) -> None:
+    out = tmp_path / "bench.md"
+    argv = [
+        sys.executable, "-m", "kvroute.cli", "bench", "overhead", "--targets", "direct,kvroute-rr",
+        "--rounds", "2", "--duration", "1", "--warmup", "0", "--concurrency", "2",
+        "--loadgen", "builtin", "--output-md", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    progress = [line.split(" ...")[0] for line in done.stdout.splitlines() if " ... " in line]
+    assert progress == [
+        "[round 1/2 1/2] direct",
+        "[round 1/2 2/2] kvroute-rr",
+        "[round 2/2 1/2] kvroute-rr",
+        "[round 2/2 2/2] direct",
+    ]
+    text = out.read_text()
+    assert "each target's row is its median round by req/s, of 2" in text
+    assert sum(line.startswith("| kvroute-rr |") for line in text.splitlines()) == 1
+    refused = subprocess.run(
+        [*argv[:5], "--rounds", "2", "--profile", str(tmp_path / "p")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "--profile records one round" in refused.stderr
 
 
 def test_reproduce_command_keeps_the_arguments() -> None:

@@ -118,6 +118,15 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--stream", action="store_true", help="Send streaming requests (SSE).")
     p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="Run the targets this many times, in reverse order every other round, and report "
+        "each target's median round and the median of the per-round ratios of kvroute to its "
+        "peer (kv_aware to smg cache_aware, round robin to vllm-router round robin): steadier "
+        "than one run's ratio on a shared box (default 1).",
+    )
+    p.add_argument(
         "--workload",
         choices=["fixed", "agent", "agent-plain", "agent-cold", "chat-1k"],
         default="fixed",
@@ -201,7 +210,14 @@ def _cmd_overhead(args: argparse.Namespace) -> int:
         turn_kb=args.turn_kb,
         tokenizer=args.tokenizer,
         profile_dir=args.profile,
+        rounds=args.rounds,
     )
+    if args.profile and args.rounds > 1:
+        print(
+            "kvroute bench overhead: --profile records one round; leave out --rounds",
+            file=sys.stderr,
+        )
+        return 2
     if not prepare_profile("overhead", args.profile):
         return 2
     return exit_status("overhead", lambda: run_overhead(options, sys.argv[1:]), LoadError)

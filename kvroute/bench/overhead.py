@@ -133,6 +133,10 @@ class Options:
     turn_kb: float = 2.0
     tokenizer: str | None = None  # kvroute's --tokenizer (default: the tiny model's)
     profile_dir: str | None = None  # py-spy recordings of each router go here
+    # The targets run this many times, their order reversed every other round: on a shared
+    # box one run's ratio moves with whatever else ran then; the median of per-round ratios
+    # does much less.
+    rounds: int = 1
 
 
 @dataclass
@@ -632,7 +636,81 @@ def run_notes(rows: list[Row], options: Options, wrk: str | None) -> list[str]:
     return notes
 
 
-def report(context: Context, rows: list[Row], notes: list[str]) -> str:
+# kvroute's targets and the peer each is judged against (the issue's targets: kv_aware against
+# smg cache_aware, round robin against vllm-router round robin).
+RATIO_PAIRS = (
+    ("kvroute", "smg-ca"),
+    ("kvroute-w2", "smg-ca"),
+    ("kvroute-rr", "vllm-router-rr"),
+    ("kvroute-rr-w2", "vllm-router-rr"),
+)
+
+
+def round_order(targets: Sequence[Target], round_index: int) -> list[Target]:
+    """Every other round in reverse, so no target always runs right after the same one or
+    always early in the run (a box that gets busier or quieter favours neither)."""
+    return list(targets) if round_index % 2 == 0 else list(reversed(targets))
+
+
+def median_rows(rounds: Sequence[Sequence[Row]]) -> list[Row]:
+    """Each target's median round by req/s (the lower middle of an even count), in the
+    first round's order; a target with no result in any round keeps its first row."""
+    by_name: dict[str, list[Row]] = {}
+    for rows in rounds:
+        for row in rows:
+            by_name.setdefault(row.target.name, []).append(row)
+    out = []
+    for runs in by_name.values():
+        measured = sorted(
+            (r for r in runs if r.result is not None),
+            key=lambda r: r.result.requests_per_s if r.result else 0.0,
+        )
+        out.append(measured[(len(measured) - 1) // 2] if measured else runs[0])
+    return out
+
+
+def round_ratios(rounds: Sequence[Sequence[Row]]) -> dict[tuple[str, str], list[float]]:
+    """Per pair in RATIO_PAIRS, kvroute's req/s over its peer's in each round both ran."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for mine, peer in RATIO_PAIRS:
+        ratios = []
+        for rows in rounds:
+            got = {row.target.name: row.result for row in rows}
+            a, b = got.get(mine), got.get(peer)
+            if a is not None and b is not None and b.requests_per_s > 0:
+                ratios.append(a.requests_per_s / b.requests_per_s)
+        if ratios:
+            out[(mine, peer)] = ratios
+    return out
+
+
+def round_ratios_line(rounds: Sequence[Sequence[Row]]) -> str:
+    ratios = round_ratios(rounds)
+    if not ratios:
+        return f"per-round ratios over {len(rounds)} rounds: n/a (no kvroute target and its peer)"
+    parts = []
+    for (mine, peer), values in ratios.items():
+        ordered = sorted(values)
+        mid = len(ordered) // 2
+        median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        each = ", ".join(f"{v:.2f}" for v in values)
+        parts.append(f"{mine}/{peer} median {median:.2f}x (rounds: {each})")
+    return f"per-round ratios over {len(rounds)} rounds (req/s): " + "; ".join(parts)
+
+
+def ratio_lines(rows: list[Row], rounds: Sequence[Sequence[Row]]) -> list[str]:
+    if len(rounds) <= 1:
+        return [smg_ratio_line(rows)]
+    return [
+        round_ratios_line(rounds),
+        f"each target's row is its median round by req/s, of {len(rounds)} (order reversed "
+        "every other round)",
+    ]
+
+
+def report(
+    context: Context, rows: list[Row], notes: list[str], rounds: Sequence[Sequence[Row]] = ()
+) -> str:
     return "\n".join(
         [
             f"date: {context.date}",
@@ -643,14 +721,16 @@ def report(context: Context, rows: list[Row], notes: list[str]) -> str:
             "",
             format_table(rows),
             "",
-            smg_ratio_line(rows),
+            *ratio_lines(rows, rounds),
             *(f"note: {n}" for n in notes),
             *profile_sections(rows),
         ]
     )
 
 
-def markdown_section(context: Context, rows: list[Row], notes: list[str]) -> str:
+def markdown_section(
+    context: Context, rows: list[Row], notes: list[str], rounds: Sequence[Sequence[Row]] = ()
+) -> str:
     agent = " (agent conversations)" if options_agent(rows) else ""
     lines = [
         *section_head(f"Router overhead{agent}, {context.date}", context.command),
@@ -660,7 +740,7 @@ def markdown_section(context: Context, rows: list[Row], notes: list[str]) -> str
         "",
         format_table(rows),
         "",
-        smg_ratio_line(rows),
+        *ratio_lines(rows, rounds),
         "",
         *(f"- {n}" for n in notes),
         *profile_sections(rows),
@@ -688,7 +768,6 @@ def choose_loadgen(options: Options) -> str | None:
 def run_overhead(options: Options, argv: Sequence[str]) -> int:
     wrk = choose_loadgen(options)
     targets = [TARGETS[name] for name in options.targets]
-    rows: list[Row] = []
     context = Context(
         date=utc_stamp(),
         command=reproduce_command(argv, "overhead"),
@@ -697,25 +776,32 @@ def run_overhead(options: Options, argv: Sequence[str]) -> int:
         load=load_line(options, wrk),
     )
     print(f"command: {context.command}\nload: {context.load}", flush=True)
+    rounds: list[list[Row]] = []
     with (
         processes.session() as log_dir,
         running_stubs(options.upstreams, options.model, log_dir, options.startup_timeout_s) as ups,
     ):
         try:
-            for i, target in enumerate(targets, 1):
-                print(f"[{i}/{len(targets)}] {target.name} ...", end=" ", flush=True)
-                row = run_target(target, ups, options, wrk, log_dir)
-                rows.append(row)
-                print(progress(row), flush=True)
+            for r in range(options.rounds):
+                order = round_order(targets, r)
+                runs: list[Row] = []
+                for i, target in enumerate(order, 1):
+                    head = f"round {r + 1}/{options.rounds} " if options.rounds > 1 else ""
+                    print(f"[{head}{i}/{len(order)}] {target.name} ...", end=" ", flush=True)
+                    row = run_target(target, ups, options, wrk, log_dir)
+                    runs.append(row)
+                    print(progress(row), flush=True)
+                rounds.append(runs)
         except (KeyboardInterrupt, SystemExit):
             print("\ninterrupted: stopping the processes it started", file=sys.stderr, flush=True)
             raise
+    rows = median_rows(rounds) if len(rounds) > 1 else rounds[0]
     notes = run_notes(rows, options, wrk)
     print()
-    print(report(context, rows, notes))
+    print(report(context, rows, notes, rounds))
     if options.record:
         path = Path(options.output_md)
-        record(path, markdown_section(context, rows, notes))
+        record(path, markdown_section(context, rows, notes, rounds))
         print(f"\nappended to {path}")
     measured = [row for row in rows if row.result is not None]
     return 0 if measured else 1
