@@ -573,7 +573,9 @@ def _item_message(
             return None
         return {"role": "assistant", "reasoning": text}
     if kind in ("function_call_output", "custom_tool_call_output"):
-        return {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
+        output = item.get("output")
+        _check_texts(output, f"{where}.output")
+        return {"role": "tool", "content": output, "tool_call_id": item.get("call_id")}
     role = item.get("role")
     if role == "assistant":
         content = item.get("content")
@@ -590,8 +592,18 @@ def _item_message(
     if role is not None:
         if not isinstance(role, str):
             raise AgentRequestError(f"'{where}.role' must be a string.", f"{where}.role")
+        _check_texts(item.get("content"), f"{where}.content")
         return item
     raise AgentRequestError(f"Unsupported input item type: {kind}", "input")
+
+
+def _check_texts(content: Any, where: str) -> None:
+    """A content part's ``text`` is a string (vLLM's part models refuse anything else)."""
+    if not isinstance(content, list):
+        return
+    for i, part in enumerate(content):
+        if isinstance(part, dict) and "text" in part and not isinstance(part["text"], str):
+            raise AgentRequestError(f"'{where}[{i}].text' must be a string.", f"{where}[{i}].text")
 
 
 def _responses_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

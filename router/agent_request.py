@@ -149,5 +149,6 @@ def _chars(content: Any) -> int:
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):
-        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+        texts = (p.get("text") for p in content if isinstance(p, dict))
+        return sum(len(t) for t in texts if isinstance(t, str))
     return 0

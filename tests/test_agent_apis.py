@@ -200,6 +200,17 @@ async def test_responses_bad_input_gets_openai_errors(
     with pytest.raises(openai.NotFoundError) as missing:
         await client.responses.create(model="nope", input="x")
     assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+    # A content part's text that is not a string (it was a 500 once), in a message and in a
+    # tool's output.
+    for item, param in (
+        ({"role": "user", "content": [{"type": "input_text", "text": 5}]}, "input[0].content[0]"),
+        ({"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text",
+          "text": True}]}, "input[0].output[0]"),
+    ):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as typed:
+            await client.post("/responses", body={"model": "tiny", "input": [item]}, cast_to=object)
+        assert typed.value.body["param"] == f"{param}.text"  # type: ignore[index]
+        assert "must be a string" in typed.value.body["message"]  # type: ignore[index]
     assert a.seen == []
 
 
