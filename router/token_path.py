@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 # How a request went (kvroute_send_tokens_requests_total's ``path``).
 TOKENS = "tokens"  # as token ids to /inference/v1/generate
-NEEDS_TEXT = "request_needs_text"  # a field the token path cannot answer exactly (tools, ...)
+NEEDS_TEXT = "request_needs_text"  # a field the token path cannot answer exactly (tools, ...), or no room
 NOT_TOKENIZED = "not_tokenized"  # no tokenizer, a template error, a broken worker pool
 # The replica takes text only: no /inference/v1/generate, a reasoning parser, or not probed yet.
 REPLICA_TAKES_TEXT = "replica_takes_text"
@@ -79,14 +79,16 @@ class TokenRequest:
 
     def body(self, replica: tp.ReplicaTokenPath) -> tuple[bytes, int | None] | None:
         """The generate body for a replica with this context length and these defaults, and
-        its max_tokens; None when the client asks for as much as the context holds or more:
-        vLLM's own endpoints refuse some of those with their own error (Responses), where
-        generate would clamp."""
+        its max_tokens; None when the client asks for as much as the context holds or more, or
+        the prompt leaves no room for a token: vLLM's own endpoints refuse those with their own
+        error (the context's length, or Responses' limit), where generate would clamp or be
+        asked for no token at all."""
         if self._made is not None and self._made[0] == replica:
             return self._made[1]
         made: tuple[bytes, int | None] | None = None
         asked = tp.asked_max_tokens(self.api, self.fields)
-        if asked is None or asked < replica.max_model_len:
+        room = replica.max_model_len - len(self.ids)
+        if room > 0 and (asked is None or asked < replica.max_model_len):
             params = tp.sampling_params(
                 self.api, self.fields, replica.defaults, len(self.ids), replica.max_model_len
             )

@@ -384,6 +384,33 @@ async def test_answers_sent_as_tokens_read_as_the_text_paths(
     assert page.sum("kvroute_send_tokens_requests_total", path="tokens") == 6
 
 
+async def test_a_prompt_longer_than_the_context_gets_the_replicas_own_error(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    """No room for a token: the request goes as text, and the client reads the replica's own
+    context-length error (not a generate request for no token, refused as a bad max_tokens)."""
+    replica = await start_emulated(kv_events=False, enable_scale_out=True)
+    r = await start_router([entry(replica, "emu")], routing={"tokenizer": "builtin"})
+    await wait_until(
+        lambda: r.router.core.token_path("emu", "tiny") is not None,
+        what="the probe finding the replica's token path",
+    )
+    oc = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    ac = anthropic.AsyncAnthropic(base_url=r.url, api_key="x", max_retries=0, timeout=20)
+    long = [{"role": "user", "content": "hello world " * 5000}]
+    with pytest.raises(openai.BadRequestError) as chat:
+        await oc.chat.completions.create(model="tiny", messages=long, max_tokens=8)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.BadRequestError) as messages:
+        await ac.messages.create(model="tiny", messages=long, max_tokens=8)  # type: ignore[arg-type]
+    for caught in (chat.value, messages.value):
+        assert "maximum context length" in caught.message, caught.message
+    assert r.router.pipeline.token_metrics.requests == {
+        ("chat", "request_needs_text"): 1, ("messages", "request_needs_text"): 1
+    }  # fmt: skip
+    await oc.close()
+    await ac.close()
+
+
 async def test_a_replica_without_generate_gets_text(
     start_emulated: StartEmulated, start_router: StartRouter
 ) -> None:

@@ -256,7 +256,9 @@ class AgentAPIs:
             store = self._check_store(body)
             messages, conversion = self._responses_messages(body)
             prompt_ids = self._prompt(conversion, messages)
-            max_tokens = replica.max_tokens(prompt_ids, body.get("max_output_tokens"))
+            max_tokens = replica.max_tokens(
+                prompt_ids, body.get("max_output_tokens"), param="max_output_tokens"
+            )
             request_id = body.get("request_id")
             if not isinstance(request_id, str) or not request_id:
                 request_id = f"resp_{uuid.uuid4().hex}"

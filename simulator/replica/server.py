@@ -487,24 +487,40 @@ class EmulatedReplica:
             raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
 
     def max_tokens(
-        self, prompt_ids: list[int], max_tokens: Any, default: int = DEFAULT_CHAT_MAX_TOKENS
+        self,
+        prompt_ids: list[int],
+        max_tokens: Any,
+        default: int = DEFAULT_CHAT_MAX_TOKENS,
+        param: str = "max_tokens",
     ) -> int:
-        """The request's output limit (``default`` when None, within the context), checked
-        against the context length as vLLM checks it."""
+        """The request's output limit (``default`` when None), checked against the context
+        length as vLLM 0.32 checks it: a prompt longer than the context, or a limit longer than
+        the whole context, is refused; a limit past what the prompt leaves is cut to it
+        (vLLM's get_max_tokens), and no room left at all is a limit of 0, which it refuses."""
+        limit = self.options.engine.max_model_len
+        if len(prompt_ids) > limit:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"contains {len(prompt_ids)} input tokens, which exceeds this limit even without "
+                "any output tokens. Please reduce the length of the input prompt.",
+                param="input_tokens",
+            )
         if max_tokens is None:
-            max_tokens = min(default, max(1, self.options.engine.max_model_len - len(prompt_ids)))
+            max_tokens = min(default, max(1, limit - len(prompt_ids)))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise BadRequest("max_tokens must be a positive integer", param="max_tokens")
+            raise BadRequest(f"{param} must be a positive integer", param=param)
         if not prompt_ids:
             raise BadRequest("The prompt is empty.", param="prompt")
-        limit = self.options.engine.max_model_len
-        if len(prompt_ids) + max_tokens > limit:
+        if max_tokens > limit:
             raise BadRequest(
-                f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{len(prompt_ids)} input tokens and asks for {max_tokens} output tokens.",
-                param="max_tokens",
+                f"{param}={max_tokens} cannot be greater than max_model_len={limit}. "
+                "Please request fewer output tokens.",
+                param=param,
             )
-        return max_tokens
+        room = limit - len(prompt_ids)
+        if room < 1:
+            raise BadRequest("max_tokens must be at least 1, got 0.", param="max_tokens")
+        return min(max_tokens, room)
 
     def _transfer(self, request: web.Request, body: dict[str, Any]) -> _Transfer | None:
         """The request's ``kv_transfer_params`` (None: it carries none). Its type is checked
