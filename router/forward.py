@@ -14,7 +14,15 @@ from kvroute.kvcore.token_path import Answer
 from .dp_ranks import RANK_HEADER
 from .metrics import RouterMetrics
 from .pools import Pools
-from .proxy import ClientExchange, Relayed, Timeouts, UpstreamCall, UpstreamUnavailable, relay
+from .proxy import (
+    ClientExchange,
+    Relayed,
+    Timeouts,
+    UpstreamCall,
+    UpstreamUnavailable,
+    relay,
+    replica_fault,
+)
 from .registry import ReplicaRegistry
 from .status import RecentDispatches
 from .upstream_client import UpstreamClient
@@ -123,7 +131,7 @@ class Forwarder:
             metrics.observe_upstream_error(replica_id, "broken_stream")
             self.registry.record(handle, False, "broken_stream")
         elif relayed.status not in (408, 429):
-            self.registry.record(handle, relayed.status < 500)
+            self.registry.record(handle, not replica_fault(relayed.status))
         elapsed = time.perf_counter() - started
         metrics.observe_request(
             replica_id, relayed.status, dispatch.reason, relayed.ttfb_s, elapsed
@@ -157,6 +165,6 @@ class Forwarder:
             return
         if exc.kind == "connect":
             self.registry.mark_down(handle)
-        if exc.kind != "ejected" and (exc.status or 500) >= 500:
+        if exc.kind != "ejected" and replica_fault(exc.status or 500):
             self.registry.record(handle, False, exc.kind)  # transport errors and 5xx only
         log.warning("replica %s failed before first byte: %s", handle.name, exc)

@@ -117,10 +117,21 @@ def _response_headers(upstream: UpstreamResponse, extra: list[tuple[str, str]]) 
     return CIMultiDict(pairs + extra)
 
 
+# Server errors that say what the request asked for, not how the replica is: vLLM answers 501
+# to a feature it does not implement (Responses' background mode), on every replica alike.
+REQUESTS_FAULT = frozenset((501, 505))
+
+
+def replica_fault(status: int) -> bool:
+    """A 5xx that counts against the replica (its breaker) and is worth another one."""
+    return status >= 500 and status not in REQUESTS_FAULT
+
+
 def retryable_status(status: int) -> bool:
     """Answers worth another replica: server errors, overload (429) and the replica's own timeout
-    (408); every other 4xx is the request's fault and would fail anywhere."""
-    return status >= 500 or status in (408, 429)
+    (408); every other 4xx (and a 501: not implemented anywhere) is the request's fault and
+    would fail anywhere."""
+    return replica_fault(status) or status in (408, 429)
 
 
 class ClientRequest(Protocol):

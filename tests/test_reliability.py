@@ -77,18 +77,25 @@ async def test_an_error_burst_is_retried_and_the_failing_replica_ejected_then_re
     assert handle.breaker.state.value == "closed" and not handle.state.ejected
 
 
+@pytest.mark.parametrize("status", [400, 501])
 async def test_client_errors_are_relayed_not_retried_and_do_not_count_against_a_replica(
-    start_replica: StartReplica, start_router: StartRouter
+    start_replica: StartReplica, start_router: StartRouter, status: int
 ) -> None:
+    """A 4xx, and a 501 (vLLM's answer to a feature it does not implement, such as Responses'
+    background mode, on every replica alike): a client sending them cannot get healthy
+    replicas ejected (it could, with 501s, until 2026-12-07)."""
     a, b = await start_replica("a"), await start_replica("b")
-    r = await start_router([a, b], policy={"name": "round_robin"})
+    r = await start_router(
+        [a, b], policy={"name": "round_robin"}, breaker={"consecutive_failures": 2}
+    )
     async with aiohttp.ClientSession() as http:
         for _ in range(8):
-            body = {"model": "tiny", "prompt": "status:400"}
+            body = {"model": "tiny", "prompt": f"status:{status}"}
             async with http.post(r.url + "/v1/completions", json=body) as resp:
-                assert resp.status == 400
+                assert resp.status == status
     assert len(a.seen) + len(b.seen) == 8  # each sent once
     assert all(h.breaker.state.value == "closed" for h in r.router.replicas.values())
+    assert not any(h.state.ejected for h in r.router.replicas.values())
     assert not r.router.metrics.retries
 
 

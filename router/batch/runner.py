@@ -36,6 +36,7 @@ from ..agent_request import parse_messages
 from ..config import BatchConfig
 from ..openai_request import ParsedRequest, parse_chat, parse_completion
 from ..pipeline import InternalRequest, RequestPipeline
+from ..proxy import retryable_status
 from .messages_model import MESSAGES_ENDPOINT, render_results
 from .metrics import BatchMetrics
 from .model import Job, Result, Status, error_of, final_status, render_files
@@ -310,7 +311,7 @@ class BatchRunner:
         status = response.status
         body = getattr(response, "body", b"")
         body = body if isinstance(body, bytes) else b""
-        if status >= 500 or status in (408, 429):
+        if retryable_status(status):
             code, message = error_of(status, body)
             outcome = _Outcome(retry_after_s=RETRY_BACKOFF_S, failed_try=True)
             if run.claim.attempts + 1 >= self.config.max_attempts:

@@ -35,6 +35,7 @@ from ..dp_ranks import expand_ranks
 from ..ledger_bus import LedgerBus
 from ..metrics import Histogram, RouterMetrics
 from ..openai_request import CHARS_PER_TOKEN, ParsedRequest, parse_completion
+from ..proxy import replica_fault
 from ..sessions import SessionMetrics, identify
 from ..tenant_metrics import TenantMetrics
 from ..tenants import Tenants, fairness_params
@@ -313,7 +314,8 @@ class EndpointPicker:
         handle = self.registry.handles.get(d.replica)
         status = pick.status
         if handle is not None and status:
-            self.registry.record(handle, status < 500, "" if status < 500 else f"status {status}")
+            fault = replica_fault(status)
+            self.registry.record(handle, not fault, f"status {status}" if fault else "")
         ttfb = (pick.first_byte_at or now) - pick.arrived
         code = status if completed else 499  # nginx's "client closed request"
         self.metrics.observe_request(d.replica, code, d.reason, ttfb, now - pick.arrived)
