@@ -70,8 +70,12 @@ class Auth:
 
 
 def _bearer(request: web.Request) -> bytes | None:
+    """The key presented: ``Authorization: Bearer`` (OpenAI's clients, vLLM), else
+    ``x-api-key`` (Anthropic's clients send their key there: Claude Code's ANTHROPIC_API_KEY)."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        return None
+        token = request.headers.get("x-api-key", "")
+        if not token.strip():
+            return None
     return token.strip().encode("utf-8", "surrogateescape")  # any bytes: compared, never shown

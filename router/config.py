@@ -258,7 +258,8 @@ class ApiKeyConfig(_Section):
 class AuthConfig(_Section):
     """Bearer keys. A value "env:NAME" is read from the environment variable NAME."""
 
-    # Keys clients must present (Authorization: Bearer KEY) on /v1/*; empty = open. Each is a
+    # Keys clients must present (Authorization: Bearer KEY, or x-api-key: KEY as Anthropic's
+    # clients send it) on /v1/*; empty = open. Each is a
     # string, or {key: ..., tenant: NAME} to name the tenant its requests belong to.
     api_keys: list[str | ApiKeyConfig] = msgspec.field(default_factory=list)
     # Key for /metrics, /admin/* and the /status data; null = /metrics is open, and /admin/*

@@ -127,7 +127,7 @@ def unauthorized(missing: bool) -> ApiError:
     what = "No API key was given" if missing else "The API key is not valid"
     return ApiError(
         401,
-        f"{what}: send Authorization: Bearer <key>.",
+        f"{what}: send Authorization: Bearer <key> (or x-api-key: <key>).",
         error_type="authentication_error",
         code="invalid_api_key",
         headers={"WWW-Authenticate": "Bearer"},

@@ -75,6 +75,9 @@ from .usage import asking_usage
 
 log = logging.getLogger(__name__)
 
+# Where a client presents its key to the router (router/auth.py): never passed on.
+_CLIENT_KEY_HEADERS = frozenset((b"authorization", b"x-api-key"))
+
 # The reason of a route pinned to the replica that stores a Responses request's history.
 STORED_RESPONSE = "stored_response"
 
@@ -669,7 +672,7 @@ class RequestPipeline:
         """Headers passed on to replicas: with router API keys, never the client's key."""
         if not self.auth.clients_need_key:
             return request.raw_headers
-        return tuple(h for h in request.raw_headers if h[0].lower() != b"authorization")
+        return tuple(h for h in request.raw_headers if h[0].lower() not in _CLIENT_KEY_HEADERS)
 
     def _request_id(self, request: ClientRequest) -> str:
         request_id = request.headers.get("X-Request-Id", "")

@@ -376,6 +376,10 @@ class Router:
     # -- router endpoints --------------------------------------------------------------
 
     async def handle_models(self, request: web.Request) -> web.Response:
+        try:  # as vLLM's --api-key and OpenAI's API keep it: a /v1 route like the others
+            self.auth.check_client(request)
+        except errors.ApiError as exc:
+            return exc.response()
         data = [
             {"id": model, "object": "model", "created": self._started_at, "owned_by": "kvroute"}
             for model in self.catalog.names

@@ -336,6 +336,21 @@ async def test_api_keys_guard_the_api_and_a_separate_key_guards_admin_endpoints(
         await bad.completions.create(model="tiny", prompt="x")
     # The client's key is the router's business: it is not passed on to the replica.
     assert "Authorization" not in a.seen[0].headers
+    # Anthropic's clients send their key as x-api-key (Claude Code's ANTHROPIC_API_KEY).
+    agent = anthropic.AsyncAnthropic(base_url=r.url, api_key="client-key-1", max_retries=0)
+    said = await agent.messages.create(
+        model="tiny", max_tokens=8, messages=[{"role": "user", "content": "x"}]
+    )
+    assert said.content and "x-api-key" not in {k.lower() for k in a.seen[-1].headers}
+    stranger = anthropic.AsyncAnthropic(base_url=r.url, api_key="wrong-key-1", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        await stranger.messages.create(
+            model="tiny", max_tokens=8, messages=[{"role": "user", "content": "x"}]
+        )
+    # The model list is a /v1 route like the others (as vLLM's --api-key and OpenAI keep it).
+    with pytest.raises(openai.AuthenticationError):
+        await bad.models.list()
+    assert [m.id async for m in good.models.list()] == ["tiny"]
     async with aiohttp.ClientSession() as http:
         async with http.get(r.url + "/metrics") as resp:
             assert resp.status == 401
