@@ -666,7 +666,11 @@ class RequestPipeline:
         except TimeoutError:
             raise errors.request_timeout("Sending the request body") from None
         except (web.RequestPayloadError, HttpProcessingError) as exc:  # e.g. gzip that is not
-            raise errors.bad_request(f"The request body cannot be read: {exc}") from None
+            # aiohttp's text is "400, message:\n  <why>": the why alone, on one line.
+            why = str(exc).partition("message:")[2] or str(exc)
+            raise errors.bad_request(
+                f"The request body cannot be read: {' '.join(why.split())}"
+            ) from None
 
     def _client_headers(self, request: web.Request) -> tuple[tuple[bytes, bytes], ...]:
         """Headers passed on to replicas: with router API keys, never the client's key."""

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from kvroute.backends.launcher import LaunchedFleet
 
+from .client_faults import quiet_client_faults
 from .config import Config
 from .fd_limit import needed_fds, raise_fd_limit
 from .malloc_tuning import tune_malloc
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 def app_runner(router: Router) -> web.AppRunner:
     """The aiohttp runner for a router, with the connection-level settings of its config."""
     config = router.config
+    quiet_client_faults()
     return web.AppRunner(
         router.build_app(),
         handler_cancellation=True,  # a client that disconnects cancels its handler at once

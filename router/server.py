@@ -14,7 +14,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -280,7 +280,7 @@ class Router:
         app = web.Application(client_max_size=self.config.limits.max_body_bytes)
         handler = self.pipeline.handler
         routes = app.router
-        expect = _expect_handler
+        expect = _expect_handler(self.config.limits.max_body_bytes)
         routes.add_post("/v1/completions", handler(parse_completion), expect_handler=expect)
         chat = handler(self.chat_parser)
         routes.add_post("/v1/chat/completions", chat, expect_handler=expect)
@@ -312,6 +312,8 @@ class Router:
         self.fleet_control.add_routes(routes, expect)
         routes.add_get("/status", self.handle_status_page, expect_handler=expect)
         routes.add_get("/status/events", self.handle_status_events, expect_handler=expect)
+        # Last: what no route above serves gets a JSON 404 or 405.
+        routes.add_route("*", "/{unrouted:.*}", _unrouted, expect_handler=expect)
         app.on_startup.append(self._on_startup)
         # Before the server waits for handlers to finish: a status stream never would.
         app.on_shutdown.append(self._end_status_streams)
@@ -592,14 +594,51 @@ class _Hooks:
         return await self._router.core.prober.responds(handle.base_url)
 
 
-async def _expect_handler(request: web.Request) -> web.Response | None:
-    """Answer ``Expect: 100-continue``; refuse any other expectation with an OpenAI-shaped 417."""
-    expect = request.headers.get("Expect", "")
-    if expect.lower() == "100-continue":
+def _expect_handler(max_body_bytes: int) -> Callable[[web.Request], Awaitable[web.Response | None]]:
+    """Answer ``Expect: 100-continue``, unless the body announced is over the limit (a 413
+    now, before the client sends it); refuse any other expectation with a 417. Errors in the
+    shape of the route's API."""
+
+    async def expect(request: web.Request) -> web.Response | None:
+        shape = errors.shape_of_path(request.path)
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            message = "Only 'Expect: 100-continue' is supported."
+            error = errors.ApiError(417, message, param="Expect", code="expectation_failed")
+            return error.response(shape)
+        length = request.content_length
+        if length is not None and length > max_body_bytes:
+            return errors.body_too_large(max_body_bytes).response(shape)
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None
-    message = "Only 'Expect: 100-continue' is supported."
-    return errors.ApiError(417, message, param="Expect", code="expectation_failed").response()
+
+    return expect
+
+
+async def _unrouted(request: web.Request) -> web.Response:
+    """A path no route serves (404), or a method its route does not take (405), as a JSON
+    error in the shape of the API the path belongs to (aiohttp's own are plain text)."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is request.match_info.route.resource:
+            continue  # this catch-all
+        _, methods = await resource.resolve(request)
+        allowed |= methods
+    shape = errors.shape_of_path(request.path)
+    path = request.path if len(request.path) <= 200 else request.path[:200] + "..."
+    if allowed:
+        methods = ", ".join(sorted(allowed))
+        error = errors.ApiError(
+            405,
+            f"Method {request.method} is not allowed on {path}: use {methods}.",
+            error_type="method_not_allowed",
+            code="method_not_allowed",
+            headers={"Allow": methods},
+        )
+    else:
+        error = errors.ApiError(
+            404, f"No route serves {path}.", error_type="NotFoundError", code="not_found"
+        )
+    return error.response(shape)
 
 
 def _drift_fields(handle: ReplicaHandle) -> dict[str, object]:

@@ -32,6 +32,7 @@ import contextlib
 import gc
 import gzip
 import json
+import logging
 import operator
 import re
 import time
@@ -1118,6 +1119,75 @@ async def test_expect_100_continue_gets_the_replicas_answer_after_one_interim_re
     assert raw.count(b"100 Continue") == 1, raw[:300]
     answer = parse_response(raw, complete=True)
     assert answer is not None and answer.status == 200, raw[:300]
+
+
+async def test_a_body_announced_over_the_limit_gets_413_before_any_100_continue(
+    start_replica: StartReplica, serve_router: ServeRouter
+) -> None:
+    """Expect: 100-continue with a Content-Length over limits.max_body_bytes: the 413 comes at
+    once, and no 100 Continue invites the client to upload it."""
+    _, port = await _one_router(start_replica, serve_router)
+    head = (
+        b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nContent-Length: 1000000000\r\n\r\n"
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        async with asyncio.timeout(ANSWER_DEADLINE_S):
+            raw = await reader.readuntil(b"\r\n\r\n")
+    finally:
+        writer.close()
+    assert raw.startswith(b"HTTP/1.1 413"), raw[:200]
+
+
+async def test_unknown_routes_methods_and_expectations_get_json_in_their_apis_shape(
+    start_replica: StartReplica, serve_router: ServeRouter
+) -> None:
+    """aiohttp answers these in plain text; a client's SDK reads an error only from JSON."""
+    _, port = await _one_router(start_replica, serve_router)
+    cases = [
+        (request_bytes("/v1/embeddings", OK_BODY), 404, "openai", None),
+        (request_bytes("/v1/messages/", OK_BODY), 404, "anthropic", None),
+        (request_bytes(COMPLETIONS, b"", method=b"GET"), 405, "openai", "POST"),
+        (request_bytes("/v1/messages", b"", method=b"PUT"), 405, "anthropic", "POST"),
+        (request_bytes("/v1/messages", OK_BODY, [(b"Expect", b"bogus")]), 417, "anthropic", None),
+        (request_bytes(COMPLETIONS, OK_BODY, [(b"Expect", b"bogus")]), 417, "openai", None),
+    ]
+    for data, status, shape, allow in cases:
+        answer = await exchange(port, data)
+        assert answer.status == status, (data[:40], answer)
+        assert answer.headers["content-type"].startswith("application/json"), answer
+        body = json.loads(answer.body)
+        if shape == "anthropic":
+            assert body["type"] == "error" and body["error"]["message"], body
+        else:
+            assert body["error"]["message"] and body["error"]["code"], body
+        if allow is not None:
+            assert allow in answer.headers["allow"].split(", "), answer.headers
+
+
+async def test_malformed_requests_do_not_fill_the_log_with_tracebacks(
+    start_replica: StartReplica, serve_router: ServeRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp logs each request it cannot parse or decode at ERROR with a traceback: any
+    client could fill the router's log. They are the client's fault: DEBUG, one line."""
+    _, port = await _one_router(start_replica, serve_router)
+    caplog.set_level(logging.INFO)
+    gzip = await exchange(
+        port, request_bytes(COMPLETIONS, b"not gzip at all", [(b"Content-Encoding", b"gzip")])
+    )
+    assert gzip.status == 400
+    assert json.loads(gzip.body)["error"]["message"] == (
+        "The request body cannot be read: Can not decode content-encoding: gzip"
+    )
+    header = await exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\nBad\x01Name: y\r\n\r\n")
+    assert header.status == 400
+    chunks = request_bytes(COMPLETIONS, b"", [(b"Transfer-Encoding", b"chunked")])
+    bad_chunk = await exchange(port, chunks.replace(b"Content-Length: 0\r\n", b"") + b"zz\r\n")
+    assert bad_chunk.status == 400
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 async def test_non_utf8_bearer_key_is_401(

@@ -1,0 +1,38 @@
+"""Malformed requests are the client's fault: aiohttp answers them (400, 413, ...) and then logs
+each at ERROR with a traceback, so any client can fill the router's log at will. This filter on
+aiohttp's server logger keeps such a record at DEBUG, on one line, and lets everything else
+through as it is."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+_SERVER_LOGGER = "aiohttp.server"
+# A request aiohttp could not parse or decode (bad headers, chunking, Content-Encoding), or a
+# body that broke off: what the client sent, not a fault of the router.
+CLIENT_FAULTS: tuple[type[BaseException], ...] = (HttpProcessingError, web.RequestPayloadError)
+
+
+class ClientFaultFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, CLIENT_FAULTS):
+            return True
+        logger = logging.getLogger(record.name)
+        if not logger.isEnabledFor(logging.DEBUG):
+            return False
+        record.msg = f"{record.getMessage()}: {type(exc).__name__}: {' '.join(str(exc).split())}"
+        record.args = None
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+def quiet_client_faults() -> None:
+    """Install the filter once (each router of a process calls this)."""
+    logger = logging.getLogger(_SERVER_LOGGER)
+    if not any(isinstance(f, ClientFaultFilter) for f in logger.filters):
+        logger.addFilter(ClientFaultFilter())
