@@ -621,8 +621,8 @@ async def _unrouted(request: web.Request) -> web.Response:
     for resource in request.app.router.resources():
         if resource is request.match_info.route.resource:
             continue  # this catch-all
-        _, methods = await resource.resolve(request)
-        allowed |= methods
+        _, takes = await resource.resolve(request)
+        allowed |= takes
     shape = errors.shape_of_path(request.path)
     path = request.path if len(request.path) <= 200 else request.path[:200] + "..."
     if allowed:
