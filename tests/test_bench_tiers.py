@@ -65,6 +65,11 @@ def test_shared_prefix_prompts_are_groups_of_one_system_prompt_shuffled_by_seed(
     assert len({p.block_ids for p in prompts}) == 1250  # every question its own prompt
     assert prompts == tiers_stages.shared_prefix_prompts(seed=0)
     assert prompts != tiers_stages.shared_prefix_prompts(seed=1)
+    # As llm-d's run sent them (inference-perf v0.4.0's text of random ids tokenizes longer):
+    # 17,090 tokens, the system prompt still one prefix per group.
+    as_run = tiers_stages.shared_prefix_prompts(0, tiers_stages.AS_RUN_LENGTH_SCALE)
+    assert {p.tokens for p in as_run} == {16_821 + 269}
+    assert len({p.block_ids[: 16_821 // tiers_stages.BLOCK_TOKENS] for p in as_run}) == 250
 
 
 def test_a_stage_starts_its_interval_after_the_previous_stage_has_drained() -> None:
@@ -97,7 +102,8 @@ def test_bench_tiers_inference_perf_protocol_with_its_gain_spread(
     text = md.read_text()
     assert (
         "Command: `kvroute bench tiers --protocol inference-perf --rates 5,20 --stage-s 30 "
-        "--interval-s 60 --seeds 2 --arms gpu-only,cpu-time --replicas 8 --seed 0`"
+        "--interval-s 60 --seeds 2 --prompt-lengths as-run --arms gpu-only,cpu-time "
+        "--replicas 8 --seed 0`"
     ) in text
     totals = {
         (m.group(1), m.group(2)): float(m.group(3).replace(",", ""))

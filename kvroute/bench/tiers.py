@@ -157,7 +157,8 @@ def command(args: argparse.Namespace) -> str:
         )
     return (
         f"kvroute bench tiers --protocol inference-perf --rates {rates} --stage-s "
-        f"{args.stage_s:g} --interval-s {args.interval_s:g} --seeds {args.seeds} {common}"
+        f"{args.stage_s:g} --interval-s {args.interval_s:g} --seeds {args.seeds} "
+        f"--prompt-lengths {args.prompt_lengths} {common}"
     )
 
 
@@ -184,12 +185,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         body = _run_stages(args)
         title = "llm-d's tiered benchmark as inference-perf runs it, in the simulator"
+        scale = _length_scale(args)
+        lengths = (
+            f"the configured lengths x {scale:.3f}, as inference-perf v0.4.0 sent them: "
+            if args.prompt_lengths == "as-run"
+            else ""
+        )
         shape = (
             f"inference-perf's protocol (kvroute/bench/tiers_stages.py): "
             f"{tiers_stages.GROUPS} groups x {tiers_stages.PROMPTS_PER_GROUP} prompts "
-            f"({tiers_stages.SYSTEM_TOKENS:,}-token system prompt, "
-            f"{tiers_stages.QUESTION_TOKENS}-token question, {tiers_stages.OUTPUT_TOKENS} "
-            f"tokens out), stages of {args.stage_s:g} s one after another on one fleet, each "
+            f"({lengths}{round(tiers_stages.SYSTEM_TOKENS * scale):,}-token system prompt, "
+            f"{round(tiers_stages.QUESTION_TOKENS * scale)}-token question, "
+            f"{tiers_stages.OUTPUT_TOKENS} tokens out), stages of {args.stage_s:g} s one after another on one fleet, each "
             f"ending when its last request has finished, {args.interval_s:g} s between them; "
             "total (input + output) tokens/s from a stage's first request to its last finish."
         )
@@ -233,7 +240,7 @@ def _run_stages(args: argparse.Namespace) -> list[str]:
         for arm in args.arms:
             replay = arm_simulator(arm, args.replicas, seed)
             stage_rows = tiers_stages.run_stages(
-                args.rates, arm, replay, seed, args.stage_s, args.interval_s
+                args.rates, arm, replay, seed, args.stage_s, args.interval_s, _length_scale(args)
             )
             rows.extend(stage_rows)
             print(f"seed {seed} {arm}: done", file=sys.stderr)
@@ -246,6 +253,10 @@ def _run_stages(args: argparse.Namespace) -> list[str]:
     if args.seeds > 1:
         body += tiers_stages.gain_spread(by_seed, published)
     return body
+
+
+def _length_scale(args: argparse.Namespace) -> float:
+    return tiers_stages.AS_RUN_LENGTH_SCALE if args.prompt_lengths == "as-run" else 1.0
 
 
 def _float_list(text: str) -> list[float]:
@@ -310,6 +321,14 @@ def add_tiers_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=1,
         help="inference-perf: seeds to run from --seed on (1); with more, the spread of the gains "
         "over them, the arms of a seed paired on its arrivals and unpaired across seeds.",
+    )
+    p.add_argument(
+        "--prompt-lengths",
+        choices=("as-run", "configured"),
+        default="as-run",
+        help="inference-perf: as-run (default): prompts as long as llm-d's run sent them, "
+        "about 5%% over the configured 16,000 + 256 tokens (inference-perf v0.4.0 writes random "
+        "token ids as text, which tokenizes into more; its issue #230); configured: 16,000 + 256.",
     )
     p.add_argument(
         "--duration",

@@ -40,6 +40,12 @@ OUTPUT_TOKENS = 256
 BLOCK_TOKENS = 256  # the trace's prefix granularity (the engine's blocks stay 16 tokens)
 STAGE_S = 60.0
 INTERVAL_S = 60.0
+# The prompts llm-d's run sent were longer than configured: inference-perf v0.4.0 (the version
+# llm-d-benchmark pins) writes a prompt as the decoded text of random token ids, which the
+# server tokenizes into more tokens (inference-perf issue #230, fixed by PR #383 after that
+# run). Its 16,256-token prompts, re-tokenized with a Qwen BPE tokenizer, come to 17,000-17,188
+# tokens (17,090 on average): this many times the configured lengths ("as-run").
+AS_RUN_LENGTH_SCALE = 17_090 / (SYSTEM_TOKENS + QUESTION_TOKENS)
 
 # llm-d's published total (input + output) tokens/s per stage: HBM-only, then GPU + CPU tiers
 # (llm-d/llm-d, guides/tiered-prefix-cache/README.md, "CPU Offloading Benchmarking Results").
@@ -72,14 +78,18 @@ class StageRow:
     hit_rate: float  # of the stage's prompt tokens looked up, found in a cache (any tier)
 
 
-def shared_prefix_prompts(seed: int) -> list[Prompt]:
-    """inference-perf's shared_prefix prompts: groups x questions, shuffled once."""
+def shared_prefix_prompts(seed: int, length_scale: float = 1.0) -> list[Prompt]:
+    """inference-perf's shared_prefix prompts: groups x questions, shuffled once; their lengths
+    the configured ones times ``length_scale`` (``AS_RUN_LENGTH_SCALE``: as llm-d's run sent
+    them)."""
     blocks = BlockIdAllocator(BLOCK_TOKENS)
     prompts: list[Prompt] = []
+    system_tokens = round(SYSTEM_TOKENS * length_scale)
+    question_tokens = round(QUESTION_TOKENS * length_scale)
     for group in range(GROUPS):
-        system = blocks.empty().extend([(("system", group), SYSTEM_TOKENS)])
+        system = blocks.empty().extend([(("system", group), system_tokens)])
         for question in range(PROMPTS_PER_GROUP):
-            full = system.extend([(("question", group, question), QUESTION_TOKENS)])
+            full = system.extend([(("question", group, question), question_tokens)])
             prompts.append(Prompt(full.block_ids(), full.tokens))
     random.Random(seed).shuffle(prompts)
     return prompts
@@ -132,10 +142,11 @@ def run_stages(
     seed: int,
     stage_s: float = STAGE_S,
     interval_s: float = INTERVAL_S,
+    length_scale: float = 1.0,
 ) -> list[StageRow]:
     """The stages one after another on one fleet (``simulate_trace`` replays a whole trace on a
     fresh fleet and policy); a row per stage."""
-    prompts = shared_prefix_prompts(seed)
+    prompts = shared_prefix_prompts(seed, length_scale)
     rng = random.Random(seed + 1)
     requests: list[TraceRequest] = []
     bounds: list[tuple[int, int]] = []  # per stage: its first request's index, its last's + 1
