@@ -78,10 +78,16 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def shown(value: str, limit: int = 200) -> str:
+    """A client's value quoted in an error, cut to ``limit`` characters: an answer must not
+    echo a megabyte the client sent."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} chars)"
+
+
 def model_not_found(model: str, available: list[str]) -> ApiError:
     return ApiError(
         404,
-        f"The model {model!r} does not exist. Available: {', '.join(available) or 'none'}.",
+        f"The model {shown(model)} does not exist. Available: {', '.join(available) or 'none'}.",
         param="model",
         code="model_not_found",
     )

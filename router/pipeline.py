@@ -421,8 +421,8 @@ class RequestPipeline:
             )
             raise errors.ApiError(
                 404,
-                f"The previous response {response_id!r} {where}; its conversation cannot be "
-                "continued elsewhere. Send the whole conversation as input instead.",
+                f"The previous response {errors.shown(response_id)} {where}; its conversation "
+                "cannot be continued elsewhere. Send the whole conversation as input instead.",
                 param="previous_response_id",
                 code="previous_response_unavailable",
             )
@@ -430,8 +430,8 @@ class RequestPipeline:
             # Out of rotation for now (a breaker, a health flap, a drain): not gone.
             raise errors.ApiError(
                 503,
-                f"The previous response {response_id!r} is stored on replica {replica!r}, "
-                "which cannot take requests right now; try again shortly.",
+                f"The previous response {errors.shown(response_id)} is stored on replica "
+                f"{replica!r}, which cannot take requests right now; try again shortly.",
                 error_type="service_unavailable_error",
                 param="previous_response_id",
                 code="previous_response_unavailable",

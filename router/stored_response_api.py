@@ -70,6 +70,8 @@ class StoredResponseLookup:
 
     async def _ask_everyone(self, response_id: str, path: str) -> web.StreamResponse:
         handles = [h for h in self.registry.handles.values() if h.state.healthy]
+        if not handles:  # not "not found": nobody could be asked
+            raise errors.no_healthy_replica(1)
         answers = await asyncio.gather(*(self._get(h.base_url + path) for h in handles))
         for handle, answer in zip(handles, answers, strict=True):
             if answer is not None and answer.status_code == 200:
@@ -77,7 +79,7 @@ class StoredResponseLookup:
                 return _relayed(answer)
         raise errors.ApiError(
             404,
-            f"Response with id {response_id!r} not found on any replica.",
+            f"Response with id {errors.shown(response_id)} not found on any replica.",
             param="response_id",
             code="response_not_found",
         )
@@ -98,7 +100,7 @@ def _relayed(answer: httpx.Response) -> web.Response:
 def _gone(response_id: str, where: str) -> errors.ApiError:
     return errors.ApiError(
         404,
-        f"The response {response_id!r} {where}.",
+        f"The response {errors.shown(response_id)} {where}.",
         param="response_id",
         code="response_not_found",
     )

@@ -214,6 +214,26 @@ async def test_responses_bad_input_gets_openai_errors(
     assert a.seen == []
 
 
+async def test_errors_do_not_echo_a_huge_value_and_a_lookup_with_no_replica_up_is_503(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    a = await start_replica("a")
+    r = await start_router([a])
+    client = openai_client(r.url)
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.responses.create(model="m" * 100_000, input="x")
+    message = missing.value.body["message"]  # type: ignore[index]
+    assert len(message) < 400 and "(100000 chars)" in message
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await client.responses.retrieve("resp_" + "z" * 5_000)
+    assert len(unknown.value.body["message"]) < 400  # type: ignore[index]
+    for handle in r.router.replicas.values():
+        handle.state.healthy = False  # nobody to ask where the response is stored
+    with pytest.raises(openai.InternalServerError) as down:
+        await client.responses.retrieve("resp_somewhere")
+    assert down.value.status_code == 503
+
+
 async def test_a_follow_up_goes_where_its_previous_response_is_stored(
     start_replica: StartReplica, start_router: StartRouter
 ) -> None:
