@@ -223,7 +223,7 @@ async def test_large_body_passes_intact_in_chunks(gateway: Gateway) -> None:
             "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}
         )
     assert reply.status_code == 400
-    assert f"your request has {expected} input tokens" in reply.json()["error"]["message"]
+    assert f"your prompt contains {expected} input tokens" in reply.json()["error"]["message"]
     await settled(gateway)
 
 
