@@ -198,6 +198,8 @@ class DispatchLedger:
         prefix = request.prefix_tokens
         cached = min(prefix.get(replica, 0), request.prompt_tokens) if prefix else 0
         computed = 0 if route.transferred else request.prompt_tokens - cached
+        if request.prefix_tiers and not route.transferred:  # a load from a lower tier queues
+            computed += self.policy.queued_load_tokens(request, self.fleet.replicas[slot])
         d = Dispatch(
             replica,
             reason or route.reason,

@@ -310,6 +310,18 @@ class KvAware(Policy):
                 cost += self.tiers.tokens(held, replica.latency or self._prior_latency)
         return cost
 
+    def queued_load_tokens(self, request: RouteRequest, replica: ReplicaState) -> int:
+        """``tier_mode: time``: the load of the prompt's tier-held prefix, in prefill tokens, so
+        the next request sees it queued there (the replica's steps wait for it). Fixed weights
+        and flat price no time: nothing, as llm-d's scorer counts none."""
+        tiers = request.prefix_tiers
+        if not tiers or self.tiers.mode != "time":
+            return 0
+        held = tiers.get(replica.replica_id)
+        if not held:
+            return 0
+        return round(self.tiers.tokens(held, replica.latency or self._prior_latency))
+
     def _timed(self, replica: ReplicaState, work: float, slowdown: float) -> float:
         """``cost_unit: time``: the prefill ``work`` (uncached and queued tokens) and the
         decoding ``slowdown`` (in tokens) as this replica's latency line prices them, in tokens

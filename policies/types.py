@@ -160,6 +160,13 @@ class Policy(ABC):
         policy remembers of its own decisions as if it had made this one. Default: nothing."""
         return  # most policies keep nothing of their decisions
 
+    def queued_load_tokens(self, request: RouteRequest, replica: ReplicaState) -> int:
+        """Prefill-token equivalents that ``request`` adds to ``replica``'s queue besides the
+        tokens it computes: loading its prefix back from a lower KV tier, where the policy
+        prices that in time. The ledger adds them to the replica's queued prefill until the
+        first token. Default: nothing."""
+        return 0
+
     def describe(self) -> dict[str, Any]:
         """Parameters, for logs and the admin API."""
         return {"name": self.name}

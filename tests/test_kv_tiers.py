@@ -154,6 +154,33 @@ def test_fixed_weights_and_the_time_cost_differ_where_loading_is_cheap() -> None
     assert _decide(slow, {"cpu": (("STORAGE", 8192),)}) == "gpu"
 
 
+def test_a_load_from_a_lower_tier_queues_on_its_replica_in_time_only() -> None:
+    """The time cost's load is work on the replica until its first token (its steps wait for
+    it): the next request sees it queued there. Fixed weights (llm-d's) and flat count none."""
+    from kvroute.kvcore.ledger import DispatchLedger, Route
+
+    request = RouteRequest(
+        prompt_tokens=8192 + 256,
+        max_tokens=16,
+        block_hashes=(1, 2, 3),
+        prefix_tokens={"cpu": 8192},
+        block_tokens=16,
+        prefix_tiers={"cpu": (("CPU", 8192),)},
+    )
+    queued = {}
+    for mode in ("time", "weights", "flat"):
+        policy = KvAware(tier_mode=mode, session_ttl_s=0)
+        fleet = FleetView([ReplicaState("gpu"), ReplicaState("cpu")])
+        ledger = DispatchLedger(policy, fleet, PrefixIndex(), prediction_ttl_s=1.0)
+        d = ledger.dispatch(Route(request, ("cpu", "gpu"), "test"), "cpu", 0.0, predict=False)
+        queued[mode] = fleet.replicas[1].prefill_tokens
+        ledger.first_token(d, 0.1)
+        assert fleet.replicas[1].prefill_tokens == 0  # gone with its first token
+    # 8k tokens x 128 KiB over 51 GB/s = 21 ms, ~640 prefill tokens at 32 us, on the 256 computed.
+    assert 256 + 600 < queued["time"] < 256 + 700
+    assert queued["weights"] == queued["flat"] == 256
+
+
 def test_bad_tier_parameters_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="tier_mode must be one of time, weights, flat"):
         KvAware(tier_mode="fast")
