@@ -20,7 +20,7 @@ from kvroute.policies.kv_aware import KvAware
 from kvroute.router.config import ConfigError, config_from_dict
 from kvroute.simulator.engine import Engine, EngineConfig, EngineRequest, latency_preset
 
-from .conftest import StartEmulated, StartRouter
+from .conftest import Running, RunningRouter, StartEmulated, StartRouter
 from .helpers import replica_source, wait_until
 
 ADAPTERS = frozenset({"sql", "chat"})
@@ -249,11 +249,18 @@ async def test_adapter_requests_keep_to_the_replica_that_has_the_adapter(
     await wait_until(lambda: all(s.max_loras == 1 for s in r.router.core.fleet.replicas))
 
 
-async def test_a_hot_adapter_is_loaded_on_a_second_replica(
-    start_emulated: StartEmulated, start_router: StartRouter
-) -> None:
+async def _home_and_spare(
+    start_emulated: StartEmulated,
+    start_router: StartRouter,
+    *,
+    runtime_lora: bool,
+    **spread: float,
+) -> tuple[Running, RunningRouter]:
+    """ "home" serves the sql adapter, "spare" none (it takes runtime loads with
+    ``runtime_lora``), behind a router spreading sql once two requests run on every home: the
+    spare and the router."""
     home = await start_emulated(lora_modules={"sql": "/a/sql"}, max_loras=2, time_scale=10.0)
-    spare = await start_emulated(max_loras=2, runtime_lora=True, time_scale=10.0)
+    spare = await start_emulated(max_loras=2, runtime_lora=runtime_lora, time_scale=10.0)
     r = await start_router(
         [replica_source(home, "home"), replica_source(spare, "spare")],
         routing={"tokenizer": "builtin", "scrape_interval_s": 0.1},
@@ -262,8 +269,17 @@ async def test_a_hot_adapter_is_loaded_on_a_second_replica(
             "adapters": {"sql": "/a/sql"},
             "hot_in_flight": 2,
             "interval_s": 0.1,
-            "cooldown_s": 60.0,
+            **spread,
         },
+    )
+    return spare, r
+
+
+async def test_a_hot_adapter_is_loaded_on_a_second_replica(
+    start_emulated: StartEmulated, start_router: StartRouter
+) -> None:
+    spare, r = await _home_and_spare(
+        start_emulated, start_router, runtime_lora=True, cooldown_s=60.0
     )
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
 
@@ -295,21 +311,11 @@ async def test_a_replica_that_refuses_a_load_is_asked_again_after_retry_after_s(
     """lora.retry_after_s: the spare refuses (runtime loading is off there, as in a vLLM
     without VLLM_ALLOW_RUNTIME_LORA_UPDATING), and while the adapter stays hot it is asked
     again once that much time has passed, not sooner."""
-    home = await start_emulated(lora_modules={"sql": "/a/sql"}, max_loras=2, time_scale=10.0)
-    spare = await start_emulated(max_loras=2, time_scale=10.0)
     retry_after_s = 1.0
-    r = await start_router(
-        [replica_source(home, "home"), replica_source(spare, "spare")],
-        routing={"tokenizer": "builtin", "scrape_interval_s": 0.1},
-        lora={
-            "spread": True,
-            "adapters": {"sql": "/a/sql"},
-            "hot_in_flight": 2,
-            "interval_s": 0.1,
-            "cooldown_s": 0.0,
-            "retry_after_s": retry_after_s,
-        },
-    )
+    spare, r = await _home_and_spare(
+        start_emulated, start_router, runtime_lora=False, cooldown_s=0.0,
+        retry_after_s=retry_after_s,
+    )  # fmt: skip
     spreader = r.router.core.lora_spreader
     assert spreader is not None
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)

@@ -235,20 +235,27 @@ def jetstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-async def test_a_router_with_no_peer_up_loads_the_snapshot_others_put_in_nats(
-    fleet: Any, jetstream: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Routers put their index in a JetStream object store; one that starts when no peer
-    answers (here: none configured) loads it from there."""
+async def _publishing(fleet: Any, jetstream: str, snapshots: int) -> dict[str, Any]:
+    """A router (warmed from the first) that has put ``snapshots`` of its index in NATS; the
+    warm_start settings to read them with."""
     # The default 10 s to read the bucket ran out once on the loaded CI box (2026-12-07).
     nats = {"nats_url": jetstream, "publish_interval_s": 0.2, "timeout_s": 30.0}
     publisher, _ = await fleet.router(warm_start={"peers": [fleet.first_url], **nats})
     assert publisher.core.snapshot_publisher is not None
     await wait_until(
-        lambda: publisher.core.snapshot_publisher.published >= 2,
+        lambda: publisher.core.snapshot_publisher.published >= snapshots,
         30,
         what="the router to put its snapshot in NATS",
     )
+    return nats
+
+
+async def test_a_router_with_no_peer_up_loads_the_snapshot_others_put_in_nats(
+    fleet: Any, jetstream: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Routers put their index in a JetStream object store; one that starts when no peer
+    answers (here: none configured) loads it from there."""
+    nats = await _publishing(fleet, jetstream, snapshots=2)
     caplog.set_level(logging.INFO, logger="kvroute.router.warm_start")
     router, url = await fleet.router(warm_start=nats)
     assert f"from {jetstream} kvroute-index/pool-default" in caplog.text
@@ -265,14 +272,7 @@ async def test_a_snapshot_older_than_max_age_s_is_refused_and_the_router_starts_
 ) -> None:
     """warm_start.max_age_s: a snapshot taken longer ago than this is not loaded (its blocks may
     have left the replicas since); the router says so and learns from the events instead."""
-    nats = {"nats_url": jetstream, "publish_interval_s": 0.2, "timeout_s": 30.0}
-    publisher, _ = await fleet.router(warm_start={"peers": [fleet.first_url], **nats})
-    assert publisher.core.snapshot_publisher is not None
-    await wait_until(
-        lambda: publisher.core.snapshot_publisher.published >= 1,
-        30,
-        what="the router to put its snapshot in NATS",
-    )
+    nats = await _publishing(fleet, jetstream, snapshots=1)
     caplog.set_level(logging.INFO, logger="kvroute.router.warm_start")
     # A millisecond: less than any snapshot's trip through NATS.
     router, _ = await fleet.router(warm_start={**nats, "max_age_s": 0.001})
