@@ -27,9 +27,8 @@ log = logging.getLogger(__name__)
 
 # How a request went (kvroute_send_tokens_requests_total's ``path``).
 TOKENS = "tokens"  # as token ids to /inference/v1/generate
-NEEDS_TEXT = (
-    "request_needs_text"  # a field the token path cannot answer exactly (tools, ...), or no room
-)
+# A field the token path cannot answer exactly (tools, ...), or a prompt that leaves no room.
+NEEDS_TEXT = "request_needs_text"
 NOT_TOKENIZED = "not_tokenized"  # no tokenizer, a template error, a broken worker pool
 # The replica takes text only: no /inference/v1/generate, a reasoning parser, or not probed yet.
 REPLICA_TAKES_TEXT = "replica_takes_text"
