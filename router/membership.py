@@ -412,8 +412,12 @@ class FleetMembership:
         """A replacement that failed (did not start, not ready, or drifting): start the slot
         again on the fleet's own arguments, so a failed step costs no capacity. Says how that
         went, for the step's error."""
+        # The previous arguments ran before: give them at least the launch's own startup
+        # time, whatever the rollout allowed its replacement (a failed rollout must not leave
+        # the fleet a replica short because the model takes longer to load than that).
+        startup_s = self.fleets[pool].spec.startup_timeout_s
         try:
-            await self._start_and_join(pool, slot, None, readiness_timeout_s)
+            await self._start_and_join(pool, slot, None, max(readiness_timeout_s, startup_s))
         except FleetError as again:
             return f"starting {name} again on its previous arguments failed too: {again}"
         return f"{name} runs its previous arguments again"

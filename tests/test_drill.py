@@ -19,7 +19,7 @@ from kvroute.drill import run as drill_run
 from kvroute.drill.faults import DrillError
 from kvroute.simulator.loadgen import Outcome
 
-from .conftest import StartRouter
+from .conftest import StartReplica, StartRouter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -135,6 +135,18 @@ async def test_drill_names_configured_replicas_it_waits_for(
     assert str(err.value) == f"the router has no healthy replica after 1 s:\n  {named}"
     waiting = capsys.readouterr().err
     assert "waiting for a replica to accept connections" in waiting and named in waiting
+
+
+async def test_drill_finds_the_model_on_a_router_with_client_keys(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    """/v1/models takes a client key where the router has keys: the drill sends its own, and
+    says what the router answered if it cannot list the models."""
+    router = await start_router([await start_replica("a")], auth={"api_keys": ["drill-key-1"]})
+    async with aiohttp.ClientSession() as http:
+        assert await drill_run._first_model(http, router.url, "drill-key-1") == "tiny"
+        with pytest.raises(DrillError, match="GET /v1/models answered 401"):
+            await drill_run._first_model(http, router.url)
 
 
 async def test_drill_says_when_its_router_exits(start_router: StartRouter, tmp_path: Path) -> None:

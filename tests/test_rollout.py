@@ -170,6 +170,28 @@ async def test_readiness_timeout_s_bounds_an_added_replicas_start_unless_the_req
     assert len(fleet.launched.replicas) == 2
 
 
+async def test_a_replacement_not_ready_in_time_is_rolled_back_within_the_launchs_own_time(
+    start_fleet: StartFleet,
+) -> None:
+    """The rollout's readiness timeout fails a replacement that is slower than it; the slot
+    starts again on its previous arguments with at least launch.startup_timeout_s, so the
+    fleet keeps its size."""
+    fleet = await start_fleet(2)
+    before = fleet.names()
+    body = {"readiness_timeout_s": 0.05, "drain_timeout_s": 0.3}
+    await fleet.admin("POST", "/admin/rollout", body, expect=202)
+    progress = await _rollout_done(fleet, 120)
+    assert progress["state"] == "failed", progress
+    assert "not ready within readiness_timeout_s 0.05s" in progress["error"], progress
+    assert "runs its previous arguments again" in progress["error"], progress
+    assert fleet.names() == before and len(fleet.launched.replicas) == 2
+    await wait_until(
+        lambda: all(h.state.healthy for h in fleet.router.replicas.values()),
+        30,
+        "both replicas serving",
+    )
+
+
 async def test_admin_replicas_refuses_bad_requests_with_the_reason(
     start_fleet: StartFleet,
 ) -> None:

@@ -92,7 +92,7 @@ def run_rollout_drill(
     async def drive(router: Child) -> RolloutReport:
         async with aiohttp.ClientSession(headers=_admin_headers(config)) as http:
             await _wait_serving(http, url, router, count, ready_timeout_s)
-            model = config.models[0] if config.models else await _first_model(http, url)
+            model = config.models[0] if config.models else await _first_model(http, url, client_key)
             before = await _counters(http, url)
             started = time.monotonic()
             ended: list[float] = []

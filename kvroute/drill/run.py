@@ -156,7 +156,7 @@ async def _drive(
     async with aiohttp.ClientSession(headers=headers) as http:
         await _wait_router_ready(http, url, router, launched)
         await _wait_all_healthy(http, url, len(config.replicas))
-        model = model or await _first_model(http, url)
+        model = model or await _first_model(http, url, client_key)
         before = await _counters(http, url)
         started = time.monotonic()
         load = asyncio.create_task(
@@ -290,8 +290,12 @@ async def _wait_all_healthy(http: aiohttp.ClientSession, url: str, count: int) -
     )
 
 
-async def _first_model(http: aiohttp.ClientSession, url: str) -> str:
-    async with http.get(url + "/v1/models") as resp:
+async def _first_model(http: aiohttp.ClientSession, url: str, client_key: str | None = None) -> str:
+    """The first model the router lists (/v1/models takes a client key when it has keys)."""
+    headers = {"Authorization": f"Bearer {client_key}"} if client_key else None
+    async with http.get(url + "/v1/models", headers=headers) as resp:
+        if resp.status != 200:
+            raise DrillError(f"GET /v1/models answered {resp.status}: {await resp.text()}")
         data = (await resp.json())["data"]
     if not data:
         raise DrillError("the router lists no model")
