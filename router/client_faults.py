@@ -10,6 +10,8 @@ import logging
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from . import errors
+
 _SERVER_LOGGER = "aiohttp.server"
 # A request aiohttp could not parse or decode (bad headers, chunking, Content-Encoding), or a
 # body that broke off: what the client sent, not a fault of the router.
@@ -36,3 +38,18 @@ def quiet_client_faults() -> None:
     logger = logging.getLogger(_SERVER_LOGGER)
     if not any(isinstance(f, ClientFaultFilter) for f in logger.filters):
         logger.addFilter(ClientFaultFilter())
+
+
+def unreadable(exc: BaseException) -> errors.ApiError:
+    """The 400 for a body the client sent broken (gzip that is not, a chunk cut short)."""
+    # aiohttp's text is "400, message:\n  <why>": the why alone, on one line.
+    why = str(exc).partition("message:")[2] or str(exc)
+    return errors.bad_request(f"The request body cannot be read: {' '.join(why.split())}")
+
+
+async def read_body(request: web.Request) -> bytes:
+    """``request.read()``, with a broken body a 400 (``unreadable``), not an exception."""
+    try:
+        return await request.read()
+    except CLIENT_FAULTS as exc:
+        raise unreadable(exc) from None

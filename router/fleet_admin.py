@@ -37,6 +37,7 @@ from kvroute.backends.vllm_args import owned_flags_in
 from . import errors
 from .auth import Auth
 from .autoscaling import AutoscaleLoop
+from .client_faults import read_body
 from .config import Config, ReplicaConfig
 from .core import RoutingCore
 from .dp_ranks import replica_of
@@ -331,7 +332,7 @@ class FleetControl:
 
 
 async def _decode(request: web.Request, kind: type[msgspec.Struct]) -> Any:
-    raw = await request.read()
+    raw = await read_body(request)
     try:
         return msgspec.json.decode(raw or b"{}", type=kind)
     except msgspec.ValidationError as exc:

@@ -44,6 +44,7 @@ from .agent_resume import (
 )
 from .attempts import RetryPlan, try_in_order
 from .auth import Auth
+from .client_faults import unreadable
 from .config import Config
 from .deadlines import Deadlines
 from .disaggregation import Disaggregation, PdMetrics, decode_body, transferred
@@ -666,11 +667,7 @@ class RequestPipeline:
         except TimeoutError:
             raise errors.request_timeout("Sending the request body") from None
         except (web.RequestPayloadError, HttpProcessingError) as exc:  # e.g. gzip that is not
-            # aiohttp's text is "400, message:\n  <why>": the why alone, on one line.
-            why = str(exc).partition("message:")[2] or str(exc)
-            raise errors.bad_request(
-                f"The request body cannot be read: {' '.join(why.split())}"
-            ) from None
+            raise unreadable(exc) from None
 
     def _client_headers(self, request: web.Request) -> tuple[tuple[bytes, bytes], ...]:
         """Headers passed on to replicas: with router API keys, never the client's key."""

@@ -21,6 +21,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from .. import errors
 from ..auth import Auth
+from ..client_faults import read_body
 from ..config import BatchConfig
 from ..pipeline import ModelCatalog
 from ..tenants import DEFAULT_TENANT, Tenants
@@ -131,7 +132,7 @@ class BatchApi(LaneEndpoints):
         limit = self.config.max_file_bytes
         try:
             return await self._read_parts(request, limit)
-        except (ValueError, HttpProcessingError) as exc:
+        except (ValueError, HttpProcessingError, web.RequestPayloadError) as exc:
             # aiohttp's multipart reader on a malformed body, or a part's malformed headers
             # (a control character in a file name, say): the client's fault, not the store's.
             why = getattr(exc, "message", None) or str(exc)
@@ -301,7 +302,7 @@ def _guarded(handler: Handler) -> Handler:
 
 async def _json_body(request: web.Request) -> Any:
     try:
-        return json.loads(await request.read())
+        return json.loads(await read_body(request))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise errors.bad_request("The request body is not valid JSON.") from None
 

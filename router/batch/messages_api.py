@@ -22,6 +22,7 @@ from aiohttp import web
 
 from .. import errors
 from ..agent_request import parse_messages
+from ..client_faults import CLIENT_FAULTS, unreadable
 from .api import LaneEndpoints
 from .messages_model import (
     ID_PREFIX,
@@ -211,13 +212,16 @@ async def _json_body(request: web.Request, limit: int) -> Any:
     """The body, read up to ``limit`` bytes (batch.max_file_bytes: a batch's requests come in
     its body, as a file's lines come in an upload)."""
     chunks, size = [], 0
-    while chunk := await request.content.read(1 << 16):
-        size += len(chunk)
-        if size > limit:
-            raise errors.ApiError(
-                413, f"The request body is larger than batch.max_file_bytes ({limit})."
-            )
-        chunks.append(chunk)
+    try:
+        while chunk := await request.content.read(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                raise errors.ApiError(
+                    413, f"The request body is larger than batch.max_file_bytes ({limit})."
+                )
+            chunks.append(chunk)
+    except CLIENT_FAULTS as exc:
+        raise unreadable(exc) from None
     try:
         return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
