@@ -69,7 +69,8 @@ class StoredResponseLookup:
             return exc.response(errors.OPENAI)
 
     async def _ask_everyone(self, response_id: str, path: str) -> web.StreamResponse:
-        handles = [h for h in self.registry.handles.values() if h.state.healthy]
+        everyone = list(self.registry.handles.values())
+        handles = [h for h in everyone if h.state.healthy]
         if not handles:  # not "not found": nobody could be asked
             raise errors.no_healthy_replica(1)
         answers = await asyncio.gather(*(self._get(h.base_url + path) for h in handles))
@@ -77,6 +78,21 @@ class StoredResponseLookup:
             if answer is not None and answer.status_code == 200:
                 self.stored.remember(response_id, handle.name)
                 return _relayed(answer)
+        unheard = (
+            len(everyone)
+            - len(handles)
+            + sum(answer is None or answer.status_code >= 500 for answer in answers)
+        )
+        if unheard:  # the one replica that holds it may be among those not heard from
+            raise errors.ApiError(
+                503,
+                f"Response with id {errors.shown(response_id)} is on none of the replicas that "
+                f"answered, and {unheard} could not be asked; try again shortly.",
+                error_type="service_unavailable_error",
+                param="response_id",
+                code="response_lookup_incomplete",
+                headers={"Retry-After": "1"},
+            )
         raise errors.ApiError(
             404,
             f"Response with id {errors.shown(response_id)} not found on any replica.",

@@ -189,7 +189,8 @@ async def test_responses_bad_input_gets_openai_errors(
     start_replica: StartReplica, start_router: StartRouter
 ) -> None:
     a = await start_replica("a")
-    r = await start_router([a])
+    # No probe during the test: it marks the replica down by hand at the end.
+    r = await start_router([a], health={"interval_s": 60})
     client = openai_client(r.url)
     with pytest.raises(openai.BadRequestError) as caught:
         await client.responses.create(model="tiny", input=[{"type": "item_reference", "id": "x"}])
@@ -225,6 +226,22 @@ async def test_responses_bad_input_gets_openai_errors(
     with pytest.raises(openai.InternalServerError) as down:
         await client.responses.retrieve("resp_somewhere")
     assert down.value.status_code == 503
+
+
+async def test_a_response_not_found_where_a_replica_could_not_be_asked_is_a_503(
+    start_replica: StartReplica, start_router: StartRouter
+) -> None:
+    """A 404 says the response is gone for good: only when every replica was asked."""
+    a, b = await start_replica("a"), await start_replica("b")
+    r = await start_router([a, b], health={"interval_s": 60})
+    client = openai_client(r.url)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve("resp_nowhere")
+    r.router.replicas["b"].state.healthy = False  # b may hold it, and is not asked
+    with pytest.raises(openai.InternalServerError) as unsure:
+        await client.responses.retrieve("resp_nowhere")
+    assert unsure.value.status_code == 503
+    assert unsure.value.body["code"] == "response_lookup_incomplete"  # type: ignore[index]
 
 
 async def test_a_follow_up_goes_where_its_previous_response_is_stored(
