@@ -601,14 +601,20 @@ def _expect_handler(max_body_bytes: int) -> Callable[[web.Request], Awaitable[we
 
     async def expect(request: web.Request) -> web.Response | None:
         shape = errors.shape_of_path(request.path)
+        refused: web.Response | None = None
         if request.headers.get("Expect", "").lower() != "100-continue":
             message = "Only 'Expect: 100-continue' is supported."
             error = errors.ApiError(417, message, param="Expect", code="expectation_failed")
-            return error.response(shape)
-        length = request.content_length
-        if length is not None and length > max_body_bytes:
-            return errors.body_too_large(max_body_bytes).response(shape)
+            refused = error.response(shape)
+        elif request.content_length is not None and request.content_length > max_body_bytes:
+            refused = errors.body_too_large(max_body_bytes).response(shape)
+        if refused is not None:
+            # The body may still come (or never): the connection ends with the answer, or its
+            # next request would be read from the body's bytes.
+            refused.force_close()
+            return refused
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp's own: an error after it still answers
         return None
 
     return expect
