@@ -72,12 +72,14 @@ class Dispatch:
     request: RouteRequest
     cached_tokens: int  # prompt tokens the index expects the replica to hold
     cost: int  # prompt + max output tokens: in flight while it runs
-    prefill: int  # uncached prompt tokens: queued prefill until its first token
+    # Uncached prompt tokens, plus a lower tier's load in prefill tokens where the policy prices
+    # it in time (Policy.queued_load_tokens): queued prefill until its first token.
+    prefill: int
     slot: int  # the replica's position in the fleet when dispatched (the shared board's row)
     state: ReplicaState  # the replica's load, counted down here even if it has left the fleet
     held: int = 0  # leading blocks the replica held by events when routed
     sent_at: float = 0.0  # ``now`` at dispatch
-    ahead: int = 0  # uncached prompt tokens the router had queued there before this one
+    ahead: int = 0  # the prefill (as ``prefill``) the router had queued there before this one
     answered_at: float = -1.0  # ``now`` at its first token (-1: not yet)
     batch: int = 0  # requests in flight on the replica then: the batch it decodes in
     confirmed_tokens: int | None = None  # prompt tokens the engine reported reusing (its usage)

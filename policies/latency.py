@@ -4,6 +4,7 @@ Two straight lines, one per phase, fitted to what each replica really did:
 
     TTFT(work) = ttft_base_s + prefill_s_per_token x work
         work: the uncached prompt tokens queued ahead of a request on that replica, plus its own
+        (and, with kv_aware's time cost, the loads from lower KV tiers as prefill tokens)
     TPOT(batch) = tpot_base_s + tpot_per_seq_s x batch
         batch: the sequences decoding there at once
 

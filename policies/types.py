@@ -34,7 +34,8 @@ class ReplicaState:
     in_flight: int = 0
     in_flight_tokens: int = 0
     # Of those, requests still waiting for their first token, and their uncached prompt
-    # tokens: the prefill work queued ahead of a new request.
+    # tokens (with tier loads the policy prices in time, as prefill tokens): the prefill work
+    # queued ahead of a new request.
     prefilling: int = 0
     prefill_tokens: int = 0
     # What the replica itself last reported (None until a fresh report exists).
