@@ -435,7 +435,8 @@ def _resolved_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             name = change.get("name")
             if name not in by_name:
                 raise AgentRequestError(
-                    f"{block['type']} references tool {name!r}, which is not declared in tools",
+                    f"{_cut(block['type'])} references tool {_cut(name)}, which is not declared "
+                    "in tools",
                     "messages",
                 )
             if block["type"] == "tool_addition":
@@ -594,7 +595,13 @@ def _item_message(
             raise AgentRequestError(f"'{where}.role' must be a string.", f"{where}.role")
         _check_texts(item.get("content"), f"{where}.content")
         return item
-    raise AgentRequestError(f"Unsupported input item type: {kind}", "input")
+    raise AgentRequestError(f"Unsupported input item type: {_cut(kind, quote=False)}", "input")
+
+
+def _cut(value: Any, limit: int = 200, *, quote: bool = True) -> str:
+    """A client's value in an error message, at most ``limit`` characters of it."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
 def _check_texts(content: Any, where: str) -> None:

@@ -218,6 +218,10 @@ async def test_responses_bad_input_gets_openai_errors(
         await client.responses.create(model="m" * 100_000, input="x")
     message = huge.value.body["message"]  # type: ignore[index]
     assert len(message) < 400 and "(100000 chars)" in message
+    with pytest.raises(openai.BadRequestError) as kind:
+        await client.post("/responses", body={"model": "tiny", "input": [{"type": "k" * 50_000}]},
+                          cast_to=object)  # fmt: skip
+    assert len(kind.value.body["message"]) < 400  # type: ignore[index]
     with pytest.raises(openai.NotFoundError) as unknown:
         await client.responses.retrieve("resp_" + "z" * 5_000)
     assert len(unknown.value.body["message"]) < 400  # type: ignore[index]
