@@ -1,7 +1,8 @@
 """Circuit breaker per replica: passive outlier detection from live traffic (pure, no clock).
 
-Failures are transport errors (connect, timeout, broken connection) and 5xx answers; a 4xx is
-the client's fault and counts as a success for the replica. The breaker:
+Failures are transport errors (connect, timeout, broken connection) and 5xx answers but 501 and
+505 (what the request asks is not implemented: the caller records those as successes, as a 4xx,
+the client's fault, counts). The breaker:
 
 - opens after ``consecutive_failures`` failures in a row, or when at least ``min_requests``
   outcomes in the last ``window_s`` seconds failed at a rate of ``failure_rate`` or more, or at

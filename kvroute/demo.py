@@ -18,6 +18,7 @@ from kvroute.bench.chat_load import RunResult, measured_run
 from kvroute.kvcore.tokenizer import HFTokenizerFiles, SimpleTokenizer, Tokenizer
 from kvroute.router.config import config_from_dict
 from kvroute.router.launching import routing_for_launch
+from kvroute.router.runner import app_runner
 from kvroute.router.server import Router
 from kvroute.simulator.workload import Conversation, multi_tenant_chat
 
@@ -244,7 +245,7 @@ async def _run_policy(
     )
     config = msgspec.structs.replace(config, routing=routing_for_launch(config.routing, fleet.spec))
     router = Router(config)
-    runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
+    runner = app_runner(router)  # as kvroute serve builds it
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"

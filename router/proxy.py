@@ -197,7 +197,8 @@ async def relay(
     ``on_first_byte(status)`` is called once the replica has answered: the first chunk of a
     stream (its first token: the prefill is done), or the headers of a whole response.
     Raises ``UpstreamUnavailable`` only while nothing has been sent to the client yet, and for
-    a 5xx, 408 or 429 answer when ``call.retry_status`` (the caller will try another replica).
+    a 5xx (but 501/505), 408 or 429 answer when ``call.retry_status`` (the caller will try
+    another replica).
     A streamed request's headers must come within ``first_byte_s`` (vLLM sends them at once);
     a non-streamed one's come with the whole answer, within ``first_token_s``.
     """
