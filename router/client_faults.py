@@ -1,11 +1,14 @@
 """Malformed requests are the client's fault: aiohttp answers them (400, 413, ...) and then logs
 each at ERROR with a traceback, so any client can fill the router's log at will. This filter on
 aiohttp's server logger keeps such a record at DEBUG, on one line, and lets everything else
-through as it is."""
+through as it is. One raised out of a request handler is left alone: aiohttp answered that 500,
+so it is the router's fault, not the client's."""
 
 from __future__ import annotations
 
 import logging
+import traceback
+from types import TracebackType
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -21,7 +24,7 @@ CLIENT_FAULTS: tuple[type[BaseException], ...] = (HttpProcessingError, web.Reque
 class ClientFaultFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, CLIENT_FAULTS):
+        if not isinstance(exc, CLIENT_FAULTS) or _raised_in_a_handler(exc.__traceback__):
             return True
         logger = logging.getLogger(record.name)
         if not logger.isEnabledFor(logging.DEBUG):
@@ -31,6 +34,12 @@ class ClientFaultFilter(logging.Filter):
         record.exc_info = record.exc_text = None
         record.levelno, record.levelname = logging.DEBUG, "DEBUG"
         return True
+
+
+def _raised_in_a_handler(tb: TracebackType | None) -> bool:
+    # aiohttp runs every handler under RequestHandler._handle_request and answers 500 for what
+    # escapes it; its parser's errors (400) are raised outside it.
+    return any(frame.f_code.co_name == "_handle_request" for frame, _ in traceback.walk_tb(tb))
 
 
 def quiet_client_faults() -> None:

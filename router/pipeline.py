@@ -23,7 +23,6 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
 from kvroute.kvcore import pd, token_path
@@ -44,7 +43,7 @@ from .agent_resume import (
 )
 from .attempts import RetryPlan, try_in_order
 from .auth import Auth
-from .client_faults import unreadable
+from .client_faults import CLIENT_FAULTS, unreadable
 from .config import Config
 from .deadlines import Deadlines
 from .disaggregation import Disaggregation, PdMetrics, decode_body, transferred
@@ -666,7 +665,7 @@ class RequestPipeline:
             raise errors.body_too_large(max_body) from None
         except TimeoutError:
             raise errors.request_timeout("Sending the request body") from None
-        except (web.RequestPayloadError, HttpProcessingError) as exc:  # e.g. gzip that is not
+        except CLIENT_FAULTS as exc:  # e.g. gzip that is not
             raise unreadable(exc) from None
 
     def _client_headers(self, request: web.Request) -> tuple[tuple[bytes, bytes], ...]:

@@ -45,8 +45,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
+from kvroute.router.client_faults import quiet_client_faults
 
 from .conftest import RunningRouter, StartReplica, StartRouter
 from .fake_replica import FakeReplica
@@ -1196,6 +1199,37 @@ async def test_malformed_requests_do_not_fill_the_log_with_tracebacks(
     bad_chunk = await exchange(port, chunks.replace(b"Content-Length: 0\r\n", b"") + b"zz\r\n")
     assert bad_chunk.status == 400
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+async def test_a_client_fault_raised_out_of_a_handler_is_still_logged_as_the_routers_500(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The filter quiets what aiohttp's parser refuses (a 400), not a body error some handler
+    failed to catch: aiohttp answers that 500, and a 500 is the router's fault to be seen."""
+
+    async def careless(request: web.Request) -> web.Response:
+        raise web.RequestPayloadError("a handler that does not catch this")
+
+    app = web.Application()
+    app.router.add_post("/careless", careless)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    quiet_client_faults()
+    caplog.set_level(logging.INFO)
+    try:
+        port = runner.addresses[0][1]
+        answer = await exchange(port, request_bytes("/careless", b"{}"))
+        assert answer.status == 500
+        parse_error = await exchange(port, b"GET /x HTTP/1.1\r\nHost: x\r\nBad\x01Name: y\r\n\r\n")
+        assert parse_error.status == 400
+    finally:
+        await runner.cleanup()
+    errors_logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors_logged) == 1, [r.getMessage() for r in errors_logged]
+    assert errors_logged[0].exc_info is not None
+    assert isinstance(errors_logged[0].exc_info[1], web.RequestPayloadError)
 
 
 async def test_non_utf8_bearer_key_is_401(
