@@ -86,6 +86,7 @@ EngineHash = int | bytes
 Pieces = tuple[int, ...]  # (value, start, value, start, value, ...) along a run
 
 _MIN_SHIFT = 256  # replica indices below it need no re-encoding of the values (see _reshift)
+_RENEW_MEMO_TAIL = 4  # a prompt's last blocks that each key its renewal memo (_memo_renewed)
 _MAX_RUN = 256  # blocks: events extend a run up to there (a lookup scans a run to find a block)
 _sink: deque[object] = deque(maxlen=0)
 _consume = _sink.extend  # runs an iterator in C, keeping nothing
@@ -843,9 +844,7 @@ class PrefixIndex:
         recorded = new + len(renewed)
         self._pred_count += new
         # Every block of the prompt is now held or predicted for at least ttl_s / 2.
-        key = (rep.index, router_hashes[-1])
-        self._renewed[key] = now + ttl_s / 2
-        self._renewed.move_to_end(key)
+        self._memo_renewed(rep, router_hashes, len(router_hashes), now + ttl_s / 2)
         if recorded:
             self.stats.predicted += recorded
             self._pred_seq += 1
@@ -940,6 +939,19 @@ class PrefixIndex:
         exp.update(zip(renewed, repeat(expires)))
         return distinct
 
+    def _memo_renewed(
+        self, rep: _Replica, router_hashes: Sequence[int], end: int, until: float
+    ) -> None:
+        """Remember until when a renewal of ``router_hashes[:end]`` is spared: keyed by the last hash (the
+        chain names the whole prefix) and by the few before it, since a conversation's next turn
+        often parts from its previous prompt a block or two before that prompt's end (the
+        generation prompt's block now holds the reply), and would otherwise renew it all."""
+        memo = self._renewed
+        for rh in router_hashes[max(0, end - _RENEW_MEMO_TAIL) : end]:
+            key = (rep.index, rh)
+            memo[key] = until
+            memo.move_to_end(key)
+
     def _renew(
         self,
         rep: _Replica,
@@ -956,8 +968,7 @@ class PrefixIndex:
         until = memo.get(key)
         if until is not None and until > now:
             return []
-        memo[key] = now + ttl_s / 2
-        memo.move_to_end(key)
+        self._memo_renewed(rep, router_hashes, known, now + ttl_s / 2)
         exp = self._pred_exp[rep.index]
         expires = now + ttl_s
         renewed: list[int] = []

@@ -478,6 +478,26 @@ def test_predictions_count_until_ttl_then_expire() -> None:
     assert idx.predicted_entries == 4
 
 
+def test_a_next_turn_parting_in_its_previous_prompts_last_block_renews_only_what_is_new() -> None:
+    """A conversation's next turn often parts from its previous prompt in that prompt's last
+    block (the generation prompt's block now holds the reply). Its hinted prediction renews
+    only its new blocks, not the whole history again, and the history stays predicted."""
+    idx = PrefixIndex()
+    history = list(range(1, 101))
+    idx.predict("r", history, now=0.0, ttl_s=10.0)
+    turn = [*history[:-1], *range(1000, 1010)]  # parts at the previous prompt's last block
+    match = idx.match(turn, 1.0)["r"]
+    assert match == PrefixMatch(99, 0)
+    before = idx.stats.predicted
+    idx.predict("r", turn, now=1.0, ttl_s=10.0, held=match.confirmed, known=match.blocks)
+    assert idx.stats.predicted - before == 10
+    assert idx.match(turn, 9.9) == {"r": PrefixMatch(109, 0)}
+    # Past the spared time (ttl_s / 2) the next turn renews the history in one pass.
+    later = [*turn[:-1], 2000]
+    idx.predict("r", later, now=6.0, ttl_s=10.0, held=0, known=108)
+    assert idx.match(later, 15.9) == {"r": PrefixMatch(109, 0)}
+
+
 def test_predictions_superseded_by_events_and_combined() -> None:
     idx = PrefixIndex()
     t = toks(4)
