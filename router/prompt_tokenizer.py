@@ -174,7 +174,11 @@ class PromptTokenizer:
             ids_bytes = cache_bytes - render_bytes - cache_bytes // PARSE_SHARE
             # A template that emits no special token is cut after verified newlines.
             self.prefix_cache, why = prefix_cache_for(
-                tok.cut_tokens(), tok.encode_plain, ids_bytes, line_cuts=True
+                tok.cut_tokens(),
+                tok.encode_plain,
+                ids_bytes,
+                line_cuts=True,
+                pretokens=tok.pretokens_plain,
             )
             if self.prefix_cache is None:
                 log.warning("conversations are tokenized whole each turn (%s): %s", spec, why)

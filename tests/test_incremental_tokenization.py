@@ -363,7 +363,14 @@ def plain_qwen3(
 
 
 def line_cache(tok: HFTokenizerFiles, min_chars: int = 0) -> PrefixTokenCache:
-    cache, why = prefix_cache_for(tok.cut_tokens(), tok.encode_plain, 1 << 30, line_cuts=True)
+    """As the router builds it: line cuts verified by pre-tokens where the tokenizer tells."""
+    cache, why = prefix_cache_for(
+        tok.cut_tokens(),
+        tok.encode_plain,
+        1 << 30,
+        line_cuts=True,
+        pretokens=tok.pretokens_plain,
+    )
     assert cache is not None, why
     cache.min_prefix_chars = min_chars
     return cache
@@ -440,6 +447,30 @@ def test_line_cut_ok_rejects_a_cut_the_tokenizer_does_not_split_at(
     encode = plain_qwen3.encode_plain
     assert not line_cut_ok(encode, "a\n\n\nb", 2)
     assert line_cut_ok(encode, "a\nb", 2)
+    pretokens = plain_qwen3.pretokens_plain
+    assert pretokens("a\nb") is not None  # told by pre-tokens, and the same answers
+    assert not line_cut_ok(encode, "a\n\n\nb", 2, pretokens=pretokens)
+    assert line_cut_ok(encode, "a\nb", 2, pretokens=pretokens)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.lists(st.sampled_from([*LINE_WORDS, "\n", "\t", "日本", "<s>"]), max_size=30).map(
+        "".join
+    ),
+    at=st.integers(0, 200),
+    which=st.sampled_from(["plain", "plain_qwen3"]),
+)
+def test_a_line_cut_verified_by_pretokens_gets_the_ids_answer(
+    request: pytest.FixtureRequest, text: str, at: int, which: str
+) -> None:
+    """With pre-tokens, a cut gets the answer that encoding its window gives (pre-tokens
+    accept it, or the ids decide; non-ASCII or an added token: the ids)."""
+    tok: HFTokenizerFiles = request.getfixturevalue(which)
+    at = min(at, len(text))
+    by_ids = line_cut_ok(tok.encode_plain, text, at, window=24)
+    by_pretokens = line_cut_ok(tok.encode_plain, text, at, window=24, pretokens=tok.pretokens_plain)
+    assert by_pretokens == by_ids
 
 
 def test_a_tokenizer_that_merges_across_lines_gets_no_line_cuts() -> None:
@@ -503,6 +534,32 @@ def test_a_first_turn_in_chunks_is_the_whole_texts_tokenization(
         assert (list(pieces[0]), list(pieces[1])) == (list(mid), list(tail))
         full = tok.encode_plain(text)
         assert cache.commit(plan, pieces, BS, None) == (len(full), block_hashes(full, BS, None))
+
+
+def test_a_text_with_no_cut_point_is_one_chunk_that_joins(plain: HFTokenizerFiles) -> None:
+    cache = line_cache(plain)
+    plan = cache.plan("one long line with no newline to cut at")
+    assert plan.last_token == ""
+    chunks = cache.chunks(plan, 8)
+    assert chunks.texts == [plan.text]
+    pieces = chunks.join(plain.encode_batch_plain(chunks.texts))
+    assert pieces is not None
+    mid, tail = tokenize_plan(plain.encode_plain, plan)
+    assert (list(pieces[0]), list(pieces[1])) == (list(mid), list(tail))
+
+
+def test_a_line_cut_the_pretokens_accept_encodes_nothing(plain_qwen3: HFTokenizerFiles) -> None:
+    encoded: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        encoded.append(text)
+        return plain_qwen3.encode_plain(text)
+
+    pretokens = plain_qwen3.pretokens_plain
+    assert line_cut_ok(encode, "user: hi there\nassistant: ok", 15, pretokens=pretokens)
+    assert encoded == []
+    assert not line_cut_ok(encode, "a\n\n\nb", 2, pretokens=pretokens)  # the ids decide
+    assert encoded
 
 
 def test_chunks_that_do_not_start_with_their_special_token_do_not_join() -> None:

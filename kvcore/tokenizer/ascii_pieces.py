@@ -307,14 +307,28 @@ class AsciiPieceEncoder:
                     self._encode_text(part, ids)
         return True
 
-    def _encode_text(self, text: str, ids: list[int]) -> None:
-        """A text with no added token in it: its pre-tokens' ids, cached."""
+    def pretokens(self, text: str) -> list[str] | None:
+        """The pre-tokens ``encode(text, False)`` gives ids of, one by one; None for a text it
+        does not take or that holds an added token. Each pre-token's ids depend on it alone,
+        so two texts whose pre-tokens are the same have the same ids."""
+        if not text or not text.isascii():
+            return None
+        if self._any_added is not None and self._any_added.search(text) is not None:
+            return None
+        return self._pretokens(text)
+
+    def _pretokens(self, text: str) -> list[str]:
         plan = self.plan
         if plan.add_prefix_space and not text.startswith(" "):
             text = " " + text
         pieces = _isolated(plan.splits[0], text)
         for split in plan.splits[1:]:
             pieces = [p for piece in pieces for p in _isolated(split, piece)]
+        return pieces
+
+    def _encode_text(self, text: str, ids: list[int]) -> None:
+        """A text with no added token in it: its pre-tokens' ids, cached."""
+        pieces = self._pretokens(text)
         cache = self._cache
         get = cache.get
         for piece in pieces:

@@ -155,6 +155,11 @@ class HFTokenizerFiles:
         """Ids without special tokens added (how a rendered chat prompt is encoded)."""
         return self.encode(text, add_special_tokens=False)
 
+    def pretokens_plain(self, text: str) -> list[str] | None:
+        """The pre-tokens ``encode_plain`` encodes one by one (ASCII text), or None."""
+        pieces = self.ascii_pieces
+        return pieces.pretokens(text) if pieces is not None else None
+
     def encode_batch_plain(self, texts: Sequence[str]) -> list[list[int]]:
         """Each text's ids without special tokens added, by the library's batch encoder: it
         releases the GIL, so batches encoded on several threads run in parallel (the same ids

@@ -26,7 +26,8 @@ A chat template that emits no special token (``role: content`` lines) gets *line
 instead: right after a newline, where the piece after it is tokenized alone. Whether a
 tokenizer splits there depends on the text around it (a space before the newline, what starts
 the next line), so every line cut is verified on the text it is used in: the ids of a window of
-``WINDOW`` characters on each side must be the ids of its two halves (``line_cut_ok``); a
+``WINDOW`` characters on each side must be the ids of its two halves (``line_cut_ok``: where
+the tokenizer says how it pre-tokenizes, by its pre-tokens, since each has ids of its own); a
 cached prefix whose end fails that on the new text is not used, a last cut that fails gives
 way to an earlier newline. ``check_line_cuts`` tests the tokenizer on probe lines first (a
 SentencePiece-style tokenizer that marks the start of its input fails and gets no cache).
@@ -60,6 +61,9 @@ LINE_TRIES = 8
 CHUNK_CHARS = 16_384
 
 Encode = Callable[[str], Sequence[int]]  # text -> ids, without special tokens added
+# text -> the pre-tokens ``Encode`` gives the ids of one by one (each's ids its own), or None
+# where it cannot tell (then a line cut is verified by encoding).
+Pretokens = Callable[[str], Sequence[str] | None]
 HASH_BYTES = 48  # a 64-bit hash as an int object and a pointer to it
 HashKey = tuple[int, str | None]  # (block size, extra key)
 
@@ -132,8 +136,10 @@ class PrefixTokenCache:
         min_prefix_chars: int = MIN_PREFIX_CHARS,
         *,
         line_cuts: bool = False,
+        pretokens: Pretokens | None = None,
     ) -> None:
         self._encode = encode
+        self._pretokens = pretokens
         self._split = dict(split_tokens)
         # Verified line cuts instead of special tokens (a template that emits none).
         self.line_cuts = line_cuts and not self._split
@@ -177,8 +183,8 @@ class PrefixTokenCache:
         (verified line cuts, or special tokens), to encode as a batch: ``Chunks.join`` gives
         what ``tokenize_plan`` gives."""
         text, start, last = plan.text, plan.start, plan.last
-        if not plan.last_token:  # no cut point: one piece
-            return Chunks([text], [-1], 1)
+        if not plan.last_token:  # no cut point: one piece, the tail
+            return Chunks([text], [-1], 0)
         bounds = [(start, plan.after, plan.after_id)]
         target = start + chunk_chars
         while target < last - chunk_chars // 4:
@@ -207,7 +213,7 @@ class PrefixTokenCache:
                 if found < 0:
                     return None
                 at = found + 1
-                if line_cut_ok(self._encode, text, at):
+                if line_cut_ok(self._encode, text, at, pretokens=self._pretokens):
                     return at, LINE, ALONE
             return None
         best: tuple[int, str, int] | None = None
@@ -292,7 +298,8 @@ class PrefixTokenCache:
                 key = (end, _digest(text, data, end))
                 entry = self._entries.get(key)
                 if entry is not None and (
-                    not self.line_cuts or line_cut_ok(self._encode, text, end)
+                    not self.line_cuts
+                    or line_cut_ok(self._encode, text, end, pretokens=self._pretokens)
                 ):
                     self._entries.move_to_end(key)
                     self.stats.hits += 1
@@ -330,7 +337,7 @@ class PrefixTokenCache:
                 at = text.rfind(LINE, start, at)
                 if at < 0:
                     break
-                if line_cut_ok(self._encode, text, at + 1):
+                if line_cut_ok(self._encode, text, at + 1, pretokens=self._pretokens):
                     return at + 1, LINE
             return start, ""
         best, best_token = start, ""
@@ -479,13 +486,31 @@ def check_cuts(encode: Encode, split_tokens: dict[str, int]) -> str | None:
     return None
 
 
-def line_cut_ok(encode: Encode, text: str, at: int, window: int = WINDOW) -> bool:
+def line_cut_ok(
+    encode: Encode,
+    text: str,
+    at: int,
+    window: int = WINDOW,
+    *,
+    pretokens: Pretokens | None = None,
+) -> bool:
     """Whether the tokenizer splits ``text`` at ``at``: the ids of up to ``window``
-    characters on each side are the ids of the part before it then those of the part after."""
+    characters on each side are the ids of the part before it then those of the part after.
+    With ``pretokens``, a cut whose halves' pre-tokens are the whole's is accepted without
+    encoding: each pre-token's ids are its own, so equal pre-tokens give equal ids. Otherwise
+    the ids decide (" \n" is one pre-token at a text's end and two before a word, with the
+    same ids)."""
     left = text[max(0, at - window) : at]
     right = text[at : at + window]
     if not left or not right:
         return True
+    if pretokens is not None:
+        whole = pretokens(left + right)
+        if whole is not None and list(whole) == [
+            *(pretokens(left) or ()),
+            *(pretokens(right) or ()),
+        ]:
+            return True
     return list(encode(left + right)) == [*encode(left), *encode(right)]
 
 
@@ -528,7 +553,12 @@ class Chunks:
 
 
 def prefix_cache_for(
-    split_tokens: dict[str, int], encode: Encode, max_bytes: int, *, line_cuts: bool = False
+    split_tokens: dict[str, int],
+    encode: Encode,
+    max_bytes: int,
+    *,
+    line_cuts: bool = False,
+    pretokens: Pretokens | None = None,
 ) -> tuple[PrefixTokenCache | None, str]:
     """A cache for a tokenizer, or None and why not (its special tokens do not split texts).
     ``line_cuts``: its chat template emits no special token; cut after newlines instead."""
@@ -538,7 +568,7 @@ def prefix_cache_for(
         problem = check_line_cuts(encode)
         if problem is not None:
             return None, problem
-        return PrefixTokenCache(encode, {}, max_bytes, line_cuts=True), ""
+        return PrefixTokenCache(encode, {}, max_bytes, line_cuts=True, pretokens=pretokens), ""
     problem = check_cuts(encode, split_tokens)
     if problem is not None:
         return None, problem
