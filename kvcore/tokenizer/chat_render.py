@@ -219,7 +219,9 @@ class _Entry:
     messages: list[dict[str, Any]]  # as the request gave them
     # The pickle of each message that is not just a role and a content string, by position.
     exact: dict[int, bytes]
-    body: str  # the loop's output for these messages
+    # The loop's output for these messages, in the pieces each turn added: joined once, into
+    # the whole text (a 400 KB conversation's history is not copied twice a turn).
+    body: list[str]
     size: int
 
 
@@ -267,16 +269,17 @@ class ChatRenderCache:
         if start < 0 or end < start or out.count(START) != 1 or out.count(END) != 1:
             self.stats.split_failures += 1
             return None
+        added = out[start + len(START) : end]
         if found is not None:
             self.stats.hits += 1
             self.stats.reused_messages += k
-            body = found.body + out[start + len(START) : end]
+            body = [*found.body, added] if added else found.body
             exact = dict(found.exact)
             # The conversation moved on: its previous turn's entry is superseded.
             self._drop((ctx, k, _mark(messages[k - 1])))
         else:
             self.stats.misses += 1
-            body = out[start + len(START) : end]
+            body = [added]
             exact = {}
         n = len(messages)
         if n:
@@ -286,7 +289,7 @@ class ChatRenderCache:
                     exact[i] = mark
             entry = _Entry(messages[:], exact, body, _size(body, n))
             self._store((ctx, n, _mark(messages[-1])), entry)
-        return "".join((out[:start], body, out[end + len(END) :]))
+        return "".join((out[:start], *body, out[end + len(END) :]))
 
     def _longest(self, ctx: bytes, messages: list[dict[str, Any]]) -> tuple[_Entry | None, int]:
         """The cached entry of the longest prefix of these messages, and its length."""
@@ -336,7 +339,7 @@ def _mark(message: dict[str, Any]) -> object:
     return pickle.dumps(message, protocol=5)
 
 
-def _size(body: str, messages: int) -> int:
+def _size(body: list[str], messages: int) -> int:
     """Bytes an entry keeps alive: its body, about as much in the messages' strings, and
     some per message."""
-    return 2 * sys.getsizeof(body) + 64 * messages
+    return 2 * sum(map(sys.getsizeof, body)) + 64 * messages
