@@ -323,6 +323,23 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--time-scale.",
     )
     replay.add_argument(
+        "--programs",
+        type=positive_int,
+        metavar="N",
+        help="Keep only the trace's first N agent programs (a session and its sub-agents, in "
+        "the order of their first requests). With --closed-loop --programs-in-flight N: N "
+        "agents started together and run to their end, none replacing them (a drain, as "
+        "llm-d's program-aware fairness runs: sessions = concurrency).",
+    )
+    replay.add_argument(
+        "--max-gap-s",
+        type=positive_float,
+        metavar="S",
+        help="With --closed-loop: wait at most S seconds between a response and its session's "
+        "next request, whatever the trace recorded (inference-perf's trace replay caps them "
+        "with max_wait_ms; llm-d's program-aware runs at 15 s).",
+    )
+    replay.add_argument(
         "--programs-in-flight",
         type=positive_int,
         metavar="C",
@@ -854,9 +871,48 @@ def _load_trace(args: argparse.Namespace, time_scale: float) -> Any:
         raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(f"cannot read trace {args.trace}: {exc.strerror or exc}") from None
+    if getattr(args, "programs", None):
+        trace = _first_programs(trace, args.programs)
+    if getattr(args, "max_gap_s", None) is not None:
+        if not getattr(args, "closed_loop", False):
+            raise UsageError(
+                "--max-gap-s caps the gaps a closed loop waits: give --closed-loop too"
+            )
+        trace = _gaps_capped(trace, args.max_gap_s)
     if not trace.requests:
         raise UsageError(f"trace {args.trace} has no requests (after window and caps)")
     return trace
+
+
+def _gaps_capped(trace: Any, cap_s: float) -> Any:
+    """``trace`` with every recorded gap between a response and its next turn at most
+    ``cap_s``."""
+    import dataclasses
+
+    requests = tuple(
+        dataclasses.replace(r, gap_s=cap_s) if r.gap_s is not None and r.gap_s > cap_s else r
+        for r in trace.requests
+    )
+    return dataclasses.replace(trace, requests=requests)
+
+
+def _first_programs(trace: Any, count: int) -> Any:
+    """``trace`` with the requests of its first ``count`` programs only (a request without a
+    session is a program of its own, as admission counts them)."""
+    import dataclasses
+
+    from kvroute.simulator.fleet.admission import program_of
+
+    kept: set[str] = set()
+    requests = []
+    for index, request in enumerate(trace.requests):
+        program = program_of(request.session_id, index)
+        if program not in kept:
+            if len(kept) == count:
+                continue
+            kept.add(program)
+        requests.append(request)
+    return dataclasses.replace(trace, requests=tuple(requests))
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, UnitTrace]:

@@ -345,3 +345,35 @@ def test_replay_with_programs_in_flight_runs_the_programs_that_many_at_a_time(
     no_loop = ["replay", "--trace", CLAUDE_CODE, "--programs-in-flight", "3"]
     assert main([*no_loop, "--out", str(tmp_path / "x")]) == 2
     assert "programs in flight: a closed loop's (closed_loop) only" in capsys.readouterr().err
+
+
+def test_replay_keeps_the_first_programs_and_caps_the_closed_loops_gaps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--programs N replays only the trace's first N programs (a drain with --programs-in-flight
+    N, as llm-d runs them); --max-gap-s shortens the recorded gaps a closed loop waits."""
+    trace = load_trace(CLAUDE_CODE)
+    programs = [program_of(r.session_id, i) for i, r in enumerate(trace.requests)]
+    first_three = list(dict.fromkeys(programs))[:3]
+    pairs = zip(trace.requests, programs, strict=True)
+    kept_gaps = [r.gap_s or 0.0 for r, p in pairs if p in first_three]
+    assert max(kept_gaps) > 0.5  # the cap below shortens some
+
+    def replay(*extra: str) -> dict[str, Any]:
+        out = tmp_path / "-".join(extra)
+        args = ["replay", "--trace", CLAUDE_CODE, "--replicas", "2", "--closed-loop", *extra]
+        assert main([*args, "--out", str(out), "--no-plots", "--quiet"]) == 0
+        return dict(json.loads((out / "summary.json").read_text()))
+
+    drained = replay("--programs", "3", "--programs-in-flight", "3")
+    assert drained["programs"]["programs"] == 3
+    assert drained["requests"] == sum(p in first_three for p in programs)
+    recorded = replay("--programs", "3", "--programs-in-flight", "3", "--max-gap-s", "1000000")
+    capped = replay("--programs", "3", "--programs-in-flight", "3", "--max-gap-s", "0.5")
+    assert recorded["makespan_s"] == drained["makespan_s"]  # no gap is that long
+    assert capped["makespan_s"] < recorded["makespan_s"]
+    open_loop = ["replay", "--trace", CLAUDE_CODE, "--max-gap-s", "5", "--out", str(tmp_path)]
+    assert main(open_loop) == 2
+    assert "--max-gap-s caps the gaps a closed loop waits: give --closed-loop too" in (
+        capsys.readouterr().err
+    )
