@@ -942,10 +942,11 @@ class PrefixIndex:
     def _memo_renewed(
         self, rep: _Replica, router_hashes: Sequence[int], end: int, until: float
     ) -> None:
-        """Remember until when a renewal of ``router_hashes[:end]`` is spared: keyed by the last hash (the
-        chain names the whole prefix) and by the few before it, since a conversation's next turn
-        often parts from its previous prompt a block or two before that prompt's end (the
-        generation prompt's block now holds the reply), and would otherwise renew it all."""
+        """Remember until when a renewal of ``router_hashes[:end]`` is spared: keyed by its
+        last hash (the chain names the whole prefix) and by the few before it, since a
+        conversation's next turn often parts from its previous prompt a block or two before
+        that prompt's end (the generation prompt's block now holds the reply), and would
+        otherwise renew it all."""
         memo = self._renewed
         for rh in router_hashes[max(0, end - _RENEW_MEMO_TAIL) : end]:
             key = (rep.index, rh)
