@@ -25,7 +25,9 @@ The rules, in the order they apply:
   new tokens), from waiting behind a cold prompt: the cache it would lose while waiting is
   what saturation cannot afford (measured: docs/agents.md, "Programs under saturation"). Ties go
   to the older request. A request that has waited ``program_max_wait_s`` goes first whatever
-  its program, oldest first: a long program's wait is bounded. What programs received is
+  its program, oldest first: a long program's wait is bounded. With ``program_wait_share`` > 0
+  the order mixes that service with the wait instead, each normalised over the queue (llm-d's
+  program-aware order: 0.2 of wait). What programs received is
   remembered for the ``max_programs`` programs served last (the least recently served
   forgotten: it starts over as new). ``by="tenant"`` (the default) keeps each tenant's
   requests in arrival order, bent by locality (below); by program the cost replaces it.
@@ -119,6 +121,9 @@ class FairnessParams:
     max_programs: int = 65536  # programs whose attained service is remembered
     share_max_lead_tokens: float = 32768.0  # how far other routers' service may put a tenant ahead
     max_wait_s: float = 0.0  # a request waiting this long goes first, oldest first (0: never)
+    # By program: the share of the queued requests' normalised wait in their order, beside their
+    # normalised service (0: least service alone; llm-d's program-aware order is 0.2).
+    program_wait_share: float = 0.0
 
 
 BY = ("tenant", "program")
@@ -489,7 +494,10 @@ class FairQueue:
             received = programs.get(ticket.program, 0.0) if ticket.program else 0.0
             return weight * received + own, ticket.seq
 
-        return min(waiting, key=service)
+        share = self.params.program_wait_share
+        if share <= 0 or now is None or len(waiting) < 2:
+            return min(waiting, key=service)
+        return _service_and_wait(list(waiting), [service(t)[0] for t in waiting], now, share)
 
     def _local(
         self,
@@ -556,3 +564,21 @@ def _may_run(t: _Tenant) -> bool:
 def _load(t: _Tenant) -> float:
     """Requests in service and waiting, per weight: who is lighter when counters tie."""
     return t.demand / t.limits.weight
+
+
+def _service_and_wait(
+    tickets: list[Ticket], services: list[float], now: float, share: float
+) -> Ticket:
+    """The ticket with the best mix of little service and a long wait, each normalised over
+    the queue (0 the least, 1 the most of the tickets waiting): ``(1 - share) x (1 - service)
+    + share x wait``, ties to the older (llm-d's program-aware order, with share 0.2)."""
+    waits = [now - t.arrived for t in tickets]
+    low, high = min(services), max(services)
+    early, late = min(waits), max(waits)
+
+    def score(i: int) -> tuple[float, int]:
+        served = (services[i] - low) / (high - low) if high > low else 0.0
+        waited = (waits[i] - early) / (late - early) if late > early else 0.0
+        return (1 - share) * (1 - served) + share * waited, -tickets[i].seq
+
+    return tickets[max(range(len(tickets)), key=score)]

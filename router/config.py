@@ -330,6 +330,9 @@ class FairnessConfig(_Section):
     # by: program: the order is this x the tokens a program has received, plus the request's own
     # prompt tokens no replica holds (a running program's cached next turn is cheap to serve).
     program_attained_weight: float = 0.05
+    # by: program: the share of the waiting requests' wait in the order, beside their service,
+    # each normalised over the queue (0: least service alone; llm-d's order is 0.2).
+    program_wait_share: float = 0.0
     # by: program: programs whose service is remembered (the least recently served forgotten).
     max_programs: int = 65536
     # Several routers: count what the others served each tenant, over tenants.budget_bus (its
@@ -1267,6 +1270,11 @@ def tenant_problems(config: Config) -> list[str]:
         problems.append(
             "fairness.program_attained_weight: must be a finite number >= 0, "
             f"got {fairness.program_attained_weight}"
+        )
+    if not (math.isfinite(fairness.program_wait_share) and 0 <= fairness.program_wait_share <= 1):
+        problems.append(
+            "fairness.program_wait_share: must be a number from 0 to 1, "
+            f"got {fairness.program_wait_share}"
         )
     if fairness.max_programs < 1:
         problems.append(f"fairness.max_programs: must be >= 1, got {fairness.max_programs}")

@@ -61,6 +61,7 @@ def fairness_params(config: Config) -> FairnessParams:
         f.max_programs, f.share_max_lead_tokens,
         # Shares from other routers hold a tenant back here: its wait is bounded, then.
         f.share_max_wait_s if f.share_bus else 0.0,
+        f.program_wait_share,
     )  # fmt: skip
 
 

@@ -125,6 +125,16 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = _non_negative_float(text)
     if value == 0:
@@ -364,6 +374,15 @@ def add_replay_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="With --fairness program: per token a program received, beside its request's "
         "uncached prompt tokens, in its place in the queue (fairness.program_attained_weight, "
         f"default {FairnessParams().program_attained_weight}; 0: fewest uncached tokens first).",
+    )
+    replay.add_argument(
+        "--program-wait-share",
+        type=_share,
+        default=FairnessParams().program_wait_share,
+        metavar="F",
+        help="With --fairness program: the share of the queued requests' wait in their order, "
+        "beside their service, each normalised over the queue (fairness.program_wait_share, "
+        "default 0: least service alone; llm-d's program-aware order is 0.2).",
     )
     replay.add_argument(
         "--out", metavar="DIR", help="Directory for summary.json, report.md, plots."
@@ -988,6 +1007,7 @@ def _admission(args: argparse.Namespace) -> AdmissionSpec | None:
         fairness or "fcfs",
         getattr(args, "program_max_wait_s", 300.0),
         getattr(args, "program_attained_weight", FairnessParams().program_attained_weight),
+        program_wait_share=getattr(args, "program_wait_share", 0.0),
     )
 
 

@@ -103,6 +103,30 @@ def test_no_request_waits_past_program_max_wait_s() -> None:
     assert queue.pick(now=30.0) is starving  # then its wait is up: it goes first
 
 
+def test_program_wait_share_mixes_a_long_wait_into_the_order_as_llm_d_does() -> None:
+    """program_wait_share: service and wait, each normalised over the queue, weighed (1 - share)
+    and share. A new program goes first by service alone; at llm-d's 0.2 one that received a
+    little but has waited long (neither the least served nor the oldest); at 1 the oldest."""
+
+    def first_picked(share: float) -> str:
+        queue = _queue(by="program", program_attained_weight=1.0, program_wait_share=share)
+        _served(queue, "little", 40_000)
+        _served(queue, "much", 990_000)
+        _queued(queue, "much", 10_000, at=0.0)  # 1M of service, waited 100 s: the oldest
+        _queued(queue, "little", 10_000, at=40.0)  # 50k, waited 60 s
+        _queued(queue, "new", 10_000, at=100.0)  # 10k (its own prompt alone), waited 0 s
+        picked = queue.pick(now=100.0)
+        assert picked is not None
+        return picked.program
+
+    assert first_picked(0.0) == "new"
+    assert first_picked(0.2) == "little"  # 0.8 x (1 - 0.04) + 0.2 x 0.6 against 0.8 for new
+    assert first_picked(1.0) == "much"
+    queue = _queue(by="program", program_wait_share=0.2)
+    only = _queued(queue, "alone", 10_000, at=0.0)
+    assert queue.pick(now=1.0) is only
+
+
 def test_what_programs_received_is_remembered_for_max_programs_of_them() -> None:
     queue = _queue(by="program", max_programs=3)
     for i in range(5):
@@ -123,6 +147,7 @@ def test_what_programs_received_is_remembered_for_max_programs_of_them() -> None
         ({"program_max_wait_s": 0}, "fairness.program_max_wait_s: must be a number of seconds"),
         ({"program_attained_weight": -1}, "fairness.program_attained_weight: must be a finite"),
         ({"max_programs": 0}, "fairness.max_programs: must be >= 1, got 0"),
+        ({"program_wait_share": 1.5}, "fairness.program_wait_share: must be a number from 0 to 1"),
     ],
 )
 def test_bad_program_fairness_settings_name_the_key(fairness: dict[str, Any], problem: str) -> None:
@@ -291,17 +316,26 @@ def test_program_attained_weight_reaches_the_replays_admission(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     namespace = argparse.Namespace(
-        max_in_flight=2, fairness="program", program_max_wait_s=30.0, program_attained_weight=0.0
+        max_in_flight=2,
+        fairness="program",
+        program_max_wait_s=30.0,
+        program_attained_weight=0.0,
+        program_wait_share=0.2,
     )
     spec = _admission(namespace)
     assert spec is not None and spec.program_attained_weight == 0.0
     assert spec.program_max_wait_s == 30.0
+    assert SimAdmission(spec).queue.params.program_wait_share == 0.2
     args = ["replay", "--trace", CLAUDE_CODE, "--max-in-flight", "2", "--fairness", "program"]
     with pytest.raises(SystemExit) as exited:
         main([*args, "--program-attained-weight", "-1", "--out", str(tmp_path)])
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "--program-attained-weight: must be a finite number >= 0, got -1" in err
+    with pytest.raises(SystemExit) as exited:
+        main([*args, "--program-wait-share", "1.5", "--out", str(tmp_path)])
+    assert exited.value.code == 2
+    assert "--program-wait-share: must be a number from 0 to 1, got 1.5" in capsys.readouterr().err
 
 
 def test_programs_in_flight_start_each_program_when_one_ends() -> None:

@@ -42,6 +42,7 @@ class AdmissionSpec:
     program_max_wait_s: float = FairnessParams().program_max_wait_s
     program_attained_weight: float = FairnessParams().program_attained_weight
     output_weight: float = FairnessParams().output_weight
+    program_wait_share: float = FairnessParams().program_wait_share
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -74,6 +75,7 @@ class SimAdmission:
             by="program" if spec.fairness == "program" else "tenant",
             program_max_wait_s=spec.program_max_wait_s,
             program_attained_weight=spec.program_attained_weight,
+            program_wait_share=spec.program_wait_share,
         )
         self.queue = FairQueue(params, lambda name: TenantLimits(), capacity=sys.maxsize)
         self.active = 0
