@@ -19,6 +19,7 @@ import pytest
 from kvroute.cli import main
 from kvroute.kvcore.fair_queue import FairnessParams, FairQueue, Priority, TenantLimits, Ticket
 from kvroute.router.config import ConfigError, config_from_dict
+from kvroute.router.tenants import fairness_params
 from kvroute.simulator.cli_replay import _admission
 from kvroute.simulator.fleet.admission import AdmissionSpec, SimAdmission, program_of
 from kvroute.simulator.fleet.fleet import next_turns
@@ -125,6 +126,18 @@ def test_program_wait_share_mixes_a_long_wait_into_the_order_as_llm_d_does() -> 
     queue = _queue(by="program", program_wait_share=0.2)
     only = _queued(queue, "alone", 10_000, at=0.0)
     assert queue.pick(now=1.0) is only
+
+
+def test_the_routers_config_reaches_its_fair_queue() -> None:
+    config = config_from_dict(
+        {"fairness": {"by": "program", "program_wait_share": 0.2, "program_max_wait_s": 60}}
+    )
+    params = fairness_params(config)
+    assert (params.by, params.program_wait_share, params.program_max_wait_s) == (
+        "program",
+        0.2,
+        60,
+    )
 
 
 def test_what_programs_received_is_remembered_for_max_programs_of_them() -> None:
