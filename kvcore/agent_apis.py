@@ -24,6 +24,7 @@ import jinja2.sandbox
 
 # Claude Code's attribution header (a per-request hash): vLLM drops a system block that starts
 # with it here, and a system text's first line when rendering (hf.py).
+from .client_text import shown
 from .tokenizer.hf import BILLING_HEADER
 
 # Content block types vLLM's AnthropicContentBlock accepts (any other is a 400 there).
@@ -435,7 +436,7 @@ def _resolved_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             name = change.get("name")
             if name not in by_name:
                 raise AgentRequestError(
-                    f"{_cut(block['type'])} references tool {_cut(name)}, which is not declared "
+                    f"{shown(block['type'])} references tool {shown(name)}, which is not declared "
                     "in tools",
                     "messages",
                 )
@@ -595,13 +596,7 @@ def _item_message(
             raise AgentRequestError(f"'{where}.role' must be a string.", f"{where}.role")
         _check_texts(item.get("content"), f"{where}.content")
         return item
-    raise AgentRequestError(f"Unsupported input item type: {_cut(kind, quote=False)}", "input")
-
-
-def _cut(value: Any, limit: int = 200, *, quote: bool = True) -> str:
-    """A client's value in an error message, at most ``limit`` characters of it."""
-    text = repr(value) if quote else str(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+    raise AgentRequestError(f"Unsupported input item type: {shown(kind, quote=False)}", "input")
 
 
 def _check_texts(content: Any, where: str) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from kvroute.kvcore.client_text import shown as shown  # callers quote with errors.shown
+
 _JSON = "application/json"
 # The error shapes: OpenAI's (chat, completions, Responses) and Anthropic's (Messages).
 OPENAI = "openai"
@@ -76,12 +78,6 @@ def error_body(message: str, error_type: str, param: str | None, code: str | Non
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
-
-
-def shown(value: str, limit: int = 200) -> str:
-    """A client's value quoted in an error, cut to ``limit`` characters: an answer must not
-    echo a megabyte the client sent."""
-    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} chars)"
 
 
 def model_not_found(model: str, available: list[str]) -> ApiError:

@@ -60,7 +60,7 @@ from kvroute.simulator.fleet import (
     prepare,
     simulate,
 )
-from kvroute.simulator.fleet.admission import FAIRNESS, AdmissionSpec
+from kvroute.simulator.fleet.admission import FAIRNESS, AdmissionSpec, program_of
 from kvroute.simulator.fleet.batch import BatchJob, batch_lines
 from kvroute.simulator.fleet.bounds import prefill_alone_s
 from kvroute.simulator.fleet.mix import (
@@ -906,22 +906,16 @@ def _load_trace(args: argparse.Namespace, time_scale: float) -> Any:
 def _gaps_capped(trace: Any, cap_s: float) -> Any:
     """``trace`` with every recorded gap between a response and its next turn at most
     ``cap_s``."""
-    import dataclasses
-
     requests = tuple(
-        dataclasses.replace(r, gap_s=cap_s) if r.gap_s is not None and r.gap_s > cap_s else r
+        replace(r, gap_s=cap_s) if r.gap_s is not None and r.gap_s > cap_s else r
         for r in trace.requests
     )
-    return dataclasses.replace(trace, requests=requests)
+    return replace(trace, requests=requests)
 
 
 def _first_programs(trace: Any, count: int) -> Any:
     """``trace`` with the requests of its first ``count`` programs only (a request without a
     session is a program of its own, as admission counts them)."""
-    import dataclasses
-
-    from kvroute.simulator.fleet.admission import program_of
-
     kept: set[str] = set()
     requests = []
     for index, request in enumerate(trace.requests):
@@ -931,7 +925,7 @@ def _first_programs(trace: Any, count: int) -> Any:
                 continue
             kept.add(program)
         requests.append(request)
-    return dataclasses.replace(trace, requests=tuple(requests))
+    return replace(trace, requests=tuple(requests))
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, UnitTrace]:

@@ -88,16 +88,22 @@ def replica_source(running: Any, name: str, events: bool = True) -> dict[str, An
     return entry
 
 
-async def serve_router(router: Any) -> tuple[Any, str]:
-    """``router`` (a ``Router``) serving on a free loopback port: its aiohttp runner (the caller
-    cleans it up) and its URL."""
+async def serve_app(app: Any, **runner_options: Any) -> tuple[Any, int]:
+    """``app`` (an aiohttp Application) serving on a free loopback port: its runner (the caller
+    cleans it up) and the port."""
     from aiohttp import web
 
-    runner = web.AppRunner(router.build_app(), handler_cancellation=True)
+    runner = web.AppRunner(app, **runner_options)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def serve_router(router: Any) -> tuple[Any, str]:
+    """``router`` (a ``Router``) serving on a free loopback port: its aiohttp runner (the caller
+    cleans it up) and its URL."""
+    runner, port = await serve_app(router.build_app(), handler_cancellation=True)
     return runner, f"http://127.0.0.1:{port}"
 
 

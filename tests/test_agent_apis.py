@@ -11,6 +11,7 @@ import anthropic
 import openai
 import pytest
 
+from kvroute.kvcore.client_text import shown
 from kvroute.kvcore.stats import parse_metrics
 
 from .conftest import StartReplica, StartRouter
@@ -471,3 +472,12 @@ async def test_metrics_count_requests_by_api(
         s.labels["api"]: s.value for s in page.samples if s.name == "kvroute_api_requests_total"
     }
     assert by_api == {"messages": 1, "count_tokens": 1, "responses": 2, "chat": 1}
+
+
+def test_errors_quote_a_clients_value_cut_short() -> None:
+    """One rule for the router's and the agent conversion's messages (kvcore/client_text.py)."""
+    assert shown("gpt-4o") == "'gpt-4o'"
+    assert shown("m" * 300) == repr("m" * 200) + "... (300 chars)"
+    assert shown("k" * 300, quote=False) == "k" * 200 + "... (300 chars)"
+    assert shown(["x"] * 100) == repr(["x"] * 100)[:200] + f"... ({len(repr(['x'] * 100))} chars)"
+    assert shown(None) == "None"

@@ -53,7 +53,7 @@ from kvroute.router.client_faults import quiet_client_faults
 
 from .conftest import RunningRouter, StartReplica, StartRouter
 from .fake_replica import FakeReplica
-from .helpers import wait_until
+from .helpers import serve_app, wait_until
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -1212,14 +1212,10 @@ async def test_a_client_fault_raised_out_of_a_handler_is_still_logged_as_the_rou
 
     app = web.Application()
     app.router.add_post("/careless", careless)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    runner, port = await serve_app(app)
     quiet_client_faults()
     caplog.set_level(logging.INFO)
     try:
-        port = runner.addresses[0][1]
         answer = await exchange(port, request_bytes("/careless", b"{}"))
         assert answer.status == 500
         parse_error = await exchange(port, b"GET /x HTTP/1.1\r\nHost: x\r\nBad\x01Name: y\r\n\r\n")

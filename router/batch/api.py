@@ -17,11 +17,10 @@ from typing import Any
 
 import msgspec
 from aiohttp import BodyPartReader, web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from .. import errors
 from ..auth import Auth
-from ..client_faults import read_body
+from ..client_faults import CLIENT_FAULTS, read_body
 from ..config import BatchConfig
 from ..pipeline import ModelCatalog
 from ..tenants import DEFAULT_TENANT, Tenants
@@ -87,6 +86,10 @@ class LaneEndpoints:
         return self.tenants.identify(request.headers, key_tenant)[0]
 
 
+# A multipart body aiohttp cannot parse (ValueError) or read (a client fault).
+_MALFORMED: tuple[type[BaseException], ...] = (ValueError, *CLIENT_FAULTS)
+
+
 class BatchApi(LaneEndpoints):
     def guard(self, handler: Handler) -> Handler:
         return _guarded(handler)
@@ -132,7 +135,7 @@ class BatchApi(LaneEndpoints):
         limit = self.config.max_file_bytes
         try:
             return await self._read_parts(request, limit)
-        except (ValueError, HttpProcessingError, web.RequestPayloadError) as exc:
+        except _MALFORMED as exc:
             # aiohttp's multipart reader on a malformed body, or a part's malformed headers
             # (a control character in a file name, say): the client's fault, not the store's.
             why = getattr(exc, "message", None) or str(exc)
